@@ -1,0 +1,428 @@
+//! The real kernel side: loading the embedded object with pinned maps, attaching programs with
+//! pinned links (so forwarding survives the agent), and the aya implementation of DatapathMaps.
+use std::{
+    io,
+    path::{Path, PathBuf},
+};
+
+use aya::{
+    maps::{Array, HashMap, LpmTrie, Map, MapData, MapError as AyaMapError, PerCpuArray},
+    programs::{
+        links::{FdLink, PinnedLink},
+        tc::{self, SchedClassifierLink, TcAttachType},
+        SchedClassifier, Xdp, XdpMode,
+        xdp::XdpLink,
+    },
+    Ebpf, EbpfLoader,
+};
+use proxy_common::{
+    limits, map_names, prog_names, AffinityKey, AffinityValue, Backend, CtKey, CtValue,
+    DatapathConfig, ServiceKey, ServiceValue, SlotKey, SourceRangeKey,
+};
+
+use crate::maps::{DatapathMaps, MapError, SrcRange};
+
+/// The eBPF object, built by build.rs (see xtask/src/ebpf_build.rs).
+pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf.o"));
+
+pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf";
+
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("bpffs is not mounted at {0}: run `mount -t bpf bpf {0}` (or mount the host's /sys/fs/bpf into the pod)")]
+    NoBpffs(PathBuf),
+    #[error("cannot create pin directory {path}: {err}")]
+    PinDir { path: PathBuf, err: io::Error },
+    #[error("loading the eBPF object failed (missing CAP_BPF/CAP_SYS_ADMIN, or a map pinned by an incompatible build?): {0}")]
+    Load(#[source] aya::EbpfError),
+    #[error("program {name}: {err}")]
+    Program { name: &'static str, err: aya::programs::ProgramError },
+    #[error("interface {iface}: {what}: {err}")]
+    Attach { iface: String, what: &'static str, err: String },
+    #[error(transparent)]
+    Map(#[from] MapError),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hook {
+    TcIngress,
+    Xdp,
+}
+
+impl Hook {
+    fn tag(self) -> &'static str {
+        match self {
+            Hook::TcIngress => "tc_ingress",
+            Hook::Xdp => "xdp",
+        }
+    }
+}
+
+/// Capacities of the maps, set at load time.
+#[derive(Clone, Copy, Debug)]
+pub struct Capacities {
+    pub services: u32,
+    pub frontends: u32,
+    pub backends: u32,
+    pub slots: u32,
+    pub conntrack: u32,
+}
+
+impl Default for Capacities {
+    fn default() -> Self {
+        Self {
+            services: limits::MAX_SERVICES,
+            frontends: limits::MAX_FRONTENDS,
+            backends: limits::MAX_BACKENDS,
+            slots: limits::MAX_SLOTS,
+            conntrack: limits::MAX_CONNTRACK,
+        }
+    }
+}
+
+fn is_bpffs(path: &Path) -> bool {
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else { return false };
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+    unsafe { libc::statfs(c.as_ptr(), &mut st) == 0 && st.f_type as i64 == BPF_FS_MAGIC }
+}
+
+/// The loaded fast path: programs loaded, maps pinned under `pin_dir`.
+pub struct Datapath {
+    ebpf: Ebpf,
+    pub pin_dir: PathBuf,
+}
+
+impl Datapath {
+    /// Loads the embedded object. Maps already pinned under `pin_dir` are reused, so the
+    /// flows and services of a previous agent stay in force.
+    pub fn load(pin_dir: &Path, caps: Capacities) -> Result<Self, KernelError> {
+        let root = pin_dir.parent().unwrap_or(Path::new(DEFAULT_BPFFS));
+        if !is_bpffs(root) && !is_bpffs(pin_dir) {
+            return Err(KernelError::NoBpffs(root.into()));
+        }
+        for dir in [pin_dir.to_path_buf(), pin_dir.join("links")] {
+            std::fs::create_dir_all(&dir).map_err(|err| KernelError::PinDir { path: dir.clone(), err })?;
+        }
+        let ebpf = EbpfLoader::new()
+            .default_map_pin_directory(pin_dir)
+            .map_max_entries(map_names::SERVICES, caps.frontends)
+            .map_max_entries(map_names::RR_STATE, caps.services)
+            .map_max_entries(map_names::BACKENDS, caps.backends)
+            .map_max_entries(map_names::SLOTS, caps.slots)
+            .map_max_entries(map_names::CONNTRACK, caps.conntrack)
+            .load(EBPF_OBJECT)
+            .map_err(KernelError::Load)?;
+        let mut dp = Self { ebpf, pin_dir: pin_dir.into() };
+        for name in [prog_names::TC_INGRESS, prog_names::TC_PASS] {
+            dp.classifier(name)?.load().map_err(|err| KernelError::Program { name, err })?;
+        }
+        for name in [prog_names::XDP_INGRESS, prog_names::XDP_PASS] {
+            dp.xdp(name)?.load().map_err(|err| KernelError::Program { name, err })?;
+        }
+        Ok(dp)
+    }
+
+    pub fn classifier(&mut self, name: &'static str) -> Result<&mut SchedClassifier, KernelError> {
+        let p = self.ebpf.program_mut(name).ok_or(KernelError::Program {
+            name,
+            err: aya::programs::ProgramError::UnexpectedProgramType,
+        })?;
+        p.try_into().map_err(|err| KernelError::Program { name, err })
+    }
+
+    pub fn xdp(&mut self, name: &'static str) -> Result<&mut Xdp, KernelError> {
+        let p = self.ebpf.program_mut(name).ok_or(KernelError::Program {
+            name,
+            err: aya::programs::ProgramError::UnexpectedProgramType,
+        })?;
+        p.try_into().map_err(|err| KernelError::Program { name, err })
+    }
+
+    pub fn link_path(&self, iface: &str, hook: Hook) -> PathBuf {
+        link_path(&self.pin_dir, iface, hook)
+    }
+
+    /// Attaches `hook`'s program to `iface`. An existing pinned link is updated in place
+    /// (bpf_link_update): the old program runs until the new one replaces it atomically.
+    pub fn attach(&mut self, iface: &str, hook: Hook, xdp_mode: XdpMode) -> Result<(), KernelError> {
+        let path = self.link_path(iface, hook);
+        let fail = |what: &'static str, err: String| KernelError::Attach { iface: iface.into(), what, err };
+        let existing = if path.exists() {
+            match PinnedLink::from_pin(&path) {
+                Ok(p) => Some(FdLink::from(p)),
+                Err(_) => {
+                    let _ = std::fs::remove_file(&path);
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        match hook {
+            Hook::TcIngress => {
+                let prog = self.classifier(prog_names::TC_INGRESS)?;
+                if let Some(link) = existing {
+                    let link = SchedClassifierLink::try_from(link).map_err(|e| fail("reuse pinned tc link", e.to_string()))?;
+                    let id = prog.attach_to_link(link).map_err(|e| fail("update tc link", e.to_string()))?;
+                    // The pin keeps the link; our fd may go.
+                    drop(prog.take_link(id));
+                    return Ok(());
+                }
+                // Only needed on kernels before TCX (6.6); harmless otherwise.
+                let _ = tc::qdisc_add_clsact(iface);
+                let id = prog.attach(iface, TcAttachType::Ingress).map_err(|e| fail("attach tc ingress", e.to_string()))?;
+                let link = prog.take_link(id).map_err(|e| fail("take tc link", e.to_string()))?;
+                match FdLink::try_from(link) {
+                    Ok(fd) => {
+                        fd.pin(&path).map_err(|e| fail("pin tc link", e.to_string()))?;
+                    }
+                    // Netlink-attached filters (kernels < 6.6) outlive the process by themselves.
+                    Err(_) => {}
+                }
+            }
+            Hook::Xdp => {
+                let prog = self.xdp(prog_names::XDP_INGRESS)?;
+                if let Some(link) = existing {
+                    let link = XdpLink::try_from(link).map_err(|e| fail("reuse pinned xdp link", e.to_string()))?;
+                    let id = prog.attach_to_link(link).map_err(|e| fail("update xdp link", e.to_string()))?;
+                    drop(prog.take_link(id));
+                    return Ok(());
+                }
+                let id = prog.attach(iface, xdp_mode).map_err(|e| fail("attach xdp", e.to_string()))?;
+                let link = prog.take_link(id).map_err(|e| fail("take xdp link", e.to_string()))?;
+                let fd = FdLink::try_from(link).map_err(|e| fail("xdp link is not a bpf_link (kernel < 5.9?)", e.to_string()))?;
+                fd.pin(&path).map_err(|e| fail("pin xdp link", e.to_string()))?;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn ebpf(&mut self) -> &mut Ebpf {
+        &mut self.ebpf
+    }
+}
+
+pub fn link_path(pin_dir: &Path, iface: &str, hook: Hook) -> PathBuf {
+    pin_dir.join("links").join(format!("{}_{}", hook.tag(), iface))
+}
+
+/// Interfaces with a pinned link, and the hook.
+pub fn attached_links(pin_dir: &Path) -> Vec<(String, Hook)> {
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir(pin_dir.join("links")) else { return out };
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        if let Some(i) = name.strip_prefix("tc_ingress_") {
+            out.push((i.to_string(), Hook::TcIngress));
+        } else if let Some(i) = name.strip_prefix("xdp_") {
+            out.push((i.to_string(), Hook::Xdp));
+        }
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+/// Detaches one pinned link (unpinning drops the last reference).
+pub fn detach(pin_dir: &Path, iface: &str, hook: Hook) -> io::Result<()> {
+    match std::fs::remove_file(link_path(pin_dir, iface, hook)) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        r => r,
+    }
+}
+
+/// Removes everything the agent created under `pin_dir`: links (detaching the programs),
+/// then maps. Idempotent.
+pub fn cleanup(pin_dir: &Path) -> io::Result<Vec<PathBuf>> {
+    let mut removed = Vec::new();
+    for sub in [pin_dir.join("links"), pin_dir.to_path_buf()] {
+        let Ok(rd) = std::fs::read_dir(&sub) else { continue };
+        for e in rd.flatten() {
+            let p = e.path();
+            if p.is_file() || p.is_symlink() || !p.is_dir() {
+                std::fs::remove_file(&p)?;
+                removed.push(p);
+            }
+        }
+    }
+    for dir in [pin_dir.join("links"), pin_dir.to_path_buf()] {
+        match std::fs::remove_dir(&dir) {
+            Ok(()) => removed.push(dir),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(removed)
+}
+
+fn op(map: &'static str, op: &'static str, e: AyaMapError) -> MapError {
+    let source = match e {
+        AyaMapError::SyscallError(s) => s.io_error,
+        other => io::Error::other(other.to_string()),
+    };
+    MapError::Op { map, op, source }
+}
+
+fn is_enoent(e: &AyaMapError) -> bool {
+    match e {
+        AyaMapError::KeyNotFound => true,
+        AyaMapError::SyscallError(s) => s.io_error.raw_os_error() == Some(libc::ENOENT),
+        _ => false,
+    }
+}
+
+/// The fast path's maps, opened from their pins (works for the agent and for the CLI).
+pub struct KernelMaps {
+    services: HashMap<MapData, ServiceKey, ServiceValue>,
+    slots: HashMap<MapData, SlotKey, u32>,
+    backends: HashMap<MapData, u32, Backend>,
+    maglev: Array<MapData, u32>,
+    source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
+    config: Array<MapData, DatapathConfig>,
+    conntrack: HashMap<MapData, CtKey, CtValue>,
+    affinity: HashMap<MapData, AffinityKey, AffinityValue>,
+    counters: PerCpuArray<MapData, u64>,
+}
+
+fn open(pin_dir: &Path, name: &'static str) -> Result<Map, MapError> {
+    let data = MapData::from_pin(pin_dir.join(name)).map_err(|e| MapError::Other {
+        map: name,
+        message: format!("not pinned under {} ({e}); is the agent running / was `kpr run` started?", pin_dir.display()),
+    })?;
+    Map::from_map_data(data).map_err(|e| op(name, "open", e))
+}
+
+macro_rules! typed {
+    ($dir:expr, $name:expr) => {
+        open($dir, $name)?.try_into().map_err(|e| op($name, "type check", e))?
+    };
+}
+
+impl KernelMaps {
+    pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
+        Ok(Self {
+            services: typed!(pin_dir, map_names::SERVICES),
+            slots: typed!(pin_dir, map_names::SLOTS),
+            backends: typed!(pin_dir, map_names::BACKENDS),
+            maglev: typed!(pin_dir, map_names::MAGLEV),
+            source_ranges: typed!(pin_dir, map_names::SOURCE_RANGES),
+            config: typed!(pin_dir, map_names::CONFIG),
+            conntrack: typed!(pin_dir, map_names::CONNTRACK),
+            affinity: typed!(pin_dir, map_names::AFFINITY),
+            counters: typed!(pin_dir, map_names::COUNTERS),
+        })
+    }
+}
+
+fn collect<K, V, I: Iterator<Item = Result<(K, V), AyaMapError>>>(name: &'static str, it: I) -> Result<Vec<(K, V)>, MapError> {
+    let mut out = Vec::new();
+    for r in it {
+        match r {
+            Ok(kv) => out.push(kv),
+            // An entry deleted (LRU, data path) while we walked: skip it.
+            Err(e) if is_enoent(&e) => continue,
+            Err(e) => return Err(op(name, "iterate", e)),
+        }
+    }
+    Ok(out)
+}
+
+fn del<R>(name: &'static str, r: Result<R, AyaMapError>) -> Result<(), MapError> {
+    match r {
+        Ok(_) => Ok(()),
+        Err(e) if is_enoent(&e) => Ok(()),
+        Err(e) => Err(op(name, "delete", e)),
+    }
+}
+
+impl DatapathMaps for KernelMaps {
+    fn services(&self) -> Result<Vec<(ServiceKey, ServiceValue)>, MapError> {
+        collect(map_names::SERVICES, self.services.iter())
+    }
+    fn put_service(&mut self, k: ServiceKey, v: ServiceValue) -> Result<(), MapError> {
+        self.services.insert(k, v, 0).map_err(|e| op(map_names::SERVICES, "update", e))
+    }
+    fn del_service(&mut self, k: ServiceKey) -> Result<(), MapError> {
+        del(map_names::SERVICES, self.services.remove(&k))
+    }
+    fn slots(&self) -> Result<Vec<(SlotKey, u32)>, MapError> {
+        collect(map_names::SLOTS, self.slots.iter())
+    }
+    fn put_slot(&mut self, k: SlotKey, id: u32) -> Result<(), MapError> {
+        self.slots.insert(k, id, 0).map_err(|e| op(map_names::SLOTS, "update", e))
+    }
+    fn del_slot(&mut self, k: SlotKey) -> Result<(), MapError> {
+        del(map_names::SLOTS, self.slots.remove(&k))
+    }
+    fn backends(&self) -> Result<Vec<(u32, Backend)>, MapError> {
+        collect(map_names::BACKENDS, self.backends.iter())
+    }
+    fn put_backend(&mut self, id: u32, b: Backend) -> Result<(), MapError> {
+        self.backends.insert(id, b, 0).map_err(|e| op(map_names::BACKENDS, "update", e))
+    }
+    fn del_backend(&mut self, id: u32) -> Result<(), MapError> {
+        del(map_names::BACKENDS, self.backends.remove(&id))
+    }
+    fn maglev_row(&self, row: u32) -> Result<Vec<u32>, MapError> {
+        let m = limits::MAGLEV_TABLE_SIZE;
+        (row * m..(row + 1) * m)
+            .map(|i| self.maglev.get(&i, 0).map_err(|e| op(map_names::MAGLEV, "lookup", e)))
+            .collect()
+    }
+    fn put_maglev_row(&mut self, row: u32, table: &[u32]) -> Result<(), MapError> {
+        let base = row * limits::MAGLEV_TABLE_SIZE;
+        for (i, id) in table.iter().enumerate() {
+            self.maglev.set(base + i as u32, id, 0).map_err(|e| op(map_names::MAGLEV, "update", e))?;
+        }
+        Ok(())
+    }
+    fn source_ranges(&self) -> Result<Vec<SrcRange>, MapError> {
+        Ok(collect(map_names::SOURCE_RANGES, self.source_ranges.iter())?
+            .into_iter()
+            .map(|(k, _)| (k.prefix_len(), k.data()))
+            .collect())
+    }
+    fn put_source_range(&mut self, r: SrcRange) -> Result<(), MapError> {
+        let k = aya::maps::lpm_trie::Key::new(r.0, r.1);
+        self.source_ranges.insert(&k, 1, 0).map_err(|e| op(map_names::SOURCE_RANGES, "update", e))
+    }
+    fn del_source_range(&mut self, r: SrcRange) -> Result<(), MapError> {
+        let k = aya::maps::lpm_trie::Key::new(r.0, r.1);
+        del(map_names::SOURCE_RANGES, self.source_ranges.remove(&k))
+    }
+    fn config(&self) -> Result<DatapathConfig, MapError> {
+        self.config.get(&0, 0).map_err(|e| op(map_names::CONFIG, "lookup", e))
+    }
+    fn set_config(&mut self, c: DatapathConfig) -> Result<(), MapError> {
+        self.config.set(0, c, 0).map_err(|e| op(map_names::CONFIG, "update", e))
+    }
+    fn conntrack(&self) -> Result<Vec<(CtKey, CtValue)>, MapError> {
+        collect(map_names::CONNTRACK, self.conntrack.iter())
+    }
+    fn del_conntrack(&mut self, k: CtKey) -> Result<(), MapError> {
+        del(map_names::CONNTRACK, self.conntrack.remove(&k))
+    }
+    fn affinity(&self) -> Result<Vec<(AffinityKey, AffinityValue)>, MapError> {
+        collect(map_names::AFFINITY, self.affinity.iter())
+    }
+    fn del_affinity(&mut self, k: AffinityKey) -> Result<(), MapError> {
+        del(map_names::AFFINITY, self.affinity.remove(&k))
+    }
+    fn counters(&self) -> Result<Vec<u64>, MapError> {
+        (0..proxy_common::counter::COUNT)
+            .map(|i| {
+                self.counters
+                    .get(&i, 0)
+                    .map(|v| v.iter().sum())
+                    .map_err(|e| op(map_names::COUNTERS, "lookup", e))
+            })
+            .collect()
+    }
+}
+
+/// CLOCK_MONOTONIC in ns: the clock of bpf_ktime_get_ns.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}

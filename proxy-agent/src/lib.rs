@@ -1,0 +1,11 @@
+//! kpr, a kube-proxy replacement: the node agent's library (the `kpr` binary is a thin CLI).
+pub mod agent;
+pub mod kernel;
+pub mod maglev;
+pub mod manifests;
+pub mod maps;
+pub mod model;
+pub mod netif;
+pub mod sync;
+pub mod sysctl;
+pub mod view;

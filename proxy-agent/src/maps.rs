@@ -1,0 +1,154 @@
+//! The kernel write boundary for the fast path's maps: a small trait, a real implementation on
+//! aya (kernel.rs) and a fake on BTreeMaps for fast deterministic tests.
+use std::collections::BTreeMap;
+
+use proxy_common::{
+    AffinityKey, AffinityValue, Backend, CtKey, CtValue, DatapathConfig, ServiceKey, ServiceValue,
+    SlotKey, SourceRangeKey,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum MapError {
+    #[error("map {map}: {op} failed: {source}")]
+    Op { map: &'static str, op: &'static str, source: std::io::Error },
+    #[error("map {0} is missing from the object")]
+    Missing(&'static str),
+    #[error("map {map}: {message}")]
+    Other { map: &'static str, message: String },
+}
+
+pub type SrcRange = (u32, SourceRangeKey);
+
+pub trait DatapathMaps {
+    fn services(&self) -> Result<Vec<(ServiceKey, ServiceValue)>, MapError>;
+    fn put_service(&mut self, k: ServiceKey, v: ServiceValue) -> Result<(), MapError>;
+    fn del_service(&mut self, k: ServiceKey) -> Result<(), MapError>;
+
+    fn slots(&self) -> Result<Vec<(SlotKey, u32)>, MapError>;
+    fn put_slot(&mut self, k: SlotKey, backend_id: u32) -> Result<(), MapError>;
+    fn del_slot(&mut self, k: SlotKey) -> Result<(), MapError>;
+
+    fn backends(&self) -> Result<Vec<(u32, Backend)>, MapError>;
+    fn put_backend(&mut self, id: u32, b: Backend) -> Result<(), MapError>;
+    fn del_backend(&mut self, id: u32) -> Result<(), MapError>;
+
+    fn maglev_row(&self, row: u32) -> Result<Vec<u32>, MapError>;
+    fn put_maglev_row(&mut self, row: u32, table: &[u32]) -> Result<(), MapError>;
+
+    /// (prefix length, key) pairs.
+    fn source_ranges(&self) -> Result<Vec<SrcRange>, MapError>;
+    fn put_source_range(&mut self, r: SrcRange) -> Result<(), MapError>;
+    fn del_source_range(&mut self, r: SrcRange) -> Result<(), MapError>;
+
+    fn config(&self) -> Result<DatapathConfig, MapError>;
+    fn set_config(&mut self, c: DatapathConfig) -> Result<(), MapError>;
+
+    fn conntrack(&self) -> Result<Vec<(CtKey, CtValue)>, MapError>;
+    fn del_conntrack(&mut self, k: CtKey) -> Result<(), MapError>;
+    fn affinity(&self) -> Result<Vec<(AffinityKey, AffinityValue)>, MapError>;
+    fn del_affinity(&mut self, k: AffinityKey) -> Result<(), MapError>;
+
+    /// Sum over CPUs of each counter.
+    fn counters(&self) -> Result<Vec<u64>, MapError>;
+}
+
+/// In-memory maps with the kernel's semantics (deletes of missing keys succeed: idempotent).
+#[derive(Debug, Default, Clone)]
+pub struct FakeMaps {
+    pub services: BTreeMap<ServiceKey, ServiceValue>,
+    pub slots: BTreeMap<SlotKey, u32>,
+    pub backends: BTreeMap<u32, Backend>,
+    pub maglev: BTreeMap<u32, Vec<u32>>,
+    pub source_ranges: BTreeMap<(u32, SourceRangeKey), ()>,
+    pub config: DatapathConfig,
+    pub conntrack: BTreeMap<CtKey, CtValue>,
+    pub affinity: BTreeMap<AffinityKey, AffinityValue>,
+    pub writes: usize,
+}
+
+impl DatapathMaps for FakeMaps {
+    fn services(&self) -> Result<Vec<(ServiceKey, ServiceValue)>, MapError> {
+        Ok(self.services.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+    fn put_service(&mut self, k: ServiceKey, v: ServiceValue) -> Result<(), MapError> {
+        self.writes += 1;
+        self.services.insert(k, v);
+        Ok(())
+    }
+    fn del_service(&mut self, k: ServiceKey) -> Result<(), MapError> {
+        self.writes += 1;
+        self.services.remove(&k);
+        Ok(())
+    }
+    fn slots(&self) -> Result<Vec<(SlotKey, u32)>, MapError> {
+        Ok(self.slots.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+    fn put_slot(&mut self, k: SlotKey, id: u32) -> Result<(), MapError> {
+        self.writes += 1;
+        self.slots.insert(k, id);
+        Ok(())
+    }
+    fn del_slot(&mut self, k: SlotKey) -> Result<(), MapError> {
+        self.writes += 1;
+        self.slots.remove(&k);
+        Ok(())
+    }
+    fn backends(&self) -> Result<Vec<(u32, Backend)>, MapError> {
+        Ok(self.backends.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+    fn put_backend(&mut self, id: u32, b: Backend) -> Result<(), MapError> {
+        self.writes += 1;
+        self.backends.insert(id, b);
+        Ok(())
+    }
+    fn del_backend(&mut self, id: u32) -> Result<(), MapError> {
+        self.writes += 1;
+        self.backends.remove(&id);
+        Ok(())
+    }
+    fn maglev_row(&self, row: u32) -> Result<Vec<u32>, MapError> {
+        Ok(self.maglev.get(&row).cloned().unwrap_or_else(|| vec![0; proxy_common::limits::MAGLEV_TABLE_SIZE as usize]))
+    }
+    fn put_maglev_row(&mut self, row: u32, table: &[u32]) -> Result<(), MapError> {
+        self.writes += 1;
+        self.maglev.insert(row, table.to_vec());
+        Ok(())
+    }
+    fn source_ranges(&self) -> Result<Vec<SrcRange>, MapError> {
+        Ok(self.source_ranges.keys().copied().collect())
+    }
+    fn put_source_range(&mut self, r: SrcRange) -> Result<(), MapError> {
+        self.writes += 1;
+        self.source_ranges.insert(r, ());
+        Ok(())
+    }
+    fn del_source_range(&mut self, r: SrcRange) -> Result<(), MapError> {
+        self.writes += 1;
+        self.source_ranges.remove(&r);
+        Ok(())
+    }
+    fn config(&self) -> Result<DatapathConfig, MapError> {
+        Ok(self.config)
+    }
+    fn set_config(&mut self, c: DatapathConfig) -> Result<(), MapError> {
+        self.config = c;
+        Ok(())
+    }
+    fn conntrack(&self) -> Result<Vec<(CtKey, CtValue)>, MapError> {
+        Ok(self.conntrack.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+    fn del_conntrack(&mut self, k: CtKey) -> Result<(), MapError> {
+        self.conntrack.remove(&k);
+        Ok(())
+    }
+    fn affinity(&self) -> Result<Vec<(AffinityKey, AffinityValue)>, MapError> {
+        Ok(self.affinity.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+    fn del_affinity(&mut self, k: AffinityKey) -> Result<(), MapError> {
+        self.affinity.remove(&k);
+        Ok(())
+    }
+    fn counters(&self) -> Result<Vec<u64>, MapError> {
+        Ok(vec![0; proxy_common::counter::COUNT as usize])
+    }
+}

@@ -1,0 +1,467 @@
+//! The desired state: a pure function of Services, EndpointSlices, the node and the
+//! configuration. All Service semantics live here; no I/O.
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt::Write as _,
+    net::IpAddr,
+    str::FromStr,
+};
+
+use ipnet::IpNet;
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use proxy_common::{SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_F_MASQ, SVC_F_PRESERVE_SOURCE, SVC_F_SOURCE_RANGES};
+
+use crate::manifests::{ObjectError, Objects};
+
+pub const SCHEDULER_ANNOTATION: &str = "kpr.io/scheduler";
+pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
+pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10_800;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Proto {
+    Tcp,
+    Udp,
+}
+
+impl Proto {
+    pub fn number(self) -> u8 {
+        match self {
+            Proto::Tcp => proxy_common::PROTO_TCP,
+            Proto::Udp => proxy_common::PROTO_UDP,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Proto::Tcp => "TCP",
+            Proto::Udp => "UDP",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Scheduler {
+    #[default]
+    Random,
+    RoundRobin,
+    Maglev,
+}
+
+impl Scheduler {
+    pub fn code(self) -> u8 {
+        match self {
+            Scheduler::Random => proxy_common::SCHED_RANDOM,
+            Scheduler::RoundRobin => proxy_common::SCHED_ROUND_ROBIN,
+            Scheduler::Maglev => proxy_common::SCHED_MAGLEV,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Scheduler::Random => "random",
+            Scheduler::RoundRobin => "round-robin",
+            Scheduler::Maglev => "maglev",
+        }
+    }
+}
+
+impl FromStr for Scheduler {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "random" => Ok(Scheduler::Random),
+            "round-robin" | "rr" => Ok(Scheduler::RoundRobin),
+            "maglev" | "mh" => Ok(Scheduler::Maglev),
+            other => Err(format!("unknown scheduler {other:?} (expected random, round-robin or maglev)")),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum FrontendKind {
+    ClusterIp,
+    NodePort,
+    ExternalIp,
+    LoadBalancer,
+}
+
+impl FrontendKind {
+    fn name(self) -> &'static str {
+        match self {
+            FrontendKind::ClusterIp => "clusterip",
+            FrontendKind::NodePort => "nodeport",
+            FrontendKind::ExternalIp => "externalip",
+            FrontendKind::LoadBalancer => "loadbalancer",
+        }
+    }
+}
+
+/// (address, port, protocol, scope): one entry of KPR_SVC_V1.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct FrontendKey {
+    pub ip: IpAddr,
+    pub port: u16,
+    pub proto: Proto,
+    pub scope: u8,
+}
+
+impl FrontendKey {
+    pub fn wire(&self) -> proxy_common::ServiceKey {
+        proxy_common::ServiceKey::new(self.ip, self.port, self.proto.number(), self.scope)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct BackendKey {
+    pub ip: IpAddr,
+    pub port: u16,
+    pub proto: Proto,
+}
+
+impl BackendKey {
+    pub fn wire(&self) -> proxy_common::Backend {
+        proxy_common::Backend::new(self.ip, self.port, self.proto.number())
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Frontend {
+    /// "namespace/name:port-name".
+    pub service: String,
+    pub kind: FrontendKind,
+    pub scheduler: Scheduler,
+    pub affinity_timeout_s: u32,
+    pub flags: u8,
+    pub source_ranges: Vec<IpNet>,
+    /// Sorted, deduplicated.
+    pub backends: Vec<BackendKey>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct NodeInfo {
+    pub name: String,
+    /// Addresses NodePorts listen on.
+    pub nodeport_addresses: Vec<IpAddr>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct ModelConfig {
+    pub default_scheduler: Scheduler,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct DesiredState {
+    pub frontends: BTreeMap<FrontendKey, Frontend>,
+    pub errors: Vec<ObjectError>,
+}
+
+#[derive(Clone, Debug)]
+struct Ep {
+    ip: IpAddr,
+    port: u16,
+    ready: bool,
+    serving: bool,
+    terminating: bool,
+    local: bool,
+}
+
+fn err(errors: &mut Vec<ObjectError>, object: &str, field: impl Into<String>, message: impl Into<String>) {
+    errors.push(ObjectError {
+        source: "model".into(),
+        object: object.into(),
+        field: field.into(),
+        message: message.into(),
+    });
+}
+
+/// KEP-1669: ready endpoints; when none, the serving-and-terminating ones.
+fn usable(eps: &[&Ep], publish_not_ready: bool) -> Vec<BackendKeyNoProto> {
+    let ready: Vec<_> = eps.iter().filter(|e| publish_not_ready || e.ready).collect();
+    let chosen: Vec<_> = if ready.is_empty() {
+        eps.iter().filter(|e| e.serving && e.terminating).collect()
+    } else {
+        ready
+    };
+    let set: BTreeSet<(IpAddr, u16)> = chosen.iter().map(|e| (e.ip, e.port)).collect();
+    set.into_iter().collect()
+}
+
+type BackendKeyNoProto = (IpAddr, u16);
+
+pub fn compute(objects: &Objects, node: &NodeInfo, cfg: &ModelConfig) -> DesiredState {
+    let mut out = DesiredState::default();
+    // Slices by owning service.
+    let mut slices_by_svc: BTreeMap<(String, String), Vec<(&String, &EndpointSlice)>> = BTreeMap::new();
+    for ((ns, name), slice) in &objects.slices {
+        let owner = slice.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_NAME_LABEL));
+        match owner {
+            Some(svc) => slices_by_svc.entry((ns.clone(), svc.clone())).or_default().push((name, slice)),
+            None => err(
+                &mut out.errors,
+                &format!("EndpointSlice {ns}/{name}"),
+                format!("metadata.labels[{SERVICE_NAME_LABEL}]"),
+                "missing: the slice belongs to no Service",
+            ),
+        }
+    }
+    for ((ns, name), svc) in &objects.services {
+        let slices = slices_by_svc.get(&(ns.clone(), name.clone())).map(Vec::as_slice).unwrap_or(&[]);
+        service_frontends(ns, name, svc, slices, node, cfg, &mut out);
+    }
+    out
+}
+
+fn service_frontends(
+    ns: &str,
+    name: &str,
+    svc: &Service,
+    slices: &[(&String, &EndpointSlice)],
+    node: &NodeInfo,
+    cfg: &ModelConfig,
+    out: &mut DesiredState,
+) {
+    let object = format!("Service {ns}/{name}");
+    let errors = &mut out.errors;
+    if svc.metadata.labels.as_ref().is_some_and(|l| l.contains_key(SERVICE_PROXY_NAME_LABEL)) {
+        return;
+    }
+    let Some(spec) = &svc.spec else { return };
+    if spec.type_.as_deref() == Some("ExternalName") {
+        return;
+    }
+    let cluster_ip = spec.cluster_ip.as_deref().unwrap_or("");
+    if cluster_ip == "None" {
+        return; // headless
+    }
+    let mut cluster_ips: Vec<IpAddr> = Vec::new();
+    if !cluster_ip.is_empty() {
+        match cluster_ip.parse::<IpAddr>() {
+            Ok(ip) => cluster_ips.push(ip),
+            Err(_) => {
+                err(errors, &object, "spec.clusterIP", format!("{cluster_ip:?} is not an IP address"));
+                return;
+            }
+        }
+    }
+    for (i, s) in spec.cluster_ips.iter().flatten().enumerate() {
+        match s.parse::<IpAddr>() {
+            Ok(ip) if !cluster_ips.contains(&ip) => cluster_ips.push(ip),
+            Ok(_) => {}
+            Err(_) => err(errors, &object, format!("spec.clusterIPs[{i}]"), format!("{s:?} is not an IP address")),
+        }
+    }
+    // The fast path is IPv4 today.
+    cluster_ips.retain(IpAddr::is_ipv4);
+
+    let svc_type = spec.type_.as_deref().unwrap_or("ClusterIP");
+    let etp_local = spec.external_traffic_policy.as_deref() == Some("Local");
+    let itp_local = spec.internal_traffic_policy.as_deref() == Some("Local");
+    let publish_not_ready = spec.publish_not_ready_addresses.unwrap_or(false);
+
+    let scheduler = match svc.metadata.annotations.as_ref().and_then(|a| a.get(SCHEDULER_ANNOTATION)) {
+        None => cfg.default_scheduler,
+        Some(s) => s.parse().unwrap_or_else(|e: String| {
+            err(errors, &object, format!("metadata.annotations[{SCHEDULER_ANNOTATION}]"), format!("{e}; using {}", cfg.default_scheduler.name()));
+            cfg.default_scheduler
+        }),
+    };
+    let affinity_timeout_s = if spec.session_affinity.as_deref() == Some("ClientIP") {
+        let t = spec
+            .session_affinity_config
+            .as_ref()
+            .and_then(|c| c.client_ip.as_ref())
+            .and_then(|c| c.timeout_seconds);
+        match t {
+            None => DEFAULT_AFFINITY_TIMEOUT_S,
+            Some(t) if (1..=86_400).contains(&t) => t as u32,
+            Some(t) => {
+                err(errors, &object, "spec.sessionAffinityConfig.clientIP.timeoutSeconds", format!("{t} is outside 1..86400; using {DEFAULT_AFFINITY_TIMEOUT_S}"));
+                DEFAULT_AFFINITY_TIMEOUT_S
+            }
+        }
+    } else {
+        0
+    };
+
+    let mut external_ips = Vec::new();
+    for (i, s) in spec.external_ips.iter().flatten().enumerate() {
+        match s.parse::<IpAddr>() {
+            Ok(ip) if ip.is_ipv4() => external_ips.push(ip),
+            Ok(_) => {}
+            Err(_) => err(errors, &object, format!("spec.externalIPs[{i}]"), format!("{s:?} is not an IP address")),
+        }
+    }
+    let mut lb_ips = Vec::new();
+    if svc_type == "LoadBalancer" {
+        let ingress = svc.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|l| l.ingress.as_ref());
+        for (i, ing) in ingress.into_iter().flatten().enumerate() {
+            if let Some(s) = &ing.ip {
+                match s.parse::<IpAddr>() {
+                    Ok(ip) if ip.is_ipv4() => lb_ips.push(ip),
+                    Ok(_) => {}
+                    Err(_) => err(errors, &object, format!("status.loadBalancer.ingress[{i}].ip"), format!("{s:?} is not an IP address")),
+                }
+            }
+        }
+    }
+    let mut source_ranges = Vec::new();
+    for (i, s) in spec.load_balancer_source_ranges.iter().flatten().enumerate() {
+        match s.trim().parse::<IpNet>() {
+            Ok(net) if net.addr().is_ipv4() => source_ranges.push(net.trunc()),
+            Ok(_) => {}
+            Err(_) => err(errors, &object, format!("spec.loadBalancerSourceRanges[{i}]"), format!("{s:?} is not a CIDR")),
+        }
+    }
+
+    let mut seen_ports = BTreeSet::new();
+    for (i, port) in spec.ports.iter().flatten().enumerate() {
+        let field = format!("spec.ports[{i}]");
+        let proto = match port.protocol.as_deref().unwrap_or("TCP") {
+            "TCP" => Proto::Tcp,
+            "UDP" => Proto::Udp,
+            "SCTP" => {
+                err(errors, &object, format!("{field}.protocol"), "SCTP is not supported by the eBPF fast path; port skipped");
+                continue;
+            }
+            other => {
+                err(errors, &object, format!("{field}.protocol"), format!("unknown protocol {other:?}"));
+                continue;
+            }
+        };
+        let Ok(svc_port) = u16::try_from(port.port).map_err(|_| ()).and_then(|p| if p == 0 { Err(()) } else { Ok(p) }) else {
+            err(errors, &object, format!("{field}.port"), format!("{} is not a port (1..65535)", port.port));
+            continue;
+        };
+        if !seen_ports.insert((svc_port, proto)) {
+            err(errors, &object, format!("{field}.port"), format!("duplicate port {svc_port}/{}", proto.name()));
+            continue;
+        }
+        let port_name = port.name.clone().unwrap_or_default();
+        let service = format!("{ns}/{name}:{port_name}");
+
+        // Endpoints of this port across the service's slices.
+        let mut eps: Vec<Ep> = Vec::new();
+        for (slice_name, slice) in slices {
+            let sobj = format!("EndpointSlice {ns}/{slice_name}");
+            if slice.address_type != "IPv4" {
+                continue;
+            }
+            let target = slice.ports.iter().flatten().find(|p| {
+                p.name.clone().unwrap_or_default() == port_name
+                    && p.protocol.as_deref().unwrap_or("TCP") == proto.name()
+            });
+            let Some(target) = target else { continue };
+            let Some(tport) = target.port.and_then(|p| u16::try_from(p).ok()).filter(|p| *p != 0) else {
+                err(errors, &sobj, "ports[].port", format!("port {port_name:?} has no valid port number"));
+                continue;
+            };
+            for (ei, ep) in slice.endpoints.iter().enumerate() {
+                let cond = ep.conditions.clone().unwrap_or_default();
+                let ready = cond.ready.unwrap_or(true);
+                let serving = cond.serving.unwrap_or(ready);
+                let terminating = cond.terminating.unwrap_or(false);
+                let local = ep.node_name.as_deref() == Some(node.name.as_str());
+                for (ai, a) in ep.addresses.iter().enumerate() {
+                    match a.parse::<IpAddr>() {
+                        Ok(ip) if ip.is_ipv4() => eps.push(Ep { ip, port: tport, ready, serving, terminating, local }),
+                        _ => err(errors, &sobj, format!("endpoints[{ei}].addresses[{ai}]"), format!("{a:?} is not an IPv4 address")),
+                    }
+                }
+            }
+        }
+        let all: Vec<&Ep> = eps.iter().collect();
+        let local: Vec<&Ep> = eps.iter().filter(|e| e.local).collect();
+        let to_keys = |v: Vec<BackendKeyNoProto>| -> Vec<BackendKey> {
+            v.into_iter().map(|(ip, port)| BackendKey { ip, port, proto }).collect()
+        };
+        let cluster_backends = to_keys(usable(&all, publish_not_ready));
+        let local_backends = to_keys(usable(&local, publish_not_ready));
+        let internal_backends = if itp_local { local_backends.clone() } else { cluster_backends.clone() };
+
+        let mut add = |ip: IpAddr, p: u16, scope: u8, kind: FrontendKind, flags: u8, backends: &Vec<BackendKey>, ranges: &[IpNet]| {
+            let key = FrontendKey { ip, port: p, proto, scope };
+            let flags = if ranges.is_empty() { flags } else { flags | SVC_F_SOURCE_RANGES };
+            out.frontends.insert(
+                key,
+                Frontend {
+                    service: service.clone(),
+                    kind,
+                    scheduler,
+                    affinity_timeout_s,
+                    flags,
+                    source_ranges: ranges.to_vec(),
+                    backends: backends.clone(),
+                },
+            );
+        };
+        // External frontends: externalTrafficPolicy decides masquerade and endpoint set for
+        // traffic from outside; traffic from inside the cluster goes cluster-wide.
+        let (ext_flags, ext_backends) = if etp_local {
+            (SVC_F_PRESERVE_SOURCE, &local_backends)
+        } else {
+            (SVC_F_MASQ, &cluster_backends)
+        };
+        let int_ext_flags = if etp_local { 0 } else { SVC_F_MASQ };
+        for ip in &cluster_ips {
+            add(*ip, svc_port, SCOPE_INTERNAL, FrontendKind::ClusterIp, 0, &internal_backends, &[]);
+            add(*ip, svc_port, SCOPE_EXTERNAL, FrontendKind::ClusterIp, 0, &cluster_backends, &[]);
+        }
+        if matches!(svc_type, "NodePort" | "LoadBalancer") {
+            if let Some(np) = port.node_port {
+                match u16::try_from(np).ok().filter(|p| *p != 0) {
+                    Some(np) => {
+                        for ip in node.nodeport_addresses.iter().filter(|ip| ip.is_ipv4()) {
+                            add(*ip, np, SCOPE_EXTERNAL, FrontendKind::NodePort, ext_flags, ext_backends, &[]);
+                            add(*ip, np, SCOPE_INTERNAL, FrontendKind::NodePort, int_ext_flags, &cluster_backends, &[]);
+                        }
+                    }
+                    None => err(errors, &object, format!("{field}.nodePort"), format!("{np} is not a port")),
+                }
+            }
+        }
+        for ip in &external_ips {
+            add(*ip, svc_port, SCOPE_EXTERNAL, FrontendKind::ExternalIp, ext_flags, ext_backends, &[]);
+            add(*ip, svc_port, SCOPE_INTERNAL, FrontendKind::ExternalIp, int_ext_flags, &cluster_backends, &[]);
+        }
+        for ip in &lb_ips {
+            add(*ip, svc_port, SCOPE_EXTERNAL, FrontendKind::LoadBalancer, ext_flags, ext_backends, &source_ranges);
+            add(*ip, svc_port, SCOPE_INTERNAL, FrontendKind::LoadBalancer, int_ext_flags, &cluster_backends, &source_ranges);
+        }
+    }
+}
+
+impl DesiredState {
+    /// Golden text: one line per frontend, one per backend.
+    pub fn dump(&self) -> String {
+        let mut s = String::new();
+        for (k, f) in &self.frontends {
+            let scope = if k.scope == SCOPE_EXTERNAL { "external" } else { "internal" };
+            let mut flags = Vec::new();
+            if f.flags & SVC_F_MASQ != 0 {
+                flags.push("masq");
+            }
+            if f.flags & SVC_F_PRESERVE_SOURCE != 0 {
+                flags.push("preserve-source");
+            }
+            if f.flags & SVC_F_SOURCE_RANGES != 0 {
+                flags.push("source-ranges");
+            }
+            let flags = if flags.is_empty() { "-".to_string() } else { flags.join(",") };
+            let _ = writeln!(
+                s,
+                "frontend {}:{}/{} {scope} {} {} sched={} affinity={} flags={flags} ranges={}",
+                k.ip,
+                k.port,
+                k.proto.name(),
+                f.kind.name(),
+                f.service,
+                f.scheduler.name(),
+                f.affinity_timeout_s,
+                f.source_ranges.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(","),
+            );
+            for b in &f.backends {
+                let _ = writeln!(s, "  backend {}:{}", b.ip, b.port);
+            }
+        }
+        s
+    }
+}

@@ -1,0 +1,410 @@
+//! The kernel/user boundary of kpr.
+//!
+//! Every type here is shared byte for byte between `proxy-ebpf` (kernel) and `proxy-agent`
+//! (user space): `#[repr(C)]`, explicit padding, `bytemuck::Pod`, and a compile-time size assert.
+//!
+//! Byte order: addresses and ports are stored in **network byte order**, exactly as they appear
+//! in the packet, so the data path never converts. User space converts in one place only: the
+//! `From`/`new` helpers in [`user`] (feature `user`). Ids, counts, timeouts and flags are host
+//! order.
+//!
+//! IPv6: every address is `[u32; 4]`. IPv4 uses word 0 and leaves words 1..3 zero.
+#![no_std]
+
+use bytemuck::{Pod, Zeroable};
+
+/// Project name: the bpffs pin directory is `/sys/fs/bpf/<PROJECT>` by default.
+pub const PROJECT: &str = "kpr";
+
+/// kube-proxy's masquerade mark (masqueradeBit 14).
+pub const MARK_MASQ: u32 = 0x4000;
+
+/// Map names. The `_V<n>` suffix changes whenever the key or value layout of that map changes,
+/// so an agent never reuses a pinned map of an older layout. The eBPF statics carry exactly
+/// these names (the agent's tests check every name exists in the object).
+pub mod map_names {
+    pub const SERVICES: &str = "KPR_SVC_V1";
+    pub const SLOTS: &str = "KPR_SLOT_V1";
+    pub const MAGLEV: &str = "KPR_MAGLEV_V1";
+    pub const BACKENDS: &str = "KPR_BE_V1";
+    pub const CONNTRACK: &str = "KPR_CT_V1";
+    pub const AFFINITY: &str = "KPR_AFF_V1";
+    pub const SOURCE_RANGES: &str = "KPR_SRCRNG_V1";
+    pub const RR_STATE: &str = "KPR_RR_V1";
+    pub const CONFIG: &str = "KPR_CFG_V1";
+    pub const COUNTERS: &str = "KPR_CNT_V1";
+    /// Every map the fast path pins.
+    pub const ALL: [&str; 10] = [
+        SERVICES, SLOTS, MAGLEV, BACKENDS, CONNTRACK, AFFINITY, SOURCE_RANGES, RR_STATE, CONFIG,
+        COUNTERS,
+    ];
+}
+
+/// Program names in the object.
+pub mod prog_names {
+    pub const TC_INGRESS: &str = "kpr_tc_ingress";
+    pub const XDP_INGRESS: &str = "kpr_xdp_ingress";
+    pub const TC_PASS: &str = "kpr_tc_pass";
+    pub const XDP_PASS: &str = "kpr_xdp_pass";
+}
+
+/// Default capacities (the agent may override them at load time).
+pub mod limits {
+    pub const MAX_SERVICES: u32 = 131_072;
+    pub const MAX_FRONTENDS: u32 = 262_144;
+    pub const MAX_BACKENDS: u32 = 262_144;
+    pub const MAX_SLOTS: u32 = 1_048_576;
+    pub const MAX_CONNTRACK: u32 = 524_288;
+    pub const MAX_AFFINITY: u32 = 131_072;
+    pub const MAX_SOURCE_RANGES: u32 = 16_384;
+    /// Rows of the Maglev table (services using the maglev scheduler at once).
+    pub const MAGLEV_ROWS: u32 = 256;
+    /// Maglev lookup table size per service: a prime, much larger than any backend count.
+    pub const MAGLEV_TABLE_SIZE: u32 = 1021;
+    /// Backends per service (slots) the data path accepts.
+    pub const MAX_BACKENDS_PER_SERVICE: u32 = 65_535;
+}
+
+pub const PROTO_TCP: u8 = 6;
+pub const PROTO_UDP: u8 = 17;
+pub const PROTO_SCTP: u8 = 132;
+
+/// Which hook looks the frontend up. The same VIP can have different backend sets for traffic
+/// from inside the node (pods, node processes: TC) and from outside (the uplink: XDP), which is
+/// how internal/externalTrafficPolicy differ.
+pub const SCOPE_INTERNAL: u8 = 0;
+pub const SCOPE_EXTERNAL: u8 = 1;
+
+/// Schedulers (ServiceValue::scheduler).
+pub const SCHED_RANDOM: u8 = 0;
+pub const SCHED_ROUND_ROBIN: u8 = 1;
+pub const SCHED_MAGLEV: u8 = 2;
+
+/// ServiceValue::flags.
+/// Masquerade every packet of this frontend (NodePort/ExternalIP/LB with externalTrafficPolicy Cluster).
+pub const SVC_F_MASQ: u8 = 1 << 0;
+/// Keep the client address (externalTrafficPolicy Local): never masquerade for "off-cluster source".
+pub const SVC_F_PRESERVE_SOURCE: u8 = 1 << 1;
+/// loadBalancerSourceRanges apply: the source must match KPR_SRCRNG_V1 for this service id.
+pub const SVC_F_SOURCE_RANGES: u8 = 1 << 2;
+
+/// DatapathConfig::flags.
+pub const CFG_F_MASQUERADE_ALL: u32 = 1 << 0;
+
+/// CtValue::flags.
+pub const CT_F_SNAT: u16 = 1 << 0;
+pub const CT_F_CLOSING: u16 = 1 << 1;
+pub const CT_F_REPLY: u16 = 1 << 2;
+
+/// CtKey::dir.
+pub const CT_DIR_FORWARD: u8 = 0;
+pub const CT_DIR_REPLY: u8 = 1;
+
+/// Source ports used for SNAT when the client's own port collides.
+pub const SNAT_PORT_MIN: u16 = 32768;
+pub const SNAT_PORT_MAX: u16 = 60999;
+
+/// Frontend key: (address, port, protocol, scope). Lookup is one hash probe.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Pod, Zeroable)]
+pub struct ServiceKey {
+    /// Network order.
+    pub addr: [u32; 4],
+    /// Network order.
+    pub port: u16,
+    pub proto: u8,
+    pub scope: u8,
+}
+const _: () = assert!(core::mem::size_of::<ServiceKey>() == 20);
+
+/// Frontend value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct ServiceValue {
+    /// Index into the slot, round-robin, affinity and source-range maps. Never 0.
+    pub service_id: u32,
+    /// Slots 1..=backend_count exist in KPR_SLOT_V1. 0 means "no endpoints": reject.
+    pub backend_count: u32,
+    /// sessionAffinity ClientIP timeout; 0 means no affinity.
+    pub affinity_timeout_s: u32,
+    /// Row in KPR_MAGLEV_V1 when scheduler is SCHED_MAGLEV.
+    pub maglev_row: u32,
+    pub scheduler: u8,
+    pub flags: u8,
+    pub _pad: [u8; 2],
+}
+const _: () = assert!(core::mem::size_of::<ServiceValue>() == 20);
+
+/// Key of KPR_SLOT_V1: (service id, slot 1..=backend_count).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Pod, Zeroable)]
+pub struct SlotKey {
+    pub service_id: u32,
+    pub slot: u32,
+}
+const _: () = assert!(core::mem::size_of::<SlotKey>() == 8);
+
+/// A backend (endpoint address and target port), keyed by a stable id.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Pod, Zeroable)]
+pub struct Backend {
+    /// Network order.
+    pub addr: [u32; 4],
+    /// Network order.
+    pub port: u16,
+    pub proto: u8,
+    pub flags: u8,
+}
+const _: () = assert!(core::mem::size_of::<Backend>() == 20);
+
+/// Conntrack key: the packet's own 5-tuple as it arrives, plus the direction.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Pod, Zeroable)]
+pub struct CtKey {
+    /// Network order.
+    pub saddr: [u32; 4],
+    /// Network order.
+    pub daddr: [u32; 4],
+    /// Network order.
+    pub sport: u16,
+    /// Network order.
+    pub dport: u16,
+    pub proto: u8,
+    pub dir: u8,
+    pub _pad: [u8; 2],
+}
+const _: () = assert!(core::mem::size_of::<CtKey>() == 40);
+
+/// Conntrack value: the 4-tuple the packet is rewritten to. A forward entry rewrites
+/// (client -> VIP) into (client or SNAT address -> backend); its reply entry rewrites
+/// (backend -> client or SNAT address) back into (VIP -> client).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct CtValue {
+    /// bpf_ktime_get_ns of the last packet.
+    pub last_seen_ns: u64,
+    /// Network order.
+    pub new_saddr: [u32; 4],
+    /// Network order.
+    pub new_daddr: [u32; 4],
+    /// Network order.
+    pub new_sport: u16,
+    /// Network order.
+    pub new_dport: u16,
+    pub backend_id: u32,
+    pub service_id: u32,
+    pub flags: u16,
+    pub _pad: u16,
+}
+const _: () = assert!(core::mem::size_of::<CtValue>() == 56);
+
+/// Per-CPU scratch space where the data path builds a flow's two conntrack entries (the BPF
+/// stack is 512 bytes). Kernel-only; user space never reads it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct CtScratch {
+    pub fwd_key: CtKey,
+    pub rev_key: CtKey,
+    pub fwd: CtValue,
+    pub rev: CtValue,
+}
+const _: () = assert!(core::mem::size_of::<CtScratch>() == 192);
+
+/// Key of KPR_AFF_V1: (client address, service id).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Pod, Zeroable)]
+pub struct AffinityKey {
+    /// Network order.
+    pub client: [u32; 4],
+    pub service_id: u32,
+}
+const _: () = assert!(core::mem::size_of::<AffinityKey>() == 20);
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct AffinityValue {
+    pub last_used_ns: u64,
+    pub backend_id: u32,
+    pub _pad: u32,
+}
+const _: () = assert!(core::mem::size_of::<AffinityValue>() == 16);
+
+/// Data of the KPR_SRCRNG_V1 LPM key. The prefix length covers `service_id` (always 32 bits)
+/// plus the CIDR's own prefix length.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Pod, Zeroable)]
+pub struct SourceRangeKey {
+    /// Big-endian, so that the LPM trie's byte-wise match sees it as a full-length prefix.
+    pub service_id_be: u32,
+    /// Network order.
+    pub addr: [u32; 4],
+}
+const _: () = assert!(core::mem::size_of::<SourceRangeKey>() == 20);
+
+/// The only entry (index 0) of KPR_CFG_V1.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct DatapathConfig {
+    /// Address that masqueraded traffic gets as its source. Network order.
+    pub snat_addr: [u32; 4],
+    /// Cluster CIDR (pod addresses), network order; `cluster_cidr_len == 0` means unset.
+    pub cluster_cidr: [u32; 4],
+    pub cluster_cidr_len: u32,
+    pub flags: u32,
+    /// A forward conntrack entry idle longer than this is a new flow.
+    pub ct_tcp_timeout_s: u32,
+    pub ct_udp_timeout_s: u32,
+}
+const _: () = assert!(core::mem::size_of::<DatapathConfig>() == 48);
+
+/// Indices of the per-CPU counters in KPR_CNT_V1.
+pub mod counter {
+    pub const NEW_FLOW: u32 = 0;
+    pub const ESTABLISHED: u32 = 1;
+    pub const REVERSE_NAT: u32 = 2;
+    pub const SNAT: u32 = 3;
+    pub const AFFINITY_HIT: u32 = 4;
+    pub const REJECT_NO_BACKEND: u32 = 5;
+    pub const DROP_SOURCE_RANGE: u32 = 6;
+    pub const MISS_BACKEND: u32 = 7;
+    pub const MALFORMED: u32 = 8;
+    pub const FRAGMENT: u32 = 9;
+    pub const CT_INSERT_FAILED: u32 = 10;
+    pub const SNAT_PORT_COLLISION: u32 = 11;
+    pub const REJECT_FAILED: u32 = 12;
+    pub const COUNT: u32 = 13;
+
+    pub const NAMES: [&str; COUNT as usize] = [
+        "new_flow",
+        "established",
+        "reverse_nat",
+        "snat",
+        "affinity_hit",
+        "reject_no_backend",
+        "drop_source_range",
+        "miss_backend",
+        "malformed",
+        "fragment",
+        "ct_insert_failed",
+        "snat_port_collision",
+        "reject_failed",
+    ];
+}
+
+#[cfg(feature = "user")]
+pub mod user {
+    //! User-space helpers: the one place where byte order is converted.
+    use super::*;
+    use core::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+    unsafe impl aya::Pod for ServiceKey {}
+    unsafe impl aya::Pod for ServiceValue {}
+    unsafe impl aya::Pod for SlotKey {}
+    unsafe impl aya::Pod for Backend {}
+    unsafe impl aya::Pod for CtKey {}
+    unsafe impl aya::Pod for CtValue {}
+    unsafe impl aya::Pod for AffinityKey {}
+    unsafe impl aya::Pod for AffinityValue {}
+    unsafe impl aya::Pod for SourceRangeKey {}
+    unsafe impl aya::Pod for DatapathConfig {}
+
+    /// IP address to the wire-order words the data path compares.
+    pub fn addr_words(ip: IpAddr) -> [u32; 4] {
+        match ip {
+            IpAddr::V4(v4) => [u32::from_ne_bytes(v4.octets()), 0, 0, 0],
+            IpAddr::V6(v6) => {
+                let o = v6.octets();
+                let mut w = [0u32; 4];
+                for (i, chunk) in o.chunks_exact(4).enumerate() {
+                    w[i] = u32::from_ne_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
+                }
+                w
+            }
+        }
+    }
+
+    /// Inverse of [`addr_words`]. IPv4 when words 1..3 are zero (the data path is IPv4 only today).
+    pub fn words_addr(w: [u32; 4]) -> IpAddr {
+        if w[1] == 0 && w[2] == 0 && w[3] == 0 {
+            IpAddr::V4(Ipv4Addr::from(w[0].to_ne_bytes()))
+        } else {
+            let mut o = [0u8; 16];
+            for (i, word) in w.iter().enumerate() {
+                o[i * 4..i * 4 + 4].copy_from_slice(&word.to_ne_bytes());
+            }
+            IpAddr::V6(Ipv6Addr::from(o))
+        }
+    }
+
+    pub fn port_wire(port: u16) -> u16 {
+        port.to_be()
+    }
+
+    pub fn port_host(wire: u16) -> u16 {
+        u16::from_be(wire)
+    }
+
+    impl ServiceKey {
+        pub fn new(addr: IpAddr, port: u16, proto: u8, scope: u8) -> Self {
+            Self { addr: addr_words(addr), port: port_wire(port), proto, scope }
+        }
+        pub fn ip(&self) -> IpAddr {
+            words_addr(self.addr)
+        }
+        pub fn port_host(&self) -> u16 {
+            port_host(self.port)
+        }
+    }
+
+    impl Backend {
+        pub fn new(addr: IpAddr, port: u16, proto: u8) -> Self {
+            Self { addr: addr_words(addr), port: port_wire(port), proto, flags: 0 }
+        }
+        pub fn ip(&self) -> IpAddr {
+            words_addr(self.addr)
+        }
+        pub fn port_host(&self) -> u16 {
+            port_host(self.port)
+        }
+    }
+
+    impl SourceRangeKey {
+        /// LPM key for `addr/prefix` of service `service_id`.
+        pub fn lpm(service_id: u32, addr: IpAddr, prefix: u8) -> aya::maps::lpm_trie::Key<Self> {
+            aya::maps::lpm_trie::Key::new(
+                32 + u32::from(prefix),
+                Self { service_id_be: service_id.to_be(), addr: addr_words(addr) },
+            )
+        }
+    }
+
+    pub fn proto_name(proto: u8) -> &'static str {
+        match proto {
+            PROTO_TCP => "TCP",
+            PROTO_UDP => "UDP",
+            PROTO_SCTP => "SCTP",
+            _ => "?",
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn ipv4_words_are_wire_order() {
+            let w = addr_words("10.96.0.1".parse().unwrap());
+            assert_eq!(w[0].to_ne_bytes(), [10, 96, 0, 1]);
+            assert_eq!(words_addr(w), "10.96.0.1".parse::<IpAddr>().unwrap());
+            let v6: IpAddr = "fd00::1".parse().unwrap();
+            assert_eq!(words_addr(addr_words(v6)), v6);
+        }
+
+        #[test]
+        fn port_is_big_endian_in_key() {
+            let k = ServiceKey::new("10.0.0.1".parse().unwrap(), 80, PROTO_TCP, SCOPE_INTERNAL);
+            assert_eq!(k.port.to_ne_bytes(), [0, 80]);
+            assert_eq!(k.port_host(), 80);
+        }
+    }
+}

@@ -1,0 +1,170 @@
+//! Connection tracking: a forward entry per flow and a reply entry for its reverse NAT, in one
+//! LRU map. Flows keep their backend whatever happens to the service afterwards.
+use aya_ebpf::helpers::bpf_get_prandom_u32;
+use proxy_common::{
+    counter, Backend, CtKey, CtValue, DatapathConfig, CT_DIR_FORWARD, CT_DIR_REPLY, CT_F_CLOSING,
+    CT_F_REPLY, CT_F_SNAT, PROTO_TCP, SNAT_PORT_MAX, SNAT_PORT_MIN,
+};
+
+use crate::{
+    counters::bump,
+    maps::{KPR_BE_V1, KPR_CT_SCRATCH, KPR_CT_V1},
+    parse::Flow,
+};
+
+/// The 4-tuple a packet is rewritten to (network order), and whether it was masqueraded.
+#[derive(Clone, Copy)]
+pub struct Rewrite {
+    pub saddr: u32,
+    pub daddr: u32,
+    pub sport: u16,
+    pub dport: u16,
+    pub snat: bool,
+}
+
+impl Rewrite {
+    #[inline(always)]
+    fn of(v: &CtValue) -> Self {
+        Self {
+            saddr: v.new_saddr[0],
+            daddr: v.new_daddr[0],
+            sport: v.new_sport,
+            dport: v.new_dport,
+            snat: v.flags & CT_F_SNAT != 0,
+        }
+    }
+}
+
+#[inline(always)]
+pub fn key(f: &Flow, dir: u8) -> CtKey {
+    CtKey {
+        saddr: [f.saddr, 0, 0, 0],
+        daddr: [f.daddr, 0, 0, 0],
+        sport: f.sport,
+        dport: f.dport,
+        proto: f.proto,
+        dir,
+        _pad: [0; 2],
+    }
+}
+
+#[inline(always)]
+fn timeout_ns(cfg: &DatapathConfig, proto: u8) -> u64 {
+    let s = if proto == PROTO_TCP { cfg.ct_tcp_timeout_s } else { cfg.ct_udp_timeout_s };
+    u64::from(s) * 1_000_000_000
+}
+
+/// The rewrite of an existing flow, forward or reply, refreshed for this packet.
+#[inline(always)]
+pub fn established(f: &Flow, cfg: &DatapathConfig, now: u64) -> Option<Rewrite> {
+    if let Some(v) = KPR_CT_V1.get_ptr_mut(&key(f, CT_DIR_FORWARD)) {
+        let v = unsafe { &mut *v };
+        let idle = now.wrapping_sub(v.last_seen_ns) > timeout_ns(cfg, f.proto);
+        // A fresh SYN on a closing tuple, or to a backend that is gone, is a new connection.
+        let reopened = f.is_new_tcp_syn()
+            && (v.flags & CT_F_CLOSING != 0 || unsafe { KPR_BE_V1.get(&v.backend_id) }.is_none());
+        if !idle && !reopened {
+            touch(v, f, now);
+            bump(counter::ESTABLISHED);
+            return Some(Rewrite::of(v));
+        }
+        return None;
+    }
+    let v = KPR_CT_V1.get_ptr_mut(&key(f, CT_DIR_REPLY))?;
+    let v = unsafe { &mut *v };
+    touch(v, f, now);
+    bump(counter::REVERSE_NAT);
+    Some(Rewrite::of(v))
+}
+
+#[inline(always)]
+fn touch(v: &mut CtValue, f: &Flow, now: u64) {
+    v.last_seen_ns = now;
+    if f.is_tcp_close() {
+        v.flags |= CT_F_CLOSING;
+    }
+}
+
+/// Source port for a masqueraded flow: the client's own unless another flow to the same backend
+/// already owns it, then a few random tries in the SNAT range.
+#[inline(always)]
+pub fn snat_port(f: &Flow, be: &Backend, snat_addr: u32) -> Option<u16> {
+    let mut port = f.sport;
+    let mut tries = 0;
+    while tries < 4 {
+        let rkey = CtKey {
+            saddr: be.addr,
+            daddr: [snat_addr, 0, 0, 0],
+            sport: be.port,
+            dport: port,
+            proto: f.proto,
+            dir: CT_DIR_REPLY,
+            _pad: [0; 2],
+        };
+        match unsafe { KPR_CT_V1.get(&rkey) } {
+            None => return Some(port),
+            Some(v) if v.new_daddr[0] == f.saddr && v.new_dport == f.sport => return Some(port),
+            Some(_) => {
+                bump(counter::SNAT_PORT_COLLISION);
+                let span = u32::from(SNAT_PORT_MAX - SNAT_PORT_MIN) + 1;
+                let p = SNAT_PORT_MIN as u32 + unsafe { bpf_get_prandom_u32() } % span;
+                port = (p as u16).to_be();
+            }
+        }
+        tries += 1;
+    }
+    None
+}
+
+/// Records a new flow: forward (client -> VIP becomes new tuple) and reply (its inverse).
+/// Keys and values are built in a per-CPU scratch entry, not on the 512-byte stack.
+#[inline(always)]
+pub fn create(
+    f: &Flow,
+    now: u64,
+    backend_id: u32,
+    service_id: u32,
+    be: &Backend,
+    snat: Option<(u32, u16)>,
+) -> Option<Rewrite> {
+    let (saddr, sport) = snat.unwrap_or((f.saddr, f.sport));
+    let flags = if snat.is_some() { CT_F_SNAT } else { 0 };
+    let s = unsafe { &mut *KPR_CT_SCRATCH.get_ptr_mut(0)? };
+    s.fwd_key = key(f, CT_DIR_FORWARD);
+    s.fwd = CtValue {
+        last_seen_ns: now,
+        new_saddr: [saddr, 0, 0, 0],
+        new_daddr: be.addr,
+        new_sport: sport,
+        new_dport: be.port,
+        backend_id,
+        service_id,
+        flags,
+        _pad: 0,
+    };
+    s.rev_key = CtKey {
+        saddr: be.addr,
+        daddr: [saddr, 0, 0, 0],
+        sport: be.port,
+        dport: sport,
+        proto: f.proto,
+        dir: CT_DIR_REPLY,
+        _pad: [0; 2],
+    };
+    s.rev = CtValue {
+        last_seen_ns: now,
+        new_saddr: [f.daddr, 0, 0, 0],
+        new_daddr: [f.saddr, 0, 0, 0],
+        new_sport: f.dport,
+        new_dport: f.sport,
+        backend_id,
+        service_id,
+        flags: flags | CT_F_REPLY,
+        _pad: 0,
+    };
+    if KPR_CT_V1.insert(&s.rev_key, &s.rev, 0).is_err() || KPR_CT_V1.insert(&s.fwd_key, &s.fwd, 0).is_err() {
+        bump(counter::CT_INSERT_FAILED);
+        return None;
+    }
+    Some(Rewrite::of(&s.fwd))
+}

@@ -1,0 +1,85 @@
+//! Service lookup and backend choice: random, round-robin, Maglev; ClientIP affinity on top.
+use aya_ebpf::helpers::bpf_get_prandom_u32;
+use proxy_common::{
+    counter, limits::MAGLEV_TABLE_SIZE, AffinityKey, AffinityValue, Backend, ServiceKey,
+    ServiceValue, SlotKey, SCHED_MAGLEV, SCHED_ROUND_ROBIN,
+};
+
+use crate::{
+    counters::bump,
+    maps::{KPR_AFF_V1, KPR_BE_V1, KPR_MAGLEV_V1, KPR_RR_V1, KPR_SLOT_V1, KPR_SVC_V1},
+    parse::Flow,
+};
+
+#[inline(always)]
+pub fn lookup_service(f: &Flow, scope: u8) -> Option<ServiceValue> {
+    let key = ServiceKey { addr: [f.daddr, 0, 0, 0], port: f.dport, proto: f.proto, scope };
+    unsafe { KPR_SVC_V1.get(&key) }.copied()
+}
+
+/// Murmur3-style mixing of the 5-tuple: the Maglev flow hash.
+#[inline(always)]
+fn mix(h: u32, v: u32) -> u32 {
+    let k = v.wrapping_mul(0xcc9e_2d51).rotate_left(15).wrapping_mul(0x1b87_3593);
+    (h ^ k).rotate_left(13).wrapping_mul(5).wrapping_add(0xe654_6b64)
+}
+
+#[inline(always)]
+pub fn flow_hash(f: &Flow) -> u32 {
+    let mut h = mix(0x9747_b28c, f.saddr);
+    h = mix(h, f.daddr);
+    h = mix(h, u32::from(f.sport) | (u32::from(f.dport) << 16));
+    h = mix(h, u32::from(f.proto));
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^ (h >> 16)
+}
+
+#[inline(always)]
+fn schedule(svc: &ServiceValue, f: &Flow) -> Option<u32> {
+    let count = svc.backend_count;
+    let slot = if svc.scheduler == SCHED_MAGLEV {
+        let idx = svc.maglev_row * MAGLEV_TABLE_SIZE + flow_hash(f) % MAGLEV_TABLE_SIZE;
+        return KPR_MAGLEV_V1.get(idx).copied().filter(|id| *id != 0);
+    } else if svc.scheduler == SCHED_ROUND_ROBIN {
+        let cursor = KPR_RR_V1.get_ptr_mut(svc.service_id)?;
+        // This CPU's cursor only: no other writer.
+        unsafe {
+            let next = *cursor % count + 1;
+            *cursor = next;
+            next
+        }
+    } else {
+        (unsafe { bpf_get_prandom_u32() }) % count + 1
+    };
+    unsafe { KPR_SLOT_V1.get(&SlotKey { service_id: svc.service_id, slot }) }.copied()
+}
+
+/// Picks the backend of a new flow. The remembered ClientIP backend wins inside the timeout
+/// (and its timestamp is refreshed); otherwise the scheduler picks and the choice is remembered.
+#[inline(always)]
+pub fn select_backend(svc: &ServiceValue, f: &Flow, now: u64) -> Option<(u32, Backend)> {
+    let affinity_ns = u64::from(svc.affinity_timeout_s) * 1_000_000_000;
+    let aff_key = AffinityKey { client: [f.saddr, 0, 0, 0], service_id: svc.service_id };
+    if affinity_ns != 0 {
+        if let Some(a) = KPR_AFF_V1.get_ptr_mut(&aff_key) {
+            let a = unsafe { &mut *a };
+            if now.wrapping_sub(a.last_used_ns) <= affinity_ns {
+                if let Some(be) = unsafe { KPR_BE_V1.get(&a.backend_id) } {
+                    a.last_used_ns = now;
+                    bump(counter::AFFINITY_HIT);
+                    return Some((a.backend_id, *be));
+                }
+            }
+        }
+    }
+    let id = schedule(svc, f)?;
+    let be = *unsafe { KPR_BE_V1.get(&id) }?;
+    if affinity_ns != 0 {
+        let v = AffinityValue { last_used_ns: now, backend_id: id, _pad: 0 };
+        let _ = KPR_AFF_V1.insert(&aff_key, &v, 0);
+    }
+    Some((id, be))
+}

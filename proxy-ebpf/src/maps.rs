@@ -1,0 +1,55 @@
+//! Every map of the fast path. Names are the `proxy_common::map_names` constants; all are pinned
+//! by name so that a restarted agent reuses them and forwarding never stops.
+use aya_ebpf::{
+    macros::map,
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
+};
+use proxy_common::{
+    CtScratch,
+    limits::*, AffinityKey, AffinityValue, Backend, CtKey, CtValue, DatapathConfig, ServiceKey,
+    ServiceValue, SlotKey, SourceRangeKey,
+};
+
+/// (VIP or node address, port, protocol, scope) -> frontend: service id, backend count, scheduler.
+#[map]
+pub static KPR_SVC_V1: HashMap<ServiceKey, ServiceValue> = HashMap::pinned(MAX_FRONTENDS, 0);
+
+/// (service id, slot 1..=count) -> backend id; the random and round-robin schedulers index it.
+#[map]
+pub static KPR_SLOT_V1: HashMap<SlotKey, u32> = HashMap::pinned(MAX_SLOTS, 0);
+
+/// Flat Maglev tables: index row * MAGLEV_TABLE_SIZE + (flow hash % size) -> backend id.
+#[map]
+pub static KPR_MAGLEV_V1: Array<u32> = Array::pinned(MAGLEV_ROWS * MAGLEV_TABLE_SIZE, 0);
+
+/// Stable backend id -> backend address, target port, protocol.
+#[map]
+pub static KPR_BE_V1: HashMap<u32, Backend> = HashMap::pinned(MAX_BACKENDS, 0);
+
+/// (5-tuple as received, direction) -> the 4-tuple to rewrite to, backend id, last seen.
+#[map]
+pub static KPR_CT_V1: LruHashMap<CtKey, CtValue> = LruHashMap::pinned(MAX_CONNTRACK, 0);
+
+/// (client address, service id) -> remembered backend id and last use (sessionAffinity ClientIP).
+#[map]
+pub static KPR_AFF_V1: LruHashMap<AffinityKey, AffinityValue> = LruHashMap::pinned(MAX_AFFINITY, 0);
+
+/// LPM (service id, source CIDR) -> 1: loadBalancerSourceRanges allowed for that service.
+#[map]
+pub static KPR_SRCRNG_V1: LpmTrie<SourceRangeKey, u8> = LpmTrie::pinned(MAX_SOURCE_RANGES, 1);
+
+/// service id -> this CPU's round-robin cursor (per CPU: no atomics on the hot path).
+#[map]
+pub static KPR_RR_V1: PerCpuArray<u32> = PerCpuArray::pinned(MAX_SERVICES, 0);
+
+/// index 0 -> DatapathConfig: SNAT address, cluster CIDR, conntrack timeouts.
+#[map]
+pub static KPR_CFG_V1: Array<DatapathConfig> = Array::pinned(1, 0);
+
+/// counter index (proxy_common::counter) -> packets, per CPU.
+#[map]
+pub static KPR_CNT_V1: PerCpuArray<u64> = PerCpuArray::pinned(proxy_common::counter::COUNT, 0);
+
+/// index 0 -> this CPU's scratch space for building conntrack entries off the stack.
+#[map]
+pub static KPR_CT_SCRATCH: PerCpuArray<CtScratch> = PerCpuArray::with_max_entries(1, 0);
