@@ -1,0 +1,145 @@
+//! Shared helpers of kpr's kernel tests: root/bpffs checks, pin-directory and namespace guards
+//! that clean up on drop (also when a test fails), and the packet builder.
+pub mod packet;
+
+use std::{
+    net::IpAddr,
+    path::{Path, PathBuf},
+    process::{Command, Output},
+};
+
+use proxy_agent::{
+    kernel::{self, Capacities, Datapath, KernelMaps},
+    manifests::{self, LoadReport},
+    model::{self, DesiredState, ModelConfig, NodeInfo},
+    sync::Syncer,
+};
+use proxy_common::DatapathConfig;
+
+pub fn require_root() {
+    assert_eq!(unsafe { libc::geteuid() }, 0, "kernel tests need root (CAP_BPF, CAP_NET_ADMIN): run them through `cargo xtask test` or sudo");
+}
+
+pub fn mount_bpffs() {
+    let st = Command::new("mountpoint").args(["-q", "/sys/fs/bpf"]).status();
+    if !matches!(st, Ok(s) if s.success()) {
+        let _ = std::fs::create_dir_all("/sys/fs/bpf");
+        let ok = Command::new("mount").args(["-t", "bpf", "bpf", "/sys/fs/bpf"]).status().map(|s| s.success()).unwrap_or(false);
+        assert!(ok, "cannot mount bpffs on /sys/fs/bpf");
+    }
+}
+
+/// A pin directory that is cleaned (links detached, maps unpinned) on drop.
+pub struct PinDir(pub PathBuf);
+
+impl PinDir {
+    pub fn new(name: &str) -> Self {
+        require_root();
+        mount_bpffs();
+        let p = PathBuf::from(format!("/sys/fs/bpf/kpr-test-{name}-{}", std::process::id()));
+        let _ = kernel::cleanup(&p);
+        Self(p)
+    }
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for PinDir {
+    fn drop(&mut self) {
+        let _ = kernel::cleanup(&self.0);
+    }
+}
+
+pub fn sh(cmd: &str) -> Output {
+    Command::new("sh").arg("-c").arg(cmd).output().expect("sh")
+}
+
+/// Runs a command and panics with its output when it fails.
+pub fn must(cmd: &str) -> String {
+    let o = sh(cmd);
+    assert!(o.status.success(), "`{cmd}` failed: {}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Network namespaces deleted on drop.
+pub struct Netns(pub Vec<String>);
+
+impl Netns {
+    pub fn create(names: &[&str]) -> Self {
+        require_root();
+        let me = Self(names.iter().map(|s| s.to_string()).collect());
+        for n in names {
+            let _ = sh(&format!("ip netns del {n} 2>/dev/null"));
+            must(&format!("ip netns add {n}"));
+            must(&format!("ip -n {n} link set lo up"));
+        }
+        me
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        for n in &self.0 {
+            let _ = sh(&format!("ip netns pids {n} 2>/dev/null | xargs -r kill -9 2>/dev/null; ip netns del {n} 2>/dev/null"));
+        }
+    }
+}
+
+/// Parses manifests and computes the desired state, asserting no object was rejected.
+pub fn desired(yaml: &str, node: &NodeInfo) -> DesiredState {
+    let mut r = LoadReport::default();
+    manifests::load_text("fixture.yaml", yaml, &mut r);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    let d = model::compute(&r.objects, node, &ModelConfig::default());
+    assert!(d.errors.is_empty(), "{:?}", d.errors);
+    d
+}
+
+/// A loaded (not attached) fast path whose maps hold `yaml`'s services.
+pub struct Loaded {
+    pub pins: PinDir,
+    pub dp: Datapath,
+    pub maps: KernelMaps,
+    pub syncer: Syncer,
+}
+
+impl Loaded {
+    pub fn new(name: &str, yaml: &str, node: &NodeInfo, cfg: DatapathConfig) -> Self {
+        let pins = PinDir::new(name);
+        let caps = Capacities { services: 4096, frontends: 8192, backends: 8192, slots: 65536, conntrack: 65536 };
+        let dp = Datapath::load(pins.path(), caps).expect("load eBPF object");
+        let mut maps = KernelMaps::open(pins.path()).expect("open maps");
+        let mut syncer = Syncer::new(4096, 16);
+        let d = desired(yaml, node);
+        let st = syncer.sync(&mut maps, &d, cfg).expect("sync");
+        assert!(st.errors.is_empty(), "{:?}", st.errors);
+        Self { pins, dp, maps, syncer }
+    }
+}
+
+pub fn ip(s: &str) -> IpAddr {
+    s.parse().unwrap()
+}
+
+pub fn datapath_config(snat: &str, cluster_cidr: Option<(&str, u32)>) -> DatapathConfig {
+    use proxy_common::user::addr_words;
+    let (c, l) = cluster_cidr.map(|(a, l)| (addr_words(ip(a)), l)).unwrap_or(([0; 4], 0));
+    DatapathConfig {
+        snat_addr: addr_words(ip(snat)),
+        cluster_cidr: c,
+        cluster_cidr_len: l,
+        flags: 0,
+        ct_tcp_timeout_s: 3600,
+        ct_udp_timeout_s: 60,
+    }
+}
+
+/// Path of a binary built beside the test binary (target/<profile>/NAME).
+pub fn sibling_bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap().parent().unwrap();
+    let p = dir.join(name);
+    assert!(p.exists(), "{} not built: run `cargo build --workspace` (cargo xtask test does)", p.display());
+    p
+}

@@ -1,0 +1,173 @@
+//! Building and checking IPv4 TCP/UDP/ICMP frames for the packet fixtures.
+use std::net::Ipv4Addr;
+
+pub const TCP: u8 = 6;
+pub const UDP: u8 = 17;
+pub const ICMP: u8 = 1;
+
+pub const SYN: u8 = 0x02;
+pub const ACK: u8 = 0x10;
+pub const FIN: u8 = 0x01;
+
+fn sum16(data: &[u8]) -> u32 {
+    let mut s = 0u32;
+    for c in data.chunks(2) {
+        let w = if c.len() == 2 { u16::from_be_bytes([c[0], c[1]]) } else { u16::from_be_bytes([c[0], 0]) };
+        s += u32::from(w);
+    }
+    s
+}
+
+fn fold(mut s: u32) -> u16 {
+    while s >> 16 != 0 {
+        s = (s & 0xffff) + (s >> 16);
+    }
+    s as u16
+}
+
+pub fn checksum(data: &[u8]) -> u16 {
+    !fold(sum16(data))
+}
+
+fn l4_checksum(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, l4: &[u8]) -> u16 {
+    let mut pseudo = Vec::with_capacity(12 + l4.len());
+    pseudo.extend_from_slice(&src.octets());
+    pseudo.extend_from_slice(&dst.octets());
+    pseudo.push(0);
+    pseudo.push(proto);
+    pseudo.extend_from_slice(&(l4.len() as u16).to_be_bytes());
+    pseudo.extend_from_slice(l4);
+    checksum(&pseudo)
+}
+
+#[derive(Clone, Debug)]
+pub struct Frame {
+    pub src: Ipv4Addr,
+    pub dst: Ipv4Addr,
+    pub proto: u8,
+    pub sport: u16,
+    pub dport: u16,
+    pub tcp_flags: u8,
+    pub payload: Vec<u8>,
+    /// UDP: send a zero (absent) checksum.
+    pub udp_no_checksum: bool,
+}
+
+impl Frame {
+    pub fn tcp(src: &str, sport: u16, dst: &str, dport: u16, flags: u8) -> Self {
+        Self {
+            src: src.parse().unwrap(),
+            dst: dst.parse().unwrap(),
+            proto: TCP,
+            sport,
+            dport,
+            tcp_flags: flags,
+            payload: Vec::new(),
+            udp_no_checksum: false,
+        }
+    }
+    pub fn udp(src: &str, sport: u16, dst: &str, dport: u16, payload: &[u8]) -> Self {
+        Self { proto: UDP, tcp_flags: 0, payload: payload.to_vec(), ..Self::tcp(src, sport, dst, dport, 0) }
+    }
+
+    pub fn bytes(&self) -> Vec<u8> {
+        let mut l4 = Vec::new();
+        l4.extend_from_slice(&self.sport.to_be_bytes());
+        l4.extend_from_slice(&self.dport.to_be_bytes());
+        if self.proto == TCP {
+            l4.extend_from_slice(&1000u32.to_be_bytes()); // seq
+            l4.extend_from_slice(&0u32.to_be_bytes()); // ack
+            l4.push(5 << 4);
+            l4.push(self.tcp_flags);
+            l4.extend_from_slice(&64240u16.to_be_bytes());
+            l4.extend_from_slice(&[0, 0, 0, 0]); // csum, urg
+        } else {
+            l4.extend_from_slice(&((8 + self.payload.len()) as u16).to_be_bytes());
+            l4.extend_from_slice(&[0, 0]);
+        }
+        l4.extend_from_slice(&self.payload);
+        let csum_off = if self.proto == TCP { 16 } else { 6 };
+        if !(self.proto == UDP && self.udp_no_checksum) {
+            let mut c = l4_checksum(self.src, self.dst, self.proto, &l4);
+            if self.proto == UDP && c == 0 {
+                c = 0xffff;
+            }
+            l4[csum_off..csum_off + 2].copy_from_slice(&c.to_be_bytes());
+        }
+        let mut ip = vec![0x45, 0, 0, 0, 0x12, 0x34, 0x40, 0, 64, self.proto, 0, 0];
+        let tot = (20 + l4.len()) as u16;
+        ip[2..4].copy_from_slice(&tot.to_be_bytes());
+        ip.extend_from_slice(&self.src.octets());
+        ip.extend_from_slice(&self.dst.octets());
+        let c = checksum(&ip);
+        ip[10..12].copy_from_slice(&c.to_be_bytes());
+        let mut f = vec![0x02, 0, 0, 0, 0, 0xaa, 0x02, 0, 0, 0, 0, 0xbb, 0x08, 0x00];
+        f.extend_from_slice(&ip);
+        f.extend_from_slice(&l4);
+        f
+    }
+}
+
+/// A parsed output frame, with its checksums verified.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Parsed {
+    pub src: Ipv4Addr,
+    pub dst: Ipv4Addr,
+    pub proto: u8,
+    pub sport: u16,
+    pub dport: u16,
+    pub ip_csum_ok: bool,
+    pub l4_csum_ok: bool,
+    pub l4_csum_zero: bool,
+    /// ICMP: type, code, and the quoted (src, dst, sport, dport).
+    pub icmp: Option<(u8, u8, Ipv4Addr, Ipv4Addr, u16, u16)>,
+    pub src_mac: [u8; 6],
+    pub dst_mac: [u8; 6],
+}
+
+pub fn parse(f: &[u8]) -> Parsed {
+    assert!(f.len() >= 34, "frame too short: {}", f.len());
+    let ip = &f[14..];
+    let ihl = usize::from(ip[0] & 0x0f) * 4;
+    let tot = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
+    let src = Ipv4Addr::new(ip[12], ip[13], ip[14], ip[15]);
+    let dst = Ipv4Addr::new(ip[16], ip[17], ip[18], ip[19]);
+    let proto = ip[9];
+    let ip_csum_ok = checksum(&ip[..ihl]) == 0;
+    let l4 = &ip[ihl..tot];
+    let mut p = Parsed {
+        src,
+        dst,
+        proto,
+        sport: 0,
+        dport: 0,
+        ip_csum_ok,
+        l4_csum_ok: false,
+        l4_csum_zero: false,
+        icmp: None,
+        src_mac: f[6..12].try_into().unwrap(),
+        dst_mac: f[0..6].try_into().unwrap(),
+    };
+    match proto {
+        ICMP => {
+            p.l4_csum_ok = checksum(l4) == 0;
+            let q = &l4[8..];
+            let qsrc = Ipv4Addr::new(q[12], q[13], q[14], q[15]);
+            let qdst = Ipv4Addr::new(q[16], q[17], q[18], q[19]);
+            let qs = u16::from_be_bytes([q[20], q[21]]);
+            let qd = u16::from_be_bytes([q[22], q[23]]);
+            p.icmp = Some((l4[0], l4[1], qsrc, qdst, qs, qd));
+        }
+        _ => {
+            p.sport = u16::from_be_bytes([l4[0], l4[1]]);
+            p.dport = u16::from_be_bytes([l4[2], l4[3]]);
+            if proto == UDP && l4[6] == 0 && l4[7] == 0 {
+                p.l4_csum_zero = true;
+                p.l4_csum_ok = true;
+            } else {
+                p.l4_csum_ok = l4_checksum(src, dst, proto, l4) == 0;
+            }
+        }
+    }
+    p
+}
