@@ -142,6 +142,7 @@ fn new_flow<P: Pkt>(p: &mut P, f: &Flow, scope: u8, cfg: &DatapathConfig, now: u
 #[classifier]
 pub fn kpr_tc_ingress(mut ctx: TcContext) -> i32 {
     let mut p = Tc(&mut ctx);
+    p.pull_headers();
     let v = process(&mut p, SCOPE_INTERNAL);
     p.action(v)
 }

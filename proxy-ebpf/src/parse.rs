@@ -82,7 +82,7 @@ pub fn parse<P: Pkt>(p: &P) -> Parsed {
     let saddr = u32::from(w[6]) | (u32::from(w[7]) << 16);
     let daddr = u32::from(w[8]) | (u32::from(w[9]) << 16);
     // The frame may carry Ethernet padding, never less than the IP header claims.
-    if tot_len < ihl_bytes || ETH_LEN + tot_len > p.len() {
+    if tot_len < ihl_bytes || ETH_LEN + tot_len > p.wire_len() {
         return Parsed::Malformed;
     }
     if frag & 0x3fff != 0 {

@@ -33,10 +33,14 @@ pub trait Pkt {
     fn data(&self) -> usize;
     fn data_end(&self) -> usize;
 
+    /// Bytes directly accessible (the linear part for an skb).
     #[inline(always)]
     fn len(&self) -> usize {
         self.data_end() - self.data()
     }
+
+    /// The whole packet's length, paged data included.
+    fn wire_len(&self) -> usize;
 
     #[inline(always)]
     fn load<T: Copy>(&self, off: usize) -> Option<T> {
@@ -70,6 +74,9 @@ pub trait Pkt {
     fn resize(&mut self, len: usize) -> Option<()>;
     /// Set the skb mark (kube-proxy's masquerade bit). XDP has no mark.
     fn or_mark(&mut self, mark: u32);
+    /// How a generated reply leaves: `Bounce` straight back out of the interface (MACs
+    /// swapped), or `Pass` to the node's stack, which routes it back (MACs kept).
+    fn reply_verdict(&self) -> Verdict;
 }
 
 pub struct Xdp<'a>(pub &'a XdpContext);
@@ -98,6 +105,10 @@ impl Xdp<'_> {
 }
 
 impl Pkt for Xdp<'_> {
+    #[inline(always)]
+    fn wire_len(&self) -> usize {
+        self.len()
+    }
     #[inline(always)]
     fn data(&self) -> usize {
         self.0.data()
@@ -128,11 +139,30 @@ impl Pkt for Xdp<'_> {
     }
     #[inline(always)]
     fn or_mark(&mut self, _mark: u32) {}
+    // XDP_TX needs the peer to accept XDP frames (a veth peer only does with NAPI on); the
+    // stack's forwarding path works on every driver, and rejects are not the fast path.
+    #[inline(always)]
+    fn reply_verdict(&self) -> Verdict {
+        Verdict::Pass
+    }
 }
 
 pub struct Tc<'a>(pub &'a mut TcContext);
 
+/// Ethernet + the largest IPv4 header + a TCP header without options.
+const HEADERS_MAX: u32 = 14 + 60 + 20;
+
 impl Tc<'_> {
+    /// Makes the headers directly accessible when the skb keeps them in paged data.
+    #[inline(always)]
+    pub fn pull_headers(&mut self) {
+        let len = unsafe { (*self.0.skb.skb).len };
+        let want = if len < HEADERS_MAX { len } else { HEADERS_MAX };
+        if (self.len() as u32) < want {
+            let _ = self.0.pull_data(want);
+        }
+    }
+
     #[inline(always)]
     fn flags(c: L4Csum) -> u64 {
         if c.udp {
@@ -153,6 +183,10 @@ impl Tc<'_> {
 }
 
 impl Pkt for Tc<'_> {
+    #[inline(always)]
+    fn wire_len(&self) -> usize {
+        unsafe { (*self.0.skb.skb).len as usize }
+    }
     #[inline(always)]
     fn data(&self) -> usize {
         self.0.data()
@@ -188,5 +222,9 @@ impl Pkt for Tc<'_> {
     #[inline(always)]
     fn or_mark(&mut self, mark: u32) {
         unsafe { (*self.0.skb.skb).mark |= mark };
+    }
+    #[inline(always)]
+    fn reply_verdict(&self) -> Verdict {
+        Verdict::Bounce
     }
 }

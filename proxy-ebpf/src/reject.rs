@@ -1,5 +1,5 @@
 //! "No endpoints": answer as kube-proxy's REJECT rule does, with ICMP port unreachable, built in
-//! place from the offending packet and sent back out of the interface it came in on.
+//! place from the offending packet and sent back towards the client (see Pkt::reply_verdict).
 //! Written field by field to keep the stack small (it is inlined into the caller's 512 bytes).
 use crate::{
     csum,
@@ -28,8 +28,11 @@ pub fn icmp_port_unreachable<P: Pkt>(p: &mut P, f: &Flow) -> Option<Verdict> {
     let quote: [u16; 14] = p.load(IP_OFF)?;
     p.resize(REPLY_LEN)?;
 
-    p.store(0, src_mac)?;
-    p.store(6, dst_mac)?;
+    let verdict = p.reply_verdict();
+    if verdict == Verdict::Bounce {
+        p.store(0, src_mac)?;
+        p.store(6, dst_mac)?;
+    }
     let w0 = u16::from_ne_bytes([0x45, 0xc0]);
     let tot = (56u16).to_be();
     let ttl_proto = u16::from_ne_bytes([64, 1]);
@@ -53,5 +56,5 @@ pub fn icmp_port_unreachable<P: Pkt>(p: &mut P, f: &Flow) -> Option<Verdict> {
     p.store(ICMP_OFF + 2, !csum::fold(sum))?;
     p.store(ICMP_OFF + 4, 0u32)?;
     p.store(ICMP_OFF + 8, quote)?;
-    Some(Verdict::Bounce)
+    Some(verdict)
 }

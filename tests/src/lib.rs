@@ -1,5 +1,6 @@
 //! Shared helpers of kpr's kernel tests: root/bpffs checks, pin-directory and namespace guards
 //! that clean up on drop (also when a test fails), and the packet builder.
+pub mod lab;
 pub mod packet;
 
 use std::{
@@ -138,8 +139,9 @@ pub fn datapath_config(snat: &str, cluster_cidr: Option<(&str, u32)>) -> Datapat
 /// Path of a binary built beside the test binary (target/<profile>/NAME).
 pub fn sibling_bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().unwrap().parent().unwrap();
-    let p = dir.join(name);
+    // Binaries live in target/<profile>/, test executables in target/<profile>/deps/.
+    let dir = exe.parent().unwrap();
+    let p = if dir.join(name).exists() { dir.join(name) } else { dir.parent().unwrap().join(name) };
     assert!(p.exists(), "{} not built: run `cargo build --workspace` (cargo xtask test does)", p.display());
     p
 }

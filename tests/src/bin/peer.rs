@@ -1,1 +1,158 @@
-fn main(){}
+//! kpr-lab-peer: the TCP/UDP servers and clients of the namespace lab and the end-to-end tests.
+//! Every loop is bounded by a count and a deadline.
+//!
+//!   serve  NAME TCP_PORT UDP_PORT          answer every request with NAME
+//!   burst  IP:PORT tcp|udp COUNT           COUNT short connections; prints JSON {name: count, "errors": n}
+//!   hold   IP:PORT SECONDS                 one TCP connection, a request every 50 ms; prints JSON
+//!   stream IP:PORT SECONDS                 new TCP connections back to back for SECONDS; prints JSON
+use std::{
+    collections::BTreeMap,
+    io::{BufRead, BufReader, Read, Write},
+    net::{SocketAddr, TcpListener, TcpStream, UdpSocket},
+    time::{Duration, Instant},
+};
+
+fn serve(name: String, tcp: u16, udp: u16) {
+    let n2 = name.clone();
+    std::thread::spawn(move || {
+        let s = UdpSocket::bind(("0.0.0.0", udp)).expect("udp bind");
+        let mut buf = [0u8; 1500];
+        loop {
+            if let Ok((_, from)) = s.recv_from(&mut buf) {
+                let _ = s.send_to(n2.as_bytes(), from);
+            }
+        }
+    });
+    let l = TcpListener::bind(("0.0.0.0", tcp)).expect("tcp bind");
+    println!("ready");
+    for conn in l.incoming().flatten() {
+        let name = name.clone();
+        std::thread::spawn(move || {
+            let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
+            let mut r = BufReader::new(conn.try_clone().unwrap());
+            let mut w = conn;
+            let mut line = String::new();
+            // One answer per request line, until the client closes.
+            while r.read_line(&mut line).map(|n| n > 0).unwrap_or(false) {
+                if w.write_all(format!("{name}\n").as_bytes()).is_err() {
+                    break;
+                }
+                line.clear();
+            }
+        });
+    }
+}
+
+fn one_tcp(target: SocketAddr) -> Result<String, String> {
+    let mut s = TcpStream::connect_timeout(&target, Duration::from_secs(2)).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok();
+    s.write_all(b"hi\n").map_err(|e| e.to_string())?;
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    r.read_line(&mut line).map_err(|e| e.to_string())?;
+    if line.is_empty() {
+        return Err("closed".into());
+    }
+    Ok(line.trim().to_string())
+}
+
+fn one_udp(target: SocketAddr) -> Result<String, String> {
+    let s = UdpSocket::bind("0.0.0.0:0").map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_millis(1500))).ok();
+    s.send_to(b"hi", target).map_err(|e| e.to_string())?;
+    let mut buf = [0u8; 256];
+    let n = s.recv(&mut buf).map_err(|e| e.to_string())?;
+    Ok(String::from_utf8_lossy(&buf[..n]).to_string())
+}
+
+fn report(counts: BTreeMap<String, u64>, errors: u64, first_error: Option<String>) {
+    let mut m: BTreeMap<String, serde_json::Value> = counts.into_iter().map(|(k, v)| (k, v.into())).collect();
+    m.insert("errors".into(), errors.into());
+    if let Some(e) = first_error {
+        m.insert("first_error".into(), e.into());
+    }
+    println!("{}", serde_json::to_string(&m).unwrap());
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let arg = |i: usize| args.get(i).cloned().unwrap_or_else(|| panic!("missing argument {i}; see the file header for usage"));
+    match arg(0).as_str() {
+        "serve" => serve(arg(1), arg(2).parse().unwrap(), arg(3).parse().unwrap()),
+        "burst" => {
+            let target: SocketAddr = arg(1).parse().unwrap();
+            let udp = arg(2) == "udp";
+            let count: u64 = arg(3).parse().unwrap();
+            let (mut counts, mut errors, mut first) = (BTreeMap::new(), 0, None);
+            let deadline = Instant::now() + Duration::from_secs(60);
+            for _ in 0..count.min(100_000) {
+                if Instant::now() > deadline {
+                    errors += 1;
+                    first.get_or_insert("burst deadline (60 s) reached".into());
+                    break;
+                }
+                match if udp { one_udp(target) } else { one_tcp(target) } {
+                    Ok(n) => *counts.entry(n).or_insert(0) += 1,
+                    Err(e) => {
+                        errors += 1;
+                        first.get_or_insert(e);
+                    }
+                }
+            }
+            report(counts, errors, first);
+        }
+        "hold" => {
+            let target: SocketAddr = arg(1).parse().unwrap();
+            let secs: f64 = arg(2).parse().unwrap();
+            let deadline = Instant::now() + Duration::from_secs_f64(secs.min(120.0));
+            let (mut counts, mut errors, mut first) = (BTreeMap::new(), 0, None);
+            match TcpStream::connect_timeout(&target, Duration::from_secs(2)) {
+                Ok(s) => {
+                    s.set_read_timeout(Some(Duration::from_secs(2))).ok();
+                    let mut w = s.try_clone().unwrap();
+                    let mut r = BufReader::new(s);
+                    println!("connected");
+                    while Instant::now() < deadline {
+                        let mut line = String::new();
+                        let ok = w.write_all(b"ping\n").is_ok() && r.read_line(&mut line).map(|n| n > 0).unwrap_or(false);
+                        if ok {
+                            *counts.entry(line.trim().to_string()).or_insert(0) += 1;
+                        } else {
+                            errors += 1;
+                            first.get_or_insert("request on held connection failed".to_string());
+                            break;
+                        }
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                    let mut rest = Vec::new();
+                    let _ = r.get_mut().shutdown(std::net::Shutdown::Write);
+                    let _ = r.read_to_end(&mut rest);
+                }
+                Err(e) => {
+                    errors += 1;
+                    first = Some(e.to_string());
+                }
+            }
+            report(counts, errors, first);
+        }
+        "stream" => {
+            let target: SocketAddr = arg(1).parse().unwrap();
+            let secs: f64 = arg(2).parse().unwrap();
+            let deadline = Instant::now() + Duration::from_secs_f64(secs.min(120.0));
+            let (mut counts, mut errors, mut first) = (BTreeMap::new(), 0, None);
+            let mut n = 0;
+            while Instant::now() < deadline && n < 1_000_000 {
+                n += 1;
+                match one_tcp(target) {
+                    Ok(name) => *counts.entry(name).or_insert(0) += 1,
+                    Err(e) => {
+                        errors += 1;
+                        first.get_or_insert(e);
+                    }
+                }
+            }
+            report(counts, errors, first);
+        }
+        other => panic!("unknown command {other:?}; see the file header for usage"),
+    }
+}

@@ -1,0 +1,73 @@
+//! kpr-lab: the README's main command. Builds the namespace lab, runs kpr on the example
+//! Services, sends traffic from a pod and from outside the node, and shows where it went.
+//! Everything is removed at the end (also on Ctrl-C or a failure).
+//!
+//!   kpr-lab [--manifests DIR] [--connections N] [--keep SECONDS]
+use std::{path::PathBuf, sync::atomic::{AtomicBool, Ordering}, time::Duration};
+
+use kpr_tests::lab::{errors, per_backend, Lab, NODE_IP};
+
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::Relaxed);
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let opt = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
+    let manifests = opt("--manifests").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("deploy/examples"));
+    let n: u64 = opt("--connections").map(|s| s.parse().expect("--connections N")).unwrap_or(300);
+    let keep: u64 = opt("--keep").map(|s| s.parse().expect("--keep SECONDS")).unwrap_or(0);
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    }
+    let manifests = std::fs::canonicalize(&manifests).unwrap_or_else(|e| panic!("{}: {e}", manifests.display()));
+    println!("==> building the lab: namespaces kpr-lab-{{cl,node,pod,b1,b2,b3}}");
+    let mut lab = Lab::build("kpr-lab", &manifests);
+    println!("==> starting kpr in kpr-lab-node on {} (log: {})", manifests.display(), lab.agent_log.display());
+    let _ = std::fs::remove_file(&lab.agent_log);
+    lab.start_agent();
+    lab.wait_backends("10.96.0.10:80", 3);
+    println!("\n==> kpr services (what the kernel maps hold)\n{}", lab.cli(&["services"]));
+
+    let runs: Vec<(&str, &str, String, &str, u64)> = vec![
+        ("pod -> ClusterIP web (random)", "pod", "10.96.0.10:80".into(), "tcp", n),
+        ("pod -> ClusterIP web-rr (round-robin)", "pod", "10.96.0.11:80".into(), "tcp", n),
+        ("pod -> ClusterIP sticky (ClientIP affinity)", "pod", "10.96.0.12:80".into(), "tcp", n / 5),
+        ("pod -> ClusterIP dns (UDP, maglev)", "pod", "10.96.0.53:53".into(), "udp", n / 5),
+        ("outside -> NodePort web", "cl", format!("{NODE_IP}:30080"), "tcp", n),
+        ("outside -> LoadBalancer shop", "cl", "203.0.113.10:80".into(), "tcp", n / 5),
+        ("pod -> ClusterIP gone (no endpoints)", "pod", "10.96.0.99:80".into(), "tcp", 3),
+    ];
+    println!("==> traffic ({n} connections per main run)");
+    println!("{:<46} {:>6} {:>6} {:>6} {:>7}", "", "b1", "b2", "b3", "failed");
+    for (what, from, target, proto, count) in &runs {
+        if INTERRUPTED.load(Ordering::Relaxed) {
+            break;
+        }
+        let v = lab.peer(from, &["burst", target, proto, &count.to_string()]);
+        let pb: std::collections::BTreeMap<String, u64> = per_backend(&v).into_iter().collect();
+        let cell = |b: &str| pb.get(b).map(|n| n.to_string()).unwrap_or_else(|| "-".into());
+        let err = errors(&v);
+        let note = v["first_error"].as_str().map(|e| format!("  ({e})")).unwrap_or_default();
+        println!("{what:<46} {:>6} {:>6} {:>6} {err:>7}{note}", cell("b1"), cell("b2"), cell("b3"));
+    }
+    println!("\n==> kpr status (per-CPU counters of the data path)\n{}", lab.cli(&["status"]));
+    let ct = lab.cli(&["conntrack"]);
+    println!("==> kpr conntrack (first lines of {} flows)", ct.lines().count().saturating_sub(1));
+    for l in ct.lines().take(6) {
+        println!("{l}");
+    }
+    if keep > 0 {
+        println!("\n==> keeping the lab for {keep} s (Ctrl-C to stop). Try:\n  ip netns exec kpr-lab-pod {} burst 10.96.0.10:80 tcp 10\n  {} --pin-dir {} services", std::env::current_exe().unwrap().with_file_name("kpr-lab-peer").display(), lab.kpr.display(), lab.pins.path().display());
+        let mut left = keep * 10;
+        while left > 0 && !INTERRUPTED.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(100));
+            left -= 1;
+        }
+    }
+    println!("\n==> cleaning up (agent stopped, links detached, maps unpinned, namespaces deleted)");
+    drop(lab);
+}

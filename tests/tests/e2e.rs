@@ -1,0 +1,134 @@
+//! End to end in network namespaces: real TCP and UDP through the programs attached by the real
+//! agent, from a pod (TC) and from outside the node (XDP), to three backend namespaces.
+use std::{path::PathBuf, time::Duration};
+
+use kpr_tests::lab::{errors, per_backend, Lab, NODE_IP};
+
+fn examples_copy(name: &str) -> PathBuf {
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples");
+    let dst = std::env::temp_dir().join(format!("kpr-e2e-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dst);
+    std::fs::create_dir_all(&dst).unwrap();
+    for e in std::fs::read_dir(src).unwrap().flatten() {
+        std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
+    }
+    dst
+}
+
+fn lab(prefix: &str) -> Lab {
+    let m = examples_copy(prefix);
+    let mut lab = Lab::build(prefix, &m);
+    lab.start_agent();
+    lab.wait_backends("10.96.0.10:80", 3);
+    lab
+}
+
+fn assert_even(v: &serde_json::Value, total: u64, what: &str) {
+    let pb = per_backend(v);
+    assert_eq!(errors(v), 0, "{what}: {v}");
+    assert_eq!(pb.len(), 3, "{what}: every backend must be reached: {v}");
+    let expected = total as f64 / 3.0;
+    for (b, n) in &pb {
+        let dev = (*n as f64 - expected).abs() / expected;
+        assert!(dev <= 0.20, "{what}: backend {b} got {n} of {total} ({:.0}% off even): {v}", dev * 100.0);
+    }
+    println!("{what}: {pb:?}");
+}
+
+#[test]
+fn clusterip_nodeport_udp_lb_and_reject_on_real_traffic() {
+    let lab = lab("kpe1");
+    // East-west from a pod (TC ingress), random and round-robin, 600 connections each.
+    assert_even(&lab.peer("pod", &["burst", "10.96.0.10:80", "tcp", "600"]), 600, "pod -> ClusterIP random");
+    assert_even(&lab.peer("pod", &["burst", "10.96.0.11:80", "tcp", "600"]), 600, "pod -> ClusterIP round-robin");
+    // North-south from outside the node (XDP on the uplink).
+    assert_even(&lab.peer("cl", &["burst", &format!("{NODE_IP}:30080"), "tcp", "600"]), 600, "client -> NodePort random");
+    assert_even(&lab.peer("cl", &["burst", "10.96.0.10:80", "tcp", "300"]), 300, "client -> ClusterIP random");
+    // A pod reaching the NodePort on the node's address goes through TC.
+    let v = lab.peer("pod", &["burst", &format!("{NODE_IP}:30080"), "tcp", "60"]);
+    assert_eq!((errors(&v), per_backend(&v).len()), (0, 3), "pod -> NodePort: {v}");
+    // UDP through Maglev.
+    let v = lab.peer("pod", &["burst", "10.96.0.53:53", "udp", "90"]);
+    assert_eq!(errors(&v), 0, "{v}");
+    assert!(per_backend(&v).len() >= 2, "maglev spreads UDP flows: {v}");
+    // LoadBalancer IP: allowed source range from outside.
+    let v = lab.peer("cl", &["burst", "203.0.113.10:80", "tcp", "30"]);
+    assert_eq!(errors(&v), 0, "{v}");
+    assert!(per_backend(&v).iter().all(|(b, _)| b == "b2" || b == "b3"), "{v}");
+    // No endpoints: refused at once, not a timeout.
+    let t = std::time::Instant::now();
+    let v = lab.peer("pod", &["burst", "10.96.0.99:80", "tcp", "3"]);
+    assert_eq!(errors(&v), 3, "{v}");
+    assert!(v["first_error"].as_str().unwrap().contains("refused"), "{v}");
+    assert!(t.elapsed() < Duration::from_secs(2), "reject must not wait for a timeout");
+    let v = lab.peer("cl", &["burst", "10.96.0.99:80", "tcp", "2"]);
+    assert!(v["first_error"].as_str().unwrap().contains("refused"), "from outside too: {v}");
+
+    // The operator views show the kernel state.
+    let services = lab.cli(&["services"]);
+    assert!(services.contains("10.96.0.10:80") && services.contains("10.244.1.2:8080"), "{services}");
+    let ct = lab.cli(&["conntrack"]);
+    assert!(ct.contains("10.96.0.10:80"), "{ct}");
+    let status = lab.cli(&["status"]);
+    assert!(status.contains("new_flow") && status.contains("hpod"), "{status}");
+}
+
+#[test]
+fn removed_backend_gets_no_new_connections_but_keeps_established_ones() {
+    let lab = lab("kpe2");
+    let held = lab.peer_bg("pod", &["hold", "10.96.0.10:80", "4"]);
+    std::thread::sleep(Duration::from_millis(800));
+    // Which backend holds the connection: conntrack says.
+    let flows: serde_json::Value = serde_json::from_str(&lab.cli(&["conntrack", "--json"])).unwrap();
+    let backend = flows.as_array().unwrap().iter().find(|f| f["frontend"] == "10.96.0.10:80").expect("held flow")["backend"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let ip = backend.split(':').next().unwrap().to_string();
+    let web = lab.manifests.join("web.yaml");
+    let text = std::fs::read_to_string(&web).unwrap();
+    let removed = text.replace(&format!("- addresses: [\"{ip}\"]\n  conditions: {{ready: true, serving: true, terminating: false}}\n  nodeName: node-a\n"), "");
+    assert_ne!(text, removed);
+    std::fs::write(&web, removed).unwrap();
+    lab.wait_backends("10.96.0.10:80", 2);
+    let name = format!("b{}", ip.split('.').nth(2).unwrap());
+    let v = lab.peer("pod", &["burst", "10.96.0.10:80", "tcp", "120"]);
+    assert_eq!(errors(&v), 0, "{v}");
+    assert!(per_backend(&v).iter().all(|(b, _)| *b != name), "removed backend {name} got new connections: {v}");
+    let h = Lab::finish(held);
+    assert_eq!(errors(&h), 0, "the established connection broke: {h}");
+    assert_eq!(per_backend(&h).len(), 1, "{h}");
+    assert_eq!(per_backend(&h)[0].0, name);
+    assert!(per_backend(&h)[0].1 > 30, "{h}");
+}
+
+#[test]
+fn client_ip_affinity_pins_a_client() {
+    let lab = lab("kpe3");
+    let v = lab.peer("pod", &["burst", "10.96.0.12:80", "tcp", "60"]);
+    assert_eq!(errors(&v), 0);
+    assert_eq!(per_backend(&v).len(), 1, "affinity must pin: {v}");
+    let v2 = lab.peer("cl", &["burst", "10.96.0.12:80", "tcp", "30"]);
+    assert_eq!(per_backend(&v2).len(), 1, "{v2}");
+}
+
+#[test]
+fn sigkill_of_the_agent_during_traffic_fails_no_connection() {
+    let mut lab = lab("kpe4");
+    let stream = lab.peer_bg("pod", &["stream", "10.96.0.10:80", "4"]);
+    let outside = lab.peer_bg("cl", &["stream", &format!("{NODE_IP}:30080"), "4"]);
+    let held = lab.peer_bg("pod", &["hold", "10.96.0.11:80", "4"]);
+    std::thread::sleep(Duration::from_millis(1000));
+    lab.kill_agent();
+    std::thread::sleep(Duration::from_millis(1000));
+    lab.start_agent();
+    for (what, c) in [("pod stream", stream), ("outside stream", outside), ("held", held)] {
+        let v = Lab::finish(c);
+        assert_eq!(errors(&v), 0, "{what}: {v}");
+        let n: u64 = per_backend(&v).iter().map(|(_, n)| n).sum();
+        assert!(n > 20, "{what}: too little traffic to mean anything: {v}");
+        println!("{what}: {v}");
+    }
+    // The restarted agent took over the same maps and changed nothing.
+    assert!(lab.agent_log().matches("synced").count() >= 2, "{}", lab.agent_log());
+}
