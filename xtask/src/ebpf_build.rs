@@ -15,6 +15,8 @@ use std::{
 
 pub const TARGET: &str = "bpfel-unknown-none";
 
+pub const DEBIAN_PACKAGES: &[&str] = &["rustc-web", "cargo-web", "libstd-rust-web-dev-bpf", "llvm-22-dev", "libpolly-22-dev"];
+
 pub const DEBIAN_INSTALL: &str = "apt-get install -y rustc-web cargo-web libstd-rust-web-dev-bpf llvm-22-dev libpolly-22-dev && LLVM_PREFIX=/usr/lib/llvm-22 cargo install bpf-linker --no-default-features --features llvm-22";
 
 fn home_cargo_bin() -> PathBuf {
@@ -24,7 +26,7 @@ fn home_cargo_bin() -> PathBuf {
         .join("bin")
 }
 
-fn bpf_linker_found() -> bool {
+pub fn bpf_linker_found() -> bool {
     if home_cargo_bin().join("bpf-linker").exists() {
         return true;
     }
@@ -33,13 +35,13 @@ fn bpf_linker_found() -> bool {
         .unwrap_or(false)
 }
 
-fn debian_toolchain() -> bool {
+pub fn debian_toolchain() -> bool {
     Path::new("/usr/bin/rustc").exists()
         && Path::new("/usr/bin/cargo").exists()
         && Path::new("/usr/lib/rustlib").join(TARGET).exists()
 }
 
-fn nightly_with_rust_src() -> bool {
+pub fn nightly_with_rust_src() -> bool {
     Command::new("rustup")
         .args(["component", "list", "--installed", "--toolchain", "nightly"])
         .output()

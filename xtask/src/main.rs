@@ -1,1 +1,180 @@
-fn main(){}
+//! Developer tasks: `cargo xtask build-ebpf | lab | test | bench`.
+mod ebpf_build;
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, ExitCode},
+};
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "xtask", about = "kpr developer tasks")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Build the eBPF object (proxy-ebpf) for bpfel-unknown-none and print its path.
+    BuildEbpf {
+        /// Unoptimised build (the verifier usually rejects it; for debugging the build only).
+        #[arg(long)]
+        debug: bool,
+    },
+    /// The README's main command: namespace lab + kpr on deploy/examples + traffic (root).
+    Lab {
+        /// Arguments for kpr-lab (--connections N, --keep SECONDS, --manifests DIR).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Build everything and run every test: unit, packet fixtures, namespace end to end (root).
+    Test {
+        /// Extra arguments for `cargo test`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Per-packet cost vs. the pass-only floor at several service counts (root).
+    Bench {
+        /// Small sizes and counts: proves the harness runs (what CI runs).
+        #[arg(long)]
+        smoke: bool,
+        /// Arguments for kpr-bench (--sizes, --repeat, --new-flows, --runs, --json).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+fn cargo() -> Command {
+    let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    c.current_dir(root());
+    c
+}
+
+fn run(mut c: Command, what: &str) -> Result<()> {
+    eprintln!("xtask: {what}");
+    let st = c.status().with_context(|| format!("running {what}"))?;
+    if !st.success() {
+        bail!("{what} failed ({st})");
+    }
+    Ok(())
+}
+
+fn require_root(what: &str) -> Result<()> {
+    if unsafe { libc_geteuid() } != 0 {
+        bail!("{what} loads BPF programs and creates network namespaces: run it as root (e.g. `sudo -E cargo xtask {what}`)");
+    }
+    Ok(())
+}
+
+extern "C" {
+    #[link_name = "geteuid"]
+    fn libc_geteuid() -> u32;
+}
+
+fn mount_bpffs() {
+    let mounted = Command::new("mountpoint").args(["-q", "/sys/fs/bpf"]).status().map(|s| s.success()).unwrap_or(false);
+    if !mounted {
+        let _ = Command::new("mount").args(["-t", "bpf", "bpf", "/sys/fs/bpf"]).status();
+    }
+}
+
+/// Installs what the eBPF build needs on Debian (as root), or says exactly what is missing.
+fn ensure_toolchain() -> Result<()> {
+    let have_toolchain = ebpf_build::debian_toolchain() || ebpf_build::nightly_with_rust_src();
+    let mut missing_tools: Vec<&str> = Vec::new();
+    for (tool, pkg) in [("ip", "iproute2"), ("mountpoint", "util-linux")] {
+        if !Command::new("sh").arg("-c").arg(format!("command -v {tool} >/dev/null")).status().map(|s| s.success()).unwrap_or(false) {
+            missing_tools.push(pkg);
+        }
+    }
+    if have_toolchain && ebpf_build::bpf_linker_found() && missing_tools.is_empty() {
+        return Ok(());
+    }
+    let apt = Path::new("/usr/bin/apt-get").exists();
+    if !apt || unsafe { libc_geteuid() } != 0 {
+        bail!("the eBPF toolchain is missing. On Debian, as root: {}", ebpf_build::DEBIAN_INSTALL);
+    }
+    if !have_toolchain || !missing_tools.is_empty() {
+        let mut pkgs: Vec<&str> = missing_tools.clone();
+        if !have_toolchain {
+            pkgs.extend(ebpf_build::DEBIAN_PACKAGES);
+        }
+        let mut update = Command::new("apt-get");
+        update.args(["update", "-qq"]);
+        run(update, "apt-get update")?;
+        let mut c = Command::new("apt-get");
+        c.env("DEBIAN_FRONTEND", "noninteractive").args(["install", "-y", "-qq", "--no-install-recommends"]).args(&pkgs);
+        run(c, &format!("installing {}", pkgs.join(" ")))?;
+    }
+    if !ebpf_build::bpf_linker_found() {
+        let mut c = Command::new("cargo");
+        c.env("LLVM_PREFIX", "/usr/lib/llvm-22").args(["install", "--locked", "bpf-linker", "--no-default-features", "--features", "llvm-22"]);
+        run(c, "installing bpf-linker (about 2 minutes)")?;
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    match real_main() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn real_main() -> Result<()> {
+    match Cli::parse().cmd {
+        Cmd::BuildEbpf { debug } => {
+            ensure_toolchain()?;
+            let obj = ebpf_build::build(&root(), &root().join("target/ebpf"), !debug).map_err(anyhow::Error::msg)?;
+            println!("{}", obj.display());
+        }
+        Cmd::Lab { args } => {
+            require_root("lab")?;
+            ensure_toolchain()?;
+            mount_bpffs();
+            let mut b = cargo();
+            b.args(["build", "--release", "-p", "proxy-agent", "-p", "kpr-tests", "--bins"]);
+            run(b, "building kpr and the lab tools (the first build takes a few minutes)")?;
+            let mut c = Command::new(root().join("target/release/kpr-lab"));
+            c.current_dir(root()).args(&args);
+            run(c, "running the lab")?;
+        }
+        Cmd::Test { args } => {
+            require_root("test")?;
+            ensure_toolchain()?;
+            mount_bpffs();
+            let mut b = cargo();
+            b.args(["build", "--workspace", "--bins", "--tests"]);
+            run(b, "building the workspace and its tests")?;
+            let mut t = cargo();
+            t.args(["test", "--workspace"]).args(&args);
+            run(t, "running the tests")?;
+        }
+        Cmd::Bench { smoke, args } => {
+            require_root("bench")?;
+            ensure_toolchain()?;
+            mount_bpffs();
+            let mut b = cargo();
+            b.args(["build", "--release", "-p", "kpr-tests", "--bin", "kpr-bench"]);
+            run(b, "building kpr-bench")?;
+            let mut c = Command::new(root().join("target/release/kpr-bench"));
+            c.current_dir(root());
+            if smoke {
+                c.args(["--sizes", "1,1000", "--repeat", "20000", "--new-flows", "200", "--runs", "3"]);
+            }
+            c.args(&args);
+            run(c, "running the benchmark")?;
+        }
+    }
+    Ok(())
+}
