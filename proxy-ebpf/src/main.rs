@@ -19,7 +19,7 @@ mod reject;
 
 use aya_ebpf::{
     bindings::{xdp_action, TC_ACT_OK},
-    helpers::bpf_ktime_get_ns,
+    helpers::bpf_ktime_get_coarse_ns,
     macros::{classifier, xdp},
     maps::lpm_trie::Key,
     programs::{TcContext, XdpContext},
@@ -67,7 +67,7 @@ fn process<P: Pkt>(p: &mut P, scope: u8) -> Verdict {
     let Some(cfg) = KPR_CFG_V1.get(0) else {
         return Verdict::Pass;
     };
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = unsafe { bpf_ktime_get_coarse_ns() };
 
     if let Some(rw) = conntrack::established(&f, cfg, now) {
         if rw.snat {
