@@ -37,6 +37,8 @@ pub struct AgentConfig {
     /// TC ingress on these, and on every interface whose name starts with a prefix.
     pub pod_ifaces: Vec<String>,
     pub pod_iface_prefixes: Vec<String>,
+    /// Connect-time balancing for the node's own processes on this cgroup (v2); None: off.
+    pub cgroup: Option<PathBuf>,
     pub node_name: String,
     /// Empty: the uplinks' IPv4 addresses.
     pub nodeport_addresses: Vec<IpAddr>,
@@ -64,6 +66,7 @@ impl Default for AgentConfig {
             uplinks: Vec::new(),
             pod_ifaces: Vec::new(),
             pod_iface_prefixes: Vec::new(),
+            cgroup: None,
             node_name: String::new(),
             nodeport_addresses: Vec::new(),
             snat_ip: None,
@@ -103,7 +106,11 @@ pub struct Agent {
 
 impl Agent {
     pub fn new(cfg: AgentConfig) -> Result<Self, AgentError> {
-        let dp = Datapath::load(&cfg.pin_dir, cfg.capacities)?;
+        let mut dp = Datapath::load(&cfg.pin_dir, cfg.capacities)?;
+        if let Some(cg) = &cfg.cgroup {
+            dp.attach_cgroup(cg)?;
+            info!(cgroup = %cg.display(), "connect-time balancing attached");
+        }
         let maps = KernelMaps::open(&cfg.pin_dir)?;
         Ok(Self { cfg, dp, maps, syncer: Syncer::default(), attached: BTreeSet::new(), syncs: 0, sync_failures: 0 })
     }
@@ -160,7 +167,7 @@ impl Agent {
         }
         // Links of interfaces that are gone.
         for (iface, hook) in kernel::attached_links(&self.cfg.pin_dir) {
-            if !present.contains(&iface) {
+            if hook != Hook::Cgroup && !present.contains(&iface) {
                 let _ = kernel::detach(&self.cfg.pin_dir, &iface, hook);
                 self.attached.retain(|(i, _)| i != &iface);
             }

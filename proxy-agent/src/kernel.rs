@@ -10,7 +10,7 @@ use aya::{
     programs::{
         links::{FdLink, PinnedLink},
         tc::{self, SchedClassifierLink, TcAttachType},
-        SchedClassifier, Xdp, XdpMode,
+        CgroupAttachMode, CgroupSockAddr, SchedClassifier, Xdp, XdpMode,
         xdp::XdpLink,
     },
     Ebpf, EbpfLoader,
@@ -47,6 +47,8 @@ pub enum KernelError {
 pub enum Hook {
     TcIngress,
     Xdp,
+    /// Connect-time programs on a cgroup; the "interface" is the program name.
+    Cgroup,
 }
 
 impl Hook {
@@ -54,6 +56,7 @@ impl Hook {
         match self {
             Hook::TcIngress => "tc_ingress",
             Hook::Xdp => "xdp",
+            Hook::Cgroup => "cgroup",
         }
     }
 }
@@ -120,7 +123,42 @@ impl Datapath {
         for name in [prog_names::XDP_INGRESS, prog_names::XDP_PASS] {
             dp.xdp(name)?.load().map_err(|err| KernelError::Program { name, err })?;
         }
+        for name in prog_names::SOCK {
+            dp.sock_addr(name)?.load().map_err(|err| KernelError::Program { name, err })?;
+        }
         Ok(dp)
+    }
+
+    pub fn sock_addr(&mut self, name: &'static str) -> Result<&mut CgroupSockAddr, KernelError> {
+        let p = self.ebpf.program_mut(name).ok_or(KernelError::Program {
+            name,
+            err: aya::programs::ProgramError::UnexpectedProgramType,
+        })?;
+        p.try_into().map_err(|err| KernelError::Program { name, err })
+    }
+
+    /// Attaches the connect-time programs to a cgroup (v2) and pins their links. A link pinned
+    /// by an earlier agent is replaced after the new one is attached: for a moment both run,
+    /// which is harmless (the second sees a backend address, not a service).
+    pub fn attach_cgroup(&mut self, cgroup: &Path) -> Result<(), KernelError> {
+        let fail = |what: &'static str, err: String| KernelError::Attach { iface: cgroup.display().to_string(), what, err };
+        let fail_sys = |what: &'static str, e: aya::programs::ProgramError| fail(what, format!("{e}: {}", std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default()));
+        let dir = std::fs::File::open(cgroup).map_err(|e| fail("open cgroup", e.to_string()))?;
+        for name in prog_names::SOCK {
+            let path = self.pin_dir.join("links").join(format!("cgroup_{name}"));
+            let prog = self.sock_addr(name)?;
+            let id = prog.attach(&dir, CgroupAttachMode::Single).map_err(|e| fail_sys("attach cgroup program", e))?;
+            // (bpf_link on a cgroup always allows several programs; Single is the flags value 0
+            // that BPF_LINK_CREATE requires.)
+            let link = prog.take_link(id).map_err(|e| fail("take cgroup link", e.to_string()))?;
+            let fd = FdLink::try_from(link).map_err(|e| fail("cgroup link is not a bpf_link (kernel < 5.7?)", e.to_string()))?;
+            // bpffs refuses '.' in names.
+            let tmp = self.pin_dir.join("links").join(format!("new_cgroup_{name}"));
+            let _ = std::fs::remove_file(&tmp);
+            fd.pin(&tmp).map_err(|e| fail("pin cgroup link", e.to_string()))?;
+            std::fs::rename(&tmp, &path).map_err(|e| fail("replace pinned cgroup link", e.to_string()))?;
+        }
+        Ok(())
     }
 
     pub fn classifier(&mut self, name: &'static str) -> Result<&mut SchedClassifier, KernelError> {
@@ -181,6 +219,7 @@ impl Datapath {
                     Err(_) => {}
                 }
             }
+            Hook::Cgroup => return Err(fail("attach", "cgroup programs attach with attach_cgroup".into())),
             Hook::Xdp => {
                 let prog = self.xdp(prog_names::XDP_INGRESS)?;
                 if let Some(link) = existing {
@@ -217,6 +256,8 @@ pub fn attached_links(pin_dir: &Path) -> Vec<(String, Hook)> {
             out.push((i.to_string(), Hook::TcIngress));
         } else if let Some(i) = name.strip_prefix("xdp_") {
             out.push((i.to_string(), Hook::Xdp));
+        } else if let Some(p) = name.strip_prefix("cgroup_") {
+            out.push((p.to_string(), Hook::Cgroup));
         }
     }
     out.sort_by(|a, b| a.0.cmp(&b.0));
@@ -425,4 +466,14 @@ pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// The cgroup v2 root: /sys/fs/cgroup on unified hierarchies, /sys/fs/cgroup/unified on hybrid ones.
+pub fn cgroup2_root() -> Option<PathBuf> {
+    const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
+    ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"].iter().map(PathBuf::from).find(|p| {
+        let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else { return false };
+        let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+        unsafe { libc::statfs(c.as_ptr(), &mut st) == 0 && st.f_type as i64 == CGROUP2_SUPER_MAGIC }
+    })
 }

@@ -77,6 +77,10 @@ struct RunArgs {
     /// Attach TC to every interface whose name starts with this (e.g. veth, cali, lxc).
     #[arg(long = "pod-iface-prefix")]
     pod_iface_prefixes: Vec<String>,
+    /// cgroup v2 whose processes get connect-time balancing (the node's own traffic to
+    /// services): "auto" = the cgroup2 root, "none" = off, or a path.
+    #[arg(long, default_value = "auto")]
+    cgroup: String,
     /// This node's name (endpoints on it are local).
     #[arg(long, env = "NODE_NAME", default_value = "")]
     node_name: String,
@@ -126,7 +130,13 @@ fn main() -> Result<()> {
     init_logs(cli.log_format);
     match cli.cmd {
         Cmd::Run(a) => {
+            let cgroup = match a.cgroup.as_str() {
+                "none" => None,
+                "auto" => Some(kernel::cgroup2_root().context("no cgroup v2 hierarchy found for --cgroup auto (use --cgroup none or a path)")?),
+                p => Some(PathBuf::from(p)),
+            };
             let cfg = AgentConfig {
+                cgroup,
                 manifests: a.manifests,
                 pin_dir: cli.pin_dir,
                 uplinks: a.uplinks,

@@ -33,10 +33,11 @@ pub mod map_names {
     pub const RR_STATE: &str = "KPR_RR_V1";
     pub const CONFIG: &str = "KPR_CFG_V1";
     pub const COUNTERS: &str = "KPR_CNT_V1";
+    pub const SOCK_REV: &str = "KPR_SOCK_REV_V1";
     /// Every map the fast path pins.
-    pub const ALL: [&str; 10] = [
+    pub const ALL: [&str; 11] = [
         SERVICES, SLOTS, MAGLEV, BACKENDS, CONNTRACK, AFFINITY, SOURCE_RANGES, RR_STATE, CONFIG,
-        COUNTERS,
+        COUNTERS, SOCK_REV,
     ];
 }
 
@@ -46,6 +47,12 @@ pub mod prog_names {
     pub const XDP_INGRESS: &str = "kpr_xdp_ingress";
     pub const TC_PASS: &str = "kpr_tc_pass";
     pub const XDP_PASS: &str = "kpr_xdp_pass";
+    pub const CONNECT4: &str = "kpr_connect4";
+    pub const SENDMSG4: &str = "kpr_sendmsg4";
+    pub const RECVMSG4: &str = "kpr_recvmsg4";
+    pub const GETPEERNAME4: &str = "kpr_getpeername4";
+    /// The connect-time programs, in attach order.
+    pub const SOCK: [&str; 4] = [CONNECT4, SENDMSG4, RECVMSG4, GETPEERNAME4];
 }
 
 /// Default capacities (the agent may override them at load time).
@@ -210,6 +217,31 @@ pub struct CtScratch {
 }
 const _: () = assert!(core::mem::size_of::<CtScratch>() == 192);
 
+/// Key of KPR_SOCK_REV_V1: a socket (by cookie) and the backend it was pointed at.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Pod, Zeroable)]
+pub struct SockRevKey {
+    pub cookie: u64,
+    /// Network order.
+    pub addr: [u32; 4],
+    /// Network order.
+    pub port: u16,
+    pub _pad: [u8; 6],
+}
+const _: () = assert!(core::mem::size_of::<SockRevKey>() == 32);
+
+/// The service address (VIP, port) the socket asked for.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct SockRevValue {
+    /// Network order.
+    pub addr: [u32; 4],
+    /// Network order.
+    pub port: u16,
+    pub _pad: [u8; 6],
+}
+const _: () = assert!(core::mem::size_of::<SockRevValue>() == 24);
+
 /// Key of KPR_AFF_V1: (client address, service id).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Pod, Zeroable)]
@@ -307,6 +339,8 @@ pub mod user {
     unsafe impl aya::Pod for AffinityValue {}
     unsafe impl aya::Pod for SourceRangeKey {}
     unsafe impl aya::Pod for DatapathConfig {}
+    unsafe impl aya::Pod for SockRevKey {}
+    unsafe impl aya::Pod for SockRevValue {}
 
     /// IP address to the wire-order words the data path compares.
     pub fn addr_words(ip: IpAddr) -> [u32; 4] {

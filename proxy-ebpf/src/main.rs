@@ -16,13 +16,14 @@ mod nat;
 mod parse;
 mod pkt;
 mod reject;
+mod sock;
 
 use aya_ebpf::{
     bindings::{xdp_action, TC_ACT_OK},
     helpers::bpf_ktime_get_coarse_ns,
-    macros::{classifier, xdp},
+    macros::{cgroup_sock_addr, classifier, xdp},
     maps::lpm_trie::Key,
-    programs::{TcContext, XdpContext},
+    programs::{SockAddrContext, TcContext, XdpContext},
 };
 use proxy_common::{
     counter, DatapathConfig, SourceRangeKey, CFG_F_MASQUERADE_ALL, MARK_MASQ,
@@ -151,6 +152,26 @@ pub fn kpr_tc_ingress(mut ctx: TcContext) -> i32 {
 pub fn kpr_xdp_ingress(ctx: XdpContext) -> u32 {
     let mut p = Xdp(&ctx);
     Xdp::action(process(&mut p, SCOPE_EXTERNAL))
+}
+
+#[cgroup_sock_addr(connect4)]
+pub fn kpr_connect4(ctx: SockAddrContext) -> i32 {
+    sock::balance(&ctx)
+}
+
+#[cgroup_sock_addr(sendmsg4)]
+pub fn kpr_sendmsg4(ctx: SockAddrContext) -> i32 {
+    sock::balance(&ctx)
+}
+
+#[cgroup_sock_addr(recvmsg4)]
+pub fn kpr_recvmsg4(ctx: SockAddrContext) -> i32 {
+    sock::reverse(&ctx)
+}
+
+#[cgroup_sock_addr(getpeername4)]
+pub fn kpr_getpeername4(ctx: SockAddrContext) -> i32 {
+    sock::reverse(&ctx)
 }
 
 #[classifier]

@@ -5,7 +5,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
-    CtScratch,
+    CtScratch, SockRevKey, SockRevValue,
     limits::*, AffinityKey, AffinityValue, Backend, CtKey, CtValue, DatapathConfig, ServiceKey,
     ServiceValue, SlotKey, SourceRangeKey,
 };
@@ -53,3 +53,7 @@ pub static KPR_CNT_V1: PerCpuArray<u64> = PerCpuArray::pinned(proxy_common::coun
 /// index 0 -> this CPU's scratch space for building conntrack entries off the stack.
 #[map]
 pub static KPR_CT_SCRATCH: PerCpuArray<CtScratch> = PerCpuArray::with_max_entries(1, 0);
+
+/// LRU: (socket cookie, backend address, port) -> the service address that socket asked for.
+#[map]
+pub static KPR_SOCK_REV_V1: LruHashMap<SockRevKey, SockRevValue> = LruHashMap::pinned(MAX_CONNTRACK, 0);

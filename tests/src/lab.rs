@@ -27,6 +27,8 @@ pub struct Lab {
     pub agent_log: PathBuf,
     pub kpr: PathBuf,
     peer: PathBuf,
+    /// cgroup v2 of the lab's "node processes" (connect-time balancing applies to it only).
+    pub cgroup: PathBuf,
     // Dropped last: kills every process in the namespaces, then deletes them.
     _netns: Netns,
 }
@@ -86,6 +88,8 @@ impl Lab {
             }
         }
         let pins = PinDir::new(prefix);
+        let cgroup = proxy_agent::kernel::cgroup2_root().expect("cgroup v2 hierarchy").join(format!("kpr-{prefix}"));
+        let _ = std::fs::create_dir_all(&cgroup);
         let agent_log = std::env::temp_dir().join(format!("{prefix}-agent.log"));
         Self {
             prefix: prefix.into(),
@@ -95,6 +99,7 @@ impl Lab {
             agent_log,
             kpr: sibling_bin("kpr"),
             peer,
+            cgroup,
             _netns: netns,
         }
     }
@@ -110,6 +115,8 @@ impl Lab {
             .args(["run", "--manifests"])
             .arg(&self.manifests)
             .args(["--uplink", "up0", "--pod-iface-prefix", "h", "--node-name", "node-a", "--cluster-cidr", CLUSTER_CIDR])
+            .arg("--cgroup")
+            .arg(&self.cgroup)
             .env("KPR_LOG", "info")
             .env("NO_COLOR", "1")
             .stdout(Stdio::null())
@@ -158,9 +165,10 @@ impl Lab {
         });
     }
 
-    /// Runs kpr-lab-peer in a namespace of the lab and parses its JSON report.
+    /// Runs kpr-lab-peer in a namespace of the lab and parses its JSON report. Role "host"
+    /// is a process of the node itself (node namespace, inside the lab's cgroup).
     pub fn peer(&self, role: &str, args: &[&str]) -> serde_json::Value {
-        let o = Command::new("ip").args(["netns", "exec", &self.ns(role)]).arg(&self.peer).args(args).output().unwrap();
+        let o = self.peer_cmd(role, args).output().unwrap();
         let out = String::from_utf8_lossy(&o.stdout);
         let last = out.lines().last().unwrap_or("");
         serde_json::from_str(last).unwrap_or_else(|_| panic!("peer {args:?} in {role}: {out} {}", String::from_utf8_lossy(&o.stderr)))
@@ -168,14 +176,24 @@ impl Lab {
 
     /// Starts kpr-lab-peer in the background; `finish` collects its report.
     pub fn peer_bg(&self, role: &str, args: &[&str]) -> Child {
-        Command::new("ip")
-            .args(["netns", "exec", &self.ns(role)])
-            .arg(&self.peer)
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap()
+        self.peer_cmd(role, args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+    }
+
+    fn peer_cmd(&self, role: &str, args: &[&str]) -> Command {
+        let mut c;
+        if role == "host" {
+            // Join the cgroup before `ip netns exec`, which remounts /sys and hides it.
+            c = Command::new("sh");
+            c.args(["-c", "echo $$ > \"$0/cgroup.procs\" && exec ip netns exec \"$@\""])
+                .arg(&self.cgroup)
+                .arg(self.ns("node"))
+                .arg(&self.peer);
+        } else {
+            c = Command::new("ip");
+            c.args(["netns", "exec", &self.ns(role)]).arg(&self.peer);
+        }
+        c.args(args);
+        c
     }
 
     pub fn finish(c: Child) -> serde_json::Value {
@@ -194,6 +212,18 @@ impl Lab {
 impl Drop for Lab {
     fn drop(&mut self) {
         self.kill_agent();
+        // Processes still in the lab cgroup, then the cgroup itself.
+        if let Ok(pids) = std::fs::read_to_string(self.cgroup.join("cgroup.procs")) {
+            for pid in pids.lines() {
+                let _ = sh(&format!("kill -9 {pid}"));
+            }
+        }
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.cgroup).is_ok() || !self.cgroup.exists() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
         // PinDir's drop detaches the links and unpins the maps; Netns's drop removes the rest.
     }
 }

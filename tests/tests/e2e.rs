@@ -64,6 +64,13 @@ fn clusterip_nodeport_udp_lb_and_reject_on_real_traffic() {
     let v = lab.peer("cl", &["burst", "10.96.0.99:80", "tcp", "2"]);
     assert!(v["first_error"].as_str().unwrap().contains("refused"), "from outside too: {v}");
 
+    // The node's own processes: connect-time balancing (TCP connect, UDP sendmsg/recvmsg).
+    assert_even(&lab.peer("host", &["burst", "10.96.0.10:80", "tcp", "300"]), 300, "node process -> ClusterIP random");
+    let v = lab.peer("host", &["burst", "10.96.0.53:53", "udp", "30"]);
+    assert_eq!(errors(&v), 0, "UDP answers must appear to come from the service address: {v}");
+    let v = lab.peer("host", &["burst", "10.96.0.99:80", "tcp", "2"]);
+    assert!(v["first_error"].as_str().unwrap().contains("not permitted"), "no endpoints: connect() fails at once: {v}");
+
     // The operator views show the kernel state.
     let services = lab.cli(&["services"]);
     assert!(services.contains("10.96.0.10:80") && services.contains("10.244.1.2:8080"), "{services}");

@@ -37,12 +37,13 @@ fn main() {
         ("pod -> ClusterIP web-rr (round-robin)", "pod", "10.96.0.11:80".into(), "tcp", n),
         ("pod -> ClusterIP sticky (ClientIP affinity)", "pod", "10.96.0.12:80".into(), "tcp", n / 5),
         ("pod -> ClusterIP dns (UDP, maglev)", "pod", "10.96.0.53:53".into(), "udp", n / 5),
+        ("node process -> ClusterIP web (connect-time)", "host", "10.96.0.10:80".into(), "tcp", n),
         ("outside -> NodePort web", "cl", format!("{NODE_IP}:30080"), "tcp", n),
         ("outside -> LoadBalancer shop", "cl", "203.0.113.10:80".into(), "tcp", n / 5),
         ("pod -> ClusterIP gone (no endpoints)", "pod", "10.96.0.99:80".into(), "tcp", 3),
     ];
     println!("==> traffic ({n} connections per main run)");
-    println!("{:<46} {:>6} {:>6} {:>6} {:>7}", "", "b1", "b2", "b3", "failed");
+    println!("{:<48} {:>6} {:>6} {:>6} {:>7}", "", "b1", "b2", "b3", "failed");
     for (what, from, target, proto, count) in &runs {
         if INTERRUPTED.load(Ordering::Relaxed) {
             break;
@@ -52,7 +53,7 @@ fn main() {
         let cell = |b: &str| pb.get(b).map(|n| n.to_string()).unwrap_or_else(|| "-".into());
         let err = errors(&v);
         let note = v["first_error"].as_str().map(|e| format!("  ({e})")).unwrap_or_default();
-        println!("{what:<46} {:>6} {:>6} {:>6} {err:>7}{note}", cell("b1"), cell("b2"), cell("b3"));
+        println!("{what:<48} {:>6} {:>6} {:>6} {err:>7}{note}", cell("b1"), cell("b2"), cell("b3"));
     }
     println!("\n==> kpr status (per-CPU counters of the data path)\n{}", lab.cli(&["status"]));
     let ct = lab.cli(&["conntrack"]);

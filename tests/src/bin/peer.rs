@@ -61,7 +61,11 @@ fn one_udp(target: SocketAddr) -> Result<String, String> {
     s.set_read_timeout(Some(Duration::from_millis(1500))).ok();
     s.send_to(b"hi", target).map_err(|e| e.to_string())?;
     let mut buf = [0u8; 256];
-    let n = s.recv(&mut buf).map_err(|e| e.to_string())?;
+    let (n, from) = s.recv_from(&mut buf).map_err(|e| e.to_string())?;
+    // A resolver drops answers from another address than it asked: so do we.
+    if from != target {
+        return Err(format!("reply from {from}, not {target}"));
+    }
     Ok(String::from_utf8_lossy(&buf[..n]).to_string())
 }
 

@@ -1,0 +1,83 @@
+//! Connect-time balancing for the node's own processes (cgroup sock_addr hooks, as Cilium's
+//! socket LB): their packets never cross a TC ingress hook, so the socket is pointed at the
+//! backend instead. connect4 covers TCP and connected UDP, sendmsg4 unconnected UDP;
+//! recvmsg4 and getpeername4 show the service address back to the application.
+use aya_ebpf::{helpers::bpf_get_socket_cookie, programs::SockAddrContext};
+use proxy_common::{counter, SockRevKey, SockRevValue, PROTO_TCP, PROTO_UDP, SCOPE_INTERNAL};
+
+use crate::{
+    counters::bump,
+    lb,
+    maps::{KPR_CFG_V1, KPR_SOCK_REV_V1},
+    parse::Flow,
+    pkt::L4Csum,
+};
+
+const ALLOW: i32 = 1;
+/// The connect() fails with EPERM: the socket-level form of kube-proxy's REJECT.
+const DENY: i32 = 0;
+
+#[inline(always)]
+fn flow_of(ctx: &SockAddrContext, cookie: u64) -> Option<Flow> {
+    let sa = unsafe { &*ctx.sock_addr };
+    let proto = sa.protocol as u8;
+    if proto != PROTO_TCP && proto != PROTO_UDP {
+        return None;
+    }
+    let cfg = KPR_CFG_V1.get(0)?;
+    Some(Flow {
+        l4_off: 0,
+        ihl_bytes: 0,
+        proto,
+        tcp_flags: 0,
+        // The node is the client (its address keys ClientIP affinity).
+        saddr: cfg.snat_addr[0],
+        daddr: sa.user_ip4,
+        // No source port exists yet: the socket cookie spreads flows for the hash schedulers.
+        sport: cookie as u16,
+        dport: sa.user_port as u16,
+        csum: L4Csum { off: 0, udp: false },
+    })
+}
+
+/// Points the socket at a backend. Returns DENY when the service has no endpoints.
+#[inline(always)]
+pub fn balance(ctx: &SockAddrContext) -> i32 {
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr as *mut _) };
+    let Some(f) = flow_of(ctx, cookie) else { return ALLOW };
+    let Some(svc) = lb::lookup_service(&f, SCOPE_INTERNAL) else { return ALLOW };
+    if svc.backend_count == 0 {
+        bump(counter::REJECT_NO_BACKEND);
+        return DENY;
+    }
+    let now = unsafe { aya_ebpf::helpers::bpf_ktime_get_coarse_ns() };
+    let Some((_, be)) = lb::select_backend(&svc, &f, now) else {
+        bump(counter::MISS_BACKEND);
+        return DENY;
+    };
+    let key = SockRevKey { cookie, addr: be.addr, port: be.port, _pad: [0; 6] };
+    let rev = SockRevValue { addr: [f.daddr, 0, 0, 0], port: f.dport, _pad: [0; 6] };
+    let _ = KPR_SOCK_REV_V1.insert(&key, &rev, 0);
+    unsafe {
+        (*ctx.sock_addr).user_ip4 = be.addr[0];
+        (*ctx.sock_addr).user_port = u32::from(be.port);
+    }
+    bump(counter::NEW_FLOW);
+    ALLOW
+}
+
+/// Shows the service address instead of the backend's (recvmsg, getpeername).
+#[inline(always)]
+pub fn reverse(ctx: &SockAddrContext) -> i32 {
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr as *mut _) };
+    let sa = unsafe { &*ctx.sock_addr };
+    let key = SockRevKey { cookie, addr: [sa.user_ip4, 0, 0, 0], port: sa.user_port as u16, _pad: [0; 6] };
+    if let Some(v) = unsafe { KPR_SOCK_REV_V1.get(&key) } {
+        unsafe {
+            (*ctx.sock_addr).user_ip4 = v.addr[0];
+            (*ctx.sock_addr).user_port = u32::from(v.port);
+        }
+        bump(counter::REVERSE_NAT);
+    }
+    ALLOW
+}
