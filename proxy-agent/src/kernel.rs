@@ -477,3 +477,23 @@ pub fn cgroup2_root() -> Option<PathBuf> {
         unsafe { libc::statfs(c.as_ptr(), &mut st) == 0 && st.f_type as i64 == CGROUP2_SUPER_MAGIC }
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The names in proxy-common are the names in the object: defined once, checked here.
+    #[test]
+    fn every_map_and_program_name_is_in_the_object() {
+        let has = |name: &str| EBPF_OBJECT.windows(name.len()).any(|w| w == name.as_bytes());
+        for name in map_names::ALL {
+            assert!(has(name), "map {name} missing from the eBPF object");
+        }
+        for name in [prog_names::TC_INGRESS, prog_names::XDP_INGRESS, prog_names::TC_PASS, prog_names::XDP_PASS]
+            .into_iter()
+            .chain(prog_names::SOCK)
+        {
+            assert!(has(name), "program {name} missing from the eBPF object");
+        }
+    }
+}

@@ -1,0 +1,134 @@
+//! Desired-state golden dumps: one line per frontend and per backend.
+use proxy_agent::{
+    manifests::{load_text, LoadReport},
+    model::{compute, ModelConfig, NodeInfo},
+};
+
+const MANIFESTS: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: local, namespace: g}
+spec:
+  type: NodePort
+  clusterIP: 10.96.1.1
+  externalTrafficPolicy: Local
+  internalTrafficPolicy: Local
+  externalIPs: [192.0.2.50]
+  ports: [{name: http, port: 80, nodePort: 30001}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: local-1, namespace: g, labels: {kubernetes.io/service-name: local}}
+addressType: IPv4
+ports: [{name: http, port: 8080}]
+endpoints:
+- {addresses: [10.244.1.10], conditions: {ready: true}, nodeName: me}
+- {addresses: [10.244.2.10], conditions: {ready: true}, nodeName: other}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: draining, namespace: g}
+spec: {clusterIP: 10.96.1.2, ports: [{name: "", port: 53, protocol: UDP}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: draining-1, namespace: g, labels: {kubernetes.io/service-name: draining}}
+addressType: IPv4
+ports: [{port: 5353, protocol: UDP}]
+endpoints:
+- {addresses: [10.244.1.20], conditions: {ready: false, serving: true, terminating: true}, nodeName: me}
+- {addresses: [10.244.1.21], conditions: {ready: false, serving: false, terminating: true}, nodeName: me}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: headless, namespace: g}
+spec: {clusterIP: None, ports: [{port: 80}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: other-proxy, namespace: g, labels: {service.kubernetes.io/service-proxy-name: foo}}
+spec: {clusterIP: 10.96.1.3, ports: [{port: 80}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: broken, namespace: g}
+spec: {clusterIP: 10.96.1.300, ports: [{port: 80}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: mixed, namespace: g, annotations: {kpr.io/scheduler: fastest}}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.1.4
+  sessionAffinity: ClientIP
+  loadBalancerSourceRanges: [203.0.113.0/24, not-a-cidr]
+  ports:
+  - {name: a, port: 443, nodePort: 30443}
+  - {name: b, port: 443}
+  - {name: c, port: 9, protocol: SCTP}
+status: {loadBalancer: {ingress: [{ip: 198.51.100.7}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: mixed-1, namespace: g, labels: {kubernetes.io/service-name: mixed}}
+addressType: IPv4
+ports: [{name: a, port: 8443}]
+endpoints:
+- {addresses: [10.244.3.1, "10.244.3.x"], nodeName: other}
+"#;
+
+const GOLDEN: &str = "\
+frontend 10.96.1.1:80/TCP internal clusterip g/local:http sched=random affinity=0 flags=- ranges=
+  backend 10.244.1.10:8080
+frontend 10.96.1.1:80/TCP external clusterip g/local:http sched=random affinity=0 flags=- ranges=
+  backend 10.244.1.10:8080
+  backend 10.244.2.10:8080
+frontend 10.96.1.2:53/UDP internal clusterip g/draining: sched=random affinity=0 flags=- ranges=
+  backend 10.244.1.20:5353
+frontend 10.96.1.2:53/UDP external clusterip g/draining: sched=random affinity=0 flags=- ranges=
+  backend 10.244.1.20:5353
+frontend 10.96.1.4:443/TCP internal clusterip g/mixed:a sched=random affinity=10800 flags=- ranges=
+  backend 10.244.3.1:8443
+frontend 10.96.1.4:443/TCP external clusterip g/mixed:a sched=random affinity=10800 flags=- ranges=
+  backend 10.244.3.1:8443
+frontend 192.0.2.1:30001/TCP internal nodeport g/local:http sched=random affinity=0 flags=- ranges=
+  backend 10.244.1.10:8080
+  backend 10.244.2.10:8080
+frontend 192.0.2.1:30001/TCP external nodeport g/local:http sched=random affinity=0 flags=preserve-source ranges=
+  backend 10.244.1.10:8080
+frontend 192.0.2.1:30443/TCP internal nodeport g/mixed:a sched=random affinity=10800 flags=masq ranges=
+  backend 10.244.3.1:8443
+frontend 192.0.2.1:30443/TCP external nodeport g/mixed:a sched=random affinity=10800 flags=masq ranges=
+  backend 10.244.3.1:8443
+frontend 192.0.2.50:80/TCP internal externalip g/local:http sched=random affinity=0 flags=- ranges=
+  backend 10.244.1.10:8080
+  backend 10.244.2.10:8080
+frontend 192.0.2.50:80/TCP external externalip g/local:http sched=random affinity=0 flags=preserve-source ranges=
+  backend 10.244.1.10:8080
+frontend 198.51.100.7:443/TCP internal loadbalancer g/mixed:a sched=random affinity=10800 flags=masq,source-ranges ranges=203.0.113.0/24
+  backend 10.244.3.1:8443
+frontend 198.51.100.7:443/TCP external loadbalancer g/mixed:a sched=random affinity=10800 flags=masq,source-ranges ranges=203.0.113.0/24
+  backend 10.244.3.1:8443
+";
+
+#[test]
+fn traffic_policies_terminating_fallback_and_bad_input() {
+    let mut r = LoadReport::default();
+    load_text("golden.yaml", MANIFESTS, &mut r);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    let node = NodeInfo { name: "me".into(), nodeport_addresses: vec!["192.0.2.1".parse().unwrap()] };
+    let d = compute(&r.objects, &node, &ModelConfig::default());
+    assert_eq!(d.dump(), GOLDEN, "\n--- got ---\n{}", d.dump());
+    let errors: Vec<String> = d.errors.iter().map(|e| format!("{}: {}", e.object, e.field)).collect();
+    assert_eq!(
+        errors,
+        vec![
+            "Service g/broken: spec.clusterIP",
+            "Service g/mixed: metadata.annotations[kpr.io/scheduler]",
+            "Service g/mixed: spec.loadBalancerSourceRanges[1]",
+            "EndpointSlice g/mixed-1: endpoints[0].addresses[1]",
+            "Service g/mixed: spec.ports[1].port",
+            "Service g/mixed: spec.ports[2].protocol",
+        ]
+    );
+}
