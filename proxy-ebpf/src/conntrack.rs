@@ -79,7 +79,11 @@ pub fn established(f: &Flow, cfg: &DatapathConfig, now: u64) -> Option<Rewrite> 
 
 #[inline(always)]
 fn touch(v: &mut CtValue, f: &Flow, now: u64) {
-    v.last_seen_ns = now;
+    // The coarse clock ticks every few ms: most packets find the stamp current and leave the
+    // shared cache line clean.
+    if v.last_seen_ns != now {
+        v.last_seen_ns = now;
+    }
     if f.is_tcp_close() {
         v.flags |= CT_F_CLOSING;
     }
