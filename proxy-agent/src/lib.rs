@@ -1,5 +1,6 @@
 //! kpr, a kube-proxy replacement: the node agent's library (the `kpr` binary is a thin CLI).
 pub mod agent;
+pub mod config;
 pub mod kernel;
 pub mod maglev;
 pub mod manifests;

@@ -6,6 +6,7 @@ use aya::programs::XdpMode;
 use clap::{Parser, Subcommand, ValueEnum};
 use proxy_agent::{
     agent::{Agent, AgentConfig, STOP},
+    config,
     kernel::{self, KernelMaps},
     model::Scheduler,
     netif, view,
@@ -65,6 +66,9 @@ enum Cmd {
 
 #[derive(clap::Args)]
 struct RunArgs {
+    /// kube-proxy's KubeProxyConfiguration file, read unchanged. Flags given explicitly win.
+    #[arg(long)]
+    config: Option<PathBuf>,
     /// Directory of Service and EndpointSlice manifests (YAML or JSON), watched for changes.
     #[arg(long, default_value = "deploy/examples")]
     manifests: PathBuf,
@@ -95,14 +99,14 @@ struct RunArgs {
     cluster_cidr: Option<ipnet::IpNet>,
     #[arg(long)]
     masquerade_all: bool,
-    /// Default scheduler (per Service: annotation kpr.io/scheduler).
-    #[arg(long, default_value = "random")]
-    scheduler: String,
+    /// Default scheduler (per Service: annotation kpr.io/scheduler) [default: random].
+    #[arg(long)]
+    scheduler: Option<String>,
     #[arg(long, value_enum, default_value_t = XdpModeArg::Auto)]
     xdp_mode: XdpModeArg,
-    /// Full resync period, seconds.
-    #[arg(long, default_value_t = 30)]
-    sync_period: u64,
+    /// Full resync period, seconds [default: 30].
+    #[arg(long)]
+    sync_period: Option<u64>,
     /// Sync once and exit (programs and maps stay).
     #[arg(long)]
     once: bool,
@@ -130,6 +134,8 @@ fn main() -> Result<()> {
     init_logs(cli.log_format);
     match cli.cmd {
         Cmd::Run(a) => {
+            let explicit = (a.scheduler.is_some(), a.sync_period.is_some());
+            let config_file = a.config.clone();
             let cgroup = match a.cgroup.as_str() {
                 "none" => None,
                 "auto" => Some(kernel::cgroup2_root().context("no cgroup v2 hierarchy found for --cgroup auto (use --cgroup none or a path)")?),
@@ -147,16 +153,25 @@ fn main() -> Result<()> {
                 snat_ip: a.snat_ip,
                 cluster_cidr: a.cluster_cidr,
                 masquerade_all: a.masquerade_all,
-                scheduler: a.scheduler.parse::<Scheduler>().map_err(anyhow::Error::msg).context("--scheduler")?,
+                scheduler: match &a.scheduler {
+                    Some(s) => s.parse::<Scheduler>().map_err(anyhow::Error::msg).context("--scheduler")?,
+                    None => Scheduler::Random,
+                },
                 xdp_mode: match a.xdp_mode {
                     XdpModeArg::Auto => XdpMode::Default,
                     XdpModeArg::Native => XdpMode::Driver,
                     XdpModeArg::Generic => XdpMode::Skb,
                 },
-                sync_period: Duration::from_secs(a.sync_period),
+                sync_period: Duration::from_secs(a.sync_period.unwrap_or(30)),
                 once: a.once,
                 ..AgentConfig::default()
             };
+            let mut cfg = cfg;
+            if let Some(path) = &config_file {
+                let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+                let kp = config::parse(&path.display().to_string(), &text)?;
+                apply_kube_proxy_config(&mut cfg, &kp, explicit);
+            }
             unsafe {
                 libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
                 libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
@@ -213,6 +228,57 @@ fn main() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Values from a KubeProxyConfiguration fill what the flags left unset.
+/// `explicit`: whether --scheduler and --sync-period were given.
+fn apply_kube_proxy_config(cfg: &mut AgentConfig, kp: &config::KubeProxyConfig, explicit: (bool, bool)) {
+    for w in &kp.warnings {
+        tracing::warn!("{w}");
+    }
+    if cfg.cluster_cidr.is_none() {
+        cfg.cluster_cidr = kp.cluster_cidrs.iter().find(|n| n.addr().is_ipv4()).copied();
+    }
+    cfg.masquerade_all |= kp.masquerade_all.unwrap_or(false);
+    if cfg.node_name.is_empty() {
+        if let Some(h) = &kp.hostname_override {
+            cfg.node_name = h.clone();
+        }
+    }
+    if !explicit.0 {
+        match kp.fast_path_scheduler() {
+            Some(Ok(s)) => cfg.scheduler = s,
+            Some(Err(w)) => tracing::warn!("{w}"),
+            None => {}
+        }
+    }
+    let nonzero = |d: Option<Duration>| d.filter(|d| !d.is_zero());
+    if !explicit.1 {
+        if let Some(d) = nonzero(kp.ipvs.sync_period) {
+            cfg.sync_period = d;
+        }
+    }
+    if let Some(d) = nonzero(kp.ipvs.tcp_timeout) {
+        cfg.ct_tcp_timeout_s = d.as_secs().max(1) as u32;
+    }
+    if let Some(d) = nonzero(kp.ipvs.tcp_fin_timeout) {
+        cfg.ct_closing_timeout_s = d.as_secs().max(1) as u32;
+    }
+    if let Some(d) = nonzero(kp.ipvs.udp_timeout) {
+        cfg.ct_udp_timeout_s = d.as_secs().max(1) as u32;
+    }
+    if cfg.nodeport_addresses.is_empty() && !kp.node_port_addresses.is_empty() {
+        let all: Vec<IpAddr> = cfg.uplinks.iter().flat_map(|u| netif::ipv4_addresses(u)).collect();
+        cfg.nodeport_addresses = kp.select_node_port_addresses(&all);
+    }
+    if kp.masquerade_bit.is_some_and(|b| b != 14) {
+        tracing::warn!("masqueradeBit {:?}: the eBPF fast path masquerades itself and marks 0x4000 for compatibility only", kp.masquerade_bit);
+    }
+    for (field, v) in [("healthzBindAddress", &kp.healthz_bind_address), ("metricsBindAddress", &kp.metrics_bind_address)] {
+        if let Some(v) = v {
+            tracing::warn!("{field} {v}: kpr does not serve health or metrics endpoints yet");
+        }
+    }
 }
 
 fn maps_len(maps: &KernelMaps) -> Result<usize> {
