@@ -5,8 +5,11 @@ use std::{
     collections::{BTreeSet, HashMap},
     net::IpAddr,
     path::PathBuf,
-    sync::atomic::{AtomicBool, Ordering},
-    time::{Duration, Instant},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant, SystemTime},
 };
 
 use aya::programs::XdpMode;
@@ -18,7 +21,9 @@ use tracing::{error, info, warn};
 
 use crate::{
     kernel::{self, Capacities, Datapath, Hook, KernelMaps},
-    manifests,
+    kube_source,
+    manifests::{self, Objects},
+    metrics::{SharedStats, Stats},
     maps::DatapathMaps,
     model::{self, ModelConfig, NodeInfo, Scheduler},
     netif,
@@ -28,9 +33,49 @@ use crate::{
 
 pub static STOP: AtomicBool = AtomicBool::new(false);
 
+/// Where Services and EndpointSlices come from. Both feed the same pipeline.
+#[derive(Clone, Debug)]
+pub enum Source {
+    /// A directory of manifests, watched (the embedded default for the lab and tests).
+    Dir(PathBuf),
+    /// The Kubernetes API, through kube-rs watchers (kube_source.rs).
+    Kube(Arc<kube_source::Shared>),
+}
+
+/// kube-proxy's bounded-frequency runner: at most `burst` syncs at once, then one per
+/// `min_interval`.
+#[derive(Debug)]
+pub struct Limiter {
+    min_interval: Duration,
+    burst: f64,
+    tokens: f64,
+    last: Instant,
+}
+
+impl Limiter {
+    pub fn new(min_interval: Duration, burst: u32) -> Self {
+        let burst = f64::from(burst.max(1));
+        Self { min_interval, burst, tokens: burst, last: Instant::now() }
+    }
+    pub fn try_take(&mut self, now: Instant) -> bool {
+        if self.min_interval.is_zero() {
+            return true;
+        }
+        let refill = now.duration_since(self.last).as_secs_f64() / self.min_interval.as_secs_f64();
+        self.tokens = (self.tokens + refill).min(self.burst);
+        self.last = now;
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct AgentConfig {
-    pub manifests: PathBuf,
+    pub source: Source,
     pub pin_dir: PathBuf,
     /// XDP on these (north-south).
     pub uplinks: Vec<String>,
@@ -48,7 +93,12 @@ pub struct AgentConfig {
     pub masquerade_all: bool,
     pub scheduler: Scheduler,
     pub xdp_mode: XdpMode,
+    /// Full resync period (kube-proxy's syncPeriod).
     pub sync_period: Duration,
+    /// Least time between two event-driven syncs (minSyncPeriod), and how many may come in a
+    /// burst before that applies.
+    pub min_sync_period: Duration,
+    pub burst_syncs: u32,
     pub ct_tcp_timeout_s: u32,
     pub ct_udp_timeout_s: u32,
     /// Idle closing TCP flows are collected after this.
@@ -61,7 +111,7 @@ pub struct AgentConfig {
 impl Default for AgentConfig {
     fn default() -> Self {
         Self {
-            manifests: PathBuf::from("deploy/examples"),
+            source: Source::Dir(PathBuf::from("deploy/examples")),
             pin_dir: PathBuf::from(kernel::DEFAULT_BPFFS).join(proxy_common::PROJECT),
             uplinks: Vec::new(),
             pod_ifaces: Vec::new(),
@@ -75,6 +125,8 @@ impl Default for AgentConfig {
             scheduler: Scheduler::Random,
             xdp_mode: XdpMode::Default,
             sync_period: Duration::from_secs(30),
+            min_sync_period: Duration::from_secs(1),
+            burst_syncs: 2,
             ct_tcp_timeout_s: 86_400,
             ct_udp_timeout_s: 120,
             ct_closing_timeout_s: 10,
@@ -100,8 +152,7 @@ pub struct Agent {
     maps: KernelMaps,
     syncer: Syncer,
     attached: BTreeSet<(String, &'static str)>,
-    pub syncs: u64,
-    pub sync_failures: u64,
+    pub stats: SharedStats,
 }
 
 impl Agent {
@@ -112,14 +163,28 @@ impl Agent {
             info!(cgroup = %cg.display(), "connect-time balancing attached");
         }
         let maps = KernelMaps::open(&cfg.pin_dir)?;
-        Ok(Self { cfg, dp, maps, syncer: Syncer::default(), attached: BTreeSet::new(), syncs: 0, sync_failures: 0 })
+        let stats = Arc::new(std::sync::Mutex::new(Stats::new(cfg.sync_period * 2)));
+        Ok(Self { cfg, dp, maps, syncer: Syncer::default(), attached: BTreeSet::new(), stats })
     }
 
-    fn node_addresses(&self) -> Vec<IpAddr> {
+    fn node_addresses(&self, node: Option<&k8s_openapi::api::core::v1::Node>) -> Vec<IpAddr> {
         if !self.cfg.nodeport_addresses.is_empty() {
             return self.cfg.nodeport_addresses.clone();
         }
-        self.cfg.uplinks.iter().flat_map(|u| netif::ipv4_addresses(u)).collect()
+        let from_uplinks: Vec<IpAddr> = self.cfg.uplinks.iter().flat_map(|u| netif::ipv4_addresses(u)).collect();
+        if !from_uplinks.is_empty() {
+            return from_uplinks;
+        }
+        // The Node's InternalIP/ExternalIP addresses, as the API reports them.
+        node.and_then(|n| n.status.as_ref())
+            .and_then(|s| s.addresses.as_ref())
+            .map(|a| {
+                a.iter()
+                    .filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP")
+                    .filter_map(|a| a.address.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     fn datapath_config(&self, node_addrs: &[IpAddr]) -> Result<DatapathConfig, AgentError> {
@@ -184,33 +249,65 @@ impl Agent {
 
     /// One full sync from the manifest directory.
     pub fn sync_once(&mut self) -> Result<crate::sync::SyncStats, AgentError> {
-        let report = manifests::load_dir(&self.cfg.manifests).map_err(|e| {
-            crate::maps::MapError::Other { map: "-", message: e.to_string() }
-        })?;
+        let Source::Dir(dir) = &self.cfg.source else {
+            return Err(AgentError::Map(crate::maps::MapError::Other { map: "-", message: "sync_once reads a manifest directory".into() }));
+        };
+        let report = manifests::load_dir(dir).map_err(|e| crate::maps::MapError::Other { map: "-", message: e.to_string() })?;
         for e in &report.errors {
             warn!(error = %e, "object skipped");
         }
-        let node_addrs = self.node_addresses();
-        let node = NodeInfo { name: self.cfg.node_name.clone(), nodeport_addresses: node_addrs.clone() };
-        let desired = model::compute(&report.objects, &node, &ModelConfig { default_scheduler: self.cfg.scheduler });
+        let rejected = report.errors.len();
+        self.sync_objects(&report.objects, None, rejected, &[])
+    }
+
+    /// Computes the desired state of `objects` and syncs the maps to it.
+    pub fn sync_objects(
+        &mut self,
+        objects: &Objects,
+        node: Option<&k8s_openapi::api::core::v1::Node>,
+        rejected: usize,
+        trigger_times: &[SystemTime],
+    ) -> Result<crate::sync::SyncStats, AgentError> {
+        let start = Instant::now();
+        let node_addrs = self.node_addresses(node);
+        let info = NodeInfo { name: self.cfg.node_name.clone(), nodeport_addresses: node_addrs.clone() };
+        let desired = model::compute(objects, &info, &ModelConfig { default_scheduler: self.cfg.scheduler });
         for e in &desired.errors {
             warn!(error = %e, "service field ignored");
         }
-        let dcfg = self.datapath_config(&node_addrs)?;
-        let start = Instant::now();
-        let st = self.syncer.sync(&mut self.maps, &desired, dcfg).map_err(|e| match e {
-            crate::sync::SyncError::Map(m) => AgentError::Map(m),
-        })?;
+        let result = self.datapath_config(&node_addrs).and_then(|dcfg| {
+            self.syncer.sync(&mut self.maps, &desired, dcfg).map_err(|e| match e {
+                crate::sync::SyncError::Map(m) => AgentError::Map(m),
+            })
+        });
+        let elapsed = start.elapsed();
+        let mut stats = self.stats.lock().unwrap();
+        stats.syncs_total += 1;
+        let st = match result {
+            Ok(st) => st,
+            Err(e) => {
+                stats.sync_failures_total += 1;
+                return Err(e);
+            }
+        };
         for e in &st.errors {
             warn!(error = %e, "frontend not programmed");
         }
-        self.syncs += 1;
+        stats.sync_duration.observe(elapsed.as_secs_f64());
+        let now = SystemTime::now();
+        stats.last_sync = Some(now);
+        stats.rejected_objects = (rejected + desired.errors.len()) as u64;
+        for t in trigger_times {
+            if let Ok(d) = now.duration_since(*t) {
+                stats.network_programming.observe(d.as_secs_f64());
+            }
+        }
         info!(
             frontends = st.frontends,
             backends = st.backends,
             writes = st.writes,
             deletes = st.deletes,
-            ms = start.elapsed().as_secs_f64() * 1e3,
+            ms = elapsed.as_secs_f64() * 1e3,
             "synced"
         );
         Ok(st)
@@ -249,26 +346,85 @@ impl Agent {
     }
 
     pub fn run(&mut self) {
+        let mut limiter = Limiter::new(self.cfg.min_sync_period, self.cfg.burst_syncs);
         let mut last_fp = None;
+        let mut last_generation = u64::MAX;
         let mut last_full = Instant::now() - self.cfg.sync_period * 2;
         let mut last_gc = Instant::now();
         let mut last_attach = Instant::now() - Duration::from_secs(10);
+        let mut dirty = true;
+        let mut logged_waiting = false;
         while !STOP.load(Ordering::Relaxed) {
             if last_attach.elapsed() >= Duration::from_secs(1) {
                 self.attach_interfaces();
                 last_attach = Instant::now();
             }
-            let fp = manifests::fingerprint(&self.cfg.manifests).ok();
-            if fp != last_fp || last_full.elapsed() >= self.cfg.sync_period {
-                match self.sync_once() {
-                    Ok(_) => {
+            let source = self.cfg.source.clone();
+            match &source {
+                Source::Dir(dir) => {
+                    let fp = manifests::fingerprint(dir).ok();
+                    if fp != last_fp {
+                        dirty = true;
                         last_fp = fp;
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Source::Kube(shared) => {
+                    let g = if dirty {
+                        // Already have work; the limiter decides when (no busy loop meanwhile).
+                        std::thread::sleep(Duration::from_millis(20));
+                        shared.state.lock().unwrap().generation
+                    } else {
+                        shared.wait(last_generation, Duration::from_millis(100))
+                    };
+                    if g != last_generation {
+                        dirty = true;
+                    }
+                    let st = shared.state.lock().unwrap();
+                    let mut stats = self.stats.lock().unwrap();
+                    stats.service_changes_pending = st.service_changes.pending() as u64;
+                    stats.endpoint_changes_pending = st.slice_changes.pending() as u64;
+                    stats.service_changes_total = st.service_changes.total;
+                    stats.endpoint_changes_total = st.slice_changes.total;
+                    stats.node_eligible = st.node.as_ref().is_none_or(|n| n.metadata.deletion_timestamp.is_none());
+                    if !st.synced() {
+                        // Nothing is programmed before every cache has listed: what the maps
+                        // hold now keeps forwarding.
+                        stats.pending_since.get_or_insert_with(Instant::now);
+                        if !logged_waiting {
+                            info!("waiting for the Service, EndpointSlice and Node caches to sync");
+                            logged_waiting = true;
+                        }
+                        continue;
+                    }
+                }
+            }
+            if dirty {
+                self.stats.lock().unwrap().pending_since.get_or_insert_with(Instant::now);
+            }
+            let periodic = last_full.elapsed() >= self.cfg.sync_period;
+            if (dirty && limiter.try_take(Instant::now())) || periodic {
+                let ok = match &source {
+                    Source::Dir(_) => self.sync_once().map(|_| ()),
+                    Source::Kube(shared) => {
+                        let (objects, node, triggers, generation) = {
+                            let mut st = shared.state.lock().unwrap();
+                            st.service_changes.take();
+                            st.slice_changes.take();
+                            st.oldest_pending = None;
+                            (st.objects.clone(), st.node.clone(), std::mem::take(&mut st.trigger_times), st.generation)
+                        };
+                        last_generation = generation;
+                        self.sync_objects(&objects, node.as_ref(), 0, &triggers).map(|_| ())
+                    }
+                };
+                match ok {
+                    Ok(()) => {
+                        dirty = false;
                         last_full = Instant::now();
+                        self.stats.lock().unwrap().pending_since = None;
                     }
-                    Err(e) => {
-                        self.sync_failures += 1;
-                        error!(error = %e, failures = self.sync_failures, "sync failed; retrying");
-                    }
+                    Err(e) => error!(error = %e, "sync failed; retrying"),
                 }
                 if self.cfg.once {
                     return;
@@ -282,8 +438,23 @@ impl Agent {
                 }
                 last_gc = Instant::now();
             }
-            std::thread::sleep(Duration::from_millis(100));
         }
         info!("stopping; programs and maps stay in place (run `kpr cleanup` to remove them)");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limiter_allows_a_burst_then_one_per_interval() {
+        let mut l = Limiter::new(Duration::from_secs(1), 2);
+        let t0 = Instant::now();
+        assert!(l.try_take(t0));
+        assert!(l.try_take(t0));
+        assert!(!l.try_take(t0 + Duration::from_millis(100)));
+        assert!(l.try_take(t0 + Duration::from_millis(1200)));
+        assert!(!l.try_take(t0 + Duration::from_millis(1300)));
     }
 }

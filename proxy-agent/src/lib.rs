@@ -2,9 +2,11 @@
 pub mod agent;
 pub mod config;
 pub mod kernel;
+pub mod kube_source;
 pub mod maglev;
 pub mod manifests;
 pub mod maps;
+pub mod metrics;
 pub mod model;
 pub mod netif;
 pub mod sync;

@@ -4,9 +4,11 @@ use std::{net::IpAddr, path::PathBuf, sync::atomic::Ordering, time::Duration};
 use anyhow::{Context, Result};
 use aya::programs::XdpMode;
 use clap::{Parser, Subcommand, ValueEnum};
+use std::sync::Arc;
+
 use proxy_agent::{
-    agent::{Agent, AgentConfig, STOP},
-    config,
+    agent::{Agent, AgentConfig, Source, STOP},
+    config, kube_source, metrics,
     kernel::{self, KernelMaps},
     model::Scheduler,
     netif, view,
@@ -69,9 +71,22 @@ struct RunArgs {
     /// kube-proxy's KubeProxyConfiguration file, read unchanged. Flags given explicitly win.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Directory of Service and EndpointSlice manifests (YAML or JSON), watched for changes.
-    #[arg(long, default_value = "deploy/examples")]
-    manifests: PathBuf,
+    /// Directory of Service and EndpointSlice manifests (YAML or JSON), watched for changes,
+    /// instead of the Kubernetes API.
+    #[arg(long)]
+    manifests: Option<PathBuf>,
+    /// kubeconfig for the Kubernetes API (default: $KUBECONFIG, ~/.kube/config, or in-cluster).
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+    /// /healthz and /livez [default: 0.0.0.0:10256; config healthzBindAddress]; "" disables.
+    #[arg(long)]
+    healthz_bind_address: Option<String>,
+    /// /metrics [default: 127.0.0.1:10249; config metricsBindAddress]; "" disables.
+    #[arg(long)]
+    metrics_bind_address: Option<String>,
+    /// Least seconds between event-driven syncs [default: 1; config minSyncPeriod].
+    #[arg(long)]
+    min_sync_period: Option<f64>,
     /// Uplink interface(s): XDP for traffic from outside the node.
     #[arg(long = "uplink")]
     uplinks: Vec<String>,
@@ -141,9 +156,13 @@ fn main() -> Result<()> {
                 "auto" => Some(kernel::cgroup2_root().context("no cgroup v2 hierarchy found for --cgroup auto (use --cgroup none or a path)")?),
                 p => Some(PathBuf::from(p)),
             };
+            let source_dir = a.manifests.clone();
+            let kubeconfig = a.kubeconfig.clone();
+            let addrs = (a.healthz_bind_address.clone(), a.metrics_bind_address.clone());
+            let min_sync = a.min_sync_period;
             let cfg = AgentConfig {
                 cgroup,
-                manifests: a.manifests,
+                source: Source::Dir(PathBuf::new()),
                 pin_dir: cli.pin_dir,
                 uplinks: a.uplinks,
                 pod_ifaces: a.pod_ifaces,
@@ -167,18 +186,61 @@ fn main() -> Result<()> {
                 ..AgentConfig::default()
             };
             let mut cfg = cfg;
+            let mut healthz = addrs.0.unwrap_or_else(|| "0.0.0.0:10256".into());
+            let mut metrics_addr = addrs.1.unwrap_or_else(|| "127.0.0.1:10249".into());
+            if let Some(s) = min_sync {
+                cfg.min_sync_period = Duration::from_secs_f64(s);
+            }
             if let Some(path) = &config_file {
                 let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
                 let kp = config::parse(&path.display().to_string(), &text)?;
                 apply_kube_proxy_config(&mut cfg, &kp, explicit);
+                if a_flags_unset(&config_file, &healthz) {
+                    if let Some(h) = &kp.healthz_bind_address {
+                        healthz = h.clone();
+                    }
+                }
+                if let Some(m) = &kp.metrics_bind_address {
+                    metrics_addr = m.clone();
+                }
+                if min_sync.is_none() {
+                    if let Some(d) = kp.ipvs.min_sync_period.filter(|d| !d.is_zero()) {
+                        cfg.min_sync_period = d;
+                    }
+                }
             }
+            let parse_addr = |flag: &str, s: &str| -> Result<Option<std::net::SocketAddr>> {
+                if s.is_empty() {
+                    return Ok(None);
+                }
+                s.parse().map(Some).with_context(|| format!("--{flag} {s:?} is not IP:port"))
+            };
+            let healthz_addr = parse_addr("healthz-bind-address", &healthz)?;
+            let metrics_sock = parse_addr("metrics-bind-address", &metrics_addr)?;
+
+            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+            cfg.source = match source_dir {
+                Some(dir) => Source::Dir(dir),
+                None => {
+                    let client = rt.block_on(kube_client(kubeconfig.as_deref()))?;
+                    if cfg.node_name.is_empty() {
+                        cfg.node_name = hostname();
+                    }
+                    let shared = Arc::new(kube_source::Shared::default());
+                    rt.spawn(kube_source::run(client, cfg.node_name.clone(), shared.clone()));
+                    Source::Kube(shared)
+                }
+            };
             unsafe {
                 libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
                 libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
             }
+            let pin_dir = cfg.pin_dir.clone();
             let mut agent = Agent::new(cfg).context("starting the agent")?;
+            rt.block_on(metrics::serve(healthz_addr, metrics_sock, agent.stats.clone(), pin_dir))?;
             agent.attach_interfaces();
             agent.run();
+            rt.shutdown_timeout(Duration::from_secs(1));
         }
         Cmd::Cleanup => {
             let removed = kernel::cleanup(&cli.pin_dir).with_context(|| format!("cleaning {}", cli.pin_dir.display()))?;
@@ -228,6 +290,26 @@ fn main() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The config file's healthzBindAddress applies only when the flag kept its default.
+fn a_flags_unset(config: &Option<PathBuf>, healthz: &str) -> bool {
+    config.is_some() && healthz == "0.0.0.0:10256"
+}
+
+async fn kube_client(kubeconfig: Option<&std::path::Path>) -> Result<kube::Client> {
+    let config = match kubeconfig {
+        Some(p) => {
+            let kc = kube::config::Kubeconfig::read_from(p).with_context(|| format!("reading kubeconfig {}", p.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default()).await?
+        }
+        None => kube::Config::infer().await.context("no Kubernetes API configuration (in-cluster, $KUBECONFIG or ~/.kube/config); give --kubeconfig, or --manifests DIR to run from files")?,
+    };
+    Ok(kube::Client::try_from(config)?)
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_lowercase()).unwrap_or_default()
 }
 
 /// Values from a KubeProxyConfiguration fill what the flags left unset.

@@ -1,0 +1,307 @@
+//! The Kubernetes source: kube-rs watchers on Services, EndpointSlices and this node, feeding
+//! the same `Objects` the manifest directory does. Change trackers collapse the previous and
+//! current state of each object between syncs (kube-proxy's semantics), and nothing counts as
+//! synced until every watch has listed once, so a restart never programs an empty world.
+use std::{
+    collections::BTreeMap,
+    sync::{Arc, Condvar, Mutex},
+    time::{Duration, SystemTime},
+};
+
+use futures::StreamExt;
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
+use kube::{
+    runtime::{watcher, WatchStreamExt},
+    Api, Client, Resource, ResourceExt,
+};
+use tracing::{info, warn};
+
+use crate::manifests::{ObjectName, Objects};
+
+/// kube-proxy's label selectors: services of another proxy, and headless slices, are not ours.
+pub const SERVICE_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name";
+pub const SLICE_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
+pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+
+/// Pending changes of one kind of object since the last sync, collapsed: an object changed and
+/// changed back is no change; several updates are one.
+#[derive(Debug)]
+pub struct Tracker<T> {
+    pending: BTreeMap<ObjectName, (Option<T>, Option<T>)>,
+    pub total: u64,
+}
+
+impl<T> Default for Tracker<T> {
+    fn default() -> Self {
+        Self { pending: BTreeMap::new(), total: 0 }
+    }
+}
+
+impl<T: PartialEq> Tracker<T> {
+    pub fn record(&mut self, name: ObjectName, previous: Option<T>, current: Option<T>) {
+        if let Some(entry) = self.pending.get_mut(&name) {
+            entry.1 = current;
+            if entry.0 == entry.1 {
+                self.pending.remove(&name);
+            }
+        } else if previous != current {
+            self.pending.insert(name, (previous, current));
+            self.total += 1;
+        }
+    }
+    pub fn pending(&self) -> usize {
+        self.pending.len()
+    }
+    pub fn take(&mut self) -> Vec<ObjectName> {
+        std::mem::take(&mut self.pending).into_keys().collect()
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct KubeState {
+    pub objects: Objects,
+    pub node: Option<Node>,
+    pub services_synced: bool,
+    pub slices_synced: bool,
+    pub node_synced: bool,
+    pub service_changes: Tracker<Service>,
+    pub slice_changes: Tracker<EndpointSlice>,
+    /// last-change-trigger-time of the slices changed since the last sync.
+    pub trigger_times: Vec<SystemTime>,
+    /// When the oldest change not yet synced arrived (health: kube-proxy's QueuedUpdate).
+    pub oldest_pending: Option<std::time::Instant>,
+    pub generation: u64,
+}
+
+impl KubeState {
+    pub fn synced(&self) -> bool {
+        self.services_synced && self.slices_synced && self.node_synced
+    }
+    fn touched(&mut self) {
+        self.generation += 1;
+        self.oldest_pending.get_or_insert_with(std::time::Instant::now);
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct Shared {
+    pub state: Mutex<KubeState>,
+    pub changed: Condvar,
+}
+
+impl Shared {
+    /// Waits up to `timeout` for a change after `generation`; returns the current generation.
+    pub fn wait(&self, generation: u64, timeout: Duration) -> u64 {
+        let st = self.state.lock().unwrap();
+        let (st, _) = self.changed.wait_timeout_while(st, timeout, |s| s.generation == generation).unwrap();
+        st.generation
+    }
+}
+
+fn name_of<K: Resource>(o: &K) -> ObjectName {
+    (o.namespace().unwrap_or_default(), o.name_any())
+}
+
+fn trigger_time(s: &EndpointSlice) -> Option<SystemTime> {
+    let v = s.annotations().get(TRIGGER_TIME_ANNOTATION)?;
+    let t = chrono_like_parse(v)?;
+    Some(t)
+}
+
+/// RFC 3339 "2006-01-02T15:04:05Z" (what the endpoint controllers write), without a date crate.
+fn chrono_like_parse(s: &str) -> Option<SystemTime> {
+    let s = s.trim();
+    let (date, time) = s.split_once('T')?;
+    let mut d = date.split('-').map(|p| p.parse::<i64>().ok());
+    let (y, m, day) = (d.next()??, d.next()??, d.next()??);
+    let time = time.trim_end_matches('Z');
+    let (hms, frac) = time.split_once('.').unwrap_or((time, "0"));
+    let mut t = hms.split(':').map(|p| p.parse::<i64>().ok());
+    let (hh, mm, ss) = (t.next()??, t.next()??, t.next()??);
+    // Days from civil (Howard Hinnant's algorithm).
+    let y2 = if m <= 2 { y - 1 } else { y };
+    let era = if y2 >= 0 { y2 } else { y2 - 399 } / 400;
+    let yoe = y2 - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let secs = days * 86_400 + hh * 3600 + mm * 60 + ss;
+    let nanos = format!("{frac:0<9}")[..9].parse::<u64>().ok()?;
+    if secs < 0 {
+        return None;
+    }
+    Some(SystemTime::UNIX_EPOCH + Duration::from_secs(secs as u64) + Duration::from_nanos(nanos))
+}
+
+enum Kind {
+    Service(watcher::Event<Service>),
+    Slice(watcher::Event<EndpointSlice>),
+    Node(watcher::Event<Node>),
+}
+
+/// Per-stream buffers for re-lists (Init .. InitDone), applied atomically at InitDone.
+#[derive(Default)]
+struct Relist {
+    services: Option<BTreeMap<ObjectName, Service>>,
+    slices: Option<BTreeMap<ObjectName, EndpointSlice>>,
+    node: Option<Option<Node>>,
+}
+
+fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
+    let mut st = shared.state.lock().unwrap();
+    let before = st.generation;
+    match ev {
+        Kind::Service(e) => match e {
+            watcher::Event::Init => relist.services = Some(BTreeMap::new()),
+            watcher::Event::InitApply(o) => {
+                relist.services.get_or_insert_with(BTreeMap::new).insert(name_of(&o), o);
+            }
+            watcher::Event::InitDone => {
+                let fresh = relist.services.take().unwrap_or_default();
+                let old = std::mem::take(&mut st.objects.services);
+                for (n, o) in &old {
+                    if !fresh.contains_key(n) {
+                        st.service_changes.record(n.clone(), Some(o.clone()), None);
+                    }
+                }
+                for (n, o) in &fresh {
+                    st.service_changes.record(n.clone(), old.get(n).cloned(), Some(o.clone()));
+                }
+                st.objects.services = fresh;
+                if !st.services_synced {
+                    info!(services = st.objects.services.len(), "services listed");
+                }
+                st.services_synced = true;
+                st.touched();
+            }
+            watcher::Event::Apply(o) => {
+                let n = name_of(&o);
+                let prev = st.objects.services.insert(n.clone(), o.clone());
+                st.service_changes.record(n, prev, Some(o));
+                st.touched();
+            }
+            watcher::Event::Delete(o) => {
+                let n = name_of(&o);
+                let prev = st.objects.services.remove(&n);
+                st.service_changes.record(n, prev, None);
+                st.touched();
+            }
+        },
+        Kind::Slice(e) => match e {
+            watcher::Event::Init => relist.slices = Some(BTreeMap::new()),
+            watcher::Event::InitApply(o) => {
+                relist.slices.get_or_insert_with(BTreeMap::new).insert(name_of(&o), o);
+            }
+            watcher::Event::InitDone => {
+                let fresh = relist.slices.take().unwrap_or_default();
+                let old = std::mem::take(&mut st.objects.slices);
+                for (n, o) in &old {
+                    if !fresh.contains_key(n) {
+                        st.slice_changes.record(n.clone(), Some(o.clone()), None);
+                    }
+                }
+                for (n, o) in &fresh {
+                    if old.get(n) != Some(o) {
+                        if let Some(t) = trigger_time(o) {
+                            st.trigger_times.push(t);
+                        }
+                    }
+                    st.slice_changes.record(n.clone(), old.get(n).cloned(), Some(o.clone()));
+                }
+                st.objects.slices = fresh;
+                if !st.slices_synced {
+                    info!(slices = st.objects.slices.len(), "endpoint slices listed");
+                }
+                st.slices_synced = true;
+                st.touched();
+            }
+            watcher::Event::Apply(o) => {
+                let n = name_of(&o);
+                if let Some(t) = trigger_time(&o) {
+                    st.trigger_times.push(t);
+                }
+                let prev = st.objects.slices.insert(n.clone(), o.clone());
+                st.slice_changes.record(n, prev, Some(o));
+                st.touched();
+            }
+            watcher::Event::Delete(o) => {
+                let n = name_of(&o);
+                let prev = st.objects.slices.remove(&n);
+                st.slice_changes.record(n, prev, None);
+                st.touched();
+            }
+        },
+        Kind::Node(e) => match e {
+            watcher::Event::Init => relist.node = Some(None),
+            watcher::Event::InitApply(o) => relist.node = Some(Some(o)),
+            watcher::Event::InitDone => {
+                st.node = relist.node.take().flatten();
+                st.node_synced = true;
+                st.touched();
+            }
+            watcher::Event::Apply(o) => {
+                st.node = Some(o);
+                st.touched();
+            }
+            watcher::Event::Delete(_) => {
+                st.node = None;
+                st.touched();
+            }
+        },
+    }
+    if st.generation != before {
+        shared.changed.notify_all();
+    }
+}
+
+/// Runs the three watches until the runtime stops. Errors are logged and retried with backoff
+/// (410 Gone leads to a re-list, inside kube-rs's watcher).
+pub async fn run(client: Client, node_name: String, shared: Arc<Shared>) {
+    let services = watcher(Api::<Service>::all(client.clone()), watcher::Config::default().labels(SERVICE_SELECTOR))
+        .default_backoff()
+        .map(|r| r.map(Kind::Service));
+    let slices = watcher(Api::<EndpointSlice>::all(client.clone()), watcher::Config::default().labels(SLICE_SELECTOR))
+        .default_backoff()
+        .map(|r| r.map(Kind::Slice));
+    let node_cfg = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
+    let nodes = watcher(Api::<Node>::all(client), node_cfg).default_backoff().map(|r| r.map(Kind::Node));
+    let mut all = std::pin::pin!(futures::stream::select(futures::stream::select(services, slices), nodes));
+    let mut relist = Relist::default();
+    while let Some(ev) = all.next().await {
+        match ev {
+            Ok(k) => apply(&shared, &mut relist, k),
+            Err(e) => warn!(error = %e, "watch failed; retrying"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tracker_collapses() {
+        let mut t: Tracker<u32> = Tracker::default();
+        let n = ("ns".to_string(), "a".to_string());
+        t.record(n.clone(), Some(1), Some(2));
+        t.record(n.clone(), Some(2), Some(3));
+        assert_eq!(t.pending(), 1);
+        t.record(n.clone(), Some(3), Some(1));
+        assert_eq!(t.pending(), 0, "changed back: nothing pending");
+        t.record(n.clone(), None, Some(5));
+        assert_eq!(t.take(), vec![n]);
+        assert_eq!(t.pending(), 0);
+    }
+
+    #[test]
+    fn trigger_time_parses_rfc3339() {
+        let t = chrono_like_parse("2024-02-29T12:34:56Z").unwrap();
+        assert_eq!(t.duration_since(SystemTime::UNIX_EPOCH).unwrap().as_secs(), 1_709_210_096);
+        let t = chrono_like_parse("1970-01-01T00:00:01.5Z").unwrap();
+        assert_eq!(t.duration_since(SystemTime::UNIX_EPOCH).unwrap().as_millis(), 1500);
+    }
+}

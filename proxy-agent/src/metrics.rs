@@ -1,0 +1,260 @@
+//! Health and metrics, with kube-proxy's semantics and metric names where they exist, plus the
+//! data path's own figures read from the maps at scrape time.
+use std::{
+    collections::BTreeMap,
+    fmt::Write as _,
+    net::SocketAddr,
+    path::PathBuf,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant, SystemTime},
+};
+
+use axum::{extract::State, http::StatusCode, response::IntoResponse, routing::get, Router};
+use proxy_common::{user::{port_host, words_addr}, CT_DIR_FORWARD};
+use tracing::error;
+
+use crate::{kernel::KernelMaps, maps::DatapathMaps, view};
+
+/// A Prometheus histogram with fixed buckets.
+#[derive(Debug, Clone)]
+pub struct Histogram {
+    bounds: Vec<f64>,
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    /// kube-proxy's buckets for sync durations: 1 ms doubling 15 times.
+    pub fn exponential(start: f64, factor: f64, n: usize) -> Self {
+        let bounds: Vec<f64> = (0..n).map(|i| start * factor.powi(i as i32)).collect();
+        Self { counts: vec![0; bounds.len()], bounds, sum: 0.0, count: 0 }
+    }
+    pub fn observe(&mut self, v: f64) {
+        for (i, b) in self.bounds.iter().enumerate() {
+            if v <= *b {
+                self.counts[i] += 1;
+            }
+        }
+        self.sum += v;
+        self.count += 1;
+    }
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (b, c) in self.bounds.iter().zip(&self.counts) {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {c}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}", self.count, self.sum, self.count);
+    }
+}
+
+#[derive(Debug)]
+pub struct Stats {
+    pub sync_duration: Histogram,
+    pub network_programming: Histogram,
+    pub last_sync: Option<SystemTime>,
+    pub syncs_total: u64,
+    pub sync_failures_total: u64,
+    pub service_changes_pending: u64,
+    pub service_changes_total: u64,
+    pub endpoint_changes_pending: u64,
+    pub endpoint_changes_total: u64,
+    /// Since when a change has been waiting for a sync (None: nothing pending).
+    pub pending_since: Option<Instant>,
+    /// Unhealthy when a change waits longer than this (kube-proxy: 2 × syncPeriod).
+    pub health_timeout: Duration,
+    /// False while the node is being deleted (kube-proxy's nodeEligible).
+    pub node_eligible: bool,
+    /// Objects that could not be programmed, with the reason (also logged, and Events).
+    pub rejected_objects: u64,
+}
+
+impl Stats {
+    pub fn new(health_timeout: Duration) -> Self {
+        Self {
+            sync_duration: Histogram::exponential(0.001, 2.0, 15),
+            network_programming: Histogram::exponential(0.001, 2.0, 20),
+            last_sync: None,
+            syncs_total: 0,
+            sync_failures_total: 0,
+            service_changes_pending: 0,
+            service_changes_total: 0,
+            endpoint_changes_pending: 0,
+            endpoint_changes_total: 0,
+            pending_since: None,
+            health_timeout,
+            node_eligible: true,
+            rejected_objects: 0,
+        }
+    }
+
+    /// kube-proxy's rule: healthy unless a change has waited longer than the timeout.
+    pub fn healthy(&self, now: Instant) -> bool {
+        self.pending_since.is_none_or(|t| now.duration_since(t) < self.health_timeout)
+    }
+}
+
+pub type SharedStats = Arc<Mutex<Stats>>;
+
+fn rfc3339(t: SystemTime) -> String {
+    let secs = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs() as i64;
+    let days = secs.div_euclid(86_400);
+    let rem = secs.rem_euclid(86_400);
+    // Civil from days (Howard Hinnant).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+#[derive(Clone)]
+struct App {
+    stats: SharedStats,
+    pin_dir: PathBuf,
+}
+
+async fn healthz(State(app): State<App>, livez: bool) -> impl IntoResponse {
+    let st = app.stats.lock().unwrap();
+    let healthy = st.healthy(Instant::now()) && (livez || st.node_eligible);
+    let body = serde_json::json!({
+        "lastUpdated": st.last_sync.map(rfc3339).unwrap_or_default(),
+        "currentTime": rfc3339(SystemTime::now()),
+        "nodeEligible": st.node_eligible,
+    });
+    let code = if healthy { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (code, [("content-type", "application/json")], body.to_string())
+}
+
+/// Prometheus text for the agent's and the data path's figures.
+pub fn render(stats: &Stats, maps: Option<&dyn DatapathMaps>) -> String {
+    let mut o = String::new();
+    stats.sync_duration.render(&mut o, "kubeproxy_sync_proxy_rules_duration_seconds", "SyncProxyRules latency in seconds");
+    stats.network_programming.render(&mut o, "kubeproxy_network_programming_duration_seconds", "In Cluster Network Programming Latency in seconds");
+    let gauge = |o: &mut String, name: &str, help: &str, kind: &str, v: f64| {
+        let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
+    };
+    let last = stats.last_sync.map(|t| t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs_f64()).unwrap_or(0.0);
+    gauge(&mut o, "kubeproxy_sync_proxy_rules_last_timestamp_seconds", "The last time proxy rules were successfully synced", "gauge", last);
+    gauge(&mut o, "kubeproxy_sync_proxy_rules_service_changes_pending", "Pending proxy rules Service changes", "gauge", stats.service_changes_pending as f64);
+    gauge(&mut o, "kubeproxy_sync_proxy_rules_service_changes_total", "Cumulative proxy rules Service changes", "counter", stats.service_changes_total as f64);
+    gauge(&mut o, "kubeproxy_sync_proxy_rules_endpoint_changes_pending", "Pending proxy rules Endpoint changes", "gauge", stats.endpoint_changes_pending as f64);
+    gauge(&mut o, "kubeproxy_sync_proxy_rules_endpoint_changes_total", "Cumulative proxy rules Endpoint changes", "counter", stats.endpoint_changes_total as f64);
+    gauge(&mut o, "kpr_syncs_total", "Syncs of the data plane, successful or not", "counter", stats.syncs_total as f64);
+    gauge(&mut o, "kpr_sync_failures_total", "Syncs that failed (retried on the next change or period)", "counter", stats.sync_failures_total as f64);
+    gauge(&mut o, "kpr_rejected_objects", "Service and EndpointSlice fields skipped as invalid in the last sync", "gauge", stats.rejected_objects as f64);
+    let Some(maps) = maps else { return o };
+    if let Ok(counters) = view::counters(maps) {
+        let _ = writeln!(o, "# HELP kpr_datapath_packets_total Packets by what the data path did with them\n# TYPE kpr_datapath_packets_total counter");
+        for (k, v) in counters {
+            let _ = writeln!(o, "kpr_datapath_packets_total{{reason=\"{k}\"}} {v}");
+        }
+    }
+    let sizes = [
+        (proxy_common::map_names::SERVICES, maps.services().map(|v| v.len())),
+        (proxy_common::map_names::SLOTS, maps.slots().map(|v| v.len())),
+        (proxy_common::map_names::BACKENDS, maps.backends().map(|v| v.len())),
+        (proxy_common::map_names::AFFINITY, maps.affinity().map(|v| v.len())),
+    ];
+    let _ = writeln!(o, "# HELP kpr_map_entries Entries in each BPF map\n# TYPE kpr_map_entries gauge");
+    for (name, n) in sizes {
+        if let Ok(n) = n {
+            let _ = writeln!(o, "kpr_map_entries{{map=\"{name}\"}} {n}");
+        }
+    }
+    if let Ok(ct) = maps.conntrack() {
+        let _ = writeln!(o, "kpr_map_entries{{map=\"{}\"}} {}", proxy_common::map_names::CONNTRACK, ct.len());
+        let mut per_backend: BTreeMap<String, u64> = BTreeMap::new();
+        for (k, v) in ct.iter().filter(|(k, _)| k.dir == CT_DIR_FORWARD) {
+            let _ = k;
+            *per_backend.entry(format!("{}:{}", words_addr(v.new_daddr), port_host(v.new_dport))).or_default() += 1;
+        }
+        let flows: u64 = per_backend.values().sum();
+        gauge(&mut o, "kpr_conntrack_flows", "Tracked flows (forward conntrack entries)", "gauge", flows as f64);
+        let _ = writeln!(o, "# HELP kpr_backend_flows Tracked flows per backend (active and idle until collected)\n# TYPE kpr_backend_flows gauge");
+        for (b, n) in per_backend {
+            let _ = writeln!(o, "kpr_backend_flows{{backend=\"{b}\"}} {n}");
+        }
+    }
+    o
+}
+
+async fn metrics(State(app): State<App>) -> impl IntoResponse {
+    let maps = KernelMaps::open(&app.pin_dir).ok();
+    let st = app.stats.lock().unwrap();
+    let body = render(&st, maps.as_ref().map(|m| m as &dyn DatapathMaps));
+    ([("content-type", "text/plain; version=0.0.4")], body)
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("cannot listen on {addr} for {what}: {err} (is another kube-proxy or kpr running? set --{flag})")]
+pub struct BindError {
+    pub addr: SocketAddr,
+    pub what: &'static str,
+    pub flag: &'static str,
+    pub err: std::io::Error,
+}
+
+/// Binds the health and metrics listeners now (so a port in use is a start-up error) and
+/// serves them on the current runtime.
+pub async fn serve(healthz_addr: Option<SocketAddr>, metrics_addr: Option<SocketAddr>, stats: SharedStats, pin_dir: PathBuf) -> Result<(), BindError> {
+    let app = App { stats, pin_dir };
+    if let Some(addr) = healthz_addr {
+        let l = tokio::net::TcpListener::bind(addr).await.map_err(|err| BindError { addr, what: "/healthz", flag: "healthz-bind-address", err })?;
+        let r = Router::new()
+            .route("/healthz", get(|s| healthz(s, false)))
+            .route("/livez", get(|s| healthz(s, true)))
+            .with_state(app.clone());
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(l, r).await {
+                error!(error = %e, "health server stopped");
+            }
+        });
+    }
+    if let Some(addr) = metrics_addr {
+        let l = tokio::net::TcpListener::bind(addr).await.map_err(|err| BindError { addr, what: "/metrics", flag: "metrics-bind-address", err })?;
+        let r = Router::new()
+            .route("/metrics", get(metrics))
+            .route("/healthz", get(|s| healthz(s, false)))
+            .with_state(app);
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(l, r).await {
+                error!(error = %e, "metrics server stopped");
+            }
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn health_follows_pending_changes() {
+        let mut s = Stats::new(Duration::from_secs(60));
+        let now = Instant::now();
+        assert!(s.healthy(now));
+        s.pending_since = Some(now);
+        assert!(s.healthy(now + Duration::from_secs(30)));
+        assert!(!s.healthy(now + Duration::from_secs(61)));
+    }
+
+    #[test]
+    fn renders_kube_proxy_names() {
+        let mut s = Stats::new(Duration::from_secs(60));
+        s.sync_duration.observe(0.003);
+        s.last_sync = Some(SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000));
+        let text = render(&s, Some(&crate::maps::FakeMaps::default()));
+        assert!(text.contains("kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.004\"} 1"));
+        assert!(text.contains("kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.002\"} 0"));
+        assert!(text.contains("kubeproxy_sync_proxy_rules_last_timestamp_seconds 1700000000"));
+        assert!(text.contains("kpr_datapath_packets_total{reason=\"new_flow\"} 0"));
+        assert_eq!(rfc3339(SystemTime::UNIX_EPOCH + Duration::from_secs(1_709_210_096)), "2024-02-29T12:34:56Z");
+    }
+}
