@@ -42,6 +42,10 @@ impl<T> Default for Tracker<T> {
 
 impl<T: PartialEq> Tracker<T> {
     pub fn record(&mut self, name: ObjectName, previous: Option<T>, current: Option<T>) {
+        // Every real change counts (kube-proxy's *_changes_total); pending ones collapse.
+        if previous != current {
+            self.total += 1;
+        }
         if let Some(entry) = self.pending.get_mut(&name) {
             entry.1 = current;
             if entry.0 == entry.1 {
@@ -49,7 +53,6 @@ impl<T: PartialEq> Tracker<T> {
             }
         } else if previous != current {
             self.pending.insert(name, (previous, current));
-            self.total += 1;
         }
     }
     pub fn pending(&self) -> usize {

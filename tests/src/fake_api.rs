@@ -1,0 +1,265 @@
+//! An in-process server that speaks the API server's list/watch protocol for Services,
+//! EndpointSlices and Nodes: resourceVersions, bookmarks, 410 Gone after compaction, dropped
+//! watches, slow answers and outages. The real kube-rs client talks to it over HTTP.
+#![allow(dead_code)]
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    convert::Infallible,
+    net::SocketAddr,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use axum::{
+    body::{Body, Bytes},
+    extract::{Query, State},
+    http::StatusCode,
+    response::{IntoResponse, Response},
+    routing::get,
+    Router,
+};
+use serde_json::{json, Value};
+use tokio::sync::broadcast;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Kind {
+    Service,
+    Slice,
+    Node,
+}
+
+impl Kind {
+    fn list_kind(self) -> (&'static str, &'static str) {
+        match self {
+            Kind::Service => ("ServiceList", "v1"),
+            Kind::Slice => ("EndpointSliceList", "discovery.k8s.io/v1"),
+            Kind::Node => ("NodeList", "v1"),
+        }
+    }
+    fn kind(self) -> &'static str {
+        match self {
+            Kind::Service => "Service",
+            Kind::Slice => "EndpointSlice",
+            Kind::Node => "Node",
+        }
+    }
+}
+
+#[derive(Default)]
+struct Db {
+    rv: u64,
+    objects: BTreeMap<(Kind, String, String), Value>,
+    /// (rv, kind, type, object): the watch history.
+    history: Vec<(u64, Kind, &'static str, Value)>,
+    /// Watches from a resourceVersion older than this get 410 Gone.
+    compacted: u64,
+    delay: Duration,
+    down: bool,
+    lists: u64,
+    watches: u64,
+}
+
+#[derive(Clone)]
+pub struct FakeApi {
+    db: Arc<Mutex<Db>>,
+    events: broadcast::Sender<Option<(u64, Kind, &'static str, Value)>>,
+    pub addr: SocketAddr,
+}
+
+fn key_of(kind: Kind, obj: &Value) -> (Kind, String, String) {
+    let ns = obj["metadata"]["namespace"].as_str().unwrap_or("").to_string();
+    let name = obj["metadata"]["name"].as_str().unwrap_or("").to_string();
+    (kind, ns, name)
+}
+
+/// Minimal label/field selector support: "!key", "key=value", "metadata.name=x", comma-joined.
+fn matches(obj: &Value, labels: Option<&str>, fields: Option<&str>) -> bool {
+    let lbl = &obj["metadata"]["labels"];
+    for term in labels.unwrap_or("").split(',').filter(|t| !t.is_empty()) {
+        let ok = if let Some(k) = term.strip_prefix('!') {
+            lbl.get(k).is_none()
+        } else if let Some((k, v)) = term.split_once('=') {
+            lbl.get(k).and_then(Value::as_str) == Some(v)
+        } else {
+            lbl.get(term).is_some()
+        };
+        if !ok {
+            return false;
+        }
+    }
+    for term in fields.unwrap_or("").split(',').filter(|t| !t.is_empty()) {
+        if let Some(v) = term.strip_prefix("metadata.name=") {
+            if obj["metadata"]["name"].as_str() != Some(v) {
+                return false;
+            }
+        }
+    }
+    true
+}
+
+impl FakeApi {
+    pub async fn start() -> Self {
+        let (events, _) = broadcast::channel(4096);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let api = FakeApi { db: Arc::new(Mutex::new(Db { rv: 100, ..Default::default() })), events, addr };
+        let app = Router::new()
+            .route("/api/v1/services", get(|s, q| handle(s, q, Kind::Service)))
+            .route("/apis/discovery.k8s.io/v1/endpointslices", get(|s, q| handle(s, q, Kind::Slice)))
+            .route("/api/v1/nodes", get(|s, q| handle(s, q, Kind::Node)))
+            .with_state(api.clone());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        api
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    fn write(&self, kind: Kind, ty: &'static str, mut obj: Value) {
+        let mut db = self.db.lock().unwrap();
+        db.rv += 1;
+        let rv = db.rv;
+        obj["metadata"]["resourceVersion"] = json!(rv.to_string());
+        let key = key_of(kind, &obj);
+        if ty == "DELETED" {
+            db.objects.remove(&key);
+        } else {
+            db.objects.insert(key, obj.clone());
+        }
+        db.history.push((rv, kind, ty, obj.clone()));
+        let _ = self.events.send(Some((rv, kind, ty, obj)));
+    }
+
+    pub fn apply(&self, kind: Kind, obj: Value) {
+        let exists = self.db.lock().unwrap().objects.contains_key(&key_of(kind, &obj));
+        self.write(kind, if exists { "MODIFIED" } else { "ADDED" }, obj);
+    }
+
+    pub fn delete(&self, kind: Kind, ns: &str, name: &str) {
+        let obj = self.db.lock().unwrap().objects.get(&(kind, ns.to_string(), name.to_string())).cloned();
+        if let Some(obj) = obj {
+            self.write(kind, "DELETED", obj);
+        }
+    }
+
+    /// Ends every open watch (the client must resume from its last resourceVersion).
+    pub fn drop_watches(&self) {
+        let _ = self.events.send(None);
+    }
+
+    /// Forgets history: resuming a watch from an older resourceVersion now gets 410 Gone.
+    pub fn compact(&self) {
+        let mut db = self.db.lock().unwrap();
+        db.compacted = db.rv + 1;
+        db.history.clear();
+    }
+
+    pub fn set_delay(&self, d: Duration) {
+        self.db.lock().unwrap().delay = d;
+    }
+
+    /// An outage: every request fails with 503 until set back.
+    pub fn set_down(&self, down: bool) {
+        self.db.lock().unwrap().down = down;
+        if down {
+            self.drop_watches();
+        }
+    }
+
+    pub fn lists(&self) -> u64 {
+        self.db.lock().unwrap().lists
+    }
+}
+
+fn line(v: Value) -> Result<Bytes, Infallible> {
+    let mut s = v.to_string();
+    s.push('\n');
+    Ok(Bytes::from(s))
+}
+
+async fn handle(State(api): State<FakeApi>, Query(q): Query<HashMap<String, String>>, kind: Kind) -> Response {
+    let (delay, down) = {
+        let db = api.db.lock().unwrap();
+        (db.delay, db.down)
+    };
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
+    if down {
+        return (StatusCode::SERVICE_UNAVAILABLE, "apiserver down for the test").into_response();
+    }
+    let labels = q.get("labelSelector").cloned();
+    let fields = q.get("fieldSelector").cloned();
+    let (list_kind, api_version) = kind.list_kind();
+    if q.get("watch").map(String::as_str) != Some("true") {
+        let mut db = api.db.lock().unwrap();
+        db.lists += 1;
+        let items: Vec<Value> = db
+            .objects
+            .iter()
+            .filter(|((k, _, _), o)| *k == kind && matches(o, labels.as_deref(), fields.as_deref()))
+            .map(|(_, o)| o.clone())
+            .collect();
+        let body = json!({"kind": list_kind, "apiVersion": api_version, "metadata": {"resourceVersion": db.rv.to_string()}, "items": items});
+        return ([("content-type", "application/json")], body.to_string()).into_response();
+    }
+    let from: u64 = q.get("resourceVersion").and_then(|s| s.parse().ok()).unwrap_or(0);
+    let bookmarks = q.get("allowWatchBookmarks").map(String::as_str) == Some("true");
+    let timeout = q.get("timeoutSeconds").and_then(|s| s.parse().ok()).unwrap_or(290u64);
+    let rx = api.events.subscribe();
+    let (backlog, gone, current_rv) = {
+        let mut db = api.db.lock().unwrap();
+        db.watches += 1;
+        let gone = from < db.compacted;
+        let backlog: Vec<Value> = db
+            .history
+            .iter()
+            .filter(|(rv, k, _, o)| *rv > from && *k == kind && matches(o, labels.as_deref(), fields.as_deref()))
+            .map(|(_, _, ty, o)| json!({"type": ty, "object": o}))
+            .collect();
+        (backlog, gone, db.rv)
+    };
+    if gone {
+        let status = json!({"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": format!("too old resource version: {from} ({current_rv})"), "reason": "Expired", "code": 410}});
+        let body = Body::from_stream(futures::stream::iter(vec![line(status)]));
+        return ([("content-type", "application/json")], body).into_response();
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(timeout.min(30));
+    let first: Vec<Result<Bytes, Infallible>> = backlog.into_iter().map(line).collect();
+    let start_rv = current_rv;
+    let live = futures::stream::unfold((rx, current_rv), move |(mut rx, mut rv)| {
+        let labels = labels.clone();
+        let fields = fields.clone();
+        async move {
+            loop {
+                let tick = tokio::time::sleep(Duration::from_millis(300));
+                tokio::select! {
+                    _ = tokio::time::sleep_until(deadline) => return None,
+                    _ = tick, if bookmarks => {
+                        let bm = json!({"type": "BOOKMARK", "object": {"kind": kind.kind(), "apiVersion": kind.list_kind().1, "metadata": {"resourceVersion": rv.to_string()}}});
+                        return Some((line(bm), (rx, rv)));
+                    }
+                    ev = rx.recv() => match ev {
+                        Ok(Some((erv, k, ty, o))) => {
+                            rv = rv.max(erv);
+                            // Already in the backlog.
+                            if erv <= start_rv {
+                                continue;
+                            }
+                            if k == kind && matches(&o, labels.as_deref(), fields.as_deref()) {
+                                return Some((line(json!({"type": ty, "object": o})), (rx, rv)));
+                            }
+                        }
+                        // A dropped watch, or a lagging receiver: end the stream.
+                        Ok(None) | Err(_) => return None,
+                    }
+                }
+            }
+        }
+    });
+    let body = Body::from_stream(futures::StreamExt::chain(futures::stream::iter(first), live));
+    ([("content-type", "application/json")], body).into_response()
+}
