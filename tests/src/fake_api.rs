@@ -263,3 +263,43 @@ async fn handle(State(api): State<FakeApi>, Query(q): Query<HashMap<String, Stri
     let body = Body::from_stream(futures::StreamExt::chain(futures::stream::iter(first), live));
     ([("content-type", "application/json")], body).into_response()
 }
+
+/// Starts a FakeApi inside a network namespace (its listener lives there; the handle works from
+/// anywhere). The runtime thread lives as long as the process.
+pub fn start_in_netns(ns: &str) -> FakeApi {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let ns = ns.to_string();
+    std::thread::spawn(move || {
+        proxy_agent::netif::enter_netns(&ns).expect("enter netns");
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        rt.block_on(async move {
+            tx.send(FakeApi::start().await).unwrap();
+            futures::future::pending::<()>().await;
+        });
+    });
+    rx.recv().unwrap()
+}
+
+impl FakeApi {
+    /// Applies every Service and EndpointSlice of a YAML file (multi-document).
+    pub fn apply_yaml(&self, text: &str) {
+        for doc in serde_yaml::Deserializer::from_str(text) {
+            let v: serde_json::Value = serde::Deserialize::deserialize(doc).unwrap();
+            match v["kind"].as_str() {
+                Some("Service") => self.apply(Kind::Service, v),
+                Some("EndpointSlice") => self.apply(Kind::Slice, v),
+                Some("Node") => self.apply(Kind::Node, v),
+                _ => {}
+            }
+        }
+    }
+
+    /// A kubeconfig file pointing at this server (plain HTTP, no credentials).
+    pub fn kubeconfig(&self, path: &std::path::Path) {
+        let text = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster: {{server: \"{}\"}}\ncontexts:\n- name: fake\n  context: {{cluster: fake, user: fake}}\ncurrent-context: fake\nusers:\n- name: fake\n  user: {{}}\n",
+            self.url()
+        );
+        std::fs::write(path, text).unwrap();
+    }
+}

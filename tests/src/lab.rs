@@ -104,16 +104,23 @@ impl Lab {
         }
     }
 
-    /// Starts (or restarts) the agent in the node namespace.
+    /// Starts (or restarts) the agent in the node namespace, on the manifest directory.
     pub fn start_agent(&mut self) {
+        let m = self.manifests.clone();
+        self.start_agent_with(&["--manifests".as_ref(), m.as_os_str()]);
+    }
+
+    /// Starts (or restarts) the agent with these source arguments (--manifests DIR, or
+    /// --kubeconfig FILE).
+    pub fn start_agent_with(&mut self, source: &[&std::ffi::OsStr]) {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.agent_log).unwrap();
         let child = Command::new(&self.kpr)
             .arg("--netns")
             .arg(self.ns("node"))
             .arg("--pin-dir")
             .arg(self.pins.path())
-            .args(["run", "--manifests"])
-            .arg(&self.manifests)
+            .arg("run")
+            .args(source)
             .args(["--uplink", "up0", "--pod-iface-prefix", "h", "--node-name", "node-a", "--cluster-cidr", CLUSTER_CIDR])
             .arg("--cgroup")
             .arg(&self.cgroup)

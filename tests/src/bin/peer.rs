@@ -5,6 +5,7 @@
 //!   burst  IP:PORT tcp|udp COUNT           COUNT short connections; prints JSON {name: count, "errors": n}
 //!   hold   IP:PORT SECONDS                 one TCP connection, a request every 50 ms; prints JSON
 //!   stream IP:PORT SECONDS                 new TCP connections back to back for SECONDS; prints JSON
+//!   get    IP:PORT PATH                    one HTTP/1.0 GET; prints the status line, then the body
 use std::{
     collections::BTreeMap,
     io::{BufRead, BufReader, Read, Write},
@@ -156,6 +157,17 @@ fn main() {
                 }
             }
             report(counts, errors, first);
+        }
+        "get" => {
+            let target: SocketAddr = arg(1).parse().unwrap();
+            let mut s = TcpStream::connect_timeout(&target, Duration::from_secs(2)).expect("connect");
+            s.set_read_timeout(Some(Duration::from_secs(5))).ok();
+            s.write_all(format!("GET {} HTTP/1.0\r\nHost: {target}\r\n\r\n", arg(2)).as_bytes()).unwrap();
+            let mut resp = String::new();
+            let _ = s.read_to_string(&mut resp);
+            let (head, body) = resp.split_once("\r\n\r\n").unwrap_or((&resp, ""));
+            println!("{}", head.lines().next().unwrap_or(""));
+            print!("{body}");
         }
         other => panic!("unknown command {other:?}; see the file header for usage"),
     }

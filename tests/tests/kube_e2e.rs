@@ -1,0 +1,78 @@
+//! The real agent on the Kubernetes API (an in-process list/watch server in the node
+//! namespace), forwarding real traffic; health and metrics as kube-proxy serves them; an API
+//! outage during which forwarding goes on.
+use std::{path::PathBuf, process::Command, time::Duration};
+
+use kpr_tests::{
+    fake_api::start_in_netns,
+    lab::{errors, per_backend, Lab},
+};
+
+fn get(lab: &Lab, addr: &str, path: &str) -> (String, String) {
+    let o = Command::new("ip")
+        .args(["netns", "exec", &lab.ns("node")])
+        .arg(kpr_tests::sibling_bin("kpr-lab-peer"))
+        .args(["get", addr, path])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    let (status, body) = out.split_once('\n').unwrap_or((&out, ""));
+    (status.to_string(), body.to_string())
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("metric {name} missing in:\n{text}"))
+}
+
+#[test]
+fn agent_on_the_kubernetes_api_forwards_serves_health_and_metrics_and_survives_an_outage() {
+    let empty = std::env::temp_dir().join(format!("kpr-kube-e2e-{}", std::process::id()));
+    std::fs::create_dir_all(&empty).unwrap();
+    let mut lab = Lab::build("kpe5", &empty);
+    let api = start_in_netns(&lab.ns("node"));
+    let examples = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples");
+    for e in std::fs::read_dir(&examples).unwrap().flatten() {
+        api.apply_yaml(&std::fs::read_to_string(e.path()).unwrap());
+    }
+    api.apply_yaml("apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\n");
+    let kubeconfig = empty.join("kubeconfig");
+    api.kubeconfig(&kubeconfig);
+    lab.start_agent_with(&["--kubeconfig".as_ref(), kubeconfig.as_os_str()]);
+    lab.wait_backends("10.96.0.10:80", 3);
+
+    let v = lab.peer("pod", &["burst", "10.96.0.10:80", "tcp", "60"]);
+    assert_eq!((errors(&v), per_backend(&v).len()), (0, 3), "{v}");
+
+    // A change through the API reaches the kernel.
+    api.apply_yaml(&std::fs::read_to_string(examples.join("web.yaml")).unwrap().replace("- addresses: [\"10.244.3.2\"]\n  conditions: {ready: true, serving: true, terminating: false}\n  nodeName: node-a\n", ""));
+    lab.wait_backends("10.96.0.10:80", 2);
+
+    let (status, body) = get(&lab, "127.0.0.1:10256", "/healthz");
+    assert!(status.contains("200"), "{status} {body}");
+    assert!(body.contains("lastUpdated") && body.contains("\"nodeEligible\":true"), "{body}");
+    assert!(get(&lab, "127.0.0.1:10256", "/livez").0.contains("200"));
+    let (status, m) = get(&lab, "127.0.0.1:10249", "/metrics");
+    assert!(status.contains("200"), "{status}");
+    assert!(metric(&m, "kubeproxy_sync_proxy_rules_last_timestamp_seconds") > 1.0e9);
+    assert!(metric(&m, "kubeproxy_sync_proxy_rules_duration_seconds_count") >= 2.0);
+    assert!(metric(&m, "kubeproxy_sync_proxy_rules_endpoint_changes_total") >= 1.0);
+    assert!(metric(&m, "kubeproxy_network_programming_duration_seconds_count") >= 0.0);
+    assert!(metric(&m, "kpr_datapath_packets_total{reason=\"new_flow\"}") >= 60.0, "{m}");
+    assert!(m.contains("kpr_backend_flows{backend=\"10.244.1.2:8080\"}"), "{m}");
+
+    // Outage: forwarding goes on with what is programmed; nothing is flushed.
+    api.set_down(true);
+    std::thread::sleep(Duration::from_millis(1500));
+    let v = lab.peer("pod", &["burst", "10.96.0.10:80", "tcp", "30"]);
+    assert_eq!(errors(&v), 0, "{v}");
+    assert_eq!(per_backend(&v).len(), 2, "{v}");
+    assert!(get(&lab, "127.0.0.1:10256", "/healthz").0.contains("200"), "nothing pending: still healthy");
+    api.set_down(false);
+    api.apply_yaml(&std::fs::read_to_string(examples.join("web.yaml")).unwrap());
+    lab.wait_backends("10.96.0.10:80", 3);
+    let _ = std::fs::remove_dir_all(&empty);
+}
