@@ -85,6 +85,8 @@ pub struct AgentConfig {
     /// Connect-time balancing for the node's own processes on this cgroup (v2); None: off.
     pub cgroup: Option<PathBuf>,
     pub node_name: String,
+    /// Zone for topology hints when no Node object says it (the directory source).
+    pub node_zone: Option<String>,
     /// Empty: the uplinks' IPv4 addresses.
     pub nodeport_addresses: Vec<IpAddr>,
     /// Default: the first NodePort address.
@@ -118,6 +120,7 @@ impl Default for AgentConfig {
             pod_iface_prefixes: Vec::new(),
             cgroup: None,
             node_name: String::new(),
+            node_zone: None,
             nodeport_addresses: Vec::new(),
             snat_ip: None,
             cluster_cidr: None,
@@ -270,7 +273,12 @@ impl Agent {
     ) -> Result<crate::sync::SyncStats, AgentError> {
         let start = Instant::now();
         let node_addrs = self.node_addresses(node);
-        let info = NodeInfo { name: self.cfg.node_name.clone(), nodeport_addresses: node_addrs.clone() };
+        let zone = node
+            .and_then(|n| n.metadata.labels.as_ref())
+            .and_then(|l| l.get(model::ZONE_LABEL))
+            .cloned()
+            .or_else(|| self.cfg.node_zone.clone());
+        let info = NodeInfo { name: self.cfg.node_name.clone(), nodeport_addresses: node_addrs.clone(), zone };
         let desired = model::compute(objects, &info, &ModelConfig { default_scheduler: self.cfg.scheduler });
         for e in &desired.errors {
             warn!(error = %e, "service field ignored");

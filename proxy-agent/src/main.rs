@@ -103,6 +103,9 @@ struct RunArgs {
     /// This node's name (endpoints on it are local).
     #[arg(long, env = "NODE_NAME", default_value = "")]
     node_name: String,
+    /// This node's zone for topology hints (the Node's topology.kubernetes.io/zone wins).
+    #[arg(long)]
+    node_zone: Option<String>,
     /// NodePort addresses (default: the uplinks' IPv4 addresses).
     #[arg(long = "node-ip")]
     node_ips: Vec<IpAddr>,
@@ -168,6 +171,7 @@ fn main() -> Result<()> {
                 pod_ifaces: a.pod_ifaces,
                 pod_iface_prefixes: a.pod_iface_prefixes,
                 node_name: a.node_name,
+                node_zone: a.node_zone,
                 nodeport_addresses: a.node_ips,
                 snat_ip: a.snat_ip,
                 cluster_cidr: a.cluster_cidr,

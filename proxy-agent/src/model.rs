@@ -16,6 +16,8 @@ use crate::manifests::{ObjectError, Objects};
 pub const SCHEDULER_ANNOTATION: &str = "kpr.io/scheduler";
 pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+pub const TOPOLOGY_MODE_ANNOTATION: &str = "service.kubernetes.io/topology-mode";
+pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
 const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10_800;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -141,6 +143,8 @@ pub struct NodeInfo {
     pub name: String,
     /// Addresses NodePorts listen on.
     pub nodeport_addresses: Vec<IpAddr>,
+    /// topology.kubernetes.io/zone of this node, for topology hints.
+    pub zone: Option<String>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -162,6 +166,8 @@ struct Ep {
     serving: bool,
     terminating: bool,
     local: bool,
+    /// EndpointSlice hints.forZones, when the controller set them.
+    zones: Option<Vec<String>>,
 }
 
 fn err(errors: &mut Vec<ObjectError>, object: &str, field: impl Into<String>, message: impl Into<String>) {
@@ -256,6 +262,8 @@ fn service_frontends(
     let etp_local = spec.external_traffic_policy.as_deref() == Some("Local");
     let itp_local = spec.internal_traffic_policy.as_deref() == Some("Local");
     let publish_not_ready = spec.publish_not_ready_addresses.unwrap_or(false);
+    let topology_aware = spec.traffic_distribution.as_deref() == Some("PreferClose")
+        || svc.metadata.annotations.as_ref().and_then(|a| a.get(TOPOLOGY_MODE_ANNOTATION)).is_some_and(|m| m.eq_ignore_ascii_case("auto"));
 
     let scheduler = match svc.metadata.annotations.as_ref().and_then(|a| a.get(SCHEDULER_ANNOTATION)) {
         None => cfg.default_scheduler,
@@ -362,13 +370,32 @@ fn service_frontends(
                 let local = ep.node_name.as_deref() == Some(node.name.as_str());
                 for (ai, a) in ep.addresses.iter().enumerate() {
                     match a.parse::<IpAddr>() {
-                        Ok(ip) if ip.is_ipv4() => eps.push(Ep { ip, port: tport, ready, serving, terminating, local }),
+                        Ok(ip) if ip.is_ipv4() => eps.push(Ep {
+                            ip,
+                            port: tport,
+                            ready,
+                            serving,
+                            terminating,
+                            local,
+                            zones: ep.hints.as_ref().and_then(|h| h.for_zones.as_ref()).map(|z| z.iter().map(|z| z.name.clone()).collect()),
+                        }),
                         _ => err(errors, &sobj, format!("endpoints[{ei}].addresses[{ai}]"), format!("{a:?} is not an IPv4 address")),
                     }
                 }
             }
         }
-        let all: Vec<&Ep> = eps.iter().collect();
+        let mut all: Vec<&Ep> = eps.iter().collect();
+        // Topology (KEP-2433, trafficDistribution PreferClose): only when every endpoint has a
+        // hint and some hint names this node's zone, as kube-proxy does; otherwise all.
+        if topology_aware {
+            if let Some(zone) = &node.zone {
+                let hinted = all.iter().all(|e| e.zones.is_some());
+                let ours: Vec<&Ep> = all.iter().copied().filter(|e| e.zones.as_ref().is_some_and(|z| z.contains(zone))).collect();
+                if hinted && !ours.is_empty() {
+                    all = ours;
+                }
+            }
+        }
         let local: Vec<&Ep> = eps.iter().filter(|e| e.local).collect();
         let to_keys = |v: Vec<BackendKeyNoProto>| -> Vec<BackendKey> {
             v.into_iter().map(|(ip, port)| BackendKey { ip, port, proto }).collect()

@@ -116,7 +116,7 @@ fn traffic_policies_terminating_fallback_and_bad_input() {
     let mut r = LoadReport::default();
     load_text("golden.yaml", MANIFESTS, &mut r);
     assert!(r.errors.is_empty(), "{:?}", r.errors);
-    let node = NodeInfo { name: "me".into(), nodeport_addresses: vec!["192.0.2.1".parse().unwrap()] };
+    let node = NodeInfo { name: "me".into(), nodeport_addresses: vec!["192.0.2.1".parse().unwrap()], ..Default::default() };
     let d = compute(&r.objects, &node, &ModelConfig::default());
     assert_eq!(d.dump(), GOLDEN, "\n--- got ---\n{}", d.dump());
     let errors: Vec<String> = d.errors.iter().map(|e| format!("{}: {}", e.object, e.field)).collect();
@@ -131,4 +131,39 @@ fn traffic_policies_terminating_fallback_and_bad_input() {
             "Service g/mixed: spec.ports[2].protocol",
         ]
     );
+}
+
+#[test]
+fn topology_hints_prefer_the_nodes_zone_only_when_complete() {
+    let svc = |name: &str, ip: &str, extra: &str| {
+        format!("apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: t}}\nspec: {{clusterIP: {ip}, {extra} ports: [{{port: 80}}]}}\n---\n")
+    };
+    let slice = |name: &str, eps: &str| {
+        format!("apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, namespace: t, labels: {{kubernetes.io/service-name: {name}}}}}\naddressType: IPv4\nports: [{{port: 8080}}]\nendpoints: {eps}\n---\n")
+    };
+    let hinted = "[{addresses: [10.0.0.1], hints: {forZones: [{name: z1}]}}, {addresses: [10.0.0.2], hints: {forZones: [{name: z2}]}}]";
+    let partial = "[{addresses: [10.0.0.1], hints: {forZones: [{name: z1}]}}, {addresses: [10.0.0.2]}]";
+    let mut y = String::new();
+    y += &svc("close", "10.96.2.1", "trafficDistribution: PreferClose,");
+    y += &slice("close", hinted);
+    y += &svc("auto", "10.96.2.2", "");
+    y = y.replace("name: auto, namespace: t}", "name: auto, namespace: t, annotations: {service.kubernetes.io/topology-mode: Auto}}");
+    y += &slice("auto", hinted);
+    y += &svc("partial", "10.96.2.3", "trafficDistribution: PreferClose,");
+    y += &slice("partial", partial);
+    y += &svc("plain", "10.96.2.4", "");
+    y += &slice("plain", hinted);
+    let mut r = LoadReport::default();
+    load_text("topology.yaml", &y, &mut r);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    let node = NodeInfo { name: "me".into(), zone: Some("z1".into()), ..Default::default() };
+    let d = compute(&r.objects, &node, &ModelConfig::default());
+    let backends = |ip: &str| -> Vec<String> {
+        let k = d.frontends.keys().find(|k| k.ip.to_string() == ip && k.scope == 0).unwrap();
+        d.frontends[k].backends.iter().map(|b| b.ip.to_string()).collect()
+    };
+    assert_eq!(backends("10.96.2.1"), ["10.0.0.1"], "PreferClose: own zone");
+    assert_eq!(backends("10.96.2.2"), ["10.0.0.1"], "topology-mode Auto: own zone");
+    assert_eq!(backends("10.96.2.3"), ["10.0.0.1", "10.0.0.2"], "hints missing on some endpoint: all");
+    assert_eq!(backends("10.96.2.4"), ["10.0.0.1", "10.0.0.2"], "no topology asked: all");
 }

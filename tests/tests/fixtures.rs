@@ -62,7 +62,7 @@ fn manifests() -> String {
 }
 
 fn load(name: &str) -> Loaded {
-    let node = NodeInfo { name: "node-a".into(), nodeport_addresses: vec![ip(NODE_IP)] };
+    let node = NodeInfo { name: "node-a".into(), nodeport_addresses: vec![ip(NODE_IP)], ..Default::default() };
     Loaded::new(name, &manifests(), &node, datapath_config(NODE_IP, Some(("10.244.0.0", 16))))
 }
 
@@ -125,7 +125,7 @@ fn flow_keeps_its_backend_after_the_backend_set_changes() {
     let chosen = parse(&out).dst;
     // Remove every backend but one that is not the chosen one.
     let other = WEB.iter().find(|b| **b != chosen.to_string()).unwrap();
-    let node = NodeInfo { name: "node-a".into(), nodeport_addresses: vec![ip(NODE_IP)] };
+    let node = NodeInfo { name: "node-a".into(), nodeport_addresses: vec![ip(NODE_IP)], ..Default::default() };
     let full = slice("web", 8080, "TCP", &WEB);
     let y = manifests().replace(&full, &slice("web", 8080, "TCP", &[other]));
     assert_ne!(y, manifests());

@@ -50,7 +50,7 @@ impl Harness {
 
     fn dump(&self) -> String {
         let st = self.shared.state.lock().unwrap();
-        let node = NodeInfo { name: "node-a".into(), nodeport_addresses: vec!["192.0.2.1".parse().unwrap()] };
+        let node = NodeInfo { name: "node-a".into(), nodeport_addresses: vec!["192.0.2.1".parse().unwrap()], ..Default::default() };
         compute(&st.objects, &node, &ModelConfig::default()).dump()
     }
 
@@ -67,7 +67,7 @@ impl Harness {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         let st = self.shared.state.lock().unwrap();
-        let node = NodeInfo { name: "node-a".into(), nodeport_addresses: vec!["192.0.2.1".parse().unwrap()] };
+        let node = NodeInfo { name: "node-a".into(), nodeport_addresses: vec!["192.0.2.1".parse().unwrap()], ..Default::default() };
         let d = compute(&st.objects, &node, &ModelConfig::default());
         self.syncer.sync(&mut self.maps, &d, DatapathConfig::default()).unwrap();
         let frontends: usize = d.frontends.len();
