@@ -156,6 +156,8 @@ pub struct Agent {
     syncer: Syncer,
     attached: BTreeSet<(String, &'static str)>,
     pub stats: SharedStats,
+    /// healthCheckNodePort servers (need a tokio runtime; None in tools and tests without one).
+    pub health_checks: Option<crate::healthcheck::HealthChecks>,
 }
 
 impl Agent {
@@ -167,7 +169,7 @@ impl Agent {
         }
         let maps = KernelMaps::open(&cfg.pin_dir)?;
         let stats = Arc::new(std::sync::Mutex::new(Stats::new(cfg.sync_period * 2)));
-        Ok(Self { cfg, dp, maps, syncer: Syncer::default(), attached: BTreeSet::new(), stats })
+        Ok(Self { cfg, dp, maps, syncer: Syncer::default(), attached: BTreeSet::new(), stats, health_checks: None })
     }
 
     fn node_addresses(&self, node: Option<&k8s_openapi::api::core::v1::Node>) -> Vec<IpAddr> {
@@ -300,6 +302,11 @@ impl Agent {
         };
         for e in &st.errors {
             warn!(error = %e, "frontend not programmed");
+        }
+        if let Some(hc) = &mut self.health_checks {
+            for e in hc.update(&desired.health_checks) {
+                warn!(error = %e, "health check server");
+            }
         }
         stats.sync_duration.observe(elapsed.as_secs_f64());
         let now = SystemTime::now();

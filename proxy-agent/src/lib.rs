@@ -1,6 +1,7 @@
 //! kpr, a kube-proxy replacement: the node agent's library (the `kpr` binary is a thin CLI).
 pub mod agent;
 pub mod config;
+pub mod healthcheck;
 pub mod kernel;
 pub mod kube_source;
 pub mod maglev;

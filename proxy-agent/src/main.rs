@@ -242,6 +242,7 @@ fn main() -> Result<()> {
             let pin_dir = cfg.pin_dir.clone();
             let mut agent = Agent::new(cfg).context("starting the agent")?;
             rt.block_on(metrics::serve(healthz_addr, metrics_sock, agent.stats.clone(), pin_dir))?;
+            agent.health_checks = Some(proxy_agent::healthcheck::HealthChecks::new(rt.handle().clone()));
             agent.attach_interfaces();
             agent.run();
             rt.shutdown_timeout(Duration::from_secs(1));

@@ -155,6 +155,9 @@ pub struct ModelConfig {
 #[derive(Clone, Debug, Default)]
 pub struct DesiredState {
     pub frontends: BTreeMap<FrontendKey, Frontend>,
+    /// healthCheckNodePort -> (namespace/name, local ready endpoints): what the health check
+    /// servers of externalTrafficPolicy Local services answer.
+    pub health_checks: BTreeMap<u16, (String, String, usize)>,
     pub errors: Vec<ObjectError>,
 }
 
@@ -320,6 +323,24 @@ fn service_frontends(
         }
     }
 
+    if etp_local && matches!(svc_type, "LoadBalancer" | "NodePort") {
+        if let Some(hc) = spec.health_check_node_port {
+            match u16::try_from(hc).ok().filter(|p| *p != 0) {
+                Some(port) => {
+                    let local: BTreeSet<IpAddr> = slices
+                        .iter()
+                        .flat_map(|(_, s)| s.endpoints.iter())
+                        .filter(|e| e.node_name.as_deref() == Some(node.name.as_str()))
+                        .filter(|e| publish_not_ready || e.conditions.as_ref().and_then(|c| c.ready).unwrap_or(true))
+                        .flat_map(|e| e.addresses.iter().filter_map(|a| a.parse().ok()))
+                        .collect();
+                    out.health_checks.insert(port, (ns.to_string(), name.to_string(), local.len()));
+                }
+                None => err(&mut out.errors, &object, "spec.healthCheckNodePort", format!("{hc} is not a port")),
+            }
+        }
+    }
+    let errors = &mut out.errors;
     let mut seen_ports = BTreeSet::new();
     for (i, port) in spec.ports.iter().flatten().enumerate() {
         let field = format!("spec.ports[{i}]");

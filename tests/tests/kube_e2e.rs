@@ -64,6 +64,29 @@ fn agent_on_the_kubernetes_api_forwards_serves_health_and_metrics_and_survives_a
     assert!(metric(&m, "kpr_datapath_packets_total{reason=\"new_flow\"}") >= 60.0, "{m}");
     assert!(m.contains("kpr_backend_flows{backend=\"10.244.1.2:8080\"}"), "{m}");
 
+    // healthCheckNodePort for externalTrafficPolicy Local: 200 with local endpoints, else 503.
+    let local_svc = |name: &str, hc: u16, node: &str| {
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: demo}}\nspec: {{type: LoadBalancer, clusterIP: 10.96.0.{}, externalTrafficPolicy: Local, healthCheckNodePort: {hc}, ports: [{{name: http, port: 80, nodePort: {}}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, namespace: demo, labels: {{kubernetes.io/service-name: {name}}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080}}]\nendpoints: [{{addresses: [10.244.1.2], conditions: {{ready: true}}, nodeName: {node}}}]\n",
+            hc - 31900,
+            hc - 1000
+        )
+    };
+    api.apply_yaml(&local_svc("here", 32000, "node-a"));
+    api.apply_yaml(&local_svc("elsewhere", 32001, "node-b"));
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let (status, body) = loop {
+        let r = get(&lab, "127.0.0.1:32000", "/healthz");
+        if r.0.contains("200") || std::time::Instant::now() > deadline {
+            break r;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(status.contains("200"), "{status} {body}");
+    assert!(body.contains("\"localEndpoints\":1") && body.contains("\"name\":\"here\""), "{body}");
+    let (status, body) = get(&lab, "127.0.0.1:32001", "/");
+    assert!(status.contains("503") && body.contains("\"localEndpoints\":0"), "{status} {body}");
+
     // Outage: forwarding goes on with what is programmed; nothing is flushed.
     api.set_down(true);
     std::thread::sleep(Duration::from_millis(1500));
