@@ -1,0 +1,138 @@
+//! kpr-scale: the control plane at scale, through the whole pipeline. The real `kpr run`
+//! watches an in-process API server holding N Services × E endpoints and programs real BPF
+//! maps. Prints the initial sync time (first watch event to the last map write, as the agent
+//! logs it), one change's latency from the API write to the kernel map (p50/p99 over several
+//! changes, measured by reading the map), and the agent's peak RSS. Figures, not assertions.
+//!
+//!   kpr-scale [--services 10000] [--endpoints 10] [--changes 50]
+use std::{
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use kpr_tests::{fake_api::{FakeApi, Kind}, PinDir};
+use proxy_agent::maps::DatapathMaps;
+use serde_json::json;
+
+fn service(i: u32) -> serde_json::Value {
+    json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": format!("s{i}"), "namespace": "scale"},
+        "spec": {"clusterIP": format!("10.{}.{}.{}", 96 + i / 65536, (i / 256) % 256, i % 256), "ports": [{"name": "http", "port": 80}]}})
+}
+
+fn slice(i: u32, endpoints: u32, generation: u32) -> serde_json::Value {
+    let eps: Vec<_> = (0..endpoints)
+        .map(|j| {
+            let n = i * endpoints + j + generation * 7;
+            json!({"addresses": [format!("10.{}.{}.{}", 128 + (n / 65536) % 64, (n / 256) % 256, n % 256)], "conditions": {"ready": true}, "nodeName": "n1"})
+        })
+        .collect();
+    json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": format!("s{i}-1"), "namespace": "scale", "labels": {"kubernetes.io/service-name": format!("s{i}")}},
+        "addressType": "IPv4", "ports": [{"name": "http", "port": 8080}], "endpoints": eps})
+}
+
+fn vm_hwm_kb(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse().ok()))
+        .unwrap_or(0)
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[((v.len() as f64 - 1.0) * p).round() as usize]
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let opt = |n: &str, d: u32| args.iter().position(|a| a == n).and_then(|i| args.get(i + 1)).map(|s| s.parse().unwrap()).unwrap_or(d);
+    let (n, e, changes) = (opt("--services", 10_000), opt("--endpoints", 10), opt("--changes", 50));
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let api = rt.block_on(FakeApi::start());
+    for i in 0..n {
+        api.apply(Kind::Service, service(i));
+        api.apply(Kind::Slice, slice(i, e, 0));
+    }
+    api.apply(Kind::Node, json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n1"}}));
+    let pins = PinDir::new("scale");
+    let dir = std::env::temp_dir().join(format!("kpr-scale-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    api.kubeconfig(&dir.join("kubeconfig"));
+    let log = dir.join("agent.log");
+    let cap = (2 * n + 1024).to_string();
+    let _ = cap;
+    let start = Instant::now();
+    let mut agent = Command::new(kpr_tests::sibling_bin("kpr"))
+        .arg("--pin-dir")
+        .arg(pins.path())
+        .args(["run", "--kubeconfig"])
+        .arg(dir.join("kubeconfig"))
+        .args(["--node-name", "n1", "--node-ip", "192.0.2.1", "--cgroup", "none", "--healthz-bind-address", "", "--metrics-bind-address", "", "--min-sync-period", "0"])
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("start kpr");
+    // Initial sync: until the maps hold every frontend.
+    let want = 2 * n as usize;
+    let maps = loop {
+        if let Ok(m) = proxy_agent::kernel::KernelMaps::open(pins.path()) {
+            if m.services().map(|s| s.len()).unwrap_or(0) >= want {
+                break m;
+            }
+        }
+        assert!(start.elapsed() < Duration::from_secs(300), "initial sync did not finish; see {}", log.display());
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let initial = start.elapsed();
+    let logged: Vec<f64> = std::fs::read_to_string(&log).unwrap_or_default().lines().filter(|l| l.contains("synced")).filter_map(|l| l.split("ms=").nth(1)?.split_whitespace().next()?.parse().ok()).collect();
+    println!("services: {n} x {e} endpoints ({} frontends, {} slots)", want, want * e as usize);
+    println!("initial sync: {:.2} s from agent start to all frontends in the kernel (the sync itself: {:.0} ms)", initial.as_secs_f64(), logged.first().copied().unwrap_or(f64::NAN));
+
+    // One change at a time: a service's endpoints replaced; latency until its slot 1 changed.
+    let mut lat = Vec::new();
+    for c in 0..changes {
+        let i = (c * 97) % n;
+        let vip: std::net::IpAddr = service(i)["spec"]["clusterIP"].as_str().unwrap().parse().unwrap();
+        let key = proxy_common::ServiceKey::new(vip, 80, proxy_common::PROTO_TCP, proxy_common::SCOPE_INTERNAL);
+        let slot_of = |m: &proxy_agent::kernel::KernelMaps| -> Option<u32> {
+            let id = m.services().ok()?.into_iter().find(|(k, _)| *k == key)?.1.service_id;
+            m.slots().ok()?.into_iter().find(|(k, _)| k.service_id == id && k.slot == 1).map(|(_, b)| b)
+        };
+        let _ = slot_of;
+        let before = {
+            use aya::maps::{HashMap, Map, MapData};
+            let svc: HashMap<MapData, proxy_common::ServiceKey, proxy_common::ServiceValue> = Map::from_map_data(MapData::from_pin(pins.path().join(proxy_common::map_names::SERVICES)).unwrap()).unwrap().try_into().unwrap();
+            let slots: HashMap<MapData, proxy_common::SlotKey, u32> = Map::from_map_data(MapData::from_pin(pins.path().join(proxy_common::map_names::SLOTS)).unwrap()).unwrap().try_into().unwrap();
+            (svc, slots)
+        };
+        let read = || -> Option<u32> {
+            let id = before.0.get(&key, 0).ok()?.service_id;
+            before.1.get(&proxy_common::SlotKey { service_id: id, slot: 1 }, 0).ok()
+        };
+        let old = read();
+        let t = Instant::now();
+        api.apply(Kind::Slice, slice(i, e, c + 1));
+        loop {
+            if read() != old {
+                break;
+            }
+            assert!(t.elapsed() < Duration::from_secs(30), "change {c} never reached the kernel");
+            std::hint::spin_loop();
+        }
+        lat.push(t.elapsed().as_secs_f64() * 1e3);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let hwm = vm_hwm_kb(agent.id());
+    let _ = agent.kill();
+    let _ = agent.wait();
+    let _ = maps;
+    println!(
+        "one change, API write -> kernel map: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({changes} changes)",
+        percentile(&mut lat.clone(), 0.5),
+        percentile(&mut lat.clone(), 0.99),
+        percentile(&mut lat, 1.0)
+    );
+    println!("agent peak RSS: {:.1} MB", hwm as f64 / 1024.0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
