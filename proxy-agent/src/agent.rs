@@ -158,6 +158,9 @@ pub struct Agent {
     pub stats: SharedStats,
     /// healthCheckNodePort servers (need a tokio runtime; None in tools and tests without one).
     pub health_checks: Option<crate::healthcheck::HealthChecks>,
+    /// The desired state last programmed, updated per changed service between full syncs.
+    last_desired: Option<model::DesiredState>,
+    last_node_version: Option<String>,
 }
 
 impl Agent {
@@ -169,7 +172,7 @@ impl Agent {
         }
         let maps = KernelMaps::open(&cfg.pin_dir)?;
         let stats = Arc::new(std::sync::Mutex::new(Stats::new(cfg.sync_period * 2)));
-        Ok(Self { cfg, dp, maps, syncer: Syncer::default(), attached: BTreeSet::new(), stats, health_checks: None })
+        Ok(Self { cfg, dp, maps, syncer: Syncer::default(), attached: BTreeSet::new(), stats, health_checks: None, last_desired: None, last_node_version: None })
     }
 
     fn node_addresses(&self, node: Option<&k8s_openapi::api::core::v1::Node>) -> Vec<IpAddr> {
@@ -265,7 +268,16 @@ impl Agent {
         self.sync_objects(&report.objects, None, rejected, &[])
     }
 
-    /// Computes the desired state of `objects` and syncs the maps to it.
+    fn node_info(&self, node: Option<&k8s_openapi::api::core::v1::Node>) -> NodeInfo {
+        let zone = node
+            .and_then(|n| n.metadata.labels.as_ref())
+            .and_then(|l| l.get(model::ZONE_LABEL))
+            .cloned()
+            .or_else(|| self.cfg.node_zone.clone());
+        NodeInfo { name: self.cfg.node_name.clone(), nodeport_addresses: self.node_addresses(node), zone }
+    }
+
+    /// Computes the desired state of `objects` and syncs the maps to it (a full sync).
     pub fn sync_objects(
         &mut self,
         objects: &Objects,
@@ -274,19 +286,34 @@ impl Agent {
         trigger_times: &[SystemTime],
     ) -> Result<crate::sync::SyncStats, AgentError> {
         let start = Instant::now();
-        let node_addrs = self.node_addresses(node);
-        let zone = node
-            .and_then(|n| n.metadata.labels.as_ref())
-            .and_then(|l| l.get(model::ZONE_LABEL))
-            .cloned()
-            .or_else(|| self.cfg.node_zone.clone());
-        let info = NodeInfo { name: self.cfg.node_name.clone(), nodeport_addresses: node_addrs.clone(), zone };
+        let info = self.node_info(node);
         let desired = model::compute(objects, &info, &ModelConfig { default_scheduler: self.cfg.scheduler });
+        let r = self.program(&desired, &info.nodeport_addresses, true, rejected, trigger_times, start);
+        self.last_desired = Some(desired);
+        r
+    }
+
+    /// Writes `desired` to the maps: a full sync lists the kernel first (repairing drift), an
+    /// incremental one diffs against what was last written.
+    fn program(
+        &mut self,
+        desired: &model::DesiredState,
+        node_addrs: &[IpAddr],
+        full: bool,
+        rejected: usize,
+        trigger_times: &[SystemTime],
+        start: Instant,
+    ) -> Result<crate::sync::SyncStats, AgentError> {
         for e in &desired.errors {
             warn!(error = %e, "service field ignored");
         }
-        let result = self.datapath_config(&node_addrs).and_then(|dcfg| {
-            self.syncer.sync(&mut self.maps, &desired, dcfg).map_err(|e| match e {
+        let result = self.datapath_config(node_addrs).and_then(|dcfg| {
+            let r = if full {
+                self.syncer.sync(&mut self.maps, desired, dcfg)
+            } else {
+                self.syncer.sync_cached(&mut self.maps, desired, dcfg)
+            };
+            r.map_err(|e| match e {
                 crate::sync::SyncError::Map(m) => AgentError::Map(m),
             })
         });
@@ -318,6 +345,7 @@ impl Agent {
             }
         }
         info!(
+            full,
             frontends = st.frontends,
             backends = st.backends,
             writes = st.writes,
@@ -326,6 +354,35 @@ impl Agent {
             "synced"
         );
         Ok(st)
+    }
+
+    /// One sync from the Kubernetes caches: only the changed services are recomputed, unless a
+    /// full sync is due (first sync, syncPeriod, a change of this node).
+    fn sync_kube(&mut self, shared: &kube_source::Shared, periodic: bool) -> Result<u64, AgentError> {
+        let start = Instant::now();
+        let mut st = shared.state.lock().unwrap();
+        let node_version = st.node.as_ref().and_then(|n| n.metadata.resource_version.clone());
+        let full = periodic || self.last_desired.is_none() || node_version != self.last_node_version;
+        let changed = st.take_changed_services();
+        let info = self.node_info(st.node.as_ref());
+        let cfg = ModelConfig { default_scheduler: self.cfg.scheduler };
+        let mut desired = match self.last_desired.take() {
+            Some(mut d) if !full => {
+                let partial = model::compute_filtered(&st.objects, &info, &cfg, Some(&changed));
+                d.replace_services(&changed, partial);
+                d
+            }
+            _ => model::compute(&st.objects, &info, &cfg),
+        };
+        let triggers = std::mem::take(&mut st.trigger_times);
+        st.oldest_pending = None;
+        let generation = st.generation;
+        drop(st);
+        let r = self.program(&desired, &info.nodeport_addresses, full, 0, &triggers, start);
+        desired.errors.clear();
+        self.last_desired = Some(desired);
+        self.last_node_version = node_version;
+        r.map(|_| generation)
     }
 
     /// Deletes idle flows (both directions) and expired affinity entries.
@@ -421,22 +478,18 @@ impl Agent {
             if (dirty && limiter.try_take(Instant::now())) || periodic {
                 let ok = match &source {
                     Source::Dir(_) => self.sync_once().map(|_| ()),
-                    Source::Kube(shared) => {
-                        let (objects, node, triggers, generation) = {
-                            let mut st = shared.state.lock().unwrap();
-                            st.service_changes.take();
-                            st.slice_changes.take();
-                            st.oldest_pending = None;
-                            (st.objects.clone(), st.node.clone(), std::mem::take(&mut st.trigger_times), st.generation)
-                        };
-                        last_generation = generation;
-                        self.sync_objects(&objects, node.as_ref(), 0, &triggers).map(|_| ())
-                    }
+                    Source::Kube(shared) => self.sync_kube(shared, periodic).map(|g| {
+                        last_generation = g;
+                    }),
                 };
                 match ok {
                     Ok(()) => {
                         dirty = false;
-                        last_full = Instant::now();
+                        // Event-driven syncs of the Kubernetes source are incremental; only a
+                        // full one restarts the syncPeriod clock (drift repair stays periodic).
+                        if periodic || matches!(source, Source::Dir(_)) {
+                            last_full = Instant::now();
+                        }
                         self.stats.lock().unwrap().pending_since = None;
                     }
                     Err(e) => error!(error = %e, "sync failed; retrying"),

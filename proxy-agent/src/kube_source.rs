@@ -61,6 +61,10 @@ impl<T: PartialEq> Tracker<T> {
     pub fn take(&mut self) -> Vec<ObjectName> {
         std::mem::take(&mut self.pending).into_keys().collect()
     }
+    /// The pending changes with their previous and current state.
+    pub fn take_entries(&mut self) -> Vec<(ObjectName, Option<T>, Option<T>)> {
+        std::mem::take(&mut self.pending).into_iter().map(|(n, (p, c))| (n, p, c)).collect()
+    }
 }
 
 #[derive(Debug, Default)]
@@ -80,6 +84,20 @@ pub struct KubeState {
 }
 
 impl KubeState {
+    /// The services whose desired state may differ since the last call: changed services and
+    /// the owners of changed slices (before and after the change). Clears the trackers.
+    pub fn take_changed_services(&mut self) -> std::collections::BTreeSet<ObjectName> {
+        let mut out: std::collections::BTreeSet<ObjectName> = self.service_changes.take().into_iter().collect();
+        for ((ns, _), prev, cur) in self.slice_changes.take_entries() {
+            for s in [prev, cur].into_iter().flatten() {
+                if let Some(owner) = s.labels().get(crate::model::SERVICE_NAME_LABEL) {
+                    out.insert((ns.clone(), owner.clone()));
+                }
+            }
+        }
+        out
+    }
+
     pub fn synced(&self) -> bool {
         self.services_synced && self.slices_synced && self.node_synced
     }

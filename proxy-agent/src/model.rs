@@ -197,11 +197,26 @@ fn usable(eps: &[&Ep], publish_not_ready: bool) -> Vec<BackendKeyNoProto> {
 type BackendKeyNoProto = (IpAddr, u16);
 
 pub fn compute(objects: &Objects, node: &NodeInfo, cfg: &ModelConfig) -> DesiredState {
+    compute_filtered(objects, node, cfg, None)
+}
+
+/// The desired state of only the `only` services (all when None): the incremental path.
+pub fn compute_filtered(
+    objects: &Objects,
+    node: &NodeInfo,
+    cfg: &ModelConfig,
+    only: Option<&BTreeSet<(String, String)>>,
+) -> DesiredState {
     let mut out = DesiredState::default();
     // Slices by owning service.
     let mut slices_by_svc: BTreeMap<(String, String), Vec<(&String, &EndpointSlice)>> = BTreeMap::new();
     for ((ns, name), slice) in &objects.slices {
         let owner = slice.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_NAME_LABEL));
+        if let (Some(only), Some(svc)) = (only, owner) {
+            if !only.contains(&(ns.clone(), svc.clone())) {
+                continue;
+            }
+        }
         match owner {
             Some(svc) => slices_by_svc.entry((ns.clone(), svc.clone())).or_default().push((name, slice)),
             None => err(
@@ -212,7 +227,11 @@ pub fn compute(objects: &Objects, node: &NodeInfo, cfg: &ModelConfig) -> Desired
             ),
         }
     }
-    for ((ns, name), svc) in &objects.services {
+    let selected: Box<dyn Iterator<Item = (&(String, String), &Service)>> = match only {
+        None => Box::new(objects.services.iter()),
+        Some(names) => Box::new(names.iter().filter_map(|n| objects.services.get_key_value(n))),
+    };
+    for ((ns, name), svc) in selected {
         let slices = slices_by_svc.get(&(ns.clone(), name.clone())).map(Vec::as_slice).unwrap_or(&[]);
         service_frontends(ns, name, svc, slices, node, cfg, &mut out);
     }
@@ -478,6 +497,19 @@ fn service_frontends(
 }
 
 impl DesiredState {
+    /// Replaces everything of the `names` services with `partial` (computed for them alone).
+    pub fn replace_services(&mut self, names: &BTreeSet<(String, String)>, partial: DesiredState) {
+        if names.is_empty() {
+            return;
+        }
+        let prefixes: Vec<String> = names.iter().map(|(ns, n)| format!("{ns}/{n}:")).collect();
+        self.frontends.retain(|_, f| !prefixes.iter().any(|p| f.service.starts_with(p.as_str())));
+        self.health_checks.retain(|_, (ns, n, _)| !names.contains(&(ns.clone(), n.clone())));
+        self.frontends.extend(partial.frontends);
+        self.health_checks.extend(partial.health_checks);
+        self.errors = partial.errors;
+    }
+
     /// Golden text: one line per frontend, one per backend.
     pub fn dump(&self) -> String {
         let mut s = String::new();

@@ -42,6 +42,8 @@ pub struct Syncer {
     free_maglev_rows: BTreeSet<u32>,
     maglev_written: HashMap<u32, Vec<u32>>,
     seeded: bool,
+    /// What the maps hold after the last successful sync (None: list them next time).
+    mirror: Option<Mirror>,
 }
 
 impl Default for Syncer {
@@ -68,6 +70,7 @@ impl Syncer {
             free_maglev_rows: (0..maglev_rows).collect(),
             maglev_written: HashMap::new(),
             seeded: false,
+            mirror: None,
         }
     }
 
@@ -128,38 +131,63 @@ impl Syncer {
         id
     }
 
+    /// Full sync: lists what the maps hold now, then writes the difference. Repairs any drift
+    /// (an entry deleted or changed by hand).
     pub fn sync(
         &mut self,
         maps: &mut dyn DatapathMaps,
         desired: &DesiredState,
         config: DatapathConfig,
     ) -> Result<SyncStats, SyncError> {
-        let mut st = SyncStats::default();
-        let actual_services: HashMap<ServiceKey, ServiceValue> = maps.services()?.into_iter().collect();
-        let actual_backends_list = maps.backends()?;
+        self.mirror = None;
+        let actual = Mirror::read(maps)?;
         if !self.seeded {
-            let svcs: Vec<_> = actual_services.iter().map(|(k, v)| (*k, *v)).collect();
-            self.seed(&svcs, &actual_backends_list);
+            let svcs: Vec<_> = actual.services.iter().map(|(k, v)| (*k, *v)).collect();
+            let bes: Vec<_> = actual.backends.iter().map(|(k, v)| (*k, *v)).collect();
+            self.seed(&svcs, &bes);
         }
-        let actual_backends: HashMap<u32, Backend> = actual_backends_list.into_iter().collect();
-        let mut actual_slots: HashMap<u32, BTreeMap<u32, u32>> = HashMap::new();
-        for (k, id) in maps.slots()? {
-            actual_slots.entry(k.service_id).or_default().insert(k.slot, id);
-        }
+        self.apply(maps, desired, config, actual, true)
+    }
 
-        if maps.config()? != config {
+    /// Sync against what this syncer last wrote instead of listing the maps: the cheap path for
+    /// event-driven syncs. Falls back to a full sync when there is no trustworthy mirror (first
+    /// sync, or the last one failed half-way).
+    pub fn sync_cached(
+        &mut self,
+        maps: &mut dyn DatapathMaps,
+        desired: &DesiredState,
+        config: DatapathConfig,
+    ) -> Result<SyncStats, SyncError> {
+        match self.mirror.take() {
+            Some(m) => self.apply(maps, desired, config, m, false),
+            None => self.sync(maps, desired, config),
+        }
+    }
+
+    fn apply(
+        &mut self,
+        maps: &mut dyn DatapathMaps,
+        desired: &DesiredState,
+        config: DatapathConfig,
+        mut m: Mirror,
+        full: bool,
+    ) -> Result<SyncStats, SyncError> {
+        let mut st = SyncStats::default();
+        if m.config != config {
             maps.set_config(config)?;
+            m.config = config;
             st.writes += 1;
         }
 
         // Backends first: a slot must never point to a backend that is not there yet.
-        let mut live_backends: BTreeSet<u32> = BTreeSet::new();
+        let mut live_backends: std::collections::HashSet<u32> = std::collections::HashSet::new();
         for f in desired.frontends.values() {
             for b in &f.backends {
                 let wire = b.wire();
                 let id = self.backend_id(wire);
-                if live_backends.insert(id) && actual_backends.get(&id) != Some(&wire) {
+                if live_backends.insert(id) && m.backends.get(&id) != Some(&wire) {
                     maps.put_backend(id, wire)?;
+                    m.backends.insert(id, wire);
                     st.writes += 1;
                 }
             }
@@ -167,6 +195,7 @@ impl Syncer {
         st.backends = live_backends.len();
 
         let mut desired_ranges: BTreeSet<SrcRange> = BTreeSet::new();
+        let mut live_services: std::collections::HashSet<u32> = std::collections::HashSet::new();
         let mut live_ids: HashMap<u32, BTreeSet<u32>> = HashMap::new();
         for (fk, f) in &desired.frontends {
             let key = fk.wire();
@@ -174,8 +203,11 @@ impl Syncer {
                 st.errors.push(format!("{} {}:{}: no free service id (capacity {})", f.service, fk.ip, fk.port, self.max_services));
                 continue;
             };
+            live_services.insert(service_id);
             let ids: Vec<u32> = f.backends.iter().map(|b| self.backend_ids[&b.wire()]).collect();
-            live_ids.insert(service_id, ids.iter().copied().collect());
+            if full {
+                live_ids.insert(service_id, ids.iter().copied().collect());
+            }
             let mut scheduler = f.scheduler.code();
             let mut maglev_row = 0;
             if scheduler == SCHED_MAGLEV {
@@ -194,13 +226,9 @@ impl Syncer {
                             .map(|(b, id)| (format!("{}:{}", b.ip, b.port).into_bytes(), *id))
                             .collect();
                         let table = maglev::table(&idents);
-                        let written = match self.maglev_written.get(&row) {
-                            Some(t) => Some(t == &table),
-                            None => None,
-                        };
-                        let same = match written {
-                            Some(same) => same,
-                            None => maps.maglev_row(row)? == table,
+                        let same = match self.maglev_written.get(&row) {
+                            Some(t) if !full => t == &table,
+                            _ => maps.maglev_row(row)? == table,
                         };
                         if !same {
                             maps.put_maglev_row(row, &table)?;
@@ -216,11 +244,12 @@ impl Syncer {
                 }
             }
             // Make before break: new slots, then the count, then the slots past the count.
-            let slots = actual_slots.remove(&service_id).unwrap_or_default();
+            let slots = m.slots.entry(service_id).or_default();
             for (i, id) in ids.iter().enumerate() {
                 let slot = i as u32 + 1;
                 if slots.get(&slot) != Some(id) {
                     maps.put_slot(SlotKey { service_id, slot }, *id)?;
+                    slots.insert(slot, *id);
                     st.writes += 1;
                 }
             }
@@ -233,12 +262,15 @@ impl Syncer {
                 flags: f.flags,
                 _pad: [0; 2],
             };
-            if actual_services.get(&key) != Some(&value) {
+            if m.services.get(&key) != Some(&value) {
                 maps.put_service(key, value)?;
+                m.services.insert(key, value);
                 st.writes += 1;
             }
-            for slot in slots.keys().filter(|s| **s > ids.len() as u32) {
-                maps.del_slot(SlotKey { service_id, slot: *slot })?;
+            let past: Vec<u32> = slots.range(ids.len() as u32 + 1..).map(|(s, _)| *s).collect();
+            for slot in past {
+                maps.del_slot(SlotKey { service_id, slot })?;
+                slots.remove(&slot);
                 st.deletes += 1;
             }
             for net in &f.source_ranges {
@@ -249,49 +281,80 @@ impl Syncer {
 
         // Stale frontends, then their slots, then slots of nothing.
         let wanted: std::collections::HashSet<ServiceKey> = desired.frontends.keys().map(|fk| fk.wire()).collect();
-        for (key, v) in &actual_services {
-            if !wanted.contains(key) {
-                maps.del_service(*key)?;
-                st.deletes += 1;
-                if self.service_ids.get(key) == Some(&v.service_id) {
-                    self.release_service_id(key);
-                }
+        let stale: Vec<(ServiceKey, ServiceValue)> = m.services.iter().filter(|(k, _)| !wanted.contains(k)).map(|(k, v)| (*k, *v)).collect();
+        for (key, v) in stale {
+            maps.del_service(key)?;
+            m.services.remove(&key);
+            st.deletes += 1;
+            if self.service_ids.get(&key) == Some(&v.service_id) {
+                self.release_service_id(&key);
             }
         }
-        for (service_id, slots) in actual_slots {
-            for slot in slots.keys() {
+        let dead: Vec<u32> = m.slots.keys().filter(|id| !live_services.contains(id)).copied().collect();
+        for service_id in dead {
+            for slot in m.slots.remove(&service_id).unwrap_or_default().keys() {
                 maps.del_slot(SlotKey { service_id, slot: *slot })?;
                 st.deletes += 1;
             }
         }
-        for id in actual_backends.keys() {
-            if !live_backends.contains(id) {
-                maps.del_backend(*id)?;
-                st.deletes += 1;
-            }
+        let gone: Vec<u32> = m.backends.keys().filter(|id| !live_backends.contains(id)).copied().collect();
+        for id in gone {
+            maps.del_backend(id)?;
+            m.backends.remove(&id);
+            st.deletes += 1;
         }
         self.backend_ids.retain(|_, id| live_backends.contains(id));
 
-        for r in maps.source_ranges()? {
-            if !desired_ranges.remove(&r) {
-                maps.del_source_range(r)?;
-                st.deletes += 1;
-            }
+        let old_ranges = std::mem::take(&mut m.ranges);
+        for r in old_ranges.difference(&desired_ranges) {
+            maps.del_source_range(*r)?;
+            st.deletes += 1;
         }
-        for r in desired_ranges {
-            maps.put_source_range(r)?;
+        for r in desired_ranges.difference(&old_ranges) {
+            maps.put_source_range(*r)?;
             st.writes += 1;
         }
+        m.ranges = desired_ranges;
 
-        // Affinity to a backend that left the service is void at once.
-        for (k, v) in maps.affinity()? {
-            let keep = live_ids.get(&k.service_id).is_some_and(|ids| ids.contains(&v.backend_id));
-            if !keep {
-                maps.del_affinity(k)?;
-                st.deletes += 1;
+        // Affinity to a backend that left the service is void (full syncs; between them the
+        // data path already ignores affinity to a backend that no longer exists).
+        if full {
+            for (k, v) in maps.affinity()? {
+                let keep = live_ids.get(&k.service_id).is_some_and(|ids| ids.contains(&v.backend_id));
+                if !keep {
+                    maps.del_affinity(k)?;
+                    st.deletes += 1;
+                }
             }
         }
+        self.mirror = Some(m);
         Ok(st)
+    }
+}
+
+/// What the maps hold, as far as the syncer is concerned.
+#[derive(Debug, Default)]
+struct Mirror {
+    config: DatapathConfig,
+    services: HashMap<ServiceKey, ServiceValue>,
+    backends: HashMap<u32, Backend>,
+    slots: HashMap<u32, BTreeMap<u32, u32>>,
+    ranges: BTreeSet<SrcRange>,
+}
+
+impl Mirror {
+    fn read(maps: &dyn DatapathMaps) -> Result<Self, MapError> {
+        let mut slots: HashMap<u32, BTreeMap<u32, u32>> = HashMap::new();
+        for (k, id) in maps.slots()? {
+            slots.entry(k.service_id).or_default().insert(k.slot, id);
+        }
+        Ok(Self {
+            config: maps.config()?,
+            services: maps.services()?.into_iter().collect(),
+            backends: maps.backends()?.into_iter().collect(),
+            slots,
+            ranges: maps.source_ranges()?.into_iter().collect(),
+        })
     }
 }
 
@@ -360,6 +423,30 @@ mod tests {
         s2.sync(&mut maps, &DesiredState::default(), DatapathConfig::default()).unwrap();
         assert!(maps.services.is_empty() && maps.slots.is_empty() && maps.backends.is_empty());
         assert!(maps.source_ranges.is_empty());
+    }
+
+    #[test]
+    fn cached_sync_writes_the_same_difference_and_full_sync_repairs_drift() {
+        let mut maps = FakeMaps::default();
+        let mut s = Syncer::default();
+        let mut d = DesiredState::default();
+        d.frontends.insert(key("10.96.0.1"), frontend(&[("10.0.0.1", 80), ("10.0.0.2", 80)], Scheduler::Random));
+        s.sync(&mut maps, &d, DatapathConfig::default()).unwrap();
+        d.frontends.insert(key("10.96.0.2"), frontend(&[("10.0.0.3", 80)], Scheduler::Random));
+        d.frontends.remove(&key("10.96.0.1"));
+        let st = s.sync_cached(&mut maps, &d, DatapathConfig::default()).unwrap();
+        assert!(st.writes > 0 && st.deletes > 0);
+        let mut reference = FakeMaps::default();
+        Syncer::default().sync(&mut reference, &d, DatapathConfig::default()).unwrap();
+        assert_eq!(maps.services.len(), reference.services.len());
+        assert_eq!(maps.slots.len(), reference.slots.len());
+        assert_eq!(maps.backends.len(), reference.backends.len());
+        // Drift: an entry deleted by hand. The cached sync trusts its mirror; the full one repairs.
+        maps.slots.clear();
+        assert_eq!(s.sync_cached(&mut maps, &d, DatapathConfig::default()).unwrap().writes, 0);
+        assert!(maps.slots.is_empty());
+        s.sync(&mut maps, &d, DatapathConfig::default()).unwrap();
+        assert_eq!(maps.slots.len(), 1);
     }
 
     #[test]
