@@ -74,8 +74,8 @@ pub struct KubeState {
     pub services_synced: bool,
     pub slices_synced: bool,
     pub node_synced: bool,
-    pub service_changes: Tracker<Service>,
-    pub slice_changes: Tracker<EndpointSlice>,
+    pub service_changes: Tracker<Version>,
+    pub slice_changes: Tracker<Version>,
     /// last-change-trigger-time of the slices changed since the last sync.
     pub trigger_times: Vec<SystemTime>,
     /// When the oldest change not yet synced arrived (health: kube-proxy's QueuedUpdate).
@@ -89,9 +89,9 @@ impl KubeState {
     pub fn take_changed_services(&mut self) -> std::collections::BTreeSet<ObjectName> {
         let mut out: std::collections::BTreeSet<ObjectName> = self.service_changes.take().into_iter().collect();
         for ((ns, _), prev, cur) in self.slice_changes.take_entries() {
-            for s in [prev, cur].into_iter().flatten() {
-                if let Some(owner) = s.labels().get(crate::model::SERVICE_NAME_LABEL) {
-                    out.insert((ns.clone(), owner.clone()));
+            for v in [prev, cur].into_iter().flatten() {
+                if let Some(owner) = v.owner {
+                    out.insert((ns.clone(), owner));
                 }
             }
         }
@@ -120,6 +120,28 @@ impl Shared {
         let (st, _) = self.changed.wait_timeout_while(st, timeout, |s| s.generation == generation).unwrap();
         st.generation
     }
+}
+
+/// What a tracker keeps of an object (not the object: at 10,000 services that would double the
+/// cache): its resourceVersion, which every change renews, and a slice's owning Service.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Version {
+    rv: Option<String>,
+    owner: Option<String>,
+}
+
+fn version<K: Resource>(o: &K) -> Version {
+    Version { rv: o.meta().resource_version.clone(), owner: o.labels().get(crate::model::SERVICE_NAME_LABEL).cloned() }
+}
+
+/// Drops what kpr never reads and what can dwarf the rest of an object.
+fn slim<K: Resource>(mut o: K) -> K {
+    let m = o.meta_mut();
+    m.managed_fields = None;
+    if let Some(a) = m.annotations.as_mut() {
+        a.remove("kubectl.kubernetes.io/last-applied-configuration");
+    }
+    o
 }
 
 fn name_of<K: Resource>(o: &K) -> ObjectName {
@@ -179,18 +201,18 @@ fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
         Kind::Service(e) => match e {
             watcher::Event::Init => relist.services = Some(BTreeMap::new()),
             watcher::Event::InitApply(o) => {
-                relist.services.get_or_insert_with(BTreeMap::new).insert(name_of(&o), o);
+                relist.services.get_or_insert_with(BTreeMap::new).insert(name_of(&o), slim(o));
             }
             watcher::Event::InitDone => {
                 let fresh = relist.services.take().unwrap_or_default();
                 let old = std::mem::take(&mut st.objects.services);
                 for (n, o) in &old {
                     if !fresh.contains_key(n) {
-                        st.service_changes.record(n.clone(), Some(o.clone()), None);
+                        st.service_changes.record(n.clone(), Some(version(o)), None);
                     }
                 }
                 for (n, o) in &fresh {
-                    st.service_changes.record(n.clone(), old.get(n).cloned(), Some(o.clone()));
+                    st.service_changes.record(n.clone(), old.get(n).map(version), Some(version(o)));
                 }
                 st.objects.services = fresh;
                 if !st.services_synced {
@@ -200,38 +222,42 @@ fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
                 st.touched();
             }
             watcher::Event::Apply(o) => {
+                let o = slim(o);
                 let n = name_of(&o);
-                let prev = st.objects.services.insert(n.clone(), o.clone());
-                st.service_changes.record(n, prev, Some(o));
+                let v = version(&o);
+                let prev = st.objects.services.insert(n.clone(), o);
+                st.service_changes.record(n, prev.as_ref().map(version), Some(v));
                 st.touched();
             }
             watcher::Event::Delete(o) => {
                 let n = name_of(&o);
                 let prev = st.objects.services.remove(&n);
-                st.service_changes.record(n, prev, None);
+                st.service_changes.record(n, prev.as_ref().map(version), None);
                 st.touched();
             }
         },
         Kind::Slice(e) => match e {
             watcher::Event::Init => relist.slices = Some(BTreeMap::new()),
             watcher::Event::InitApply(o) => {
-                relist.slices.get_or_insert_with(BTreeMap::new).insert(name_of(&o), o);
+                relist.slices.get_or_insert_with(BTreeMap::new).insert(name_of(&o), slim(o));
             }
             watcher::Event::InitDone => {
                 let fresh = relist.slices.take().unwrap_or_default();
                 let old = std::mem::take(&mut st.objects.slices);
                 for (n, o) in &old {
                     if !fresh.contains_key(n) {
-                        st.slice_changes.record(n.clone(), Some(o.clone()), None);
+                        st.slice_changes.record(n.clone(), Some(version(o)), None);
                     }
                 }
                 for (n, o) in &fresh {
-                    if old.get(n) != Some(o) {
+                    let prev = old.get(n).map(version);
+                    let cur = version(o);
+                    if prev.as_ref() != Some(&cur) {
                         if let Some(t) = trigger_time(o) {
                             st.trigger_times.push(t);
                         }
                     }
-                    st.slice_changes.record(n.clone(), old.get(n).cloned(), Some(o.clone()));
+                    st.slice_changes.record(n.clone(), prev, Some(cur));
                 }
                 st.objects.slices = fresh;
                 if !st.slices_synced {
@@ -241,18 +267,20 @@ fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
                 st.touched();
             }
             watcher::Event::Apply(o) => {
+                let o = slim(o);
                 let n = name_of(&o);
                 if let Some(t) = trigger_time(&o) {
                     st.trigger_times.push(t);
                 }
-                let prev = st.objects.slices.insert(n.clone(), o.clone());
-                st.slice_changes.record(n, prev, Some(o));
+                let v = version(&o);
+                let prev = st.objects.slices.insert(n.clone(), o);
+                st.slice_changes.record(n, prev.as_ref().map(version), Some(v));
                 st.touched();
             }
             watcher::Event::Delete(o) => {
                 let n = name_of(&o);
                 let prev = st.objects.slices.remove(&n);
-                st.slice_changes.record(n, prev, None);
+                st.slice_changes.record(n, prev.as_ref().map(version), None);
                 st.touched();
             }
         },

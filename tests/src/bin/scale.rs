@@ -134,5 +134,14 @@ fn main() {
         percentile(&mut lat, 1.0)
     );
     println!("agent peak RSS: {:.1} MB", hwm as f64 / 1024.0);
+    let inc: Vec<f64> = std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("synced") && l.contains("full=false"))
+        .filter_map(|l| l.split("ms=").nth(1)?.split_whitespace().next()?.parse().ok())
+        .collect();
+    if !inc.is_empty() {
+        println!("incremental sync inside the agent: p50 {:.1} ms, p99 {:.1} ms ({} syncs)", percentile(&mut inc.clone(), 0.5), percentile(&mut inc.clone(), 0.99), inc.len());
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
