@@ -288,18 +288,19 @@ impl Agent {
         let start = Instant::now();
         let info = self.node_info(node);
         let desired = model::compute(objects, &info, &ModelConfig { default_scheduler: self.cfg.scheduler });
-        let r = self.program(&desired, &info.nodeport_addresses, true, rejected, trigger_times, start);
+        let r = self.program(&desired, &info.nodeport_addresses, None, rejected, trigger_times, start);
         self.last_desired = Some(desired);
         r
     }
 
-    /// Writes `desired` to the maps: a full sync lists the kernel first (repairing drift), an
-    /// incremental one diffs against what was last written.
+    /// Writes `desired` to the maps: a full sync (`touched` None) lists the kernel first,
+    /// repairing drift; an incremental one writes only the touched frontends' difference from
+    /// what was last written.
     fn program(
         &mut self,
         desired: &model::DesiredState,
         node_addrs: &[IpAddr],
-        full: bool,
+        touched: Option<&BTreeSet<model::FrontendKey>>,
         rejected: usize,
         trigger_times: &[SystemTime],
         start: Instant,
@@ -308,10 +309,9 @@ impl Agent {
             warn!(error = %e, "service field ignored");
         }
         let result = self.datapath_config(node_addrs).and_then(|dcfg| {
-            let r = if full {
-                self.syncer.sync(&mut self.maps, desired, dcfg)
-            } else {
-                self.syncer.sync_cached(&mut self.maps, desired, dcfg)
+            let r = match touched {
+                None => self.syncer.sync(&mut self.maps, desired, dcfg),
+                Some(t) => self.syncer.sync_subset(&mut self.maps, desired, dcfg, t),
             };
             r.map_err(|e| match e {
                 crate::sync::SyncError::Map(m) => AgentError::Map(m),
@@ -345,7 +345,7 @@ impl Agent {
             }
         }
         info!(
-            full,
+            full = touched.is_none(),
             frontends = st.frontends,
             backends = st.backends,
             writes = st.writes,
@@ -366,10 +366,11 @@ impl Agent {
         let changed = st.take_changed_services();
         let info = self.node_info(st.node.as_ref());
         let cfg = ModelConfig { default_scheduler: self.cfg.scheduler };
+        let mut touched = None;
         let mut desired = match self.last_desired.take() {
             Some(mut d) if !full => {
                 let partial = model::compute_filtered(&st.objects, &info, &cfg, Some(&changed));
-                d.replace_services(&changed, partial);
+                touched = Some(d.replace_services(&changed, partial));
                 d
             }
             _ => model::compute(&st.objects, &info, &cfg),
@@ -378,7 +379,7 @@ impl Agent {
         st.oldest_pending = None;
         let generation = st.generation;
         drop(st);
-        let r = self.program(&desired, &info.nodeport_addresses, full, 0, &triggers, start);
+        let r = self.program(&desired, &info.nodeport_addresses, touched.as_ref(), 0, &triggers, start);
         desired.errors.clear();
         self.last_desired = Some(desired);
         self.last_node_version = node_version;

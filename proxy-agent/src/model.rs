@@ -498,16 +498,26 @@ fn service_frontends(
 
 impl DesiredState {
     /// Replaces everything of the `names` services with `partial` (computed for them alone).
-    pub fn replace_services(&mut self, names: &BTreeSet<(String, String)>, partial: DesiredState) {
+    /// Returns every frontend key that may differ: those removed and those (re)added.
+    pub fn replace_services(&mut self, names: &BTreeSet<(String, String)>, partial: DesiredState) -> BTreeSet<FrontendKey> {
+        let mut touched = BTreeSet::new();
         if names.is_empty() {
-            return;
+            return touched;
         }
         let prefixes: Vec<String> = names.iter().map(|(ns, n)| format!("{ns}/{n}:")).collect();
-        self.frontends.retain(|_, f| !prefixes.iter().any(|p| f.service.starts_with(p.as_str())));
+        self.frontends.retain(|k, f| {
+            let drop = prefixes.iter().any(|p| f.service.starts_with(p.as_str()));
+            if drop {
+                touched.insert(*k);
+            }
+            !drop
+        });
+        touched.extend(partial.frontends.keys().copied());
         self.health_checks.retain(|_, (ns, n, _)| !names.contains(&(ns.clone(), n.clone())));
         self.frontends.extend(partial.frontends);
         self.health_checks.extend(partial.health_checks);
         self.errors = partial.errors;
+        touched
     }
 
     /// Golden text: one line per frontend, one per backend.

@@ -12,7 +12,7 @@ use proxy_common::{
 use crate::{
     maglev,
     maps::{DatapathMaps, MapError, SrcRange},
-    model::DesiredState,
+    model::{DesiredState, Frontend, FrontendKey},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -44,6 +44,8 @@ pub struct Syncer {
     seeded: bool,
     /// What the maps hold after the last successful sync (None: list them next time).
     mirror: Option<Mirror>,
+    /// Backend id -> frontends whose slots use it (a backend is deleted when unused).
+    backend_refs: HashMap<u32, u32>,
 }
 
 impl Default for Syncer {
@@ -71,6 +73,7 @@ impl Syncer {
             maglev_written: HashMap::new(),
             seeded: false,
             mirror: None,
+            backend_refs: HashMap::new(),
         }
     }
 
@@ -149,21 +152,6 @@ impl Syncer {
         self.apply(maps, desired, config, actual, true)
     }
 
-    /// Sync against what this syncer last wrote instead of listing the maps: the cheap path for
-    /// event-driven syncs. Falls back to a full sync when there is no trustworthy mirror (first
-    /// sync, or the last one failed half-way).
-    pub fn sync_cached(
-        &mut self,
-        maps: &mut dyn DatapathMaps,
-        desired: &DesiredState,
-        config: DatapathConfig,
-    ) -> Result<SyncStats, SyncError> {
-        match self.mirror.take() {
-            Some(m) => self.apply(maps, desired, config, m, false),
-            None => self.sync(maps, desired, config),
-        }
-    }
-
     fn apply(
         &mut self,
         maps: &mut dyn DatapathMaps,
@@ -197,86 +185,17 @@ impl Syncer {
         let mut desired_ranges: BTreeSet<SrcRange> = BTreeSet::new();
         let mut live_services: std::collections::HashSet<u32> = std::collections::HashSet::new();
         let mut live_ids: HashMap<u32, BTreeSet<u32>> = HashMap::new();
+        let mut refs: HashMap<u32, u32> = HashMap::new();
         for (fk, f) in &desired.frontends {
-            let key = fk.wire();
-            let Some(service_id) = self.alloc_service_id(key) else {
-                st.errors.push(format!("{} {}:{}: no free service id (capacity {})", f.service, fk.ip, fk.port, self.max_services));
-                continue;
-            };
-            live_services.insert(service_id);
-            let ids: Vec<u32> = f.backends.iter().map(|b| self.backend_ids[&b.wire()]).collect();
-            if full {
-                live_ids.insert(service_id, ids.iter().copied().collect());
-            }
-            let mut scheduler = f.scheduler.code();
-            let mut maglev_row = 0;
-            if scheduler == SCHED_MAGLEV {
-                let row = match self.maglev_rows.get(&service_id) {
-                    Some(r) => Some(*r),
-                    None => self.free_maglev_rows.pop_first().inspect(|r| {
-                        self.maglev_rows.insert(service_id, *r);
-                    }),
-                };
-                match row {
-                    Some(row) => {
-                        let idents: Vec<(Vec<u8>, u32)> = f
-                            .backends
-                            .iter()
-                            .zip(&ids)
-                            .map(|(b, id)| (format!("{}:{}", b.ip, b.port).into_bytes(), *id))
-                            .collect();
-                        let table = maglev::table(&idents);
-                        let same = match self.maglev_written.get(&row) {
-                            Some(t) if !full => t == &table,
-                            _ => maps.maglev_row(row)? == table,
-                        };
-                        if !same {
-                            maps.put_maglev_row(row, &table)?;
-                            st.writes += 1;
-                        }
-                        self.maglev_written.insert(row, table);
-                        maglev_row = row;
-                    }
-                    None => {
-                        st.errors.push(format!("{}: all {} Maglev rows in use; using random", f.service, self.free_maglev_rows.len() + self.maglev_rows.len()));
-                        scheduler = SCHED_RANDOM;
-                    }
+            if let Some((service_id, ids)) = self.program_frontend(maps, &mut m, fk, f, full, &mut st, &mut desired_ranges)? {
+                live_services.insert(service_id);
+                if full {
+                    live_ids.insert(service_id, ids.iter().copied().collect());
+                }
+                for id in ids {
+                    *refs.entry(id).or_insert(0) += 1;
                 }
             }
-            // Make before break: new slots, then the count, then the slots past the count.
-            let slots = m.slots.entry(service_id).or_default();
-            for (i, id) in ids.iter().enumerate() {
-                let slot = i as u32 + 1;
-                if slots.get(&slot) != Some(id) {
-                    maps.put_slot(SlotKey { service_id, slot }, *id)?;
-                    slots.insert(slot, *id);
-                    st.writes += 1;
-                }
-            }
-            let value = ServiceValue {
-                service_id,
-                backend_count: ids.len() as u32,
-                affinity_timeout_s: f.affinity_timeout_s,
-                maglev_row,
-                scheduler,
-                flags: f.flags,
-                _pad: [0; 2],
-            };
-            if m.services.get(&key) != Some(&value) {
-                maps.put_service(key, value)?;
-                m.services.insert(key, value);
-                st.writes += 1;
-            }
-            let past: Vec<u32> = slots.range(ids.len() as u32 + 1..).map(|(s, _)| *s).collect();
-            for slot in past {
-                maps.del_slot(SlotKey { service_id, slot })?;
-                slots.remove(&slot);
-                st.deletes += 1;
-            }
-            for net in &f.source_ranges {
-                desired_ranges.insert(range_key(service_id, net));
-            }
-            st.frontends += 1;
         }
 
         // Stale frontends, then their slots, then slots of nothing.
@@ -327,6 +246,193 @@ impl Syncer {
                 }
             }
         }
+        self.backend_refs = refs;
+        self.mirror = Some(m);
+        Ok(st)
+    }
+
+    /// Programs one frontend against the mirror. Returns its service id and backend ids, or
+    /// None when it could not get an id (reported in `st.errors`).
+    #[allow(clippy::too_many_arguments)]
+    fn program_frontend(
+        &mut self,
+        maps: &mut dyn DatapathMaps,
+        m: &mut Mirror,
+        fk: &FrontendKey,
+        f: &Frontend,
+        full: bool,
+        st: &mut SyncStats,
+        desired_ranges: &mut BTreeSet<SrcRange>,
+    ) -> Result<Option<(u32, Vec<u32>)>, SyncError> {
+        let key = fk.wire();
+        let Some(service_id) = self.alloc_service_id(key) else {
+            st.errors.push(format!("{} {}:{}: no free service id (capacity {})", f.service, fk.ip, fk.port, self.max_services));
+            return Ok(None);
+        };
+        let ids: Vec<u32> = f.backends.iter().map(|b| self.backend_ids[&b.wire()]).collect();
+        let mut scheduler = f.scheduler.code();
+        let mut maglev_row = 0;
+        if scheduler == SCHED_MAGLEV {
+            let row = match self.maglev_rows.get(&service_id) {
+                Some(r) => Some(*r),
+                None => self.free_maglev_rows.pop_first().inspect(|r| {
+                    self.maglev_rows.insert(service_id, *r);
+                }),
+            };
+            match row {
+                Some(row) => {
+                    let idents: Vec<(Vec<u8>, u32)> =
+                        f.backends.iter().zip(&ids).map(|(b, id)| (format!("{}:{}", b.ip, b.port).into_bytes(), *id)).collect();
+                    let table = maglev::table(&idents);
+                    let same = match self.maglev_written.get(&row) {
+                        Some(t) if !full => t == &table,
+                        _ => maps.maglev_row(row)? == table,
+                    };
+                    if !same {
+                        maps.put_maglev_row(row, &table)?;
+                        st.writes += 1;
+                    }
+                    self.maglev_written.insert(row, table);
+                    maglev_row = row;
+                }
+                None => {
+                    st.errors.push(format!("{}: all {} Maglev rows in use; using random", f.service, self.free_maglev_rows.len() + self.maglev_rows.len()));
+                    scheduler = SCHED_RANDOM;
+                }
+            }
+        }
+        // Make before break: new slots, then the count, then the slots past the count.
+        let slots = m.slots.entry(service_id).or_default();
+        for (i, id) in ids.iter().enumerate() {
+            let slot = i as u32 + 1;
+            if slots.get(&slot) != Some(id) {
+                maps.put_slot(SlotKey { service_id, slot }, *id)?;
+                slots.insert(slot, *id);
+                st.writes += 1;
+            }
+        }
+        let value = ServiceValue {
+            service_id,
+            backend_count: ids.len() as u32,
+            affinity_timeout_s: f.affinity_timeout_s,
+            maglev_row,
+            scheduler,
+            flags: f.flags,
+            _pad: [0; 2],
+        };
+        if m.services.get(&key) != Some(&value) {
+            maps.put_service(key, value)?;
+            m.services.insert(key, value);
+            st.writes += 1;
+        }
+        let past: Vec<u32> = slots.range(ids.len() as u32 + 1..).map(|(s, _)| *s).collect();
+        for slot in past {
+            maps.del_slot(SlotKey { service_id, slot })?;
+            slots.remove(&slot);
+            st.deletes += 1;
+        }
+        for net in &f.source_ranges {
+            desired_ranges.insert(range_key(service_id, net));
+        }
+        st.frontends += 1;
+        Ok(Some((service_id, ids)))
+    }
+
+    /// Syncs only the `touched` frontends (those of changed services, before and after the
+    /// change) against the mirror: the event path, whose cost does not grow with the number of
+    /// services. Falls back to a full sync without a mirror.
+    pub fn sync_subset(
+        &mut self,
+        maps: &mut dyn DatapathMaps,
+        desired: &DesiredState,
+        config: DatapathConfig,
+        touched: &BTreeSet<FrontendKey>,
+    ) -> Result<SyncStats, SyncError> {
+        let Some(mut m) = self.mirror.take() else {
+            return self.sync(maps, desired, config);
+        };
+        let mut st = SyncStats::default();
+        if m.config != config {
+            maps.set_config(config)?;
+            m.config = config;
+            st.writes += 1;
+        }
+        // Backends first.
+        for fk in touched {
+            for b in desired.frontends.get(fk).map(|f| f.backends.as_slice()).unwrap_or(&[]) {
+                let wire = b.wire();
+                let id = self.backend_id(wire);
+                if m.backends.get(&id) != Some(&wire) {
+                    maps.put_backend(id, wire)?;
+                    m.backends.insert(id, wire);
+                    st.writes += 1;
+                }
+            }
+        }
+        let mut released: BTreeSet<u32> = BTreeSet::new();
+        for fk in touched {
+            let key = fk.wire();
+            let old = m.services.get(&key).copied();
+            if let Some(v) = old {
+                let old_ids: Vec<u32> = m.slots.get(&v.service_id).map(|s| s.range(1..=v.backend_count).map(|(_, id)| *id).collect()).unwrap_or_default();
+                for id in old_ids {
+                    if let Some(r) = self.backend_refs.get_mut(&id) {
+                        *r = r.saturating_sub(1);
+                        if *r == 0 {
+                            released.insert(id);
+                        }
+                    }
+                }
+            }
+            let sid = old.map(|v| v.service_id).or_else(|| self.service_ids.get(&key).copied());
+            let old_ranges: BTreeSet<SrcRange> = match sid {
+                Some(sid) => m.ranges.iter().filter(|r| r.1.service_id_be == sid.to_be()).copied().collect(),
+                None => BTreeSet::new(),
+            };
+            let mut new_ranges = BTreeSet::new();
+            match desired.frontends.get(fk) {
+                Some(f) => {
+                    if let Some((_, ids)) = self.program_frontend(maps, &mut m, fk, f, false, &mut st, &mut new_ranges)? {
+                        for id in ids {
+                            *self.backend_refs.entry(id).or_insert(0) += 1;
+                            released.remove(&id);
+                        }
+                    }
+                }
+                None => {
+                    if let Some(v) = old {
+                        maps.del_service(key)?;
+                        m.services.remove(&key);
+                        st.deletes += 1;
+                        for slot in m.slots.remove(&v.service_id).unwrap_or_default().keys() {
+                            maps.del_slot(SlotKey { service_id: v.service_id, slot: *slot })?;
+                            st.deletes += 1;
+                        }
+                        self.release_service_id(&key);
+                    }
+                }
+            }
+            for r in old_ranges.difference(&new_ranges) {
+                maps.del_source_range(*r)?;
+                m.ranges.remove(r);
+                st.deletes += 1;
+            }
+            for r in new_ranges.difference(&old_ranges) {
+                maps.put_source_range(*r)?;
+                m.ranges.insert(*r);
+                st.writes += 1;
+            }
+        }
+        for id in released {
+            if self.backend_refs.get(&id).copied().unwrap_or(0) == 0 {
+                maps.del_backend(id)?;
+                m.backends.remove(&id);
+                self.backend_refs.remove(&id);
+                self.backend_ids.retain(|_, v| *v != id);
+                st.deletes += 1;
+            }
+        }
+        st.backends = m.backends.len();
         self.mirror = Some(m);
         Ok(st)
     }
@@ -426,7 +532,7 @@ mod tests {
     }
 
     #[test]
-    fn cached_sync_writes_the_same_difference_and_full_sync_repairs_drift() {
+    fn subset_sync_trusts_its_mirror_and_full_sync_repairs_drift() {
         let mut maps = FakeMaps::default();
         let mut s = Syncer::default();
         let mut d = DesiredState::default();
@@ -434,7 +540,8 @@ mod tests {
         s.sync(&mut maps, &d, DatapathConfig::default()).unwrap();
         d.frontends.insert(key("10.96.0.2"), frontend(&[("10.0.0.3", 80)], Scheduler::Random));
         d.frontends.remove(&key("10.96.0.1"));
-        let st = s.sync_cached(&mut maps, &d, DatapathConfig::default()).unwrap();
+        let all: BTreeSet<FrontendKey> = [key("10.96.0.1"), key("10.96.0.2")].into_iter().collect();
+        let st = s.sync_subset(&mut maps, &d, DatapathConfig::default(), &all).unwrap();
         assert!(st.writes > 0 && st.deletes > 0);
         let mut reference = FakeMaps::default();
         Syncer::default().sync(&mut reference, &d, DatapathConfig::default()).unwrap();
@@ -443,10 +550,50 @@ mod tests {
         assert_eq!(maps.backends.len(), reference.backends.len());
         // Drift: an entry deleted by hand. The cached sync trusts its mirror; the full one repairs.
         maps.slots.clear();
-        assert_eq!(s.sync_cached(&mut maps, &d, DatapathConfig::default()).unwrap().writes, 0);
+        assert_eq!(s.sync_subset(&mut maps, &d, DatapathConfig::default(), &all).unwrap().writes, 0);
         assert!(maps.slots.is_empty());
         s.sync(&mut maps, &d, DatapathConfig::default()).unwrap();
         assert_eq!(maps.slots.len(), 1);
+    }
+
+    /// Frontend -> backend addresses, as the maps say.
+    fn view(m: &FakeMaps) -> BTreeMap<ServiceKey, Vec<[u32; 4]>> {
+        m.services
+            .iter()
+            .map(|(k, v)| {
+                let bes = (1..=v.backend_count).map(|slot| m.backends[&m.slots[&SlotKey { service_id: v.service_id, slot }]].addr).collect();
+                (*k, bes)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn subset_sync_equals_a_full_sync() {
+        let mut maps = FakeMaps::default();
+        let mut s = Syncer::default();
+        let mut d = DesiredState::default();
+        d.frontends.insert(key("10.96.0.1"), frontend(&[("10.0.0.1", 80), ("10.0.0.2", 80)], Scheduler::Random));
+        d.frontends.insert(key("10.96.0.2"), frontend(&[("10.0.0.2", 80), ("10.0.0.3", 80)], Scheduler::Random));
+        d.frontends.insert(key("10.96.0.3"), frontend(&[("10.0.0.9", 80)], Scheduler::Maglev));
+        s.sync(&mut maps, &d, DatapathConfig::default()).unwrap();
+        // Change one, remove one (its backend 10.0.0.9 must go), add one sharing a backend.
+        let mut d2 = d.clone();
+        d2.frontends.insert(key("10.96.0.1"), frontend(&[("10.0.0.4", 80)], Scheduler::Random));
+        d2.frontends.remove(&key("10.96.0.3"));
+        let mut f4 = frontend(&[("10.0.0.3", 80)], Scheduler::Random);
+        f4.source_ranges = vec!["203.0.113.0/24".parse().unwrap()];
+        d2.frontends.insert(key("10.96.0.4"), f4);
+        let touched: BTreeSet<FrontendKey> = [key("10.96.0.1"), key("10.96.0.3"), key("10.96.0.4")].into_iter().collect();
+        s.sync_subset(&mut maps, &d2, DatapathConfig::default(), &touched).unwrap();
+        let mut reference = FakeMaps::default();
+        Syncer::default().sync(&mut reference, &d2, DatapathConfig::default()).unwrap();
+        assert_eq!(view(&maps), view(&reference));
+        assert_eq!(maps.backends.len(), reference.backends.len(), "unused backends deleted: {:?}", maps.backends);
+        assert_eq!(maps.slots.len(), reference.slots.len());
+        assert_eq!(maps.source_ranges.len(), reference.source_ranges.len());
+        // And a full sync afterwards finds nothing to do.
+        let st = s.sync(&mut maps, &d2, DatapathConfig::default()).unwrap();
+        assert_eq!((st.writes, st.deletes), (0, 0), "{st:?}");
     }
 
     #[test]
