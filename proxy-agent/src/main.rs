@@ -144,6 +144,11 @@ extern "C" fn on_signal(_: libc::c_int) {
 }
 
 fn main() -> Result<()> {
+    // Few malloc arenas: the agent's threads mostly sleep, and per-thread arenas only inflate
+    // its resident memory.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 2);
+    }
     let cli = Cli::parse();
     // Before any thread exists: setns applies to the calling thread only.
     if let Some(ns) = &cli.netns {

@@ -184,14 +184,10 @@ impl Syncer {
 
         let mut desired_ranges: BTreeSet<SrcRange> = BTreeSet::new();
         let mut live_services: std::collections::HashSet<u32> = std::collections::HashSet::new();
-        let mut live_ids: HashMap<u32, BTreeSet<u32>> = HashMap::new();
         let mut refs: HashMap<u32, u32> = HashMap::new();
         for (fk, f) in &desired.frontends {
             if let Some((service_id, ids)) = self.program_frontend(maps, &mut m, fk, f, full, &mut st, &mut desired_ranges)? {
                 live_services.insert(service_id);
-                if full {
-                    live_ids.insert(service_id, ids.iter().copied().collect());
-                }
                 for id in ids {
                     *refs.entry(id).or_insert(0) += 1;
                 }
@@ -239,7 +235,7 @@ impl Syncer {
         // data path already ignores affinity to a backend that no longer exists).
         if full {
             for (k, v) in maps.affinity()? {
-                let keep = live_ids.get(&k.service_id).is_some_and(|ids| ids.contains(&v.backend_id));
+                let keep = m.slots.get(&k.service_id).is_some_and(|slots| slots.values().any(|id| *id == v.backend_id));
                 if !keep {
                     maps.del_affinity(k)?;
                     st.deletes += 1;
