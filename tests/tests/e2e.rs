@@ -43,7 +43,7 @@ fn clusterip_nodeport_udp_lb_and_reject_on_real_traffic() {
     assert_even(&lab.peer("pod", &["burst", "10.96.0.11:80", "tcp", "600"]), 600, "pod -> ClusterIP round-robin");
     // North-south from outside the node (XDP on the uplink).
     assert_even(&lab.peer("cl", &["burst", &format!("{NODE_IP}:30080"), "tcp", "600"]), 600, "client -> NodePort random");
-    assert_even(&lab.peer("cl", &["burst", "10.96.0.10:80", "tcp", "300"]), 300, "client -> ClusterIP random");
+    assert_even(&lab.peer("cl", &["burst", "10.96.0.10:80", "tcp", "600"]), 600, "client -> ClusterIP random");
     // A pod reaching the NodePort on the node's address goes through TC.
     let v = lab.peer("pod", &["burst", &format!("{NODE_IP}:30080"), "tcp", "60"]);
     assert_eq!((errors(&v), per_backend(&v).len()), (0, 3), "pod -> NodePort: {v}");
@@ -65,7 +65,7 @@ fn clusterip_nodeport_udp_lb_and_reject_on_real_traffic() {
     assert!(v["first_error"].as_str().unwrap().contains("refused"), "from outside too: {v}");
 
     // The node's own processes: connect-time balancing (TCP connect, UDP sendmsg/recvmsg).
-    assert_even(&lab.peer("host", &["burst", "10.96.0.10:80", "tcp", "300"]), 300, "node process -> ClusterIP random");
+    assert_even(&lab.peer("host", &["burst", "10.96.0.10:80", "tcp", "600"]), 600, "node process -> ClusterIP random");
     let v = lab.peer("host", &["burst", "10.96.0.53:53", "udp", "30"]);
     assert_eq!(errors(&v), 0, "UDP answers must appear to come from the service address: {v}");
     let v = lab.peer("host", &["burst", "10.96.0.99:80", "tcp", "2"]);

@@ -36,7 +36,8 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
-    /// Per-packet cost vs. the pass-only floor at several service counts (root).
+    /// Per-packet cost vs. the pass-only floor at several service counts, then the control
+    /// plane at scale (kpr-scale) (root).
     Bench {
         /// Small sizes and counts: proves the harness runs (what CI runs).
         #[arg(long)]
@@ -165,15 +166,21 @@ fn real_main() -> Result<()> {
             ensure_toolchain()?;
             mount_bpffs();
             let mut b = cargo();
-            b.args(["build", "--release", "-p", "kpr-tests", "--bin", "kpr-bench"]);
-            run(b, "building kpr-bench")?;
+            b.args(["build", "--release", "-p", "kpr-tests", "-p", "proxy-agent", "--bins"]);
+            run(b, "building kpr, kpr-bench and kpr-scale")?;
             let mut c = Command::new(root().join("target/release/kpr-bench"));
             c.current_dir(root());
             if smoke {
                 c.args(["--sizes", "1,1000", "--repeat", "20000", "--new-flows", "200", "--runs", "3"]);
             }
             c.args(&args);
-            run(c, "running the benchmark")?;
+            run(c, "data plane: per-packet cost")?;
+            let mut s = Command::new(root().join("target/release/kpr-scale"));
+            s.current_dir(root());
+            if smoke {
+                s.args(["--services", "500", "--changes", "10"]);
+            }
+            run(s, "control plane: N services through the whole pipeline")?;
         }
     }
     Ok(())
