@@ -161,6 +161,9 @@ pub struct Agent {
     /// The desired state last programmed, updated per changed service between full syncs.
     last_desired: Option<model::DesiredState>,
     last_node_version: Option<String>,
+    /// Where objects that cannot be programmed are sent as Kubernetes Events (kube source).
+    pub events: Option<tokio::sync::mpsc::UnboundedSender<crate::manifests::ObjectError>>,
+    reported: BTreeSet<String>,
 }
 
 impl Agent {
@@ -172,7 +175,7 @@ impl Agent {
         }
         let maps = KernelMaps::open(&cfg.pin_dir)?;
         let stats = Arc::new(std::sync::Mutex::new(Stats::new(cfg.sync_period * 2)));
-        Ok(Self { cfg, dp, maps, syncer: Syncer::default(), attached: BTreeSet::new(), stats, health_checks: None, last_desired: None, last_node_version: None })
+        Ok(Self { cfg, dp, maps, syncer: Syncer::default(), attached: BTreeSet::new(), stats, health_checks: None, last_desired: None, last_node_version: None, events: None, reported: BTreeSet::new() })
     }
 
     fn node_addresses(&self, node: Option<&k8s_openapi::api::core::v1::Node>) -> Vec<IpAddr> {
@@ -307,6 +310,18 @@ impl Agent {
     ) -> Result<crate::sync::SyncStats, AgentError> {
         for e in &desired.errors {
             warn!(error = %e, "service field ignored");
+        }
+        if let Some(tx) = &self.events {
+            // Each problem once while it lasts; again if it comes back after being fixed.
+            let now: BTreeSet<String> = desired.errors.iter().map(|e| e.to_string()).collect();
+            for e in desired.errors.iter().filter(|e| !self.reported.contains(&e.to_string())) {
+                let _ = tx.send(e.clone());
+            }
+            if touched.is_none() {
+                self.reported = now;
+            } else {
+                self.reported.extend(now);
+            }
         }
         let result = self.datapath_config(node_addrs).and_then(|dcfg| {
             let r = match touched {

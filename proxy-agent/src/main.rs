@@ -228,6 +228,7 @@ fn main() -> Result<()> {
             let metrics_sock = parse_addr("metrics-bind-address", &metrics_addr)?;
 
             let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+            let mut events = None;
             cfg.source = match source_dir {
                 Some(dir) => Source::Dir(dir),
                 None => {
@@ -236,7 +237,10 @@ fn main() -> Result<()> {
                         cfg.node_name = hostname();
                     }
                     let shared = Arc::new(kube_source::Shared::default());
-                    rt.spawn(kube_source::run(client, cfg.node_name.clone(), shared.clone()));
+                    rt.spawn(kube_source::run(client.clone(), cfg.node_name.clone(), shared.clone()));
+                    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                    rt.spawn(kube_source::publish_events(client, cfg.node_name.clone(), rx));
+                    events = Some(tx);
                     Source::Kube(shared)
                 }
             };
@@ -248,6 +252,7 @@ fn main() -> Result<()> {
             let mut agent = Agent::new(cfg).context("starting the agent")?;
             rt.block_on(metrics::serve(healthz_addr, metrics_sock, agent.stats.clone(), pin_dir))?;
             agent.health_checks = Some(proxy_agent::healthcheck::HealthChecks::new(rt.handle().clone()));
+            agent.events = events;
             agent.attach_interfaces();
             agent.run();
             rt.shutdown_timeout(Duration::from_secs(1));

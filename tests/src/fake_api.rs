@@ -58,6 +58,8 @@ struct Db {
     down: bool,
     lists: u64,
     watches: u64,
+    /// Events posted by the client (events.k8s.io/v1).
+    events: Vec<Value>,
 }
 
 #[derive(Clone)]
@@ -108,6 +110,8 @@ impl FakeApi {
             .route("/api/v1/services", get(|s, q| handle(s, q, Kind::Service)))
             .route("/apis/discovery.k8s.io/v1/endpointslices", get(|s, q| handle(s, q, Kind::Slice)))
             .route("/api/v1/nodes", get(|s, q| handle(s, q, Kind::Node)))
+            .route("/apis/events.k8s.io/v1/namespaces/{ns}/events", axum::routing::post(post_event))
+            .route("/apis/events.k8s.io/v1/namespaces/{ns}/events/{name}", axum::routing::patch(post_event))
             .with_state(api.clone());
         tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
         api
@@ -168,9 +172,26 @@ impl FakeApi {
         }
     }
 
+    /// Events posted so far.
+    pub fn events(&self) -> Vec<Value> {
+        self.db.lock().unwrap().events.clone()
+    }
+
     pub fn lists(&self) -> u64 {
         self.db.lock().unwrap().lists
     }
+}
+
+async fn post_event(State(api): State<FakeApi>, body: Bytes) -> Response {
+    let mut ev: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let mut db = api.db.lock().unwrap();
+    db.rv += 1;
+    if ev["metadata"]["name"].is_null() {
+        ev["metadata"]["name"] = json!(format!("ev{}", db.rv));
+    }
+    ev["metadata"]["resourceVersion"] = json!(db.rv.to_string());
+    db.events.push(ev.clone());
+    (StatusCode::CREATED, [("content-type", "application/json")], ev.to_string()).into_response()
 }
 
 fn line(v: Value) -> Result<Bytes, Infallible> {

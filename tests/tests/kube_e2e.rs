@@ -87,6 +87,21 @@ fn agent_on_the_kubernetes_api_forwards_serves_health_and_metrics_and_survives_a
     let (status, body) = get(&lab, "127.0.0.1:32001", "/");
     assert!(status.contains("503") && body.contains("\"localEndpoints\":0"), "{status} {body}");
 
+    // A Service that cannot be programmed: reported as a Kubernetes Event, the rest unaffected.
+    api.apply_yaml("apiVersion: v1\nkind: Service\nmetadata: {name: broken, namespace: demo}\nspec: {clusterIP: 10.96.0.300, ports: [{port: 80}]}\n");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let event = loop {
+        if let Some(e) = api.events().into_iter().find(|e| e["regarding"]["name"] == "broken") {
+            break e;
+        }
+        assert!(std::time::Instant::now() < deadline, "no event for Service demo/broken");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(event["type"], "Warning", "{event}");
+    assert!(event["note"].as_str().unwrap().contains("spec.clusterIP"), "{event}");
+    let v = lab.peer("pod", &["burst", "10.96.0.10:80", "tcp", "20"]);
+    assert_eq!(errors(&v), 0, "{v}");
+
     // Outage: forwarding goes on with what is programmed; nothing is flushed.
     api.set_down(true);
     std::thread::sleep(Duration::from_millis(1500));
