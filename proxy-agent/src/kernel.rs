@@ -112,6 +112,7 @@ impl Datapath {
             .map_max_entries(map_names::SERVICES, caps.frontends)
             .map_max_entries(map_names::RR_STATE, caps.services)
             .map_max_entries(map_names::BACKENDS, caps.backends)
+            .map_max_entries(map_names::BACKEND_NEW, caps.backends)
             .map_max_entries(map_names::SLOTS, caps.slots)
             .map_max_entries(map_names::CONNTRACK, caps.conntrack)
             .load(EBPF_OBJECT)
@@ -323,6 +324,7 @@ pub struct KernelMaps {
     conntrack: HashMap<MapData, CtKey, CtValue>,
     affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     counters: PerCpuArray<MapData, u64>,
+    backend_new: PerCpuArray<MapData, u64>,
 }
 
 fn open(pin_dir: &Path, name: &'static str) -> Result<Map, MapError> {
@@ -351,6 +353,7 @@ impl KernelMaps {
             conntrack: typed!(pin_dir, map_names::CONNTRACK),
             affinity: typed!(pin_dir, map_names::AFFINITY),
             counters: typed!(pin_dir, map_names::COUNTERS),
+            backend_new: typed!(pin_dir, map_names::BACKEND_NEW),
         })
     }
 }
@@ -448,6 +451,9 @@ impl DatapathMaps for KernelMaps {
     }
     fn del_affinity(&mut self, k: AffinityKey) -> Result<(), MapError> {
         del(map_names::AFFINITY, self.affinity.remove(&k))
+    }
+    fn backend_new_connections(&self, id: u32) -> Result<u64, MapError> {
+        self.backend_new.get(&id, 0).map(|v| v.iter().sum()).map_err(|e| op(map_names::BACKEND_NEW, "lookup", e))
     }
     fn counters(&self) -> Result<Vec<u64>, MapError> {
         (0..proxy_common::counter::COUNT)

@@ -50,6 +50,8 @@ pub trait DatapathMaps {
 
     /// Sum over CPUs of each counter.
     fn counters(&self) -> Result<Vec<u64>, MapError>;
+    /// New connections sent to a backend since it got its id (sum over CPUs).
+    fn backend_new_connections(&self, id: u32) -> Result<u64, MapError>;
 }
 
 /// In-memory maps with the kernel's semantics (deletes of missing keys succeed: idempotent).
@@ -150,5 +152,8 @@ impl DatapathMaps for FakeMaps {
     }
     fn counters(&self) -> Result<Vec<u64>, MapError> {
         Ok(vec![0; proxy_common::counter::COUNT as usize])
+    }
+    fn backend_new_connections(&self, _id: u32) -> Result<u64, MapError> {
+        Ok(0)
     }
 }

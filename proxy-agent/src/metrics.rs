@@ -167,6 +167,14 @@ pub fn render(stats: &Stats, maps: Option<&dyn DatapathMaps>) -> String {
             let _ = writeln!(o, "kpr_map_entries{{map=\"{name}\"}} {n}");
         }
     }
+    if let Ok(backends) = maps.backends() {
+        let _ = writeln!(o, "# HELP kpr_backend_new_connections_total New connections sent to each backend\n# TYPE kpr_backend_new_connections_total counter");
+        for (id, b) in backends {
+            if let Ok(n) = maps.backend_new_connections(id) {
+                let _ = writeln!(o, "kpr_backend_new_connections_total{{backend=\"{}:{}\"}} {n}", words_addr(b.addr), port_host(b.port));
+            }
+        }
+    }
     if let Ok(ct) = maps.conntrack() {
         let _ = writeln!(o, "kpr_map_entries{{map=\"{}\"}} {}", proxy_common::map_names::CONNTRACK, ct.len());
         let mut per_backend: BTreeMap<String, u64> = BTreeMap::new();

@@ -9,7 +9,7 @@ use std::{
 
 use ipnet::IpNet;
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
-use proxy_common::{SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_F_MASQ, SVC_F_PRESERVE_SOURCE, SVC_F_SOURCE_RANGES};
+use proxy_common::{limits::MAX_BACKENDS_PER_SERVICE, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_F_MASQ, SVC_F_PRESERVE_SOURCE, SVC_F_SOURCE_RANGES};
 
 use crate::manifests::{ObjectError, Objects};
 
@@ -423,6 +423,10 @@ fn service_frontends(
                     }
                 }
             }
+        }
+        if eps.len() > MAX_BACKENDS_PER_SERVICE as usize {
+            err(errors, &object, format!("{field}"), format!("{} endpoints: more than the {MAX_BACKENDS_PER_SERVICE} a service port may have; port skipped", eps.len()));
+            continue;
         }
         let mut all: Vec<&Ep> = eps.iter().collect();
         // Topology (KEP-2433, trafficDistribution PreferClose): only when every endpoint has a

@@ -167,3 +167,22 @@ fn topology_hints_prefer_the_nodes_zone_only_when_complete() {
     assert_eq!(backends("10.96.2.3"), ["10.0.0.1", "10.0.0.2"], "hints missing on some endpoint: all");
     assert_eq!(backends("10.96.2.4"), ["10.0.0.1", "10.0.0.2"], "no topology asked: all");
 }
+
+#[test]
+fn publish_not_ready_and_absurd_sizes() {
+    let mut y = String::from("apiVersion: v1\nkind: Service\nmetadata: {name: pnr, namespace: s}\nspec: {clusterIP: 10.96.3.1, publishNotReadyAddresses: true, ports: [{port: 80}]}\n---\n");
+    y += "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: pnr-1, namespace: s, labels: {kubernetes.io/service-name: pnr}}\naddressType: IPv4\nports: [{port: 8080}]\nendpoints: [{addresses: [10.0.0.1], conditions: {ready: false}}]\n---\n";
+    y += "apiVersion: v1\nkind: Service\nmetadata: {name: huge, namespace: s}\nspec: {clusterIP: 10.96.3.2, ports: [{port: 80}]}\n---\n";
+    let eps: Vec<String> = (0..70_000u32).map(|i| format!("{{addresses: [10.{}.{}.{}]}}", 100 + i / 65536, (i / 256) % 256, i % 256)).collect();
+    y += &format!("apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: huge-1, namespace: s, labels: {{kubernetes.io/service-name: huge}}}}\naddressType: IPv4\nports: [{{port: 8080}}]\nendpoints: [{}]\n", eps.join(","));
+    let mut r = LoadReport::default();
+    load_text("sizes.yaml", &y, &mut r);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    let d = compute(&r.objects, &NodeInfo::default(), &ModelConfig::default());
+    assert_eq!(
+        d.dump(),
+        "frontend 10.96.3.1:80/TCP internal clusterip s/pnr: sched=random affinity=0 flags=- ranges=\n  backend 10.0.0.1:8080\nfrontend 10.96.3.1:80/TCP external clusterip s/pnr: sched=random affinity=0 flags=- ranges=\n  backend 10.0.0.1:8080\n"
+    );
+    assert_eq!(d.errors.len(), 1);
+    assert_eq!((d.errors[0].object.as_str(), d.errors[0].field.as_str()), ("Service s/huge", "spec.ports[0]"));
+}

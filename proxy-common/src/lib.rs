@@ -34,10 +34,11 @@ pub mod map_names {
     pub const CONFIG: &str = "KPR_CFG_V1";
     pub const COUNTERS: &str = "KPR_CNT_V1";
     pub const SOCK_REV: &str = "KPR_SOCK_REV_V1";
+    pub const BACKEND_NEW: &str = "KPR_BE_NEW_V1";
     /// Every map the fast path pins.
-    pub const ALL: [&str; 11] = [
+    pub const ALL: [&str; 12] = [
         SERVICES, SLOTS, MAGLEV, BACKENDS, CONNTRACK, AFFINITY, SOURCE_RANGES, RR_STATE, CONFIG,
-        COUNTERS, SOCK_REV,
+        COUNTERS, SOCK_REV, BACKEND_NEW,
     ];
 }
 

@@ -134,6 +134,7 @@ fn new_flow<P: Pkt>(p: &mut P, f: &Flow, scope: u8, cfg: &DatapathConfig, now: u
         bump(counter::SNAT);
     }
     bump(counter::NEW_FLOW);
+    counters::backend_new(backend_id);
     match nat::rewrite(p, &f, &rw) {
         Some(()) => Verdict::Pass,
         None => Verdict::Drop,

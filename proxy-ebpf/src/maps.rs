@@ -57,3 +57,7 @@ pub static KPR_CT_SCRATCH: PerCpuArray<CtScratch> = PerCpuArray::with_max_entrie
 /// LRU: (socket cookie, backend address, port) -> the service address that socket asked for.
 #[map]
 pub static KPR_SOCK_REV_V1: LruHashMap<SockRevKey, SockRevValue> = LruHashMap::pinned(MAX_CONNTRACK, 0);
+
+/// per CPU: backend id -> new connections sent to it (ids are below MAX_BACKENDS).
+#[map]
+pub static KPR_BE_NEW_V1: PerCpuArray<u64> = PerCpuArray::pinned(MAX_BACKENDS, 0);

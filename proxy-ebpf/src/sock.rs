@@ -51,7 +51,7 @@ pub fn balance(ctx: &SockAddrContext) -> i32 {
         return DENY;
     }
     let now = unsafe { aya_ebpf::helpers::bpf_ktime_get_coarse_ns() };
-    let Some((_, be)) = lb::select_backend(&svc, &f, now) else {
+    let Some((backend_id, be)) = lb::select_backend(&svc, &f, now) else {
         bump(counter::MISS_BACKEND);
         return DENY;
     };
@@ -63,6 +63,7 @@ pub fn balance(ctx: &SockAddrContext) -> i32 {
         (*ctx.sock_addr).user_port = u32::from(be.port);
     }
     bump(counter::NEW_FLOW);
+    crate::counters::backend_new(backend_id);
     ALLOW
 }
 

@@ -63,6 +63,7 @@ fn agent_on_the_kubernetes_api_forwards_serves_health_and_metrics_and_survives_a
     assert!(metric(&m, "kubeproxy_network_programming_duration_seconds_count") >= 0.0);
     assert!(metric(&m, "kpr_datapath_packets_total{reason=\"new_flow\"}") >= 60.0, "{m}");
     assert!(m.contains("kpr_backend_flows{backend=\"10.244.1.2:8080\"}"), "{m}");
+    assert!(metric(&m, "kpr_backend_new_connections_total{backend=\"10.244.1.2:8080\"}") >= 1.0, "{m}");
 
     // healthCheckNodePort for externalTrafficPolicy Local: 200 with local endpoints, else 503.
     let local_svc = |name: &str, hc: u16, node: &str| {
