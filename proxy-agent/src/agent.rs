@@ -28,7 +28,7 @@ use crate::{
     model::{self, ModelConfig, NodeInfo, Scheduler},
     netif,
     sync::Syncer,
-    sysctl::{fast_path_sysctls, ProcSysctls, Sysctls},
+    sysctl::{ProcSysctls, Sysctls, FAST_PATH_SYSCTLS},
 };
 
 pub static STOP: AtomicBool = AtomicBool::new(false);
@@ -226,7 +226,7 @@ impl Agent {
                 wanted.push((i.clone(), Hook::TcIngress));
             }
         }
-        let mut sysctl_ifaces = Vec::new();
+        let mut attached_any = false;
         for (iface, hook) in wanted {
             let tag = if hook == Hook::Xdp { "xdp" } else { "tc" };
             if self.attached.contains(&(iface.clone(), tag)) {
@@ -236,7 +236,7 @@ impl Agent {
                 Ok(()) => {
                     info!(iface = %iface, hook = tag, "attached");
                     self.attached.insert((iface.clone(), tag));
-                    sysctl_ifaces.push(iface);
+                    attached_any = true;
                 }
                 Err(e) => error!(iface = %iface, hook = tag, error = %e, "attach failed"),
             }
@@ -248,11 +248,13 @@ impl Agent {
                 self.attached.retain(|(i, _)| i != &iface);
             }
         }
-        if !sysctl_ifaces.is_empty() {
+        if attached_any {
             let mut sys = ProcSysctls;
-            for (k, v) in fast_path_sysctls(&sysctl_ifaces) {
-                if let Err(e) = sys.set(&k, v) {
-                    warn!(error = %e, "sysctl");
+            for (k, v) in FAST_PATH_SYSCTLS {
+                if sys.get(k).ok().as_deref() != Some(v) {
+                    if let Err(e) = sys.set(k, v) {
+                        warn!(error = %e, "cannot set {k}={v}: set it on the host (the DaemonSet's init container does)");
+                    }
                 }
             }
         }

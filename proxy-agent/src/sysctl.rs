@@ -45,13 +45,8 @@ impl Sysctls for FakeSysctls {
     }
 }
 
-/// What the fast path needs on the node. Interface names may contain dots; sysctl paths use
-/// '/' so they are written through the path, not the dotted key.
-pub fn fast_path_sysctls(ifaces: &[String]) -> Vec<(String, &'static str)> {
-    let mut v = vec![("net.ipv4.ip_forward".to_string(), "1")];
-    for i in ifaces {
-        // Masqueraded packets carry the node's own address as source: accept them.
-        v.push((format!("net.ipv4.conf.{i}.accept_local"), "1"));
-    }
-    v
-}
+/// What the fast path needs on the node: forwarding, and accepting packets whose source is the
+/// node's own address (masqueraded traffic; `all` covers every interface, present and future).
+/// In a cluster the DaemonSet's init container sets them, since /proc/sys is read-only in an
+/// unprivileged container; the agent sets them itself where it can.
+pub const FAST_PATH_SYSCTLS: [(&str, &str); 2] = [("net.ipv4.ip_forward", "1"), ("net.ipv4.conf.all.accept_local", "1")];

@@ -133,6 +133,22 @@ impl Lab {
         self.agent = Some(child);
     }
 
+    /// Starts the agent from a command of the caller's (e.g. under reduced capabilities).
+    pub fn start_agent_command(&mut self, mut cmd: Command) {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.agent_log).unwrap();
+        let child = cmd.env("NO_COLOR", "1").stdout(Stdio::null()).stderr(log).spawn().expect("start kpr");
+        self.agent = Some(child);
+    }
+
+    /// Pins somewhere else than the default test directory (cleaned on drop the same way).
+    pub fn use_pins(&mut self, dir: PathBuf) {
+        self.pins = PinDir(dir);
+    }
+
+    pub fn agent_pid(&self) -> Option<u32> {
+        self.agent.as_ref().map(|c| c.id())
+    }
+
     pub fn kill_agent(&mut self) {
         if let Some(mut c) = self.agent.take() {
             let _ = c.kill(); // SIGKILL
