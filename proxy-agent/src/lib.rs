@@ -4,6 +4,7 @@ pub mod config;
 pub mod healthcheck;
 pub mod kernel;
 pub mod kube_source;
+pub mod kubeproxy_cleanup;
 pub mod maglev;
 pub mod manifests;
 pub mod maps;

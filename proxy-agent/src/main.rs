@@ -48,7 +48,14 @@ enum Cmd {
     /// Run the agent: program the fast path from the manifests and keep it in sync.
     Run(RunArgs),
     /// Remove every program link and map this agent pinned. Idempotent.
-    Cleanup,
+    Cleanup {
+        /// Also remove kube-proxy's leftovers: KUBE-* iptables chains and the rules jumping to
+        /// them, KUBE-* ipsets, the kube-ipvs0 device. Stop kube-proxy first.
+        #[arg(long)]
+        kube_proxy: bool,
+    },
+    /// Shell completions for kpr (bash, zsh, fish, elvish, powershell).
+    Completions { shell: clap_complete::Shell },
     /// Programs attached and the data path's counters.
     Status {
         #[arg(long)]
@@ -257,9 +264,23 @@ fn main() -> Result<()> {
             agent.run();
             rt.shutdown_timeout(Duration::from_secs(1));
         }
-        Cmd::Cleanup => {
+        Cmd::Cleanup { kube_proxy } => {
             let removed = kernel::cleanup(&cli.pin_dir).with_context(|| format!("cleaning {}", cli.pin_dir.display()))?;
             println!("removed {} pinned objects under {}", removed.len(), cli.pin_dir.display());
+            if kube_proxy {
+                let done = proxy_agent::kubeproxy_cleanup::cleanup(&mut proxy_agent::kubeproxy_cleanup::SystemNetfilter)
+                    .context("removing kube-proxy's leftovers (is kube-proxy still running? stop its DaemonSet first)")?;
+                if done.is_empty() {
+                    println!("no kube-proxy leftovers found");
+                }
+                for d in done {
+                    println!("{d}");
+                }
+            }
+        }
+        Cmd::Completions { shell } => {
+            use clap::CommandFactory;
+            clap_complete::generate(shell, &mut Cli::command(), "kpr", &mut std::io::stdout());
         }
         Cmd::Status { json } => {
             let maps = KernelMaps::open(&cli.pin_dir)?;

@@ -139,3 +139,34 @@ fn sigkill_of_the_agent_during_traffic_fails_no_connection() {
     // The restarted agent took over the same maps and changed nothing.
     assert!(lab.agent_log().matches("synced").count() >= 2, "{}", lab.agent_log());
 }
+
+#[test]
+fn cleanup_removes_kube_proxys_leftovers_and_nothing_else() {
+    use kpr_tests::{must, Netns, PinDir};
+    let _ns = Netns::create(&["kpe7-node"]);
+    let x = |c: &str| must(&format!("ip netns exec kpe7-node {c}"));
+    x("iptables -t nat -N KUBE-SERVICES");
+    x("iptables -t nat -N KUBE-MARK-MASQ");
+    x("iptables -t nat -A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000");
+    x("iptables -t nat -A PREROUTING -m comment --comment kubernetes-service-portals -j KUBE-SERVICES");
+    x("iptables -t nat -N MINE");
+    x("iptables -t nat -A PREROUTING -j MINE");
+    x("iptables -t filter -N KUBE-FIREWALL");
+    x("iptables -t filter -A INPUT -j KUBE-FIREWALL");
+    x("ipset create KUBE-CLUSTER-IP hash:ip,port");
+    x("ipset create MINE-SET hash:ip");
+    x("ip link add kube-ipvs0 type veth peer name kipvs-peer");
+    let pins = PinDir::new("kpe7");
+    let out = must(&format!("{} --netns kpe7-node --pin-dir {} cleanup --kube-proxy", kpr_tests::sibling_bin("kpr").display(), pins.path().display()));
+    assert!(out.contains("KUBE-* chains") && out.contains("ipset KUBE-CLUSTER-IP destroyed") && out.contains("kube-ipvs0"), "{out}");
+    let nat = x("iptables-save -t nat");
+    assert!(!nat.contains("KUBE-"), "{nat}");
+    assert!(nat.contains(":MINE") && nat.contains("-A PREROUTING -j MINE"), "others' rules stay: {nat}");
+    assert!(!x("iptables-save -t filter").contains("KUBE-"));
+    let sets = x("ipset list -n");
+    assert_eq!(sets.trim(), "MINE-SET");
+    assert!(!x("ip -br link").contains("kube-ipvs0"));
+    // Idempotent.
+    let again = must(&format!("{} --netns kpe7-node --pin-dir {} cleanup --kube-proxy", kpr_tests::sibling_bin("kpr").display(), pins.path().display()));
+    assert!(again.contains("no kube-proxy leftovers found"), "{again}");
+}
