@@ -138,12 +138,19 @@ struct RunArgs {
 }
 
 fn init_logs(format: LogFormat) {
+    use tracing_subscriber::{layer::SubscriberExt, util::SubscriberInitExt};
     let filter = tracing_subscriber::EnvFilter::try_from_env("KPR_LOG").unwrap_or_else(|_| "info".into());
-    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // The level can change at run time (PUT /debug/flags/v on the metrics listener).
+    let (filter, handle) = tracing_subscriber::reload::Layer::new(filter);
+    let registry = tracing_subscriber::registry().with(filter);
     match format {
-        LogFormat::Human => b.init(),
-        LogFormat::Json => b.json().init(),
+        LogFormat::Human => registry.with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr)).init(),
+        LogFormat::Json => registry.with(tracing_subscriber::fmt::layer().json().with_writer(std::io::stderr)).init(),
     }
+    metrics::set_log_level_hook(Box::new(move |level: &str| {
+        let f = tracing_subscriber::EnvFilter::try_new(level).map_err(|e| e.to_string())?;
+        handle.reload(f).map_err(|e| e.to_string())
+    }));
 }
 
 extern "C" fn on_signal(_: libc::c_int) {

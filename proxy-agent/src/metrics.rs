@@ -192,6 +192,34 @@ pub fn render(stats: &Stats, maps: Option<&dyn DatapathMaps>) -> String {
     o
 }
 
+type LevelHook = Box<dyn Fn(&str) -> Result<(), String> + Send + Sync>;
+static LOG_LEVEL: std::sync::OnceLock<LevelHook> = std::sync::OnceLock::new();
+
+/// Installs how `PUT /debug/flags/v` changes the log level (the binary owns the subscriber).
+pub fn set_log_level_hook(hook: LevelHook) {
+    let _ = LOG_LEVEL.set(hook);
+}
+
+/// kube-proxy's `PUT /debug/flags/v` with a klog verbosity: up to 2 is info, 3 and 4 debug, 5
+/// and more trace. A filter directive (e.g. `proxy_agent=debug`) is accepted too.
+fn verbosity_to_filter(body: &str) -> String {
+    match body.trim().parse::<u32>() {
+        Ok(v) if v <= 2 => "info".into(),
+        Ok(v) if v <= 4 => "debug".into(),
+        Ok(_) => "trace".into(),
+        Err(_) => body.trim().to_string(),
+    }
+}
+
+async fn set_verbosity(body: String) -> impl IntoResponse {
+    let filter = verbosity_to_filter(&body);
+    match LOG_LEVEL.get().map(|h| h(&filter)) {
+        Some(Ok(())) => (StatusCode::OK, format!("log filter set to {filter}\n")),
+        Some(Err(e)) => (StatusCode::BAD_REQUEST, format!("{e}\n")),
+        None => (StatusCode::SERVICE_UNAVAILABLE, "logging is not reloadable in this process\n".to_string()),
+    }
+}
+
 async fn metrics(State(app): State<App>) -> impl IntoResponse {
     let maps = KernelMaps::open(&app.pin_dir).ok();
     let st = app.stats.lock().unwrap();
@@ -229,6 +257,7 @@ pub async fn serve(healthz_addr: Option<SocketAddr>, metrics_addr: Option<Socket
         let r = Router::new()
             .route("/metrics", get(metrics))
             .route("/healthz", get(|s| healthz(s, false)))
+            .route("/debug/flags/v", axum::routing::put(set_verbosity))
             .with_state(app);
         tokio::spawn(async move {
             if let Err(e) = axum::serve(l, r).await {
@@ -242,6 +271,14 @@ pub async fn serve(healthz_addr: Option<SocketAddr>, metrics_addr: Option<Socket
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn verbosity_maps_like_klog() {
+        assert_eq!(verbosity_to_filter("2"), "info");
+        assert_eq!(verbosity_to_filter("4\n"), "debug");
+        assert_eq!(verbosity_to_filter("9"), "trace");
+        assert_eq!(verbosity_to_filter("proxy_agent=debug"), "proxy_agent=debug");
+    }
 
     #[test]
     fn health_follows_pending_changes() {

@@ -9,10 +9,15 @@ use kpr_tests::{
 };
 
 fn get(lab: &Lab, addr: &str, path: &str) -> (String, String) {
+    http(lab, addr, path, None)
+}
+
+fn http(lab: &Lab, addr: &str, path: &str, put: Option<&str>) -> (String, String) {
     let o = Command::new("ip")
         .args(["netns", "exec", &lab.ns("node")])
         .arg(kpr_tests::sibling_bin("kpr-lab-peer"))
         .args(["get", addr, path])
+        .args(put)
         .output()
         .unwrap();
     let out = String::from_utf8_lossy(&o.stdout).to_string();
@@ -87,6 +92,13 @@ fn agent_on_the_kubernetes_api_forwards_serves_health_and_metrics_and_survives_a
     assert!(body.contains("\"localEndpoints\":1") && body.contains("\"name\":\"here\""), "{body}");
     let (status, body) = get(&lab, "127.0.0.1:32001", "/");
     assert!(status.contains("503") && body.contains("\"localEndpoints\":0"), "{status} {body}");
+
+    // The log level changes at run time, as kube-proxy's does.
+    let (status, body) = http(&lab, "127.0.0.1:10249", "/debug/flags/v", Some("4"));
+    assert!(status.contains("200") && body.contains("debug"), "{status} {body}");
+    let (status, _) = http(&lab, "127.0.0.1:10249", "/debug/flags/v", Some("no such level ["));
+    assert!(status.contains("400"), "{status}");
+    http(&lab, "127.0.0.1:10249", "/debug/flags/v", Some("2"));
 
     // A Service that cannot be programmed: reported as a Kubernetes Event, the rest unaffected.
     api.apply_yaml("apiVersion: v1\nkind: Service\nmetadata: {name: broken, namespace: demo}\nspec: {clusterIP: 10.96.0.300, ports: [{port: 80}]}\n");

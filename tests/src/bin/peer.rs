@@ -5,7 +5,7 @@
 //!   burst  IP:PORT tcp|udp COUNT           COUNT short connections; prints JSON {name: count, "errors": n}
 //!   hold   IP:PORT SECONDS                 one TCP connection, a request every 50 ms; prints JSON
 //!   stream IP:PORT SECONDS                 new TCP connections back to back for SECONDS; prints JSON
-//!   get    IP:PORT PATH                    one HTTP/1.0 GET; prints the status line, then the body
+//!   get    IP:PORT PATH [BODY]             one HTTP/1.0 GET (PUT with a body); prints the status line, then the body
 use std::{
     collections::BTreeMap,
     io::{BufRead, BufReader, Read, Write},
@@ -163,7 +163,11 @@ fn main() {
             let target: SocketAddr = arg(1).parse().unwrap();
             let mut s = TcpStream::connect_timeout(&target, Duration::from_secs(2)).expect("connect");
             s.set_read_timeout(Some(Duration::from_secs(5))).ok();
-            s.write_all(format!("GET {} HTTP/1.0\r\nHost: {target}\r\n\r\n", arg(2)).as_bytes()).unwrap();
+            let req = match args.get(3) {
+                None => format!("GET {} HTTP/1.0\r\nHost: {target}\r\n\r\n", arg(2)),
+                Some(body) => format!("PUT {} HTTP/1.0\r\nHost: {target}\r\nContent-Length: {}\r\n\r\n{body}", arg(2), body.len()),
+            };
+            s.write_all(req.as_bytes()).unwrap();
             let mut resp = String::new();
             let _ = s.read_to_string(&mut resp);
             let (head, body) = resp.split_once("\r\n\r\n").unwrap_or((&resp, ""));
