@@ -56,10 +56,13 @@ enum Cmd {
     },
     /// Shell completions for kpr (bash, zsh, fish, elvish, powershell).
     Completions { shell: clap_complete::Shell },
-    /// Programs attached and the data path's counters.
+    /// Mode, programs attached, last sync (from the agent's /healthz) and the data path's counters.
     Status {
         #[arg(long)]
         json: bool,
+        /// The agent's health listener, for the time of its last sync.
+        #[arg(long, default_value = "127.0.0.1:10256")]
+        healthz: String,
     },
     /// Frontends -> backends, as the kernel maps hold them.
     Services {
@@ -289,14 +292,17 @@ fn main() -> Result<()> {
             use clap::CommandFactory;
             clap_complete::generate(shell, &mut Cli::command(), "kpr", &mut std::io::stdout());
         }
-        Cmd::Status { json } => {
+        Cmd::Status { json, healthz } => {
             let maps = KernelMaps::open(&cli.pin_dir)?;
             let links = kernel::attached_links(&cli.pin_dir);
             let counters = view::counters(&maps)?;
             let services = maps_len(&maps)?;
+            let health = agent_health(&healthz);
+            let last_sync = health.as_ref().map(|h| h["lastUpdated"].as_str().unwrap_or("").to_string());
             if json {
                 let v = serde_json::json!({
                     "mode": "ebpf",
+                    "agent": health,
                     "pin_dir": cli.pin_dir,
                     "links": links.iter().map(|(i, h)| serde_json::json!({"iface": i, "hook": format!("{h:?}")})).collect::<Vec<_>>(),
                     "frontends": services,
@@ -305,6 +311,11 @@ fn main() -> Result<()> {
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
                 println!("mode: ebpf   pins: {}   frontends: {services}", cli.pin_dir.display());
+                match &last_sync {
+                    Some(t) if !t.is_empty() => println!("last sync: {t} (agent healthy at {healthz})"),
+                    Some(_) => println!("agent at {healthz} has not synced yet"),
+                    None => println!("agent: no answer at {healthz} (not running, or --healthz elsewhere); the maps below keep forwarding"),
+                }
                 for (i, h) in &links {
                     println!("attached: {h:?} on {i}");
                 }
@@ -404,6 +415,21 @@ fn apply_kube_proxy_config(cfg: &mut AgentConfig, kp: &config::KubeProxyConfig, 
             tracing::warn!("{field} {v}: kpr does not serve health or metrics endpoints yet");
         }
     }
+}
+
+/// The agent's /healthz JSON (status 200 or 503), or None when nothing answers.
+fn agent_health(addr: &str) -> Option<serde_json::Value> {
+    use std::io::{Read, Write};
+    let addr: std::net::SocketAddr = addr.parse().ok()?;
+    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    s.write_all(format!("GET /healthz HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes()).ok()?;
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).ok()?;
+    let (head, body) = resp.split_once("\r\n\r\n")?;
+    let mut v: serde_json::Value = serde_json::from_str(body).ok()?;
+    v["healthy"] = serde_json::json!(head.lines().next().unwrap_or("").contains(" 200"));
+    Some(v)
 }
 
 fn maps_len(maps: &KernelMaps) -> Result<usize> {

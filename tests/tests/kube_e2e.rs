@@ -93,6 +93,16 @@ fn agent_on_the_kubernetes_api_forwards_serves_health_and_metrics_and_survives_a
     let (status, body) = get(&lab, "127.0.0.1:32001", "/");
     assert!(status.contains("503") && body.contains("\"localEndpoints\":0"), "{status} {body}");
 
+    // `kpr status` shows the last sync from the agent's health endpoint.
+    let status = Command::new(&lab.kpr)
+        .args(["--netns", &lab.ns("node"), "--pin-dir"])
+        .arg(lab.pins.path())
+        .arg("status")
+        .output()
+        .unwrap();
+    let status = String::from_utf8_lossy(&status.stdout).to_string();
+    assert!(status.contains("last sync: 20") && status.contains("new_flow"), "{status}");
+
     // The log level changes at run time, as kube-proxy's does.
     let (status, body) = http(&lab, "127.0.0.1:10249", "/debug/flags/v", Some("4"));
     assert!(status.contains("200") && body.contains("debug"), "{status} {body}");
