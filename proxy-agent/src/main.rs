@@ -53,6 +53,9 @@ enum Cmd {
         /// them, KUBE-* ipsets, the kube-ipvs0 device. Stop kube-proxy first.
         #[arg(long)]
         kube_proxy: bool,
+        /// Leave kpr's own programs and maps in place (with --kube-proxy, while migrating).
+        #[arg(long, requires = "kube_proxy")]
+        keep_kpr: bool,
     },
     /// Shell completions for kpr (bash, zsh, fish, elvish, powershell).
     Completions { shell: clap_complete::Shell },
@@ -274,9 +277,11 @@ fn main() -> Result<()> {
             agent.run();
             rt.shutdown_timeout(Duration::from_secs(1));
         }
-        Cmd::Cleanup { kube_proxy } => {
-            let removed = kernel::cleanup(&cli.pin_dir).with_context(|| format!("cleaning {}", cli.pin_dir.display()))?;
-            println!("removed {} pinned objects under {}", removed.len(), cli.pin_dir.display());
+        Cmd::Cleanup { kube_proxy, keep_kpr } => {
+            if !keep_kpr {
+                let removed = kernel::cleanup(&cli.pin_dir).with_context(|| format!("cleaning {}", cli.pin_dir.display()))?;
+                println!("removed {} pinned objects under {}", removed.len(), cli.pin_dir.display());
+            }
             if kube_proxy {
                 let done = proxy_agent::kubeproxy_cleanup::cleanup(&mut proxy_agent::kubeproxy_cleanup::SystemNetfilter)
                     .context("removing kube-proxy's leftovers (is kube-proxy still running? stop its DaemonSet first)")?;
