@@ -48,6 +48,20 @@ pub fn key(f: &Flow, dir: u8) -> CtKey {
     }
 }
 
+/// The key replies of a flow to `be` arrive with: from the backend to (client or SNAT) address.
+#[inline(always)]
+fn reply_key(be: &Backend, to_addr: u32, to_port: u16, proto: u8) -> CtKey {
+    CtKey {
+        saddr: be.addr,
+        daddr: [to_addr, 0, 0, 0],
+        sport: be.port,
+        dport: to_port,
+        proto,
+        dir: CT_DIR_REPLY,
+        _pad: [0; 2],
+    }
+}
+
 #[inline(always)]
 fn timeout_ns(cfg: &DatapathConfig, proto: u8) -> u64 {
     let s = if proto == PROTO_TCP { cfg.ct_tcp_timeout_s } else { cfg.ct_udp_timeout_s };
@@ -96,16 +110,7 @@ pub fn snat_port(f: &Flow, be: &Backend, snat_addr: u32) -> Option<u16> {
     let mut port = f.sport;
     let mut tries = 0;
     while tries < 4 {
-        let rkey = CtKey {
-            saddr: be.addr,
-            daddr: [snat_addr, 0, 0, 0],
-            sport: be.port,
-            dport: port,
-            proto: f.proto,
-            dir: CT_DIR_REPLY,
-            _pad: [0; 2],
-        };
-        match unsafe { KPR_CT_V1.get(&rkey) } {
+        match unsafe { KPR_CT_V1.get(&reply_key(be, snat_addr, port, f.proto)) } {
             None => return Some(port),
             Some(v) if v.new_daddr[0] == f.saddr && v.new_dport == f.sport => return Some(port),
             Some(_) => {
@@ -146,15 +151,7 @@ pub fn create(
         flags,
         _pad: 0,
     };
-    s.rev_key = CtKey {
-        saddr: be.addr,
-        daddr: [saddr, 0, 0, 0],
-        sport: be.port,
-        dport: sport,
-        proto: f.proto,
-        dir: CT_DIR_REPLY,
-        _pad: [0; 2],
-    };
+    s.rev_key = reply_key(be, saddr, sport, f.proto);
     s.rev = CtValue {
         last_seen_ns: now,
         new_saddr: [f.daddr, 0, 0, 0],
