@@ -51,6 +51,8 @@ impl Lab {
             must(&format!("ip -n {ns} addr add {inner_cidr} dev {inner}"));
             must(&format!("ip -n {ns} link set {inner} up"));
         };
+        // What a node's provisioning (or kpr's DaemonSet init container) sets.
+        must(&format!("ip netns exec {node} sysctl -qw net.ipv4.ip_forward=1"));
         let cl = format!("{prefix}-cl");
         link(&cl, "c0", "up0", &format!("{CLIENT_IP}/24"), &format!("{NODE_IP}/24"));
         // The service and LB ranges are reached through the node, like a router would send them.

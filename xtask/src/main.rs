@@ -36,8 +36,8 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
-    /// Per-packet cost vs. the pass-only floor at several service counts, then the control
-    /// plane at scale (kpr-scale) (root).
+    /// Per-packet cost vs. the pass-only floor at several service counts, the control plane at
+    /// scale (kpr-scale), and the A/B against kube-proxy's iptables rules (kpr-ab) (root).
     Bench {
         /// Small sizes and counts: proves the harness runs (what CI runs).
         #[arg(long)]
@@ -181,6 +181,14 @@ fn real_main() -> Result<()> {
                 s.args(["--services", "500", "--changes", "10"]);
             }
             run(s, "control plane: N services through the whole pipeline")?;
+            let out = root().join("target/bench");
+            std::fs::create_dir_all(&out)?;
+            let mut ab = Command::new(root().join("target/release/kpr-ab"));
+            ab.current_dir(root()).arg("--json").arg(out.join("ab.json")).arg("--svg").arg(out.join("ab.svg"));
+            if smoke {
+                ab.args(["--sizes", "100", "--seconds", "1"]);
+            }
+            run(ab, "A/B: eBPF vs kube-proxy's iptables rules vs direct, in the namespace lab")?;
         }
     }
     Ok(())

@@ -5,6 +5,8 @@
 //!   burst  IP:PORT tcp|udp COUNT           COUNT short connections; prints JSON {name: count, "errors": n}
 //!   hold   IP:PORT SECONDS                 one TCP connection, a request every 50 ms; prints JSON
 //!   stream IP:PORT SECONDS                 new TCP connections back to back for SECONDS; prints JSON
+//!   rate   IP:PORT SECONDS                 back-to-back short TCP connections; prints JSON with the
+//!                                          rate and the latency percentiles (µs) of a connection
 //!   get    IP:PORT PATH [BODY]             one HTTP/1.0 GET (PUT with a body); prints the status line, then the body
 use std::{
     collections::BTreeMap,
@@ -158,6 +160,28 @@ fn main() {
                 }
             }
             report(counts, errors, first);
+        }
+        "rate" => {
+            let target: SocketAddr = arg(1).parse().unwrap();
+            let secs: f64 = arg(2).parse().unwrap();
+            let start = Instant::now();
+            let deadline = start + Duration::from_secs_f64(secs.min(120.0));
+            let (mut lat, mut errors, mut first) = (Vec::new(), 0u64, None);
+            while Instant::now() < deadline && lat.len() < 5_000_000 {
+                let t = Instant::now();
+                match one_tcp(target) {
+                    Ok(_) => lat.push(t.elapsed().as_secs_f64() * 1e6),
+                    Err(e) => {
+                        errors += 1;
+                        first.get_or_insert(e);
+                    }
+                }
+            }
+            let elapsed = start.elapsed().as_secs_f64();
+            lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
+            let pct = |p: f64| if lat.is_empty() { 0.0 } else { lat[((lat.len() - 1) as f64 * p) as usize] };
+            let v = serde_json::json!({"connections": lat.len(), "rate": lat.len() as f64 / elapsed, "p50_us": pct(0.5), "p99_us": pct(0.99), "errors": errors, "first_error": first});
+            println!("{v}");
         }
         "get" => {
             let target: SocketAddr = arg(1).parse().unwrap();

@@ -1,0 +1,180 @@
+//! kpr-ab: connection rate and latency through a ClusterIP, side by side in one run and on the
+//! same lab and traffic: kpr's eBPF data plane, kube-proxy's iptables rules (rendered as
+//! kube-proxy renders them, loaded with iptables-restore into the node namespace), and direct
+//! to the pod IP (the ceiling). Also the control-plane cost of both: programming N services and
+//! applying one change. Prints a table, writes JSON and an SVG chart. Figures, not assertions.
+//!
+//!   kpr-ab [--sizes 100,1000,10000,30000] [--seconds 3] [--json FILE] [--svg FILE]
+use std::{
+    fmt::Write as _,
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use kpr_tests::{
+    iptables::{render, Svc},
+    lab::{backend_ip, Lab},
+    must,
+};
+
+fn vip(i: u32) -> String {
+    format!("10.{}.{}.{}", 96 + i / 65536, (i / 256) % 256, i % 256)
+}
+
+fn services(n: u32) -> Vec<Svc> {
+    (0..n)
+        .map(|i| Svc { name: format!("ab/s{i}:http"), vip: vip(i), port: 80, backends: (1..=3).map(|b| (backend_ip(b), 8080)).collect() })
+        .collect()
+}
+
+fn manifests(n: u32) -> String {
+    let mut y = String::new();
+    for i in 0..n {
+        let _ = write!(
+            y,
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: s{i}, namespace: ab}}\nspec: {{clusterIP: {}, ports: [{{name: http, port: 80, targetPort: 8080}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: s{i}-1, namespace: ab, labels: {{kubernetes.io/service-name: s{i}}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080}}]\nendpoints: [{{addresses: [{}]}}, {{addresses: [{}]}}, {{addresses: [{}]}}]\n---\n",
+            vip(i),
+            backend_ip(1),
+            backend_ip(2),
+            backend_ip(3)
+        );
+    }
+    y
+}
+
+struct Row {
+    services: u32,
+    mode: &'static str,
+    rate: f64,
+    p50: f64,
+    p99: f64,
+    errors: u64,
+    program_s: f64,
+    change_ms: f64,
+}
+
+fn measure(lab: &Lab, target: &str, secs: f64) -> (f64, f64, f64, u64) {
+    let v = lab.peer("pod", &["rate", target, &secs.to_string()]);
+    (v["rate"].as_f64().unwrap_or(0.0), v["p50_us"].as_f64().unwrap_or(0.0), v["p99_us"].as_f64().unwrap_or(0.0), v["errors"].as_u64().unwrap_or(0))
+}
+
+fn restore(lab: &Lab, rules: &str) -> f64 {
+    let t = Instant::now();
+    let mut c = Command::new("ip")
+        .args(["netns", "exec", &lab.ns("node"), "iptables-restore", "--noflush"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("iptables-restore");
+    use std::io::Write;
+    c.stdin.take().unwrap().write_all(rules.as_bytes()).unwrap();
+    let o = c.wait_with_output().unwrap();
+    assert!(o.status.success(), "iptables-restore: {}", String::from_utf8_lossy(&o.stderr));
+    t.elapsed().as_secs_f64()
+}
+
+fn svg(rows: &[Row]) -> String {
+    let sizes: Vec<u32> = {
+        let mut s: Vec<u32> = rows.iter().map(|r| r.services).collect();
+        s.dedup();
+        s
+    };
+    let modes = ["direct", "ebpf", "iptables"];
+    let colors = ["#888888", "#2b7bb9", "#d9534f"];
+    let max = rows.iter().map(|r| r.rate).fold(1.0, f64::max);
+    let (w, h, left, bottom) = (760.0, 380.0, 70.0, 60.0);
+    let group = (w - left - 20.0) / sizes.len() as f64;
+    let bar = group / 4.0;
+    let mut s = format!("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"{left}\" y=\"20\" font-size=\"14\">New TCP connections per second through a ClusterIP (higher is better)</text>\n");
+    let plot_h = h - bottom - 40.0;
+    for t in 0..=4 {
+        let v = max * t as f64 / 4.0;
+        let y = h - bottom - plot_h * t as f64 / 4.0;
+        let _ = writeln!(s, "<line x1=\"{left}\" y1=\"{y}\" x2=\"{}\" y2=\"{y}\" stroke=\"#ddd\"/><text x=\"{}\" y=\"{}\" text-anchor=\"end\">{:.0}</text>", w - 20.0, left - 5.0, y + 4.0, v);
+    }
+    for (gi, n) in sizes.iter().enumerate() {
+        let gx = left + gi as f64 * group + bar / 2.0;
+        for (mi, m) in modes.iter().enumerate() {
+            if let Some(r) = rows.iter().find(|r| r.services == *n && r.mode == *m) {
+                let bh = plot_h * r.rate / max;
+                let x = gx + mi as f64 * bar;
+                let _ = writeln!(s, "<rect x=\"{x}\" y=\"{}\" width=\"{}\" height=\"{bh}\" fill=\"{}\"><title>{m} at {n} services: {:.0}/s</title></rect>", h - bottom - bh, bar - 4.0, colors[mi], r.rate);
+            }
+        }
+        let _ = writeln!(s, "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{n} services</text>", gx + bar * 1.5, h - bottom + 18.0);
+    }
+    for (mi, m) in modes.iter().enumerate() {
+        let x = left + mi as f64 * 130.0;
+        let _ = writeln!(s, "<rect x=\"{x}\" y=\"{}\" width=\"12\" height=\"12\" fill=\"{}\"/><text x=\"{}\" y=\"{}\">{m}</text>", h - 22.0, colors[mi], x + 16.0, h - 12.0);
+    }
+    s += "</svg>\n";
+    s
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let opt = |n: &str| args.iter().position(|a| a == n).and_then(|i| args.get(i + 1)).cloned();
+    let sizes: Vec<u32> = opt("--sizes").unwrap_or_else(|| "100,1000,10000,30000".into()).split(',').map(|s| s.parse().unwrap()).collect();
+    let secs: f64 = opt("--seconds").map(|s| s.parse().unwrap()).unwrap_or(3.0);
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    println!("machine: Linux {} | {} CPUs | {secs} s of back-to-back connections from one pod per cell", kernel.trim(), std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0));
+    println!("target: the last-created service (the end of kube-proxy's KUBE-SERVICES chain)");
+    println!("program: N services from nothing; 1 change: one service's endpoints (eBPF through the manifest-directory source, which re-reads every file; the Kubernetes source's figure is kpr-scale's) vs. kube-proxy's full iptables-restore\n");
+    let dir = std::env::temp_dir().join(format!("kpr-ab-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut lab = Lab::build("kab", &dir);
+    let mut rows = Vec::new();
+    println!("{:>8} {:<9} {:>10} {:>9} {:>9} {:>7} {:>12} {:>12}", "services", "mode", "conn/s", "p50 µs", "p99 µs", "errors", "program (s)", "1 change (ms)");
+    for &n in &sizes {
+        let target = format!("{}:80", vip(n - 1));
+        // Direct to the pod: the ceiling.
+        let (rate, p50, p99, errors) = measure(&lab, &format!("{}:8080", backend_ip(1)), secs);
+        rows.push(Row { services: n, mode: "direct", rate, p50, p99, errors, program_s: 0.0, change_ms: 0.0 });
+        // eBPF: the agent programs N services from a manifest directory.
+        std::fs::write(dir.join("services.yaml"), manifests(n)).unwrap();
+        let t = Instant::now();
+        lab.start_agent();
+        lab.wait_for(&format!("{n} services"), |v| v.as_array().is_some_and(|a| a.len() >= 2 * n as usize));
+        let program_s = t.elapsed().as_secs_f64();
+        // One change: the last service gets a fourth endpoint... the same three, reordered.
+        let t = Instant::now();
+        std::fs::write(dir.join("services.yaml"), manifests(n).replacen(&format!("endpoints: [{{addresses: [{}]}}, {{addresses: [{}]}}, {{addresses: [{}]}}]", backend_ip(1), backend_ip(2), backend_ip(3)), &format!("endpoints: [{{addresses: [{}]}}, {{addresses: [{}]}}]", backend_ip(1), backend_ip(2)), 1)).unwrap();
+        lab.wait_for("one change", |v| v.as_array().is_some_and(|a| a.iter().any(|r| r["frontend"] == format!("{}:80", vip(0)) && r["backends"].as_array().map(|b| b.len()) == Some(2))));
+        let change_ms = t.elapsed().as_secs_f64() * 1e3;
+        let (rate, p50, p99, errors) = measure(&lab, &target, secs);
+        rows.push(Row { services: n, mode: "ebpf", rate, p50, p99, errors, program_s, change_ms });
+        lab.kill_agent();
+        lab.cli(&["cleanup"]);
+        // kube-proxy's iptables rules.
+        let rules = render(&services(n), "10.244.0.0/16");
+        let program_s = restore(&lab, &rules);
+        let changed = render(&services(n)[..], "10.244.0.0/16").replacen(&format!("-m statistic --mode random --probability 0.33333333333 -j"), "-m statistic --mode random --probability 0.33333333334 -j", 1);
+        // kube-proxy rewrites the whole table on a change (one iptables-restore).
+        must(&format!("ip netns exec {} iptables -t nat -F && ip netns exec {} sh -c 'iptables-save -t nat | grep -o \"^:KUBE-[A-Z0-9-]*\" | cut -c2- | xargs -r -n1 iptables -t nat -X' || true", lab.ns("node"), lab.ns("node")));
+        let change_ms = restore(&lab, &changed) * 1e3;
+        let (rate, p50, p99, errors) = measure(&lab, &target, secs);
+        rows.push(Row { services: n, mode: "iptables", rate, p50, p99, errors, program_s, change_ms });
+        must(&format!("ip netns exec {0} iptables -t nat -F; ip netns exec {0} sh -c 'iptables-save -t nat | grep -o \"^:KUBE-[A-Z0-9-]*\" | cut -c2- | xargs -r -n1 iptables -t nat -X'", lab.ns("node")));
+        for r in rows.iter().filter(|r| r.services == n) {
+            println!("{:>8} {:<9} {:>10.0} {:>9.0} {:>9.0} {:>7} {:>12.2} {:>12.1}", r.services, r.mode, r.rate, r.p50, r.p99, r.errors, r.program_s, r.change_ms);
+        }
+    }
+    println!();
+    for &n in &sizes {
+        let get = |m: &str| rows.iter().find(|r| r.services == n && r.mode == m).map(|r| r.rate).unwrap_or(0.0);
+        println!("{n:>8} services: eBPF at {:.0}% of direct; {:.2}x iptables", 100.0 * get("ebpf") / get("direct"), get("ebpf") / get("iptables").max(1e-9));
+    }
+    if let Some(path) = opt("--json") {
+        let v: Vec<_> = rows.iter().map(|r| serde_json::json!({"services": r.services, "mode": r.mode, "conn_per_s": r.rate, "p50_us": r.p50, "p99_us": r.p99, "errors": r.errors, "program_s": r.program_s, "one_change_ms": r.change_ms})).collect();
+        std::fs::write(&path, serde_json::to_string_pretty(&serde_json::json!({"kernel": kernel.trim(), "seconds": secs, "results": v})).unwrap()).unwrap();
+        println!("wrote {path}");
+    }
+    if let Some(path) = opt("--svg") {
+        std::fs::write(&path, svg(&rows)).unwrap();
+        println!("wrote {path}");
+    }
+    drop(lab);
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = Duration::ZERO;
+}
