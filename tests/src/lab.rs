@@ -63,6 +63,11 @@ impl Lab {
         must(&format!("ip -n {pod} route add 10.0.0.0/8 via 10.244.9.1"));
         must(&format!("ip -n {pod} route add {NODE_IP}/32 via 10.244.9.1"));
         must(&format!("ip -n {pod} route add 203.0.113.0/24 via 10.244.9.1"));
+        // Load generators open tens of thousands of short connections: let them reuse ports in
+        // TIME_WAIT, or connect() itself becomes the bottleneck whatever the data plane.
+        for ns in [&cl, &pod] {
+            must(&format!("ip netns exec {ns} sysctl -qw net.ipv4.tcp_tw_reuse=1 net.ipv4.ip_local_port_range='1024 65000'"));
+        }
         for i in 1..=3 {
             let b = format!("{prefix}-b{i}");
             link(&b, "eth0", &format!("hb{i}"), &format!("{}/24", backend_ip(i)), &format!("10.244.{i}.1/24"));

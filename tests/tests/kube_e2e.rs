@@ -46,7 +46,8 @@ fn agent_on_the_kubernetes_api_forwards_serves_health_and_metrics_and_survives_a
     api.apply_yaml("apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\n");
     let kubeconfig = empty.join("kubeconfig");
     api.kubeconfig(&kubeconfig);
-    lab.start_agent_with(&["--kubeconfig".as_ref(), kubeconfig.as_os_str()]);
+    let agent_args = ["--kubeconfig".as_ref(), kubeconfig.as_os_str(), "--sync-period".as_ref(), "2".as_ref()];
+    lab.start_agent_with(&agent_args);
     lab.wait_backends("10.96.0.10:80", 3);
 
     let v = lab.peer("pod", &["burst", "10.96.0.10:80", "tcp", "60"]);
@@ -124,6 +125,28 @@ fn agent_on_the_kubernetes_api_forwards_serves_health_and_metrics_and_survives_a
     assert!(event["note"].as_str().unwrap().contains("spec.clusterIP"), "{event}");
     let v = lab.peer("pod", &["burst", "10.96.0.10:80", "tcp", "20"]);
     assert_eq!(errors(&v), 0, "{v}");
+
+    // Drift: an entry deleted by hand is repaired by the next full sync (syncPeriod 2 s here).
+    {
+        use proxy_agent::maps::DatapathMaps;
+        let mut maps = proxy_agent::kernel::KernelMaps::open(lab.pins.path()).unwrap();
+        let key = proxy_common::ServiceKey::new("10.96.0.11".parse().unwrap(), 80, proxy_common::PROTO_TCP, proxy_common::SCOPE_INTERNAL);
+        maps.del_service(key).unwrap();
+        assert!(!maps.services().unwrap().iter().any(|(k, _)| *k == key));
+        lab.wait_backends("10.96.0.11:80", 3);
+    }
+
+    // A restart while the API answers slowly: nothing is programmed before the caches have
+    // listed, so the maps keep forwarding meanwhile instead of being flushed.
+    lab.kill_agent();
+    api.set_delay(Duration::from_millis(2500));
+    lab.start_agent_with(&agent_args);
+    std::thread::sleep(Duration::from_millis(1000));
+    let v = lab.peer("pod", &["burst", "10.96.0.10:80", "tcp", "20"]);
+    assert_eq!(errors(&v), 0, "forwarding during the restart: {v}");
+    assert!(lab.services().as_array().is_some_and(|a| a.len() >= 10), "maps kept while the caches sync");
+    api.set_delay(Duration::ZERO);
+    lab.wait_for("the restarted agent's first sync", |_| lab.agent_log().matches("synced full=true").count() >= 2);
 
     // Outage: forwarding goes on with what is programmed; nothing is flushed.
     api.set_down(true);
