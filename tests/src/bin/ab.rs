@@ -14,7 +14,6 @@ use std::{
 use kpr_tests::{
     iptables::{render, Svc},
     lab::{backend_ip, Lab},
-    must,
 };
 
 fn vip(i: u32) -> String {
@@ -58,10 +57,12 @@ fn measure(lab: &Lab, target: &str, secs: f64) -> (f64, f64, f64, u64) {
     (v["rate"].as_f64().unwrap_or(0.0), v["p50_us"].as_f64().unwrap_or(0.0), v["p99_us"].as_f64().unwrap_or(0.0), v["errors"].as_u64().unwrap_or(0))
 }
 
+/// One iptables-restore of the whole nat table (it replaces the table, as a kube-proxy full
+/// sync does); returns its duration.
 fn restore(lab: &Lab, rules: &str) -> f64 {
     let t = Instant::now();
     let mut c = Command::new("ip")
-        .args(["netns", "exec", &lab.ns("node"), "iptables-restore", "--noflush"])
+        .args(["netns", "exec", &lab.ns("node"), "iptables-restore"])
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -150,12 +151,11 @@ fn main() {
         let rules = render(&services(n), "10.244.0.0/16");
         let program_s = restore(&lab, &rules);
         let changed = render(&services(n)[..], "10.244.0.0/16").replacen(&format!("-m statistic --mode random --probability 0.33333333333 -j"), "-m statistic --mode random --probability 0.33333333334 -j", 1);
-        // kube-proxy rewrites the whole table on a change (one iptables-restore).
-        must(&format!("ip netns exec {} iptables -t nat -F && ip netns exec {} sh -c 'iptables-save -t nat | grep -o \"^:KUBE-[A-Z0-9-]*\" | cut -c2- | xargs -r -n1 iptables -t nat -X' || true", lab.ns("node"), lab.ns("node")));
+        // kube-proxy rewrites the table on a change (one iptables-restore).
         let change_ms = restore(&lab, &changed) * 1e3;
         let (rate, p50, p99, errors) = measure(&lab, &target, secs);
         rows.push(Row { services: n, mode: "iptables", rate, p50, p99, errors, program_s, change_ms });
-        must(&format!("ip netns exec {0} iptables -t nat -F; ip netns exec {0} sh -c 'iptables-save -t nat | grep -o \"^:KUBE-[A-Z0-9-]*\" | cut -c2- | xargs -r -n1 iptables -t nat -X'", lab.ns("node")));
+        restore(&lab, "*nat\nCOMMIT\n");
         for r in rows.iter().filter(|r| r.services == n) {
             println!("{:>8} {:<9} {:>10.0} {:>9.0} {:>9.0} {:>7} {:>12.2} {:>12.1}", r.services, r.mode, r.rate, r.p50, r.p99, r.errors, r.program_s, r.change_ms);
         }
