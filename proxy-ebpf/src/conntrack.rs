@@ -103,8 +103,11 @@ fn touch(v: &mut CtValue, f: &Flow, now: u64) {
     }
 }
 
-/// Source port for a masqueraded flow: the client's own unless another flow to the same backend
-/// already owns it, then a few random tries in the SNAT range.
+/// Source port for the flow's packets towards the backend, seen from `snat_addr`: the client's
+/// own unless another flow already owns that reply tuple, then a few random tries in the SNAT
+/// range. Without masquerade too: two clients' flows (or one client's flows to two VIPs) that
+/// meet on one backend with the same address and port would share a reply tuple, as conntrack's
+/// NAT knows; the port is moved so each reply finds its own flow.
 #[inline(always)]
 pub fn snat_port(f: &Flow, be: &Backend, snat_addr: u32) -> Option<u16> {
     let mut port = f.sport;
@@ -112,7 +115,10 @@ pub fn snat_port(f: &Flow, be: &Backend, snat_addr: u32) -> Option<u16> {
     while tries < 4 {
         match unsafe { KPR_CT_V1.get(&reply_key(be, snat_addr, port, f.proto)) } {
             None => return Some(port),
-            Some(v) if v.new_daddr[0] == f.saddr && v.new_dport == f.sport => return Some(port),
+            // Our own flow (a retransmitted first packet): same client and same service address.
+            Some(v) if v.new_daddr[0] == f.saddr && v.new_dport == f.sport && v.new_saddr[0] == f.daddr && v.new_sport == f.dport => {
+                return Some(port)
+            }
             Some(_) => {
                 bump(counter::SNAT_PORT_COLLISION);
                 let span = u32::from(SNAT_PORT_MAX - SNAT_PORT_MIN) + 1;
@@ -134,10 +140,11 @@ pub fn create(
     backend_id: u32,
     service_id: u32,
     be: &Backend,
-    snat: Option<(u32, u16)>,
+    src: (u32, u16),
+    masq: bool,
 ) -> Option<Rewrite> {
-    let (saddr, sport) = snat.unwrap_or((f.saddr, f.sport));
-    let flags = if snat.is_some() { CT_F_SNAT } else { 0 };
+    let (saddr, sport) = src;
+    let flags = if masq { CT_F_SNAT } else { 0 };
     let s = unsafe { &mut *KPR_CT_SCRATCH.get_ptr_mut(0)? };
     s.fwd_key = key(f, CT_DIR_FORWARD);
     s.fwd = CtValue {

@@ -117,16 +117,11 @@ fn new_flow<P: Pkt>(p: &mut P, f: &Flow, scope: u8, cfg: &DatapathConfig, now: u
         || svc.flags & SVC_F_MASQ != 0
         || cfg.flags & CFG_F_MASQUERADE_ALL != 0
         || off_cluster;
-    let snat = if masq {
-        let snat_addr = cfg.snat_addr[0];
-        match conntrack::snat_port(&f, &be, snat_addr) {
-            Some(port) => Some((snat_addr, port)),
-            None => return Verdict::Drop,
-        }
-    } else {
-        None
+    let src_addr = if masq { cfg.snat_addr[0] } else { f.saddr };
+    let Some(src_port) = conntrack::snat_port(&f, &be, src_addr) else {
+        return Verdict::Drop;
     };
-    let Some(rw) = conntrack::create(&f, now, backend_id, svc.service_id, &be, snat) else {
+    let Some(rw) = conntrack::create(&f, now, backend_id, svc.service_id, &be, (src_addr, src_port), masq) else {
         return Verdict::Drop;
     };
     if masq {

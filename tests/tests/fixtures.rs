@@ -353,3 +353,29 @@ fn fin_marks_the_flow_closing_and_a_new_syn_reschedules() {
     assert_eq!(counter_of(&l, counter::NEW_FLOW), new_before + 1);
     assert_eq!(parse(&out).proto, TCP);
 }
+
+#[test]
+fn two_flows_meeting_on_one_backend_with_one_reply_tuple_get_distinct_ports() {
+    // One client, one source port, two VIPs whose only backend is the same: without a port
+    // move both flows would expect replies from 10.244.1.1:8080 to 10.244.0.20:51000.
+    let mut l = load("clash");
+    let (_, a) = tc(&mut l.dp, &Frame::tcp("10.244.0.20", 51000, "10.96.0.13", 80, SYN));
+    let (_, b) = tc(&mut l.dp, &Frame::tcp("10.244.0.20", 51000, "10.96.0.16", 80, SYN));
+    let (a, b) = (parse(&a), parse(&b));
+    assert_eq!((a.dst, b.dst), (ip("10.244.1.1").to_string().parse().unwrap(), ip("10.244.1.1").to_string().parse().unwrap()));
+    assert_eq!(a.sport, 51000, "the first flow keeps its port");
+    assert_ne!(b.sport, 51000, "the second flow's port moves");
+    assert_eq!(b.src.to_string(), "10.244.0.20", "no masquerade: the client address stays");
+    assert!(b.ip_csum_ok && b.l4_csum_ok);
+    // Each reply goes back to its own flow.
+    let (_, ra) = tc(&mut l.dp, &Frame::tcp("10.244.1.1", 8080, "10.244.0.20", 51000, SYN | ACK));
+    let (_, rb) = tc(&mut l.dp, &Frame::tcp("10.244.1.1", 8080, "10.244.0.20", b.sport, SYN | ACK));
+    let (ra, rb) = (parse(&ra), parse(&rb));
+    assert_eq!((ra.src.to_string().as_str(), ra.dport), ("10.96.0.13", 51000));
+    assert_eq!((rb.src.to_string().as_str(), rb.sport, rb.dport), ("10.96.0.16", 80, 51000));
+    assert!(rb.ip_csum_ok && rb.l4_csum_ok);
+    // The second flow's later packets keep the moved port.
+    let (_, b2) = tc(&mut l.dp, &Frame::tcp("10.244.0.20", 51000, "10.96.0.16", 80, ACK));
+    assert_eq!(parse(&b2).sport, b.sport);
+    assert_eq!(counter_of(&l, counter::SNAT), 0, "a port move is not a masquerade");
+}
