@@ -8,7 +8,7 @@
 use std::{
     fmt::Write as _,
     process::{Command, Stdio},
-    time::{Duration, Instant},
+    time::Instant,
 };
 
 use kpr_tests::{
@@ -176,5 +176,4 @@ fn main() {
     }
     drop(lab);
     let _ = std::fs::remove_dir_all(&dir);
-    let _ = Duration::ZERO;
 }

@@ -59,8 +59,6 @@ fn main() {
     std::fs::create_dir_all(&dir).unwrap();
     api.kubeconfig(&dir.join("kubeconfig"));
     let log = dir.join("agent.log");
-    let cap = (2 * n + 1024).to_string();
-    let _ = cap;
     let start = Instant::now();
     let mut agent = Command::new(kpr_tests::sibling_bin("kpr"))
         .arg("--pin-dir")
@@ -75,15 +73,15 @@ fn main() {
         .expect("start kpr");
     // Initial sync: until the maps hold every frontend.
     let want = 2 * n as usize;
-    let maps = loop {
+    loop {
         if let Ok(m) = proxy_agent::kernel::KernelMaps::open(pins.path()) {
             if m.services().map(|s| s.len()).unwrap_or(0) >= want {
-                break m;
+                break;
             }
         }
         assert!(start.elapsed() < Duration::from_secs(300), "initial sync did not finish; see {}", log.display());
         std::thread::sleep(Duration::from_millis(20));
-    };
+    }
     let initial = start.elapsed();
     let logged: Vec<f64> = std::fs::read_to_string(&log).unwrap_or_default().lines().filter(|l| l.contains("synced")).filter_map(|l| l.split("ms=").nth(1)?.split_whitespace().next()?.parse().ok()).collect();
     println!("services: {n} x {e} endpoints ({} frontends, {} slots)", want, want * e as usize);
@@ -95,20 +93,15 @@ fn main() {
         let i = (c * 97) % n;
         let vip: std::net::IpAddr = service(i)["spec"]["clusterIP"].as_str().unwrap().parse().unwrap();
         let key = proxy_common::ServiceKey::new(vip, 80, proxy_common::PROTO_TCP, proxy_common::SCOPE_INTERNAL);
-        let slot_of = |m: &proxy_agent::kernel::KernelMaps| -> Option<u32> {
-            let id = m.services().ok()?.into_iter().find(|(k, _)| *k == key)?.1.service_id;
-            m.slots().ok()?.into_iter().find(|(k, _)| k.service_id == id && k.slot == 1).map(|(_, b)| b)
-        };
-        let _ = slot_of;
-        let before = {
+        let maps = {
             use aya::maps::{HashMap, Map, MapData};
             let svc: HashMap<MapData, proxy_common::ServiceKey, proxy_common::ServiceValue> = Map::from_map_data(MapData::from_pin(pins.path().join(proxy_common::map_names::SERVICES)).unwrap()).unwrap().try_into().unwrap();
             let slots: HashMap<MapData, proxy_common::SlotKey, u32> = Map::from_map_data(MapData::from_pin(pins.path().join(proxy_common::map_names::SLOTS)).unwrap()).unwrap().try_into().unwrap();
             (svc, slots)
         };
         let read = || -> Option<u32> {
-            let id = before.0.get(&key, 0).ok()?.service_id;
-            before.1.get(&proxy_common::SlotKey { service_id: id, slot: 1 }, 0).ok()
+            let id = maps.0.get(&key, 0).ok()?.service_id;
+            maps.1.get(&proxy_common::SlotKey { service_id: id, slot: 1 }, 0).ok()
         };
         let old = read();
         let t = Instant::now();
@@ -126,7 +119,6 @@ fn main() {
     let hwm = vm_hwm_kb(agent.id());
     let _ = agent.kill();
     let _ = agent.wait();
-    let _ = maps;
     println!(
         "one change, API write -> kernel map: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({changes} changes)",
         percentile(&mut lat.clone(), 0.5),
