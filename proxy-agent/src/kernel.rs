@@ -131,11 +131,7 @@ impl Datapath {
     }
 
     pub fn sock_addr(&mut self, name: &'static str) -> Result<&mut CgroupSockAddr, KernelError> {
-        let p = self.ebpf.program_mut(name).ok_or(KernelError::Program {
-            name,
-            err: aya::programs::ProgramError::UnexpectedProgramType,
-        })?;
-        p.try_into().map_err(|err| KernelError::Program { name, err })
+        self.program(name)
     }
 
     /// Attaches the connect-time programs to a cgroup (v2) and pins their links. A link pinned
@@ -162,7 +158,11 @@ impl Datapath {
         Ok(())
     }
 
-    pub fn classifier(&mut self, name: &'static str) -> Result<&mut SchedClassifier, KernelError> {
+    /// A program of the object, as its type.
+    fn program<'a, T>(&'a mut self, name: &'static str) -> Result<&'a mut T, KernelError>
+    where
+        &'a mut T: TryFrom<&'a mut aya::programs::Program, Error = aya::programs::ProgramError>,
+    {
         let p = self.ebpf.program_mut(name).ok_or(KernelError::Program {
             name,
             err: aya::programs::ProgramError::UnexpectedProgramType,
@@ -170,12 +170,12 @@ impl Datapath {
         p.try_into().map_err(|err| KernelError::Program { name, err })
     }
 
+    pub fn classifier(&mut self, name: &'static str) -> Result<&mut SchedClassifier, KernelError> {
+        self.program(name)
+    }
+
     pub fn xdp(&mut self, name: &'static str) -> Result<&mut Xdp, KernelError> {
-        let p = self.ebpf.program_mut(name).ok_or(KernelError::Program {
-            name,
-            err: aya::programs::ProgramError::UnexpectedProgramType,
-        })?;
-        p.try_into().map_err(|err| KernelError::Program { name, err })
+        self.program(name)
     }
 
     pub fn link_path(&self, iface: &str, hook: Hook) -> PathBuf {

@@ -194,9 +194,54 @@ struct Relist {
     node: Option<Option<Node>>,
 }
 
+/// Replaces `cache` with a re-listed set, recording every difference; `changed` sees each
+/// object that is new or different.
+fn replace_all<K: Resource>(
+    cache: &mut BTreeMap<ObjectName, K>,
+    fresh: BTreeMap<ObjectName, K>,
+    tracker: &mut Tracker<Version>,
+    mut changed: impl FnMut(&K),
+) {
+    let old = std::mem::replace(cache, fresh);
+    for (n, o) in &old {
+        if !cache.contains_key(n) {
+            tracker.record(n.clone(), Some(version(o)), None);
+        }
+    }
+    for (n, o) in cache.iter() {
+        let prev = old.get(n).map(version);
+        let cur = version(o);
+        if prev.as_ref() != Some(&cur) {
+            changed(o);
+        }
+        tracker.record(n.clone(), prev, Some(cur));
+    }
+}
+
+fn upsert<K: Resource>(cache: &mut BTreeMap<ObjectName, K>, tracker: &mut Tracker<Version>, o: K) {
+    let o = slim(o);
+    let n = name_of(&o);
+    let v = version(&o);
+    let prev = cache.insert(n.clone(), o);
+    tracker.record(n, prev.as_ref().map(version), Some(v));
+}
+
+fn remove<K: Resource>(cache: &mut BTreeMap<ObjectName, K>, tracker: &mut Tracker<Version>, o: &K) {
+    let n = name_of(o);
+    let prev = cache.remove(&n);
+    tracker.record(n, prev.as_ref().map(version), None);
+}
+
 fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
-    let mut st = shared.state.lock().unwrap();
-    let before = st.generation;
+    let mut guard = shared.state.lock().unwrap();
+    let st = &mut *guard;
+    // Init and InitApply only fill a buffer: nothing changes until InitDone swaps it in.
+    let changed = !matches!(
+        &ev,
+        Kind::Service(watcher::Event::Init | watcher::Event::InitApply(_))
+            | Kind::Slice(watcher::Event::Init | watcher::Event::InitApply(_))
+            | Kind::Node(watcher::Event::Init | watcher::Event::InitApply(_))
+    );
     match ev {
         Kind::Service(e) => match e {
             watcher::Event::Init => relist.services = Some(BTreeMap::new()),
@@ -205,36 +250,14 @@ fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
             }
             watcher::Event::InitDone => {
                 let fresh = relist.services.take().unwrap_or_default();
-                let old = std::mem::take(&mut st.objects.services);
-                for (n, o) in &old {
-                    if !fresh.contains_key(n) {
-                        st.service_changes.record(n.clone(), Some(version(o)), None);
-                    }
-                }
-                for (n, o) in &fresh {
-                    st.service_changes.record(n.clone(), old.get(n).map(version), Some(version(o)));
-                }
-                st.objects.services = fresh;
+                replace_all(&mut st.objects.services, fresh, &mut st.service_changes, |_| {});
                 if !st.services_synced {
                     info!(services = st.objects.services.len(), "services listed");
                 }
                 st.services_synced = true;
-                st.touched();
             }
-            watcher::Event::Apply(o) => {
-                let o = slim(o);
-                let n = name_of(&o);
-                let v = version(&o);
-                let prev = st.objects.services.insert(n.clone(), o);
-                st.service_changes.record(n, prev.as_ref().map(version), Some(v));
-                st.touched();
-            }
-            watcher::Event::Delete(o) => {
-                let n = name_of(&o);
-                let prev = st.objects.services.remove(&n);
-                st.service_changes.record(n, prev.as_ref().map(version), None);
-                st.touched();
-            }
+            watcher::Event::Apply(o) => upsert(&mut st.objects.services, &mut st.service_changes, o),
+            watcher::Event::Delete(o) => remove(&mut st.objects.services, &mut st.service_changes, &o),
         },
         Kind::Slice(e) => match e {
             watcher::Event::Init => relist.slices = Some(BTreeMap::new()),
@@ -243,46 +266,18 @@ fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
             }
             watcher::Event::InitDone => {
                 let fresh = relist.slices.take().unwrap_or_default();
-                let old = std::mem::take(&mut st.objects.slices);
-                for (n, o) in &old {
-                    if !fresh.contains_key(n) {
-                        st.slice_changes.record(n.clone(), Some(version(o)), None);
-                    }
-                }
-                for (n, o) in &fresh {
-                    let prev = old.get(n).map(version);
-                    let cur = version(o);
-                    if prev.as_ref() != Some(&cur) {
-                        if let Some(t) = trigger_time(o) {
-                            st.trigger_times.push(t);
-                        }
-                    }
-                    st.slice_changes.record(n.clone(), prev, Some(cur));
-                }
-                st.objects.slices = fresh;
+                let triggers = &mut st.trigger_times;
+                replace_all(&mut st.objects.slices, fresh, &mut st.slice_changes, |o| triggers.extend(trigger_time(o)));
                 if !st.slices_synced {
                     info!(slices = st.objects.slices.len(), "endpoint slices listed");
                 }
                 st.slices_synced = true;
-                st.touched();
             }
             watcher::Event::Apply(o) => {
-                let o = slim(o);
-                let n = name_of(&o);
-                if let Some(t) = trigger_time(&o) {
-                    st.trigger_times.push(t);
-                }
-                let v = version(&o);
-                let prev = st.objects.slices.insert(n.clone(), o);
-                st.slice_changes.record(n, prev.as_ref().map(version), Some(v));
-                st.touched();
+                st.trigger_times.extend(trigger_time(&o));
+                upsert(&mut st.objects.slices, &mut st.slice_changes, o);
             }
-            watcher::Event::Delete(o) => {
-                let n = name_of(&o);
-                let prev = st.objects.slices.remove(&n);
-                st.slice_changes.record(n, prev.as_ref().map(version), None);
-                st.touched();
-            }
+            watcher::Event::Delete(o) => remove(&mut st.objects.slices, &mut st.slice_changes, &o),
         },
         Kind::Node(e) => match e {
             watcher::Event::Init => relist.node = Some(None),
@@ -290,19 +285,13 @@ fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
             watcher::Event::InitDone => {
                 st.node = relist.node.take().flatten();
                 st.node_synced = true;
-                st.touched();
             }
-            watcher::Event::Apply(o) => {
-                st.node = Some(o);
-                st.touched();
-            }
-            watcher::Event::Delete(_) => {
-                st.node = None;
-                st.touched();
-            }
+            watcher::Event::Apply(o) => st.node = Some(o),
+            watcher::Event::Delete(_) => st.node = None,
         },
     }
-    if st.generation != before {
+    if changed {
+        st.touched();
         shared.changed.notify_all();
     }
 }
