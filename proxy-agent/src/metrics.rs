@@ -155,19 +155,20 @@ pub fn render(stats: &Stats, maps: Option<&dyn DatapathMaps>) -> String {
             let _ = writeln!(o, "kpr_datapath_packets_total{{reason=\"{k}\"}} {v}");
         }
     }
+    let backends = maps.backends();
     let sizes = [
-        (proxy_common::map_names::SERVICES, maps.services().map(|v| v.len())),
-        (proxy_common::map_names::SLOTS, maps.slots().map(|v| v.len())),
-        (proxy_common::map_names::BACKENDS, maps.backends().map(|v| v.len())),
-        (proxy_common::map_names::AFFINITY, maps.affinity().map(|v| v.len())),
+        (proxy_common::map_names::SERVICES, maps.services().map(|v| v.len()).ok()),
+        (proxy_common::map_names::SLOTS, maps.slots().map(|v| v.len()).ok()),
+        (proxy_common::map_names::BACKENDS, backends.as_ref().map(|v| v.len()).ok()),
+        (proxy_common::map_names::AFFINITY, maps.affinity().map(|v| v.len()).ok()),
     ];
     let _ = writeln!(o, "# HELP kpr_map_entries Entries in each BPF map\n# TYPE kpr_map_entries gauge");
     for (name, n) in sizes {
-        if let Ok(n) = n {
+        if let Some(n) = n {
             let _ = writeln!(o, "kpr_map_entries{{map=\"{name}\"}} {n}");
         }
     }
-    if let Ok(backends) = maps.backends() {
+    if let Ok(backends) = backends {
         let _ = writeln!(o, "# HELP kpr_backend_new_connections_total New connections sent to each backend\n# TYPE kpr_backend_new_connections_total counter");
         for (id, b) in backends {
             if let Ok(n) = maps.backend_new_connections(id) {

@@ -355,11 +355,10 @@ fn service_frontends(
                         .collect();
                     out.health_checks.insert(port, (ns.to_string(), name.to_string(), local.len()));
                 }
-                None => err(&mut out.errors, &object, "spec.healthCheckNodePort", format!("{hc} is not a port")),
+                None => err(errors, &object, "spec.healthCheckNodePort", format!("{hc} is not a port")),
             }
         }
     }
-    let errors = &mut out.errors;
     let mut seen_ports = BTreeSet::new();
     for (i, port) in spec.ports.iter().flatten().enumerate() {
         let field = format!("spec.ports[{i}]");

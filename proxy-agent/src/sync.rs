@@ -419,14 +419,16 @@ impl Syncer {
                 st.writes += 1;
             }
         }
-        for id in released {
-            if self.backend_refs.get(&id).copied().unwrap_or(0) == 0 {
-                maps.del_backend(id)?;
-                m.backends.remove(&id);
-                self.backend_refs.remove(&id);
-                self.backend_ids.retain(|_, v| *v != id);
-                st.deletes += 1;
-            }
+        released.retain(|id| self.backend_refs.get(id).copied().unwrap_or(0) == 0);
+        for id in &released {
+            maps.del_backend(*id)?;
+            m.backends.remove(id);
+            self.backend_refs.remove(id);
+            st.deletes += 1;
+        }
+        // One pass over the id table, however many backends went.
+        if !released.is_empty() {
+            self.backend_ids.retain(|_, v| !released.contains(v));
         }
         st.backends = m.backends.len();
         self.mirror = Some(m);

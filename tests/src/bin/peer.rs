@@ -73,13 +73,39 @@ fn one_udp(target: SocketAddr) -> Result<String, String> {
     Ok(String::from_utf8_lossy(&buf[..n]).to_string())
 }
 
-fn report(counts: BTreeMap<String, u64>, errors: u64, first_error: Option<String>) {
-    let mut m: BTreeMap<String, serde_json::Value> = counts.into_iter().map(|(k, v)| (k, v.into())).collect();
-    m.insert("errors".into(), errors.into());
-    if let Some(e) = first_error {
-        m.insert("first_error".into(), e.into());
+/// Answers per backend name, failures, and the first failure's reason: every mode's report.
+#[derive(Default)]
+struct Tally {
+    counts: BTreeMap<String, u64>,
+    errors: u64,
+    first_error: Option<String>,
+}
+
+impl Tally {
+    fn add(&mut self, r: Result<String, String>) {
+        match r {
+            Ok(name) => *self.counts.entry(name).or_insert(0) += 1,
+            Err(e) => self.fail(e),
+        }
     }
-    println!("{}", serde_json::to_string(&m).unwrap());
+
+    fn fail(&mut self, e: String) {
+        self.errors += 1;
+        self.first_error.get_or_insert(e);
+    }
+
+    fn answers(&self) -> u64 {
+        self.counts.values().sum()
+    }
+
+    fn report(self) {
+        let mut m: BTreeMap<String, serde_json::Value> = self.counts.into_iter().map(|(k, v)| (k, v.into())).collect();
+        m.insert("errors".into(), self.errors.into());
+        if let Some(e) = self.first_error {
+            m.insert("first_error".into(), e.into());
+        }
+        println!("{}", serde_json::to_string(&m).unwrap());
+    }
 }
 
 fn main() {
@@ -91,29 +117,22 @@ fn main() {
             let target: SocketAddr = arg(1).parse().unwrap();
             let udp = arg(2) == "udp";
             let count: u64 = arg(3).parse().unwrap();
-            let (mut counts, mut errors, mut first) = (BTreeMap::new(), 0, None);
+            let mut t = Tally::default();
             let deadline = Instant::now() + Duration::from_secs(60);
             for _ in 0..count.min(100_000) {
                 if Instant::now() > deadline {
-                    errors += 1;
-                    first.get_or_insert("burst deadline (60 s) reached".into());
+                    t.fail("burst deadline (60 s) reached".into());
                     break;
                 }
-                match if udp { one_udp(target) } else { one_tcp(target) } {
-                    Ok(n) => *counts.entry(n).or_insert(0) += 1,
-                    Err(e) => {
-                        errors += 1;
-                        first.get_or_insert(e);
-                    }
-                }
+                t.add(if udp { one_udp(target) } else { one_tcp(target) });
             }
-            report(counts, errors, first);
+            t.report();
         }
         "hold" => {
             let target: SocketAddr = arg(1).parse().unwrap();
             let secs: f64 = arg(2).parse().unwrap();
             let deadline = Instant::now() + Duration::from_secs_f64(secs.min(120.0));
-            let (mut counts, mut errors, mut first) = (BTreeMap::new(), 0, None);
+            let mut t = Tally::default();
             match TcpStream::connect_timeout(&target, Duration::from_secs(5)) {
                 Ok(s) => {
                     s.set_read_timeout(Some(Duration::from_secs(5))).ok();
@@ -123,43 +142,32 @@ fn main() {
                     while Instant::now() < deadline {
                         let mut line = String::new();
                         let ok = w.write_all(b"ping\n").is_ok() && r.read_line(&mut line).map(|n| n > 0).unwrap_or(false);
-                        if ok {
-                            *counts.entry(line.trim().to_string()).or_insert(0) += 1;
-                        } else {
-                            errors += 1;
-                            first.get_or_insert(format!("request on held connection failed after {} answers", counts.values().sum::<u64>()));
+                        if !ok {
+                            t.fail(format!("request on held connection failed after {} answers", t.answers()));
                             break;
                         }
+                        t.add(Ok(line.trim().to_string()));
                         std::thread::sleep(Duration::from_millis(50));
                     }
                     let mut rest = Vec::new();
                     let _ = r.get_mut().shutdown(std::net::Shutdown::Write);
                     let _ = r.read_to_end(&mut rest);
                 }
-                Err(e) => {
-                    errors += 1;
-                    first = Some(e.to_string());
-                }
+                Err(e) => t.fail(e.to_string()),
             }
-            report(counts, errors, first);
+            t.report();
         }
         "stream" => {
             let target: SocketAddr = arg(1).parse().unwrap();
             let secs: f64 = arg(2).parse().unwrap();
             let deadline = Instant::now() + Duration::from_secs_f64(secs.min(120.0));
-            let (mut counts, mut errors, mut first) = (BTreeMap::new(), 0, None);
+            let mut t = Tally::default();
             let mut n = 0;
             while Instant::now() < deadline && n < 1_000_000 {
                 n += 1;
-                match one_tcp(target) {
-                    Ok(name) => *counts.entry(name).or_insert(0) += 1,
-                    Err(e) => {
-                        errors += 1;
-                        first.get_or_insert(e);
-                    }
-                }
+                t.add(one_tcp(target));
             }
-            report(counts, errors, first);
+            t.report();
         }
         "rate" => {
             let target: SocketAddr = arg(1).parse().unwrap();
