@@ -2,6 +2,8 @@
 pub mod agent;
 pub mod config;
 pub mod healthcheck;
+pub mod ipvs;
+pub mod ipvs_sync;
 pub mod kernel;
 pub mod kube_source;
 pub mod kubeproxy_cleanup;
@@ -11,6 +13,7 @@ pub mod maps;
 pub mod metrics;
 pub mod model;
 pub mod netif;
+pub mod rtnl;
 pub mod sync;
 pub mod sysctl;
 pub mod view;

@@ -14,6 +14,12 @@ use proxy_common::{limits::MAX_BACKENDS_PER_SERVICE, SCOPE_EXTERNAL, SCOPE_INTER
 use crate::manifests::{ObjectError, Objects};
 
 pub const SCHEDULER_ANNOTATION: &str = "kpr.io/scheduler";
+/// IPVS mode: the scheduler of this Service's virtual servers (rr, wrr, lc, ...).
+pub const IPVS_SCHEDULER_ANNOTATION: &str = "kpr.io/ipvs-scheduler";
+/// IPVS mode: nat (default), dr or tun.
+pub const IPVS_FORWARD_ANNOTATION: &str = "kpr.io/ipvs-forward";
+/// IPVS mode: per-endpoint weights, "10.244.1.5=3,10.244.2.7=1" (others get 1).
+pub const IPVS_WEIGHTS_ANNOTATION: &str = "kpr.io/ipvs-weights";
 pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 pub const TOPOLOGY_MODE_ANNOTATION: &str = "service.kubernetes.io/topology-mode";
@@ -87,7 +93,7 @@ pub enum FrontendKind {
 }
 
 impl FrontendKind {
-    fn name(self) -> &'static str {
+    pub fn name(self) -> &'static str {
         match self {
             FrontendKind::ClusterIp => "clusterip",
             FrontendKind::NodePort => "nodeport",
@@ -136,6 +142,61 @@ pub struct Frontend {
     pub source_ranges: Vec<IpNet>,
     /// Sorted, deduplicated.
     pub backends: Vec<BackendKey>,
+    pub ipvs: IpvsOptions,
+}
+
+/// How IPVS mode programs a frontend (annotations; the eBPF fast path ignores them).
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct IpvsOptions {
+    /// None: the configuration's ipvs.scheduler.
+    pub scheduler: Option<String>,
+    pub forward: IpvsForward,
+    /// Endpoint address -> weight; absent ones weigh 1.
+    pub weights: BTreeMap<IpAddr, u32>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, PartialOrd, Ord)]
+pub enum IpvsForward {
+    #[default]
+    Nat,
+    DirectRouting,
+    Tunnel,
+}
+
+fn ipvs_options(annotations: Option<&BTreeMap<String, String>>, object: &str, errors: &mut Vec<ObjectError>) -> IpvsOptions {
+    let mut o = IpvsOptions::default();
+    let Some(a) = annotations else { return o };
+    if let Some(s) = a.get(IPVS_SCHEDULER_ANNOTATION) {
+        if crate::ipvs::SCHEDULERS.contains(&s.as_str()) {
+            o.scheduler = Some(s.clone());
+        } else {
+            let field = format!("metadata.annotations[{IPVS_SCHEDULER_ANNOTATION}]");
+            err(errors, object, field, format!("unknown IPVS scheduler {s:?} (expected one of {}); using the configured one", crate::ipvs::SCHEDULERS.join(", ")));
+        }
+    }
+    if let Some(f) = a.get(IPVS_FORWARD_ANNOTATION) {
+        o.forward = match f.to_ascii_lowercase().as_str() {
+            "nat" | "masq" => IpvsForward::Nat,
+            "dr" | "route" | "gatewaying" => IpvsForward::DirectRouting,
+            "tun" | "tunnel" | "ipip" => IpvsForward::Tunnel,
+            _ => {
+                err(errors, object, format!("metadata.annotations[{IPVS_FORWARD_ANNOTATION}]"), format!("{f:?} is not nat, dr or tun; using nat"));
+                IpvsForward::Nat
+            }
+        };
+    }
+    if let Some(w) = a.get(IPVS_WEIGHTS_ANNOTATION) {
+        for (i, item) in w.split(',').map(str::trim).filter(|s| !s.is_empty()).enumerate() {
+            let parsed = item.split_once('=').and_then(|(ip, wt)| Some((ip.trim().parse::<IpAddr>().ok()?, wt.trim().parse::<u32>().ok()?)));
+            match parsed {
+                Some((ip, wt)) if wt <= 65_535 => {
+                    o.weights.insert(ip, wt);
+                }
+                _ => err(errors, object, format!("metadata.annotations[{IPVS_WEIGHTS_ANNOTATION}][{i}]"), format!("{item:?} is not <endpoint IP>=<weight 0..65535>; entry ignored")),
+            }
+        }
+    }
+    o
 }
 
 #[derive(Clone, Debug, Default)]
@@ -312,6 +373,8 @@ fn service_frontends(
         0
     };
 
+    let ipvs = ipvs_options(svc.metadata.annotations.as_ref(), &object, errors);
+
     let mut external_ips = Vec::new();
     for (i, s) in spec.external_ips.iter().flatten().enumerate() {
         match s.parse::<IpAddr>() {
@@ -446,6 +509,12 @@ fn service_frontends(
         let cluster_backends = to_keys(usable(&all, publish_not_ready));
         let local_backends = to_keys(usable(&local, publish_not_ready));
         let internal_backends = if itp_local { local_backends.clone() } else { cluster_backends.clone() };
+        // DR and TUN cannot change the port: the real server sees the service port.
+        let mut ipvs = ipvs.clone();
+        if ipvs.forward != IpvsForward::Nat && eps.iter().any(|e| e.port != svc_port) {
+            err(errors, &object, format!("metadata.annotations[{IPVS_FORWARD_ANNOTATION}]"), format!("{field}: port {svc_port} differs from its targetPort; dr/tun need them equal, using nat"));
+            ipvs.forward = IpvsForward::Nat;
+        }
 
         let mut add = |ip: IpAddr, p: u16, scope: u8, kind: FrontendKind, flags: u8, backends: &Vec<BackendKey>, ranges: &[IpNet]| {
             let key = FrontendKey { ip, port: p, proto, scope };
@@ -460,6 +529,7 @@ fn service_frontends(
                     flags,
                     source_ranges: ranges.to_vec(),
                     backends: backends.clone(),
+                    ipvs: ipvs.clone(),
                 },
             );
         };

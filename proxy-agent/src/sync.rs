@@ -482,6 +482,7 @@ mod tests {
                 .iter()
                 .map(|(ip, port)| BackendKey { ip: ip.parse().unwrap(), port: *port, proto: Proto::Tcp })
                 .collect(),
+            ipvs: Default::default(),
         }
     }
 

@@ -40,6 +40,7 @@ fn desired(n: u32) -> DesiredState {
                     flags: 0,
                     source_ranges: vec![],
                     backends: backends.clone(),
+                    ipvs: Default::default(),
                 },
             );
         }
