@@ -1,9 +1,11 @@
-//! Developer tasks: `cargo xtask build-ebpf | lab | test | bench`.
+//! Developer tasks: `cargo xtask build-ebpf | lab | test | bench | vm-test`.
 mod ebpf_build;
+mod vm;
 
 use std::{
     path::{Path, PathBuf},
     process::{Command, ExitCode},
+    time::Duration,
 };
 
 use anyhow::{bail, Context, Result};
@@ -43,6 +45,20 @@ enum Cmd {
         #[arg(long)]
         smoke: bool,
         /// Arguments for kpr-bench (--sizes, --repeat, --new-flows, --runs, --json).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Boot Debian's 6.1 kernel (which has IPVS) under QEMU on the host's root file system and run
+    /// the VM tests (kpr-vm-tests) or --command in it (root).
+    VmTest {
+        /// Shell command to run in the guest instead of kpr-vm-tests (cwd: the repository root;
+        /// the trailing arguments are its "$@"; $KPR_VM_OUT is a directory shared with the host).
+        #[arg(long)]
+        command: Option<String>,
+        /// Kill the guest after this many seconds.
+        #[arg(long, default_value_t = 1500)]
+        timeout_secs: u64,
+        /// Arguments for kpr-vm-tests (after `--`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
@@ -98,28 +114,33 @@ fn ensure_toolchain() -> Result<()> {
     if have_toolchain && ebpf_build::bpf_linker_found() && missing_tools.is_empty() {
         return Ok(());
     }
-    let apt = Path::new("/usr/bin/apt-get").exists();
-    if !apt || unsafe { libc_geteuid() } != 0 {
-        bail!("the eBPF toolchain is missing. On Debian, as root: {}", ebpf_build::DEBIAN_INSTALL);
+    let mut pkgs: Vec<&str> = missing_tools;
+    if !have_toolchain {
+        pkgs.extend(ebpf_build::DEBIAN_PACKAGES);
     }
-    if !have_toolchain || !missing_tools.is_empty() {
-        let mut pkgs: Vec<&str> = missing_tools.clone();
-        if !have_toolchain {
-            pkgs.extend(ebpf_build::DEBIAN_PACKAGES);
-        }
-        let mut update = Command::new("apt-get");
-        update.args(["update", "-qq"]);
-        run(update, "apt-get update")?;
-        let mut c = Command::new("apt-get");
-        c.env("DEBIAN_FRONTEND", "noninteractive").args(["install", "-y", "-qq", "--no-install-recommends"]).args(&pkgs);
-        run(c, &format!("installing {}", pkgs.join(" ")))?;
-    }
+    apt_install(&pkgs, &format!("the eBPF toolchain is missing. On Debian, as root: {}", ebpf_build::DEBIAN_INSTALL))?;
     if !ebpf_build::bpf_linker_found() {
         let mut c = Command::new("cargo");
         c.env("LLVM_PREFIX", "/usr/lib/llvm-22").args(["install", "--locked", "bpf-linker", "--no-default-features", "--features", "llvm-22"]);
         run(c, "installing bpf-linker (about 2 minutes)")?;
     }
     Ok(())
+}
+
+/// Installs Debian packages with apt-get; fails with `hint` where it cannot (no apt-get, not root).
+fn apt_install(pkgs: &[&str], hint: &str) -> Result<()> {
+    if !Path::new("/usr/bin/apt-get").exists() || unsafe { libc_geteuid() } != 0 {
+        bail!("{hint}");
+    }
+    if pkgs.is_empty() {
+        return Ok(());
+    }
+    let mut update = Command::new("apt-get");
+    update.args(["update", "-qq"]);
+    run(update, "apt-get update")?;
+    let mut c = Command::new("apt-get");
+    c.env("DEBIAN_FRONTEND", "noninteractive").args(["install", "-y", "-qq", "--no-install-recommends"]).args(pkgs);
+    run(c, &format!("installing {}", pkgs.join(" ")))
 }
 
 fn main() -> ExitCode {
@@ -189,6 +210,12 @@ fn real_main() -> Result<()> {
                 ab.args(["--sizes", "100", "--seconds", "1"]);
             }
             run(ab, "A/B: eBPF vs kube-proxy's iptables rules vs direct, in the namespace lab")?;
+        }
+        Cmd::VmTest { command, timeout_secs, args } => {
+            if unsafe { libc_geteuid() } != 0 {
+                bail!("vm-test reads /boot/vmlinuz-* and shares / with the guest: run it as root");
+            }
+            vm::vm_test(command, Duration::from_secs(timeout_secs), &args)?;
         }
     }
     Ok(())
