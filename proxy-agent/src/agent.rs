@@ -20,7 +20,11 @@ use proxy_common::{
 use tracing::{error, info, warn};
 
 use crate::{
+    ctnetlink::NetlinkConntrack,
+    ipvs::{Ipvs, IpvsError, NetlinkIpvs, Timeouts},
+    ipvs_sync::{self, IpvsSettings, IpvsSyncer},
     kernel::{self, Capacities, Datapath, Hook, KernelMaps},
+    rtnl::NetlinkLinks,
     kube_source,
     manifests::{self, Objects},
     metrics::{SharedStats, Stats},
@@ -32,6 +36,72 @@ use crate::{
 };
 
 pub static STOP: AtomicBool = AtomicBool::new(false);
+
+/// Which data plane programs services.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Mode {
+    /// The eBPF fast path (XDP/TC/connect-time); IPVS is not programmed.
+    #[default]
+    Ebpf,
+    /// Linux IPVS over netlink, with the BPF set-matching program for masquerade marks and
+    /// filtering instead of iptables/ipset.
+    Ipvs,
+    /// The eBPF fast path where the kernel verifies and loads it, else IPVS.
+    Auto,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Ebpf => "ebpf",
+            Mode::Ipvs => "ipvs",
+            Mode::Auto => "auto",
+        }
+    }
+}
+
+impl std::str::FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "ebpf" | "" => Ok(Mode::Ebpf),
+            "ipvs" => Ok(Mode::Ipvs),
+            "auto" => Ok(Mode::Auto),
+            other => Err(format!("unknown mode {other:?} (expected ebpf, ipvs or auto)")),
+        }
+    }
+}
+
+/// IPVS mode's settings (kube-proxy's ipvs.* configuration).
+#[derive(Clone, Debug, Default)]
+pub struct IpvsModeConfig {
+    /// Default scheduler; per Service: annotation kpr.io/ipvs-scheduler. None: rr.
+    pub scheduler: Option<String>,
+    pub strict_arp: bool,
+    /// Zero fields leave the kernel's value.
+    pub timeouts: Timeouts,
+    pub exclude_cidrs: Vec<IpNet>,
+}
+
+/// IPVS mode's kernel handles.
+struct IpvsPlane {
+    ipvs: NetlinkIpvs,
+    links: NetlinkLinks,
+    ct: Option<NetlinkConntrack>,
+    syncer: IpvsSyncer,
+    sets: crate::sets::KernelSetMaps,
+}
+
+/// Opens IPVS, loading the module first if the kernel has it as one.
+pub fn connect_ipvs() -> Result<NetlinkIpvs, IpvsError> {
+    match NetlinkIpvs::connect() {
+        Err(IpvsError::NoIpvs) => {
+            let _ = std::process::Command::new("modprobe").arg("ip_vs").status();
+            NetlinkIpvs::connect()
+        }
+        r => r,
+    }
+}
 
 /// Where Services and EndpointSlices come from. Both feed the same pipeline.
 #[derive(Clone, Debug)]
@@ -106,6 +176,8 @@ pub struct AgentConfig {
     /// Idle closing TCP flows are collected after this.
     pub ct_closing_timeout_s: u32,
     pub capacities: Capacities,
+    pub mode: Mode,
+    pub ipvs: IpvsModeConfig,
     /// Stop after the first sync (tests, benchmarks).
     pub once: bool,
 }
@@ -134,6 +206,8 @@ impl Default for AgentConfig {
             ct_udp_timeout_s: 120,
             ct_closing_timeout_s: 10,
             capacities: Capacities::default(),
+            mode: Mode::Ebpf,
+            ipvs: IpvsModeConfig::default(),
             once: false,
         }
     }
@@ -147,6 +221,16 @@ pub enum AgentError {
     Map(#[from] crate::maps::MapError),
     #[error("no address for NodePorts and SNAT: give --node-ip or an uplink with an IPv4 address")]
     NoNodeAddress,
+    #[error(transparent)]
+    Ipvs(#[from] IpvsError),
+    #[error(transparent)]
+    IpvsSync(#[from] ipvs_sync::IpvsSyncError),
+    #[error("{0}")]
+    Link(#[from] crate::rtnl::LinkError),
+    #[error("installing the fixed netfilter rules (needs iptables with the bpf, ipvs and addrtype matches): {0}")]
+    Netfilter(crate::kubeproxy_cleanup::CleanupError),
+    #[error("mode auto: the eBPF fast path does not load ({fast_path}) and IPVS is not usable ({ipvs})")]
+    NoMode { fast_path: String, ipvs: String },
 }
 
 pub struct Agent {
@@ -164,18 +248,122 @@ pub struct Agent {
     /// Where objects that cannot be programmed are sent as Kubernetes Events (kube source).
     pub events: Option<tokio::sync::mpsc::UnboundedSender<crate::manifests::ObjectError>>,
     reported: BTreeSet<String>,
+    /// The mode in force (auto resolved).
+    pub mode: Mode,
+    ipvs: Option<IpvsPlane>,
 }
 
 impl Agent {
     pub fn new(cfg: AgentConfig) -> Result<Self, AgentError> {
-        let mut dp = Datapath::load(&cfg.pin_dir, cfg.capacities)?;
-        if let Some(cg) = &cfg.cgroup {
+        let mut dp = Datapath::load_object(&cfg.pin_dir, cfg.capacities)?;
+        let mode = match cfg.mode {
+            Mode::Ebpf => {
+                dp.load_fast_path()?;
+                Mode::Ebpf
+            }
+            Mode::Ipvs => Mode::Ipvs,
+            Mode::Auto => match dp.load_fast_path() {
+                Ok(()) => Mode::Ebpf,
+                Err(fast) => match connect_ipvs() {
+                    Ok(_) => {
+                        warn!(error = %fast, "mode auto: the eBPF fast path does not load on this kernel; using IPVS");
+                        Mode::Ipvs
+                    }
+                    Err(e) => return Err(AgentError::NoMode { fast_path: fast.to_string(), ipvs: e.to_string() }),
+                },
+            },
+        };
+        info!(mode = mode.name(), requested = cfg.mode.name(), "data plane mode");
+        let ipvs = if mode == Mode::Ipvs { Some(Self::start_ipvs(&cfg, &mut dp)?) } else { None };
+        if let (Some(cg), Mode::Ebpf) = (&cfg.cgroup, mode) {
             dp.attach_cgroup(cg)?;
             info!(cgroup = %cg.display(), "connect-time balancing attached");
         }
         let maps = KernelMaps::open(&cfg.pin_dir)?;
         let stats = Arc::new(std::sync::Mutex::new(Stats::new(cfg.sync_period * 2)));
-        Ok(Self { cfg, dp, maps, syncer: Syncer::default(), attached: BTreeSet::new(), stats, health_checks: None, last_desired: None, last_node_version: None, events: None, reported: BTreeSet::new() })
+        stats.lock().unwrap().mode = mode.name();
+        Ok(Self { cfg, dp, maps, syncer: Syncer::default(), attached: BTreeSet::new(), stats, health_checks: None, last_desired: None, last_node_version: None, events: None, reported: BTreeSet::new(), mode, ipvs })
+    }
+
+    /// IPVS mode's one-time setup: the netlink handles, the proxier's sysctls, the timeouts.
+    fn start_ipvs(cfg: &AgentConfig, dp: &mut Datapath) -> Result<IpvsPlane, AgentError> {
+        let mut ipvs = connect_ipvs()?;
+        let loopback = dp.load_ipset()?;
+        crate::ipvs_rules::install(&mut crate::kubeproxy_cleanup::SystemNetfilter, &loopback).map_err(AgentError::Netfilter)?;
+        let info = ipvs.info()?;
+        info!(version = format!("{}.{}.{}", info.version >> 16, (info.version >> 8) & 0xff, info.version & 0xff), conn_tab = info.conn_tab_size, "IPVS");
+        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+        let kver = crate::sysctl::kernel_version(release.trim()).unwrap_or((0, 0));
+        let mut sys = ProcSysctls;
+        for (k, v) in crate::sysctl::ipvs_sysctls(kver, cfg.ipvs.strict_arp) {
+            if let Err(e) = sys.set(k, v) {
+                warn!(error = %e, "cannot set {k}={v}: set it on the host (the DaemonSet's init container does)");
+            }
+        }
+        let t = cfg.ipvs.timeouts;
+        if t.tcp_s + t.tcp_fin_s + t.udp_s > 0 {
+            ipvs.set_timeouts(&t)?;
+        }
+        let ct = match NetlinkConntrack::connect() {
+            Ok(c) => Some(c),
+            Err(e) => {
+                warn!(error = %e, "no ctnetlink: conntrack entries of removed UDP backends will not be cleared");
+                None
+            }
+        };
+        let settings = IpvsSettings {
+            scheduler: cfg.ipvs.scheduler.clone().unwrap_or_else(|| ipvs_sync::DEFAULT_SCHEDULER.into()),
+            exclude_cidrs: cfg.ipvs.exclude_cidrs.clone(),
+            ..IpvsSettings::default()
+        };
+        let sets = crate::sets::KernelSetMaps::open(&cfg.pin_dir)?;
+        Ok(IpvsPlane { ipvs, links: NetlinkLinks::connect()?, ct, syncer: IpvsSyncer::new(settings), sets })
+    }
+
+    /// IPVS mode's sync: virtual servers, destinations and kube-ipvs0 addresses.
+    fn program_ipvs(&mut self, desired: &model::DesiredState, node_addrs: &[IpAddr], touched: Option<&BTreeSet<model::FrontendKey>>) -> Result<crate::sync::SyncStats, AgentError> {
+        let plane = self.ipvs.as_mut().expect("IPVS mode");
+        plane.syncer.settings.node_addresses = node_addrs.to_vec();
+        let vs = ipvs_sync::desired_virtual_servers(desired, &plane.syncer.settings);
+        let only: Option<BTreeSet<crate::ipvs::ServiceId>> = touched.map(|t| {
+            t.iter().map(|k| crate::ipvs::ServiceId::Addr { proto: k.proto.number(), addr: k.ip, port: k.port }).collect()
+        });
+        let mut noct = ipvs_sync::FakeConntrack::default();
+        let ct: &mut dyn ipvs_sync::ConntrackFlusher = match &mut plane.ct {
+            Some(c) => c,
+            None => &mut noct,
+        };
+        let st = plane.syncer.sync(&mut plane.ipvs, &mut plane.links, ct, &vs, only.as_ref())?;
+        // The set-matching program's inputs: the sets, and the cluster CIDR / masqueradeAll.
+        let bound: BTreeSet<IpAddr> = vs.values().filter(|v| v.bind).filter_map(|v| match v.config.id {
+            crate::ipvs::ServiceId::Addr { addr, .. } => Some(addr),
+            crate::ipvs::ServiceId::Fwmark { .. } => None,
+        }).collect();
+        let want = crate::sets::compute(desired, node_addrs, &bound);
+        let (set_writes, set_deletes) = crate::sets::sync(&mut plane.sets, &want)?;
+        let (cidr, len) = match self.cfg.cluster_cidr {
+            Some(net) => (addr_words(net.network()), u32::from(net.prefix_len())),
+            None => ([0; 4], 0),
+        };
+        let dcfg = DatapathConfig {
+            snat_addr: node_addrs.first().map(|a| addr_words(*a)).unwrap_or_default(),
+            cluster_cidr: cidr,
+            cluster_cidr_len: len,
+            flags: if self.cfg.masquerade_all { CFG_F_MASQUERADE_ALL } else { 0 },
+            ct_tcp_timeout_s: self.cfg.ct_tcp_timeout_s,
+            ct_udp_timeout_s: self.cfg.ct_udp_timeout_s,
+        };
+        if self.maps.config().ok() != Some(dcfg) {
+            self.maps.set_config(dcfg)?;
+        }
+        self.stats.lock().unwrap().ipvs_terminating = st.terminating as u64;
+        Ok(crate::sync::SyncStats {
+            frontends: st.services,
+            backends: st.dests,
+            writes: st.writes + st.addresses_bound + set_writes,
+            deletes: st.deletes + st.addresses_unbound + set_deletes,
+            errors: st.errors,
+        })
     }
 
     fn node_addresses(&self, node: Option<&k8s_openapi::api::core::v1::Node>) -> Vec<IpAddr> {
@@ -218,8 +406,10 @@ impl Agent {
     pub fn attach_interfaces(&mut self) {
         let present = netif::interfaces();
         let mut wanted: Vec<(String, Hook)> = Vec::new();
+        // IPVS mode: the set-matching program at TC ingress everywhere (XDP has no skb mark).
+        let uplink_hook = if self.mode == Mode::Ipvs { Hook::TcIngress } else { Hook::Xdp };
         for u in &self.cfg.uplinks {
-            wanted.push((u.clone(), Hook::Xdp));
+            wanted.push((u.clone(), uplink_hook));
         }
         for i in &present {
             if self.cfg.pod_ifaces.contains(i) || self.cfg.pod_iface_prefixes.iter().any(|p| i.starts_with(p.as_str())) {
@@ -248,7 +438,7 @@ impl Agent {
                 self.attached.retain(|(i, _)| i != &iface);
             }
         }
-        if attached_any {
+        if attached_any && self.mode == Mode::Ebpf {
             let mut sys = ProcSysctls;
             for (k, v) in FAST_PATH_SYSCTLS {
                 if sys.get(k).ok().as_deref() != Some(v) {
@@ -325,7 +515,10 @@ impl Agent {
                 self.reported.extend(now);
             }
         }
-        let result = self.datapath_config(node_addrs).and_then(|dcfg| {
+        let result = if self.mode == Mode::Ipvs {
+            self.program_ipvs(desired, node_addrs, touched)
+        } else {
+            self.datapath_config(node_addrs).and_then(|dcfg| {
             let r = match touched {
                 None => self.syncer.sync(&mut self.maps, desired, dcfg),
                 Some(t) => self.syncer.sync_subset(&mut self.maps, desired, dcfg, t),
@@ -333,7 +526,8 @@ impl Agent {
             r.map_err(|e| match e {
                 crate::sync::SyncError::Map(m) => AgentError::Map(m),
             })
-        });
+        })
+        };
         let elapsed = start.elapsed();
         let mut stats = self.stats.lock().unwrap();
         stats.syncs_total += 1;
@@ -492,7 +686,9 @@ impl Agent {
             if dirty {
                 self.stats.lock().unwrap().pending_since.get_or_insert_with(Instant::now);
             }
-            let periodic = last_full.elapsed() >= self.cfg.sync_period;
+            // Draining IPVS destinations are re-checked every few seconds, not every syncPeriod.
+            let draining = self.stats.lock().unwrap().ipvs_terminating > 0 && last_full.elapsed() >= Duration::from_secs(2);
+            let periodic = last_full.elapsed() >= self.cfg.sync_period || draining;
             if (dirty && limiter.try_take(Instant::now())) || periodic {
                 let ok = match &source {
                     Source::Dir(_) => self.sync_once().map(|_| ()),

@@ -171,12 +171,11 @@ pub fn parse(file: &str, text: &str) -> Result<KubeProxyConfig, ConfigError> {
 
     c.mode = string("mode", v.get("mode"))?.unwrap_or_default();
     match c.mode.as_str() {
-        "" | "ebpf" => {}
-        "ipvs" => c.warnings.push(format!("{file}: mode ipvs: kpr's IPVS mode is not built yet; running the eBPF fast path")),
+        "" | "ebpf" | "ipvs" | "auto" => {}
         "iptables" | "nftables" | "kernelspace" => {
             c.warnings.push(format!("{file}: mode {}: kpr replaces it with the eBPF fast path", c.mode))
         }
-        other => return Err(err("mode", format!("unknown mode {other:?} (iptables, ipvs, nftables, ebpf)"))),
+        other => return Err(err("mode", format!("unknown mode {other:?} (ebpf, ipvs, auto; iptables and nftables mean ebpf)"))),
     }
     if let Some(s) = string("clusterCIDR", v.get("clusterCIDR"))? {
         for (i, part) in s.split(',').map(str::trim).filter(|p| !p.is_empty()).enumerate() {
@@ -348,7 +347,6 @@ winkernel:
         assert_eq!(c.masquerade_all, Some(false));
         assert_eq!(c.ipvs.sync_period, Some(Duration::ZERO));
         assert_eq!(c.ipvs.strict_arp, Some(false));
-        assert!(c.warnings.iter().any(|w| w.contains("mode ipvs")));
         assert!(!c.warnings.iter().any(|w| w.contains("unknown field")), "{:?}", c.warnings);
     }
 

@@ -465,3 +465,26 @@ mod tests {
         assert_eq!(w.ipvs.writes, vec!["update-service TCP 192.0.2.50:80"]);
     }
 }
+
+/// `kpr cleanup` in IPVS mode: deletes the virtual servers the agent owns (on kube-ipvs0's
+/// addresses, or node-port-range ports on `node_addresses`), then kube-ipvs0 itself. Other
+/// virtual servers stay. Returns what went.
+pub fn cleanup(ipvs: &mut dyn Ipvs, links: &mut dyn Links, node_addresses: &[IpAddr]) -> Result<Vec<String>, IpvsSyncError> {
+    let mut done = Vec::new();
+    let bound = match links.link_index(IPVS_DUMMY)? {
+        Some(i) => links.addresses(i)?,
+        None => BTreeSet::new(),
+    };
+    let syncer = IpvsSyncer::new(IpvsSettings { node_addresses: node_addresses.to_vec(), ..Default::default() });
+    for s in ipvs.services()? {
+        if syncer.owned(&s.config.id, &bound) {
+            ipvs.del_service(&s.config.id)?;
+            done.push(format!("deleted IPVS service {}", s.config.id));
+        }
+    }
+    if links.link_index(IPVS_DUMMY)?.is_some() {
+        links.delete_link(IPVS_DUMMY)?;
+        done.push(format!("deleted link {IPVS_DUMMY} ({} addresses)", bound.len()));
+    }
+    Ok(done)
+}

@@ -10,7 +10,7 @@ use aya::{
     programs::{
         links::{FdLink, PinnedLink},
         tc::{self, SchedClassifierLink, TcAttachType},
-        CgroupAttachMode, CgroupSockAddr, SchedClassifier, Xdp, XdpMode,
+        CgroupAttachMode, CgroupSockAddr, SchedClassifier, SocketFilter, Xdp, XdpMode,
         xdp::XdpLink,
     },
     Ebpf, EbpfLoader,
@@ -94,12 +94,22 @@ fn is_bpffs(path: &Path) -> bool {
 pub struct Datapath {
     ebpf: Ebpf,
     pub pin_dir: PathBuf,
+    /// What TC ingress runs: the fast path, or IPVS mode's set matching.
+    tc_program: &'static str,
 }
 
 impl Datapath {
     /// Loads the embedded object. Maps already pinned under `pin_dir` are reused, so the
     /// flows and services of a previous agent stay in force.
+    /// Loads the object (maps created or reused from the pins) and the fast path's programs.
     pub fn load(pin_dir: &Path, caps: Capacities) -> Result<Self, KernelError> {
+        let mut dp = Self::load_object(pin_dir, caps)?;
+        dp.load_fast_path()?;
+        Ok(dp)
+    }
+
+    /// The object with its maps, no program loaded yet.
+    pub fn load_object(pin_dir: &Path, caps: Capacities) -> Result<Self, KernelError> {
         let root = pin_dir.parent().unwrap_or(Path::new(DEFAULT_BPFFS));
         if !is_bpffs(root) && !is_bpffs(pin_dir) {
             return Err(KernelError::NoBpffs(root.into()));
@@ -117,17 +127,36 @@ impl Datapath {
             .map_max_entries(map_names::CONNTRACK, caps.conntrack)
             .load(EBPF_OBJECT)
             .map_err(KernelError::Load)?;
-        let mut dp = Self { ebpf, pin_dir: pin_dir.into() };
+        Ok(Self { ebpf, pin_dir: pin_dir.into(), tc_program: prog_names::TC_INGRESS })
+    }
+
+    /// IPVS mode: loads the set-matching TC program (attached instead of the fast path) and the
+    /// KUBE-LOOP-BACK match, pinned for the fixed POSTROUTING rule's `-m bpf --object-pinned`.
+    pub fn load_ipset(&mut self) -> Result<PathBuf, KernelError> {
+        self.classifier(prog_names::TC_IPSET)?.load().map_err(|err| KernelError::Program { name: prog_names::TC_IPSET, err })?;
+        self.tc_program = prog_names::TC_IPSET;
+        let name = prog_names::LOOPBACK;
+        let path = self.pin_dir.join(name);
+        let prog: &mut SocketFilter = self.program(name)?;
+        prog.load().map_err(|err| KernelError::Program { name, err })?;
+        // The rule holds the program it was created with; a new pin serves the next rule.
+        let _ = std::fs::remove_file(&path);
+        prog.pin(&path).map_err(|e| KernelError::Attach { iface: path.display().to_string(), what: "pin loop-back match", err: e.to_string() })?;
+        Ok(path)
+    }
+
+    /// Verifies and loads the eBPF fast path (TC, XDP, connect-time programs).
+    pub fn load_fast_path(&mut self) -> Result<(), KernelError> {
         for name in [prog_names::TC_INGRESS, prog_names::TC_PASS] {
-            dp.classifier(name)?.load().map_err(|err| KernelError::Program { name, err })?;
+            self.classifier(name)?.load().map_err(|err| KernelError::Program { name, err })?;
         }
         for name in [prog_names::XDP_INGRESS, prog_names::XDP_PASS] {
-            dp.xdp(name)?.load().map_err(|err| KernelError::Program { name, err })?;
+            self.xdp(name)?.load().map_err(|err| KernelError::Program { name, err })?;
         }
         for name in prog_names::SOCK {
-            dp.sock_addr(name)?.load().map_err(|err| KernelError::Program { name, err })?;
+            self.sock_addr(name)?.load().map_err(|err| KernelError::Program { name, err })?;
         }
-        Ok(dp)
+        Ok(())
     }
 
     pub fn sock_addr(&mut self, name: &'static str) -> Result<&mut CgroupSockAddr, KernelError> {
@@ -200,7 +229,8 @@ impl Datapath {
         };
         match hook {
             Hook::TcIngress => {
-                let prog = self.classifier(prog_names::TC_INGRESS)?;
+                let tc_program = self.tc_program;
+                let prog = self.classifier(tc_program)?;
                 if let Some(link) = existing {
                     let link = SchedClassifierLink::try_from(link).map_err(|e| fail("reuse pinned tc link", e.to_string()))?;
                     let id = prog.attach_to_link(link).map_err(|e| fail("update tc link", e.to_string()))?;
@@ -208,8 +238,12 @@ impl Datapath {
                     drop(prog.take_link(id));
                     return Ok(());
                 }
-                // Only needed on kernels before TCX (6.6); harmless otherwise.
+                // Only needed on kernels before TCX (6.6); harmless otherwise. There, filters are
+                // not links: remove ours before adding one, or restarts would stack them.
                 let _ = tc::qdisc_add_clsact(iface);
+                for name in [prog_names::TC_INGRESS, prog_names::TC_IPSET] {
+                    let _ = tc::qdisc_detach_program(iface, TcAttachType::Ingress, name);
+                }
                 let id = prog.attach(iface, TcAttachType::Ingress).map_err(|e| fail("attach tc ingress", e.to_string()))?;
                 let link = prog.take_link(id).map_err(|e| fail("take tc link", e.to_string()))?;
                 match FdLink::try_from(link) {
@@ -277,6 +311,14 @@ pub fn detach(pin_dir: &Path, iface: &str, hook: Hook) -> io::Result<()> {
 /// then maps. Idempotent.
 pub fn cleanup(pin_dir: &Path) -> io::Result<Vec<PathBuf>> {
     let mut removed = Vec::new();
+    // Kernels before TCX (6.6) attach TC programs as netlink filters, which no pin holds.
+    for iface in crate::netif::interfaces() {
+        for name in [prog_names::TC_INGRESS, prog_names::TC_IPSET] {
+            if tc::qdisc_detach_program(&iface, TcAttachType::Ingress, name).is_ok() {
+                removed.push(PathBuf::from(format!("tc filter {name} on {iface}")));
+            }
+        }
+    }
     for sub in [pin_dir.join("links"), pin_dir.to_path_buf()] {
         let Ok(rd) = std::fs::read_dir(&sub) else { continue };
         for e in rd.flatten() {
@@ -297,7 +339,7 @@ pub fn cleanup(pin_dir: &Path) -> io::Result<Vec<PathBuf>> {
     Ok(removed)
 }
 
-fn op(map: &'static str, op: &'static str, e: AyaMapError) -> MapError {
+pub(crate) fn op(map: &'static str, op: &'static str, e: AyaMapError) -> MapError {
     let source = match e {
         AyaMapError::SyscallError(s) => s.io_error,
         other => io::Error::other(other.to_string()),
@@ -327,7 +369,7 @@ pub struct KernelMaps {
     backend_new: PerCpuArray<MapData, u64>,
 }
 
-fn open(pin_dir: &Path, name: &'static str) -> Result<Map, MapError> {
+pub(crate) fn open(pin_dir: &Path, name: &'static str) -> Result<Map, MapError> {
     let data = MapData::from_pin(pin_dir.join(name)).map_err(|e| MapError::Other {
         map: name,
         message: format!("not pinned under {} ({e}); is the agent running / was `kpr run` started?", pin_dir.display()),
@@ -358,7 +400,7 @@ impl KernelMaps {
     }
 }
 
-fn collect<K, V, I: Iterator<Item = Result<(K, V), AyaMapError>>>(name: &'static str, it: I) -> Result<Vec<(K, V)>, MapError> {
+pub(crate) fn collect<K, V, I: Iterator<Item = Result<(K, V), AyaMapError>>>(name: &'static str, it: I) -> Result<Vec<(K, V)>, MapError> {
     let mut out = Vec::new();
     for r in it {
         match r {
@@ -371,7 +413,7 @@ fn collect<K, V, I: Iterator<Item = Result<(K, V), AyaMapError>>>(name: &'static
     Ok(out)
 }
 
-fn del<R>(name: &'static str, r: Result<R, AyaMapError>) -> Result<(), MapError> {
+pub(crate) fn del<R>(name: &'static str, r: Result<R, AyaMapError>) -> Result<(), MapError> {
     match r {
         Ok(_) => Ok(()),
         Err(e) if is_enoent(&e) => Ok(()),

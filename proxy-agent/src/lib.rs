@@ -1,9 +1,12 @@
 //! kpr, a kube-proxy replacement: the node agent's library (the `kpr` binary is a thin CLI).
 pub mod agent;
 pub mod config;
+pub mod ctnetlink;
 pub mod healthcheck;
 pub mod ipvs;
+pub mod ipvs_rules;
 pub mod ipvs_sync;
+pub mod ipvs_view;
 pub mod kernel;
 pub mod kube_source;
 pub mod kubeproxy_cleanup;
@@ -14,6 +17,7 @@ pub mod metrics;
 pub mod model;
 pub mod netif;
 pub mod rtnl;
+pub mod sets;
 pub mod sync;
 pub mod sysctl;
 pub mod view;

@@ -77,6 +77,21 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// IPVS mode's sets (kube-proxy's ipsets, held in BPF maps), like `ipset list`.
+    Ipset {
+        #[arg(long)]
+        json: bool,
+        /// Only this set (e.g. KUBE-CLUSTER-IP).
+        name: Option<String>,
+    },
+    /// IPVS virtual servers -> real servers, read from the kernel (like `ipvsadm -Ln`).
+    Ipvs {
+        #[arg(long)]
+        json: bool,
+        /// Counters, like `ipvsadm -Ln --stats`.
+        #[arg(long)]
+        stats: bool,
+    },
 }
 
 #[derive(clap::Args)]
@@ -138,6 +153,13 @@ struct RunArgs {
     /// Full resync period, seconds [default: 30].
     #[arg(long)]
     sync_period: Option<u64>,
+    /// Data plane: ebpf (the fast path), ipvs (IPVS + BPF set matching), auto (ebpf where the
+    /// kernel loads it, else ipvs) [default: ebpf; config mode].
+    #[arg(long)]
+    mode: Option<String>,
+    /// IPVS mode: set arp_ignore=1/arp_announce=2 (MetalLB L2, DR) [config ipvs.strictARP].
+    #[arg(long)]
+    strict_arp: bool,
     /// Sync once and exit (programs and maps stay).
     #[arg(long)]
     once: bool,
@@ -178,6 +200,7 @@ fn main() -> Result<()> {
     match cli.cmd {
         Cmd::Run(a) => {
             let explicit = (a.scheduler.is_some(), a.sync_period.is_some());
+            let mode_flag = a.mode.as_deref().map(|m| m.parse::<proxy_agent::agent::Mode>().map_err(anyhow::Error::msg).context("--mode")).transpose()?;
             let config_file = a.config.clone();
             let cgroup = match a.cgroup.as_str() {
                 "none" => None,
@@ -211,6 +234,8 @@ fn main() -> Result<()> {
                     XdpModeArg::Generic => XdpMode::Skb,
                 },
                 sync_period: Duration::from_secs(a.sync_period.unwrap_or(30)),
+                mode: mode_flag.unwrap_or_default(),
+                ipvs: proxy_agent::agent::IpvsModeConfig { strict_arp: a.strict_arp, ..Default::default() },
                 once: a.once,
                 ..AgentConfig::default()
             };
@@ -224,6 +249,13 @@ fn main() -> Result<()> {
                 let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
                 let kp = config::parse(&path.display().to_string(), &text)?;
                 apply_kube_proxy_config(&mut cfg, &kp, explicit);
+                if mode_flag.is_none() {
+                    cfg.mode = match kp.mode.as_str() {
+                        "ipvs" => proxy_agent::agent::Mode::Ipvs,
+                        "auto" => proxy_agent::agent::Mode::Auto,
+                        _ => proxy_agent::agent::Mode::Ebpf,
+                    };
+                }
                 if a_flags_unset(&config_file, &healthz) {
                     if let Some(h) = &kp.healthz_bind_address {
                         healthz = h.clone();
@@ -279,6 +311,22 @@ fn main() -> Result<()> {
         }
         Cmd::Cleanup { kube_proxy, keep_kpr } => {
             if !keep_kpr {
+                // IPVS mode's state, where the kernel has IPVS.
+                match proxy_agent::ipvs::NetlinkIpvs::connect() {
+                    Ok(mut ipvs) => {
+                        let mut links = proxy_agent::rtnl::NetlinkLinks::connect()?;
+                        let local: Vec<IpAddr> = netif::interfaces().iter().flat_map(|i| netif::ipv4_addresses(i)).collect();
+                        for d in proxy_agent::ipvs_sync::cleanup(&mut ipvs, &mut links, &local)? {
+                            println!("{d}");
+                        }
+                    }
+                    Err(proxy_agent::ipvs::IpvsError::NoIpvs) => {}
+                    Err(e) => return Err(e).context("reading IPVS for cleanup"),
+                }
+                match proxy_agent::ipvs_rules::remove(&mut proxy_agent::kubeproxy_cleanup::SystemNetfilter) {
+                    Ok(done) => done.iter().for_each(|d| println!("{d}")),
+                    Err(e) => tracing::warn!(error = %e, "netfilter rules not checked"),
+                }
                 let removed = kernel::cleanup(&cli.pin_dir).with_context(|| format!("cleaning {}", cli.pin_dir.display()))?;
                 println!("removed {} pinned objects under {}", removed.len(), cli.pin_dir.display());
             }
@@ -336,6 +384,32 @@ fn main() -> Result<()> {
                 println!("{}", serde_json::to_string_pretty(&rows)?);
             } else {
                 print!("{}", view::render_services(&rows));
+            }
+        }
+        Cmd::Ipset { json, name } => {
+            use proxy_agent::sets::SetMaps as _;
+            let maps = proxy_agent::sets::KernelSetMaps::open(&cli.pin_dir)?;
+            let mut list = proxy_agent::sets::listing(&maps.read()?);
+            if let Some(n) = &name {
+                list.retain(|s| &s.name == n);
+                anyhow::ensure!(!list.is_empty(), "no set named {n} (try `kpr ipset` for all of them)");
+            }
+            if json {
+                println!("{}", serde_json::to_string_pretty(&list)?);
+            } else {
+                print!("{}", proxy_agent::sets::render(&list));
+            }
+        }
+        Cmd::Ipvs { json, stats } => {
+            let mut ipvs = proxy_agent::agent::connect_ipvs().context("reading IPVS (needs CAP_NET_ADMIN)")?;
+            let rows = proxy_agent::ipvs_view::virtual_servers(&mut ipvs)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+            } else {
+                use proxy_agent::ipvs::Ipvs as _;
+                let info = ipvs.info()?;
+                println!("IP Virtual Server version {}.{}.{} (size={})", info.version >> 16, (info.version >> 8) & 0xff, info.version & 0xff, info.conn_tab_size);
+                print!("{}", proxy_agent::ipvs_view::render(&rows, stats));
             }
         }
         Cmd::Conntrack { json } => {
@@ -401,13 +475,19 @@ fn apply_kube_proxy_config(cfg: &mut AgentConfig, kp: &config::KubeProxyConfig, 
     }
     if let Some(d) = nonzero(kp.ipvs.tcp_timeout) {
         cfg.ct_tcp_timeout_s = d.as_secs().max(1) as u32;
+        cfg.ipvs.timeouts.tcp_s = cfg.ct_tcp_timeout_s;
     }
     if let Some(d) = nonzero(kp.ipvs.tcp_fin_timeout) {
         cfg.ct_closing_timeout_s = d.as_secs().max(1) as u32;
+        cfg.ipvs.timeouts.tcp_fin_s = cfg.ct_closing_timeout_s;
     }
     if let Some(d) = nonzero(kp.ipvs.udp_timeout) {
         cfg.ct_udp_timeout_s = d.as_secs().max(1) as u32;
+        cfg.ipvs.timeouts.udp_s = cfg.ct_udp_timeout_s;
     }
+    cfg.ipvs.scheduler = kp.ipvs.scheduler.clone();
+    cfg.ipvs.strict_arp |= kp.ipvs.strict_arp.unwrap_or(false);
+    cfg.ipvs.exclude_cidrs = kp.ipvs.exclude_cidrs.clone();
     if cfg.nodeport_addresses.is_empty() && !kp.node_port_addresses.is_empty() {
         let all: Vec<IpAddr> = cfg.uplinks.iter().flat_map(|u| netif::ipv4_addresses(u)).collect();
         cfg.nodeport_addresses = kp.select_node_port_addresses(&all);

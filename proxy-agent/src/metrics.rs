@@ -67,6 +67,10 @@ pub struct Stats {
     pub node_eligible: bool,
     /// Objects that could not be programmed, with the reason (also logged, and Events).
     pub rejected_objects: u64,
+    /// "ebpf" or "ipvs": the data plane in force.
+    pub mode: &'static str,
+    /// IPVS mode: destinations at weight 0 waiting for their connections to end.
+    pub ipvs_terminating: u64,
 }
 
 impl Stats {
@@ -85,6 +89,8 @@ impl Stats {
             health_timeout,
             node_eligible: true,
             rejected_objects: 0,
+            mode: "ebpf",
+            ipvs_terminating: 0,
         }
     }
 
@@ -124,6 +130,7 @@ async fn healthz(State(app): State<App>, livez: bool) -> impl IntoResponse {
     let healthy = st.healthy(Instant::now()) && (livez || st.node_eligible);
     let body = serde_json::json!({
         "lastUpdated": st.last_sync.map(rfc3339).unwrap_or_default(),
+        "mode": st.mode,
         "currentTime": rfc3339(SystemTime::now()),
         "nodeEligible": st.node_eligible,
     });
@@ -147,6 +154,7 @@ pub fn render(stats: &Stats, maps: Option<&dyn DatapathMaps>) -> String {
     gauge(&mut o, "kubeproxy_sync_proxy_rules_endpoint_changes_total", "Cumulative proxy rules Endpoint changes", "counter", stats.endpoint_changes_total as f64);
     gauge(&mut o, "kpr_syncs_total", "Syncs of the data plane, successful or not", "counter", stats.syncs_total as f64);
     gauge(&mut o, "kpr_sync_failures_total", "Syncs that failed (retried on the next change or period)", "counter", stats.sync_failures_total as f64);
+    gauge(&mut o, "kpr_ipvs_terminating_destinations", "IPVS destinations at weight 0 waiting for their connections to end", "gauge", stats.ipvs_terminating as f64);
     gauge(&mut o, "kpr_rejected_objects", "Service and EndpointSlice fields skipped as invalid in the last sync", "gauge", stats.rejected_objects as f64);
     let Some(maps) = maps else { return o };
     if let Ok(counters) = view::counters(maps) {

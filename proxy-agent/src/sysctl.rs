@@ -50,3 +50,47 @@ impl Sysctls for FakeSysctls {
 /// In a cluster the DaemonSet's init container sets them, since /proc/sys is read-only in an
 /// unprivileged container; the agent sets them itself where it can.
 pub const FAST_PATH_SYSCTLS: [(&str, &str); 2] = [("net.ipv4.ip_forward", "1"), ("net.ipv4.conf.all.accept_local", "1")];
+
+/// (major, minor) of a kernel release string ("6.1.0-57-amd64" -> (6, 1)).
+pub fn kernel_version(release: &str) -> Option<(u32, u32)> {
+    let mut it = release.split(|c: char| !c.is_ascii_digit());
+    Some((it.next()?.parse().ok()?, it.next()?.parse().ok()?))
+}
+
+/// The sysctls of kube-proxy's IPVS proxier, with its kernel-version conditions:
+/// conn_reuse_mode=0 only on 4.1..5.9 (older kernels lack it; from 5.9 the 1-second stall it
+/// worked around is fixed and 1 is right); ARP settings only with strictARP.
+pub fn ipvs_sysctls(kernel: (u32, u32), strict_arp: bool) -> Vec<(&'static str, &'static str)> {
+    let mut v = vec![
+        ("net.ipv4.vs.conntrack", "1"),
+        ("net.ipv4.vs.expire_nodest_conn", "1"),
+        ("net.ipv4.vs.expire_quiescent_template", "1"),
+        ("net.ipv4.ip_forward", "1"),
+    ];
+    if kernel >= (4, 1) && kernel < (5, 9) {
+        v.push(("net.ipv4.vs.conn_reuse_mode", "0"));
+    }
+    if strict_arp {
+        v.push(("net.ipv4.conf.all.arp_ignore", "1"));
+        v.push(("net.ipv4.conf.all.arp_announce", "2"));
+    }
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ipvs_sysctls_follow_the_kernel_version() {
+        assert_eq!(kernel_version("6.1.0-57-amd64"), Some((6, 1)));
+        assert_eq!(kernel_version("4.19.0"), Some((4, 19)));
+        let has = |k: (u32, u32), key: &str| ipvs_sysctls(k, false).iter().any(|(n, _)| *n == key);
+        assert!(has((4, 19), "net.ipv4.vs.conn_reuse_mode"));
+        assert!(has((5, 8), "net.ipv4.vs.conn_reuse_mode"));
+        assert!(!has((5, 9), "net.ipv4.vs.conn_reuse_mode"));
+        assert!(!has((4, 0), "net.ipv4.vs.conn_reuse_mode"));
+        assert!(!has((6, 1), "net.ipv4.conf.all.arp_ignore"));
+        assert!(ipvs_sysctls((6, 1), true).contains(&("net.ipv4.conf.all.arp_announce", "2")));
+    }
+}

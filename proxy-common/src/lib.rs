@@ -32,9 +32,16 @@ pub mod map_names {
     pub const SOURCE_RANGES: &str = "KPR_SRCRNG_V1";
     pub const RR_STATE: &str = "KPR_RR_V1";
     pub const CONFIG: &str = "KPR_CFG_V1";
-    pub const COUNTERS: &str = "KPR_CNT_V1";
+    pub const COUNTERS: &str = "KPR_CNT_V2";
     pub const SOCK_REV: &str = "KPR_SOCK_REV_V1";
     pub const BACKEND_NEW: &str = "KPR_BE_NEW_V1";
+    /// IPVS mode's ipset mirrors (see `sets`).
+    pub const SET_IP_PORT: &str = "KPR_SET_IPP_V1";
+    pub const SET_IP_PORT_IP: &str = "KPR_SET_IPPI_V1";
+    pub const SET_IP_PORT_NET: &str = "KPR_SET_IPPN_V1";
+    pub const SET_PORT: &str = "KPR_SET_PORT_V1";
+    pub const SET_IP: &str = "KPR_SET_IP_V1";
+    pub const SETS: [&str; 5] = [SET_IP_PORT, SET_IP_PORT_IP, SET_IP_PORT_NET, SET_PORT, SET_IP];
     /// Every map the fast path pins.
     pub const ALL: [&str; 12] = [
         SERVICES, SLOTS, MAGLEV, BACKENDS, CONNTRACK, AFFINITY, SOURCE_RANGES, RR_STATE, CONFIG,
@@ -54,7 +61,76 @@ pub mod prog_names {
     pub const GETPEERNAME4: &str = "kpr_getpeername4";
     /// The connect-time programs, in attach order.
     pub const SOCK: [&str; 4] = [CONNECT4, SENDMSG4, RECVMSG4, GETPEERNAME4];
+    /// IPVS mode: kube-proxy's set matching at TC ingress (masquerade mark, firewall, filter).
+    pub const TC_IPSET: &str = "kpr_tc_ipset";
+    /// IPVS mode: KUBE-LOOP-BACK, an xt_bpf match in the fixed POSTROUTING rules.
+    pub const LOOPBACK: &str = "kpr_loopback";
 }
+
+/// kube-proxy's IPVS-mode ipsets, mirrored as bits in the values of the KPR_SET_* maps: one
+/// lookup answers every set of a key type.
+pub mod sets {
+    /// KPR_SET_IPP_V1 (hash:ip,port: dst,dst).
+    pub const CLUSTER_IP: u32 = 1 << 0;
+    pub const EXTERNAL_IP: u32 = 1 << 1;
+    pub const EXTERNAL_IP_LOCAL: u32 = 1 << 2;
+    pub const LOAD_BALANCER: u32 = 1 << 3;
+    pub const LOAD_BALANCER_LOCAL: u32 = 1 << 4;
+    pub const LOAD_BALANCER_FW: u32 = 1 << 5;
+    /// KPR_SET_IPPI_V1 (hash:ip,port,ip: dst,dst,src).
+    pub const LOOP_BACK: u32 = 1 << 0;
+    pub const LOAD_BALANCER_SOURCE_IP: u32 = 1 << 1;
+    /// KPR_SET_IPPN_V1 (hash:ip,port,net: dst,dst,src).
+    pub const LOAD_BALANCER_SOURCE_CIDR: u32 = 1 << 0;
+    /// KPR_SET_PORT_V1 (bitmap:port, the protocol in the key).
+    pub const NODE_PORT: u32 = 1 << 0;
+    pub const NODE_PORT_LOCAL: u32 = 1 << 1;
+    pub const HEALTH_CHECK_NODE_PORT: u32 = 1 << 2;
+    /// KPR_SET_IP_V1 (hash:ip): addresses bound on kube-ipvs0 (KUBE-IPVS-IPS), and this
+    /// node's own addresses (iptables' `-m addrtype --dst-type LOCAL` for NodePorts).
+    pub const IPVS_IPS: u32 = 1 << 0;
+    pub const NODE_IPS: u32 = 1 << 1;
+}
+
+/// Key of KPR_SET_IPP_V1; address and port in network order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Pod, Zeroable)]
+pub struct SetIpPort {
+    pub addr: u32,
+    pub port: u16,
+    pub proto: u8,
+    pub _pad: u8,
+}
+const _: () = assert!(core::mem::size_of::<SetIpPort>() == 8);
+
+/// Key of KPR_SET_IPPI_V1: (address, port, protocol, second address).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Pod, Zeroable)]
+pub struct SetIpPortIp {
+    pub ip_port: SetIpPort,
+    pub addr2: u32,
+}
+const _: () = assert!(core::mem::size_of::<SetIpPortIp>() == 12);
+
+/// Data of the KPR_SET_IPPN_V1 LPM key: the prefix length is 64 (ip,port,proto: always whole)
+/// plus the source CIDR's length.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Pod, Zeroable)]
+pub struct SetIpPortNet {
+    pub ip_port: SetIpPort,
+    pub net: u32,
+}
+const _: () = assert!(core::mem::size_of::<SetIpPortNet>() == 12);
+
+/// Key of KPR_SET_PORT_V1.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Pod, Zeroable)]
+pub struct SetPort {
+    pub port: u16,
+    pub proto: u8,
+    pub _pad: u8,
+}
+const _: () = assert!(core::mem::size_of::<SetPort>() == 4);
 
 /// Default capacities (the agent may override them at load time).
 pub mod limits {
@@ -290,7 +366,7 @@ pub struct DatapathConfig {
 }
 const _: () = assert!(core::mem::size_of::<DatapathConfig>() == 48);
 
-/// Indices of the per-CPU counters in KPR_CNT_V1.
+/// Indices of the per-CPU counters in KPR_CNT_V2.
 pub mod counter {
     pub const NEW_FLOW: u32 = 0;
     pub const ESTABLISHED: u32 = 1;
@@ -305,7 +381,11 @@ pub mod counter {
     pub const CT_INSERT_FAILED: u32 = 10;
     pub const SNAT_PORT_COLLISION: u32 = 11;
     pub const REJECT_FAILED: u32 = 12;
-    pub const COUNT: u32 = 13;
+    /// IPVS mode's set-matching program.
+    pub const SET_MASQ_MARK: u32 = 13;
+    pub const SET_DROP_FIREWALL: u32 = 14;
+    pub const SET_DROP_FILTER: u32 = 15;
+    pub const COUNT: u32 = 16;
 
     pub const NAMES: [&str; COUNT as usize] = [
         "new_flow",
@@ -321,6 +401,9 @@ pub mod counter {
         "ct_insert_failed",
         "snat_port_collision",
         "reject_failed",
+        "set_masq_mark",
+        "set_drop_firewall",
+        "set_drop_filter",
     ];
 }
 
@@ -342,6 +425,63 @@ pub mod user {
     unsafe impl aya::Pod for DatapathConfig {}
     unsafe impl aya::Pod for SockRevKey {}
     unsafe impl aya::Pod for SockRevValue {}
+    unsafe impl aya::Pod for SetIpPort {}
+    unsafe impl aya::Pod for SetIpPortIp {}
+    unsafe impl aya::Pod for SetIpPortNet {}
+    unsafe impl aya::Pod for SetPort {}
+
+    /// IPv4 only, as the sets are (IPv6 addresses map to 0 and are never matched).
+    fn v4_be(ip: IpAddr) -> u32 {
+        match ip {
+            IpAddr::V4(a) => u32::from_ne_bytes(a.octets()),
+            IpAddr::V6(_) => 0,
+        }
+    }
+    fn be_v4(w: u32) -> IpAddr {
+        IpAddr::from(w.to_ne_bytes())
+    }
+
+    impl SetIpPort {
+        pub fn new(ip: IpAddr, port: u16, proto: u8) -> Self {
+            SetIpPort { addr: v4_be(ip), port: port.to_be(), proto, _pad: 0 }
+        }
+        pub fn addr(&self) -> IpAddr {
+            be_v4(self.addr)
+        }
+        pub fn port(&self) -> u16 {
+            u16::from_be(self.port)
+        }
+    }
+    impl SetIpPortIp {
+        pub fn new(ip: IpAddr, port: u16, proto: u8, ip2: IpAddr) -> Self {
+            SetIpPortIp { ip_port: SetIpPort::new(ip, port, proto), addr2: v4_be(ip2) }
+        }
+        pub fn addr2(&self) -> IpAddr {
+            be_v4(self.addr2)
+        }
+    }
+    impl SetIpPortNet {
+        pub fn new(ip: IpAddr, port: u16, proto: u8, net: IpAddr) -> Self {
+            SetIpPortNet { ip_port: SetIpPort::new(ip, port, proto), net: v4_be(net) }
+        }
+        pub fn net(&self) -> IpAddr {
+            be_v4(self.net)
+        }
+    }
+    impl SetPort {
+        pub fn new(port: u16, proto: u8) -> Self {
+            SetPort { port: port.to_be(), proto, _pad: 0 }
+        }
+        pub fn port(&self) -> u16 {
+            u16::from_be(self.port)
+        }
+    }
+    pub fn set_ip_key(ip: IpAddr) -> u32 {
+        v4_be(ip)
+    }
+    pub fn set_ip_addr(key: u32) -> IpAddr {
+        be_v4(key)
+    }
 
     /// IP address to the wire-order words the data path compares.
     pub fn addr_words(ip: IpAddr) -> [u32; 4] {

@@ -10,6 +10,7 @@
 mod conntrack;
 mod counters;
 mod csum;
+mod ipset;
 mod lb;
 mod maps;
 mod nat;
@@ -21,9 +22,9 @@ mod sock;
 use aya_ebpf::{
     bindings::{xdp_action, TC_ACT_OK},
     helpers::bpf_ktime_get_coarse_ns,
-    macros::{cgroup_sock_addr, classifier, xdp},
+    macros::{cgroup_sock_addr, classifier, socket_filter, xdp},
     maps::lpm_trie::Key,
-    programs::{SockAddrContext, TcContext, XdpContext},
+    programs::{SkBuffContext, SockAddrContext, TcContext, XdpContext},
 };
 use proxy_common::{
     counter, DatapathConfig, SourceRangeKey, CFG_F_MASQUERADE_ALL, MARK_MASQ,
@@ -36,7 +37,7 @@ use parse::{Flow, Parsed};
 use pkt::{Pkt, Tc, Verdict, Xdp};
 
 #[inline(always)]
-fn in_cluster_cidr(addr: u32, cfg: &DatapathConfig) -> bool {
+pub(crate) fn in_cluster_cidr(addr: u32, cfg: &DatapathConfig) -> bool {
     let len = cfg.cluster_cidr_len;
     if len == 0 || len > 32 {
         return false;
@@ -168,6 +169,29 @@ pub fn kpr_recvmsg4(ctx: SockAddrContext) -> i32 {
 #[cgroup_sock_addr(getpeername4)]
 pub fn kpr_getpeername4(ctx: SockAddrContext) -> i32 {
     sock::reverse(&ctx)
+}
+
+/// IPVS mode: kube-proxy's set matching (masquerade mark, source-range firewall, VIP filter).
+#[classifier]
+pub fn kpr_tc_ipset(mut ctx: TcContext) -> i32 {
+    let mut p = Tc(&mut ctx);
+    p.pull_headers();
+    let f = match parse::parse(&mut p) {
+        Parsed::Flow(f) => f,
+        _ => return TC_ACT_OK as i32,
+    };
+    let mut mark = 0;
+    let v = ipset::tc_verdict(&f, &mut mark);
+    if mark != 0 {
+        p.or_mark(mark);
+    }
+    v
+}
+
+/// IPVS mode: KUBE-LOOP-BACK as an xt_bpf match (non-zero: the packet is in the set).
+#[socket_filter]
+pub fn kpr_loopback(ctx: SkBuffContext) -> i64 {
+    ipset::loopback_match(&ctx) as i64
 }
 
 #[classifier]

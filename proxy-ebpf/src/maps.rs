@@ -7,7 +7,7 @@ use aya_ebpf::{
 use proxy_common::{
     CtScratch, SockRevKey, SockRevValue,
     limits::*, AffinityKey, AffinityValue, Backend, CtKey, CtValue, DatapathConfig, ServiceKey,
-    ServiceValue, SlotKey, SourceRangeKey,
+    ServiceValue, SetIpPort, SetIpPortIp, SetIpPortNet, SetPort, SlotKey, SourceRangeKey,
 };
 
 /// (VIP or node address, port, protocol, scope) -> frontend: service id, backend count, scheduler.
@@ -48,7 +48,7 @@ pub static KPR_CFG_V1: Array<DatapathConfig> = Array::pinned(1, 0);
 
 /// counter index (proxy_common::counter) -> packets, per CPU.
 #[map]
-pub static KPR_CNT_V1: PerCpuArray<u64> = PerCpuArray::pinned(proxy_common::counter::COUNT, 0);
+pub static KPR_CNT_V2: PerCpuArray<u64> = PerCpuArray::pinned(proxy_common::counter::COUNT, 0);
 
 /// index 0 -> this CPU's scratch space for building conntrack entries off the stack.
 #[map]
@@ -61,3 +61,25 @@ pub static KPR_SOCK_REV_V1: LruHashMap<SockRevKey, SockRevValue> = LruHashMap::p
 /// per CPU: backend id -> new connections sent to it (ids are below MAX_BACKENDS).
 #[map]
 pub static KPR_BE_NEW_V1: PerCpuArray<u64> = PerCpuArray::pinned(MAX_BACKENDS, 0);
+
+// ---- IPVS mode: kube-proxy's ipsets (proxy_common::sets), one bit per set ----
+
+/// (address, port, proto) -> bits: CLUSTER-IP, EXTERNAL-IP(-LOCAL), LOAD-BALANCER(-LOCAL, -FW).
+#[map]
+pub static KPR_SET_IPP_V1: HashMap<SetIpPort, u32> = HashMap::pinned(MAX_FRONTENDS, 0);
+
+/// (address, port, proto, address2) -> bits: LOOP-BACK (endpoint twice), LOAD-BALANCER-SOURCE-IP.
+#[map]
+pub static KPR_SET_IPPI_V1: HashMap<SetIpPortIp, u32> = HashMap::pinned(MAX_BACKENDS, 0);
+
+/// LPM (address, port, proto, source CIDR) -> bits: LOAD-BALANCER-SOURCE-CIDR.
+#[map]
+pub static KPR_SET_IPPN_V1: LpmTrie<SetIpPortNet, u32> = LpmTrie::pinned(MAX_SOURCE_RANGES, 1);
+
+/// (port, proto) -> bits: NODE-PORT-*, NODE-PORT-LOCAL-*, HEALTH-CHECK-NODE-PORT.
+#[map]
+pub static KPR_SET_PORT_V1: HashMap<SetPort, u32> = HashMap::pinned(65_536, 0);
+
+/// address -> bits: IPVS-IPS (bound on kube-ipvs0), NODE-IPS (this node's own addresses).
+#[map]
+pub static KPR_SET_IP_V1: HashMap<u32, u32> = HashMap::pinned(MAX_FRONTENDS, 0);

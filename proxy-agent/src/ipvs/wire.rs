@@ -116,8 +116,8 @@ pub enum DecodeError {
     UnexpectedCommand(u8),
 }
 
-/// Iterates the type-length-value attributes of `buf`.
-fn attrs<'a>(ctx: &'static str, buf: &'a [u8]) -> impl Iterator<Item = Result<(u16, &'a [u8]), DecodeError>> + 'a {
+/// Iterates the type-length-value netlink attributes of `buf` (bounds-checked).
+pub fn attrs<'a>(ctx: &'static str, buf: &'a [u8]) -> impl Iterator<Item = Result<(u16, &'a [u8]), DecodeError>> + 'a {
     let mut rest = buf;
     std::iter::from_fn(move || {
         if rest.is_empty() {

@@ -1,0 +1,184 @@
+//! Deletes netfilter conntrack entries over ctnetlink (neli): what IPVS mode does when a UDP
+//! real server goes, so clients are not kept on a dead backend by a stale entry.
+use std::net::IpAddr;
+
+use neli::{
+    consts::{nl::NlmF, socket::NlFamily},
+    nl::{NlPayload, Nlmsghdr, NlmsghdrBuilder},
+    socket::synchronous::NlSocketHandle,
+    types::Buffer,
+    utils::Groups,
+};
+
+use crate::{ipvs::wire::attrs, ipvs_sync::ConntrackFlusher};
+
+const NFNL_SUBSYS_CTNETLINK: u16 = 1;
+const IPCTNL_MSG_CT_GET: u16 = 1;
+const IPCTNL_MSG_CT_DELETE: u16 = 2;
+const CTA_TUPLE_ORIG: u16 = 1;
+const CTA_TUPLE_REPLY: u16 = 2;
+const CTA_TUPLE_IP: u16 = 1;
+const CTA_TUPLE_PROTO: u16 = 2;
+const CTA_IP_V4_SRC: u16 = 1;
+const CTA_IP_V4_DST: u16 = 2;
+const CTA_PROTO_NUM: u16 = 1;
+const CTA_PROTO_SRC_PORT: u16 = 2;
+const CTA_PROTO_DST_PORT: u16 = 3;
+const NLMSG_DONE: u16 = 3;
+
+/// (proto, src, sport, dst, dport) of a conntrack tuple.
+#[derive(Debug, Default, PartialEq, Eq, Clone, Copy)]
+pub struct Tuple {
+    pub proto: u8,
+    pub src: Option<IpAddr>,
+    pub sport: u16,
+    pub dst: Option<IpAddr>,
+    pub dport: u16,
+}
+
+fn v4(p: &[u8]) -> Option<IpAddr> {
+    <[u8; 4]>::try_from(p).ok().map(IpAddr::from)
+}
+
+/// Decodes a CTA_TUPLE_* payload; malformed input gives None.
+pub fn decode_tuple(p: &[u8]) -> Option<Tuple> {
+    let mut t = Tuple::default();
+    for a in attrs("conntrack tuple", p) {
+        let (ty, v) = a.ok()?;
+        match ty {
+            CTA_TUPLE_IP => {
+                for b in attrs("conntrack ip", v) {
+                    let (ty, v) = b.ok()?;
+                    match ty {
+                        CTA_IP_V4_SRC => t.src = v4(v),
+                        CTA_IP_V4_DST => t.dst = v4(v),
+                        _ => {}
+                    }
+                }
+            }
+            CTA_TUPLE_PROTO => {
+                for b in attrs("conntrack proto", v) {
+                    let (ty, v) = b.ok()?;
+                    match (ty, v) {
+                        (CTA_PROTO_NUM, [n]) => t.proto = *n,
+                        (CTA_PROTO_SRC_PORT, [a, b]) => t.sport = u16::from_be_bytes([*a, *b]),
+                        (CTA_PROTO_DST_PORT, [a, b]) => t.dport = u16::from_be_bytes([*a, *b]),
+                        _ => {}
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    Some(t)
+}
+
+pub struct NetlinkConntrack {
+    sock: NlSocketHandle,
+    seq: u32,
+}
+
+impl NetlinkConntrack {
+    pub fn connect() -> Result<Self, String> {
+        let sock = NlSocketHandle::connect(NlFamily::Netfilter, None, Groups::empty()).map_err(|e| e.to_string())?;
+        Ok(NetlinkConntrack { sock, seq: 0 })
+    }
+
+    fn send(&mut self, msg_type: u16, flags: NlmF, body: Vec<u8>) -> Result<u32, String> {
+        self.seq = self.seq.wrapping_add(1);
+        let msg = NlmsghdrBuilder::default()
+            .nl_type((NFNL_SUBSYS_CTNETLINK << 8) | msg_type)
+            .nl_flags(NlmF::REQUEST | flags)
+            .nl_seq(self.seq)
+            .nl_payload(NlPayload::Payload(Buffer::from(body)))
+            .build()
+            .map_err(|e| e.to_string())?;
+        self.sock.send(&msg).map_err(|e| e.to_string())?;
+        Ok(self.seq)
+    }
+
+    /// Every IPv4 entry: its original-direction attribute (raw, for a delete), both tuples.
+    fn dump(&mut self) -> Result<Vec<(Vec<u8>, Tuple, Tuple)>, String> {
+        let seq = self.send(IPCTNL_MSG_CT_GET, NlmF::DUMP, nfgenmsg())?;
+        let mut out = Vec::new();
+        loop {
+            let (msgs, _) = self.sock.recv::<u16, Buffer>().map_err(|e| e.to_string())?;
+            for m in msgs {
+                let m: Nlmsghdr<u16, Buffer> = m.map_err(|e| e.to_string())?;
+                if *m.nl_seq() != seq {
+                    continue;
+                }
+                if *m.nl_type() == NLMSG_DONE {
+                    return Ok(out);
+                }
+                match m.nl_payload() {
+                    NlPayload::Payload(b) => {
+                        let body = b.as_ref().get(4..).unwrap_or(&[]);
+                        let (mut orig_raw, mut orig, mut reply) = (None, None, None);
+                        let mut off = 0;
+                        for a in attrs("conntrack", body) {
+                            let Ok((ty, v)) = a else { break };
+                            let len = v.len() + 4;
+                            match ty {
+                                CTA_TUPLE_ORIG => {
+                                    orig_raw = body.get(off..off + len).map(<[u8]>::to_vec);
+                                    orig = decode_tuple(v);
+                                }
+                                CTA_TUPLE_REPLY => reply = decode_tuple(v),
+                                _ => {}
+                            }
+                            off += (len + 3) & !3;
+                        }
+                        if let (Some(raw), Some(o), Some(r)) = (orig_raw, orig, reply) {
+                            out.push((raw, o, r));
+                        }
+                    }
+                    NlPayload::Err(e) => return Err(std::io::Error::from_raw_os_error(-*e.error()).to_string()),
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    fn delete(&mut self, orig_raw: &[u8]) -> Result<(), String> {
+        let mut body = nfgenmsg();
+        body.extend_from_slice(orig_raw);
+        let seq = self.send(IPCTNL_MSG_CT_DELETE, NlmF::ACK, body)?;
+        loop {
+            let (msgs, _) = self.sock.recv::<u16, Buffer>().map_err(|e| e.to_string())?;
+            for m in msgs {
+                let m: Nlmsghdr<u16, Buffer> = m.map_err(|e| e.to_string())?;
+                if *m.nl_seq() != seq {
+                    continue;
+                }
+                match m.nl_payload() {
+                    NlPayload::Ack(_) => return Ok(()),
+                    // Gone meanwhile (expired): what we wanted.
+                    NlPayload::Err(e) if -*e.error() == libc::ENOENT => return Ok(()),
+                    NlPayload::Err(e) => return Err(std::io::Error::from_raw_os_error(-*e.error()).to_string()),
+                    _ => {}
+                }
+            }
+        }
+    }
+}
+
+/// struct nfgenmsg for IPv4, version 0, resource id 0.
+fn nfgenmsg() -> Vec<u8> {
+    vec![libc::AF_INET as u8, 0, 0, 0]
+}
+
+impl ConntrackFlusher for NetlinkConntrack {
+    fn flush(&mut self, proto: u8, vip: IpAddr, port: u16, backend: IpAddr, backend_port: u16) -> Result<usize, String> {
+        let doomed: Vec<Vec<u8>> = self
+            .dump()?
+            .into_iter()
+            .filter(|(_, o, r)| o.proto == proto && o.dst == Some(vip) && o.dport == port && r.src == Some(backend) && r.sport == backend_port)
+            .map(|(raw, _, _)| raw)
+            .collect();
+        for raw in &doomed {
+            self.delete(raw)?;
+        }
+        Ok(doomed.len())
+    }
+}
