@@ -151,7 +151,7 @@ fn dest_differs(want: &DestConfig, have: &DestConfig) -> bool {
         || want.weight != have.weight
         || want.upper_threshold != have.upper_threshold
         || want.lower_threshold != have.lower_threshold
-        || (want.fwd == FwdMethod::Tunnel && (want.tun_type.unwrap_or(crate::ipvs::TunType::Ipip), want.tun_port) != (have.tun_type.unwrap_or(crate::ipvs::TunType::Ipip), have.tun_port))
+        || (want.fwd == FwdMethod::Tunnel && (want.tun_type.unwrap_or(crate::ipvs::TunType::Ipip), want.tun_port.unwrap_or(0)) != (have.tun_type.unwrap_or(crate::ipvs::TunType::Ipip), have.tun_port.unwrap_or(0)))
 }
 
 fn service_differs(want: &ServiceConfig, have: &ServiceConfig) -> bool {

@@ -29,6 +29,8 @@ pub struct Lab {
     peer: PathBuf,
     /// cgroup v2 of the lab's "node processes" (connect-time balancing applies to it only).
     pub cgroup: PathBuf,
+    /// Appended to `kpr run` (e.g. --mode ipvs).
+    pub agent_args: Vec<String>,
     // Dropped last: kills every process in the namespaces, then deletes them.
     _netns: Netns,
 }
@@ -107,6 +109,7 @@ impl Lab {
             kpr: sibling_bin("kpr"),
             peer,
             cgroup,
+            agent_args: Vec::new(),
             _netns: netns,
         }
     }
@@ -131,6 +134,7 @@ impl Lab {
             .args(["--uplink", "up0", "--pod-iface-prefix", "h", "--node-name", "node-a", "--cluster-cidr", CLUSTER_CIDR])
             .arg("--cgroup")
             .arg(&self.cgroup)
+            .args(&self.agent_args)
             .env("KPR_LOG", "info")
             .env("NO_COLOR", "1")
             .stdout(Stdio::null())

@@ -58,7 +58,8 @@ pub struct ServiceConfig {
     pub flags: u32,
     /// Persistence timeout (seconds), meaningful with `flags::PERSISTENT`.
     pub timeout_s: u32,
-    /// Persistence netmask (IPv4: a mask, IPv6: a prefix length).
+    /// Persistence netmask, host order (IPv4: a mask such as 0xffff_ff00, IPv6: a prefix
+    /// length); the wire carries it big-endian.
     pub netmask: u32,
     pub pe_name: Option<String>,
 }

@@ -232,7 +232,7 @@ pub fn decode_service(p: &[u8]) -> Result<Service, DecodeError> {
             svc::FLAGS if v.len() == 8 => flags = Some(u32::from_ne_bytes([v[0], v[1], v[2], v[3]])),
             svc::FLAGS => return Err(size_err(CTX, ty, v.len(), "8")),
             svc::TIMEOUT => timeout = Some(u32_of(CTX, ty, v)?),
-            svc::NETMASK => netmask = Some(u32_of(CTX, ty, v)?),
+            svc::NETMASK => netmask = Some(u32::from_be(u32_of(CTX, ty, v)?)),
             svc::STATS => st32 = Some(decode_stats("service stats", v)?),
             svc::STATS64 => st64 = Some(decode_stats("service stats64", v)?),
             svc::PE_NAME => pe = Some(string_of(CTX, ty, v)?).filter(|s: &String| !s.is_empty()),
@@ -448,7 +448,7 @@ pub fn service_attr(c: &ServiceConfig) -> Result<Attr, EncodeError> {
     flags.extend_from_slice(&u32::MAX.to_ne_bytes()); // mask: set every flag as given
     v.push(attr(svc::FLAGS, flags)?);
     v.push(attr(svc::TIMEOUT, c.timeout_s.to_ne_bytes().to_vec())?);
-    v.push(attr(svc::NETMASK, c.netmask.to_ne_bytes().to_vec())?);
+    v.push(attr(svc::NETMASK, c.netmask.to_be_bytes().to_vec())?); // __be32
     if let Some(pe) = &c.pe_name {
         let mut p = pe.as_bytes().to_vec();
         p.push(0);

@@ -1,0 +1,491 @@
+//! `kpr-vm-tests`: IPVS mode in a real IPVS kernel (Debian's, under QEMU: `cargo xtask
+//! vm-test`). The stock `ipvsadm` is the oracle: every check compares its `-Sn` or
+//! `-Ln --stats` output with what the manifests and the client's calls imply. Traffic is real
+//! TCP and UDP across namespaces built inside the guest. Refuses to run outside a VM guest
+//! unless KPR_VM_TESTS_ANYWHERE=1 (it flushes the root namespace's IPVS table).
+use std::{
+    collections::BTreeSet,
+    path::{Path, PathBuf},
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use anyhow::{ensure, Context, Result};
+use kpr_tests::{
+    lab::{errors, per_backend, Lab, NODE_IP},
+    must, sh,
+};
+use proxy_agent::ipvs::{flags, DestConfig, FwdMethod, Ipvs, NetlinkIpvs, ServiceConfig, ServiceId, Timeouts, TunType};
+
+const PREFIX: &str = "kvm";
+
+fn sorted_lines(s: &str) -> Vec<String> {
+    let mut v: Vec<String> = s.lines().map(str::trim).filter(|l| !l.is_empty()).map(String::from).collect();
+    v.sort();
+    v
+}
+
+fn expect_lines(what: &str, got: &str, want: &[&str]) -> Result<()> {
+    let (got, mut want_v) = (sorted_lines(got), want.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+    want_v.sort();
+    ensure!(got == want_v, "{what}: ipvsadm shows\n{}\nexpected\n{}", got.join("\n"), want_v.join("\n"));
+    Ok(())
+}
+
+fn ipvsadm(ns: Option<&str>, args: &str) -> String {
+    match ns {
+        Some(ns) => must(&format!("ip netns exec {ns} ipvsadm {args}")),
+        None => must(&format!("ipvsadm {args}")),
+    }
+}
+
+fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> Result<()>) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        match f() {
+            Ok(()) => return Ok(()),
+            Err(e) if Instant::now() >= deadline => return Err(e.context(format!("waited {secs} s for {what}"))),
+            Err(_) => std::thread::sleep(Duration::from_millis(250)),
+        }
+    }
+}
+
+/// The client alone, in the guest's root namespace: every attribute ipvsadm can set, read back
+/// by ipvsadm and by our decoder.
+fn client_api() -> Result<()> {
+    let _ = Command::new("modprobe").arg("ip_vs").status();
+    let mut ipvs = NetlinkIpvs::connect()?;
+    ipvs.flush()?;
+    let info = ipvs.info()?;
+    let header = ipvsadm(None, "-Ln");
+    let version = format!("IP Virtual Server version {}.{}.{} (size={})", info.version >> 16, (info.version >> 8) & 0xff, info.version & 0xff, info.conn_tab_size);
+    ensure!(header.starts_with(&version), "info: we read {version:?}, ipvsadm says {:?}", header.lines().next());
+
+    let tcp = ServiceId::Addr { proto: 6, addr: "10.0.0.1".parse()?, port: 80 };
+    let udp = ServiceId::Addr { proto: 17, addr: "10.0.0.2".parse()?, port: 53 };
+    let sctp = ServiceId::Addr { proto: 132, addr: "10.0.0.3".parse()?, port: 9 };
+    let fwm = ServiceId::Fwmark { v6: false, mark: 7 };
+    let cfg = |id, sched: &str, fl, t, nm| ServiceConfig { id, scheduler: sched.into(), flags: fl, timeout_s: t, netmask: nm, pe_name: None };
+    ipvs.add_service(&cfg(tcp, "wrr", flags::PERSISTENT, 300, 0xffff_ff00))?;
+    ipvs.add_service(&cfg(udp, "sh", flags::SH_FALLBACK | flags::SH_PORT, 0, u32::MAX))?;
+    ipvs.add_service(&cfg(sctp, "mh", flags::MH_PORT, 0, u32::MAX))?;
+    ipvs.add_service(&cfg(fwm, "lc", flags::ONEPACKET, 0, u32::MAX))?;
+    ensure!(ipvs.add_service(&cfg(tcp, "rr", 0, 0, u32::MAX)).err().and_then(|e| e.errno()) == Some(libc::EEXIST), "a second add must be EEXIST");
+    let mut d = DestConfig::new("10.1.0.1".parse()?, 8080, FwdMethod::Masq, 5);
+    d.upper_threshold = 100;
+    d.lower_threshold = 10;
+    ipvs.add_dest(&tcp, &d)?;
+    ipvs.add_dest(&tcp, &DestConfig::new("10.1.0.2".parse()?, 80, FwdMethod::Route, 2))?;
+    let mut gue = DestConfig::new("10.1.0.3".parse()?, 80, FwdMethod::Tunnel, 1);
+    gue.tun_type = Some(TunType::Gue);
+    gue.tun_port = Some(6080);
+    ipvs.add_dest(&tcp, &gue)?;
+    ipvs.add_dest(&udp, &DestConfig::new("10.1.0.4".parse()?, 5353, FwdMethod::Masq, 1))?;
+    ipvs.add_dest(&fwm, &DestConfig::new("10.1.0.5".parse()?, 0, FwdMethod::Tunnel, 3))?;
+    expect_lines(
+        "client add",
+        &ipvsadm(None, "-Sn"),
+        &[
+            "-A -t 10.0.0.1:80 -s wrr -p 300 -M 255.255.255.0",
+            "-a -t 10.0.0.1:80 -r 10.1.0.1:8080 -m -w 5",
+            "-a -t 10.0.0.1:80 -r 10.1.0.2:80 -g -w 2",
+            // Tunnel flags 0: ipvsadm spells it --tun-nocsum.
+            "-a -t 10.0.0.1:80 -r 10.1.0.3:80 -i -w 1 --tun-type gue --tun-port 6080 --tun-nocsum",
+            "-A -u 10.0.0.2:53 -s sh -b sh-fallback,sh-port",
+            "-a -u 10.0.0.2:53 -r 10.1.0.4:5353 -m -w 1",
+            "-A --sctp-service 10.0.0.3:9 -s mh -b mh-port",
+            "-A -f 7 -s lc -o",
+            "-a -f 7 -r 10.1.0.5:0 -i -w 3 --tun-type ipip",
+        ],
+    )?;
+    // -S leaves thresholds out; --thresholds shows them.
+    let th = ipvsadm(None, "-Ln --thresholds -t 10.0.0.1:80");
+    ensure!(th.lines().any(|l| l.contains("10.1.0.1:8080") && l.split_whitespace().collect::<Vec<_>>().windows(2).any(|w| w == ["100", "10"])), "thresholds:\n{th}");
+    // Read back through our decoder: the same configuration.
+    let svcs = ipvs.services()?;
+    ensure!(svcs.len() == 4, "services: {svcs:?}");
+    let t = svcs.iter().find(|s| s.config.id == tcp).context("tcp service listed")?;
+    ensure!(t.config.scheduler == "wrr" && t.config.timeout_s == 300 && t.config.netmask == 0xffff_ff00, "{t:?}");
+    let dests = ipvs.dests(&tcp)?;
+    ensure!(dests.len() == 3, "{dests:?}");
+    ensure!(dests.iter().any(|x| x.config == d), "masq dest read back: {dests:?}");
+    ensure!(dests.iter().any(|x| x.config.tun_type == Some(TunType::Gue) && x.config.tun_port == Some(6080)), "gue read back: {dests:?}");
+    // Set, then delete (twice: idempotent).
+    ipvs.update_service(&cfg(tcp, "rr", 0, 0, u32::MAX))?;
+    ipvs.update_dest(&tcp, &DestConfig::new("10.1.0.2".parse()?, 80, FwdMethod::Route, 0))?;
+    ipvs.del_dest(&tcp, "10.1.0.3".parse()?, 80)?;
+    ipvs.del_dest(&tcp, "10.1.0.3".parse()?, 80)?;
+    ipvs.del_service(&sctp)?;
+    ipvs.del_service(&sctp)?;
+    ensure!(ipvs.service(&sctp)?.is_none(), "deleted service still there");
+    let sn = ipvsadm(None, "-Sn");
+    ensure!(sn.contains("-A -t 10.0.0.1:80 -s rr\n") && sn.contains("-a -t 10.0.0.1:80 -r 10.1.0.2:80 -g -w 0") && !sn.contains("10.1.0.3") && !sn.contains("sctp"), "after set/delete:\n{sn}");
+    // Timeouts, as `ipvsadm -L --timeout` shows them.
+    ipvs.set_timeouts(&Timeouts { tcp_s: 901, tcp_fin_s: 61, udp_s: 301 })?;
+    let t = ipvs.timeouts()?;
+    ensure!(t == Timeouts { tcp_s: 901, tcp_fin_s: 61, udp_s: 301 }, "{t:?}");
+    let shown = ipvsadm(None, "-L --timeout");
+    ensure!(shown.contains("Timeout (tcp tcpfin udp): 901 61 301"), "{shown}");
+    ipvs.set_timeouts(&Timeouts { tcp_s: 900, tcp_fin_s: 120, udp_s: 300 })?;
+    ipvs.flush()?;
+    ensure!(ipvsadm(None, "-Sn").trim().is_empty(), "flush left services");
+    Ok(())
+}
+
+fn node(lab: &Lab) -> String {
+    lab.ns("node")
+}
+
+fn kpr(lab: &Lab, args: &[&str]) -> Result<String> {
+    let o = Command::new(&lab.kpr).arg("--netns").arg(node(lab)).arg("--pin-dir").arg(lab.pins.path()).args(args).output()?;
+    ensure!(o.status.success(), "kpr {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+    Ok(String::from_utf8_lossy(&o.stdout).into_owned())
+}
+
+const BASE_STATE: &[&str] = &[
+    "-A -t 10.96.0.10:80 -s rr",
+    "-a -t 10.96.0.10:80 -r 10.244.1.2:8080 -m -w 1",
+    "-a -t 10.96.0.10:80 -r 10.244.2.2:8080 -m -w 1",
+    "-a -t 10.96.0.10:80 -r 10.244.3.2:8080 -m -w 1",
+    "-A -t 198.18.0.1:30080 -s rr",
+    "-a -t 198.18.0.1:30080 -r 10.244.1.2:8080 -m -w 1",
+    "-a -t 198.18.0.1:30080 -r 10.244.2.2:8080 -m -w 1",
+    "-a -t 198.18.0.1:30080 -r 10.244.3.2:8080 -m -w 1",
+    "-A -t 192.0.2.80:80 -s rr",
+    "-a -t 192.0.2.80:80 -r 10.244.1.2:8080 -m -w 1",
+    "-a -t 192.0.2.80:80 -r 10.244.2.2:8080 -m -w 1",
+    "-a -t 192.0.2.80:80 -r 10.244.3.2:8080 -m -w 1",
+    "-A -u 10.96.0.53:53 -s rr",
+    "-a -u 10.96.0.53:53 -r 10.244.1.2:5353 -m -w 1",
+    "-a -u 10.96.0.53:53 -r 10.244.2.2:5353 -m -w 1",
+    "-a -u 10.96.0.53:53 -r 10.244.3.2:5353 -m -w 1",
+    "-A -t 10.96.0.12:80 -s rr -p 60",
+    "-a -t 10.96.0.12:80 -r 10.244.1.2:8080 -m -w 1",
+    "-a -t 10.96.0.12:80 -r 10.244.2.2:8080 -m -w 1",
+    "-a -t 10.96.0.12:80 -r 10.244.3.2:8080 -m -w 1",
+    "-A -t 10.96.0.30:80 -s rr",
+    "-a -t 10.96.0.30:80 -r 10.244.1.2:8080 -m -w 1",
+    "-A -t 10.96.0.40:8080 -s rr",
+    "-a -t 10.96.0.40:8080 -r 10.244.2.2:8080 -g -w 1",
+    "-A -t 10.96.0.41:8080 -s rr",
+    "-a -t 10.96.0.41:8080 -r 10.244.3.2:8080 -i -w 1 --tun-type ipip",
+    "-A -t 10.96.0.20:80 -s rr",
+    "-a -t 10.96.0.20:80 -r 10.244.2.2:8080 -m -w 1",
+    "-a -t 10.96.0.20:80 -r 10.244.3.2:8080 -m -w 1",
+    "-A -t 198.18.0.1:30081 -s rr",
+    "-a -t 198.18.0.1:30081 -r 10.244.2.2:8080 -m -w 1",
+    "-a -t 198.18.0.1:30081 -r 10.244.3.2:8080 -m -w 1",
+    "-A -t 203.0.113.10:80 -s rr",
+    "-a -t 203.0.113.10:80 -r 10.244.2.2:8080 -m -w 1",
+    "-a -t 203.0.113.10:80 -r 10.244.3.2:8080 -m -w 1",
+];
+
+fn sn(lab: &Lab) -> String {
+    ipvsadm(Some(&node(lab)), "-Sn")
+}
+
+/// The agent's first sync: the kernel state, the VIPs, the listings.
+fn programs_the_manifests(lab: &Lab) -> Result<()> {
+    wait_until("the manifests in IPVS", 60, || expect_lines("agent state", &sn(lab), BASE_STATE))?;
+    let addrs = must(&format!("ip -n {} -4 -o addr show dev kube-ipvs0", node(lab)));
+    let bound: BTreeSet<&str> = addrs.split_whitespace().filter(|w| w.ends_with("/32")).collect();
+    let want: BTreeSet<&str> = ["10.96.0.10/32", "10.96.0.12/32", "10.96.0.20/32", "10.96.0.30/32", "10.96.0.40/32", "10.96.0.41/32", "10.96.0.53/32", "192.0.2.80/32", "203.0.113.10/32"].into();
+    ensure!(bound == want, "kube-ipvs0 holds {bound:?}, expected {want:?} (never the node address)");
+    // kpr ipvs agrees with ipvsadm -Ln.
+    let list = kpr(lab, &["ipvs"])?;
+    for l in ["TCP  10.96.0.12:80 rr persistent 60", "  -> 10.244.2.2:8080", "UDP  10.96.0.53:53 rr"] {
+        ensure!(list.contains(l), "kpr ipvs lacks {l:?}:\n{list}");
+    }
+    let sets = kpr(lab, &["ipset"])?;
+    for (set, member) in [
+        ("KUBE-CLUSTER-IP", "10.96.0.10,tcp:80"),
+        ("KUBE-CLUSTER-IP", "10.96.0.53,udp:53"),
+        ("KUBE-EXTERNAL-IP", "192.0.2.80,tcp:80"),
+        ("KUBE-LOAD-BALANCER", "203.0.113.10,tcp:80"),
+        ("KUBE-LOAD-BALANCER-FW", "203.0.113.10,tcp:80"),
+        ("KUBE-LOAD-BALANCER-SOURCE-CIDR", "203.0.113.10,tcp:80,198.18.0.0/24"),
+        ("KUBE-LOOP-BACK", "10.244.1.2,tcp:8080,10.244.1.2"),
+        ("KUBE-NODE-PORT-TCP", "30081"),
+        ("KUBE-IPVS-IPS", "10.96.0.41"),
+    ] {
+        let block = sets.split("\n\n").find(|b| b.starts_with(&format!("Name: {set}\n"))).with_context(|| format!("set {set} listed:\n{sets}"))?;
+        ensure!(block.lines().any(|l| l == member), "{set} lacks {member}:\n{block}");
+    }
+    // The constant rule set, whatever the number of services.
+    let nat = must(&format!("ip netns exec {} iptables-save -t nat", node(lab)));
+    let n = nat.lines().filter(|l| l.starts_with("-A KPR-POSTROUTING")).count();
+    ensure!(n == 5, "KPR-POSTROUTING has {n} rules:\n{nat}");
+    Ok(())
+}
+
+fn burst(lab: &Lab, role: &str, target: &str, proto: &str, n: &str) -> serde_json::Value {
+    lab.peer(role, &["burst", target, proto, n])
+}
+
+/// Real traffic through IPVS NAT, with masquerade doing the work: the backends have no route
+/// back to the client network, so answers reach it only if the node rewrote the source.
+fn nat_traffic_with_masquerade(lab: &Lab) -> Result<()> {
+    for i in 1..=3 {
+        must(&format!("ip -n {} route del 198.18.0.0/24", lab.ns(&format!("b{i}"))));
+    }
+    let ok = |what: &str, v: &serde_json::Value, backends: usize| -> Result<()> {
+        ensure!(errors(v) == 0 && per_backend(v).len() == backends, "{what}: {v}");
+        println!("  {what}: {v}");
+        Ok(())
+    };
+    ok("pod -> ClusterIP (no masquerade needed)", &burst(lab, "pod", "10.96.0.10:80", "tcp", "30"), 3)?;
+    ok("client -> ClusterIP (masqueraded: outside the cluster CIDR)", &burst(lab, "cl", "10.96.0.10:80", "tcp", "30"), 3)?;
+    ok("client -> NodePort", &burst(lab, "cl", &format!("{NODE_IP}:30080"), "tcp", "30"), 3)?;
+    must(&format!("ip -n {} route add 192.0.2.0/24 via {NODE_IP}", lab.ns("cl")));
+    ok("client -> externalIP", &burst(lab, "cl", "192.0.2.80:80", "tcp", "30"), 3)?;
+    ok("client -> LoadBalancer IP (allowed source range)", &burst(lab, "cl", "203.0.113.10:80", "tcp", "20"), 2)?;
+    ok("pod -> ClusterIP UDP", &burst(lab, "pod", "10.96.0.53:53", "udp", "30"), 3)?;
+    ok("client -> ClusterIP UDP (masqueraded)", &burst(lab, "cl", "10.96.0.53:53", "udp", "30"), 3)?;
+    // Hairpin: a backend reaching itself through its service (KUBE-LOOP-BACK).
+    let v = burst(lab, "b1", "10.96.0.10:80", "tcp", "30");
+    ensure!(errors(&v) == 0 && per_backend(&v).iter().any(|(b, _)| b == "b1"), "hairpin b1 -> ClusterIP -> b1: {v}");
+    println!("  hairpin: {v}");
+    // Source-range firewall: the pod is outside 198.18.0.0/24 and no endpoint of the service.
+    let v = burst(lab, "pod", "203.0.113.10:80", "tcp", "1");
+    ensure!(errors(&v) == 1, "pod -> LB IP must be dropped by the firewall: {v}");
+    // KUBE-IPVS-FILTER: a VIP at a port no service has is dropped, not answered by the node.
+    let v = burst(lab, "pod", "10.96.0.10:81", "tcp", "1");
+    ensure!(errors(&v) == 1 && !v["first_error"].as_str().unwrap_or("").contains("refused"), "VIP:81 must be dropped silently: {v}");
+    // Counters: ipvsadm --stats against what we sent and what our decoder reads.
+    let stats = ipvsadm(Some(&node(lab)), "-Ln --stats -t 10.96.0.10:80");
+    let conns: u64 = stats.lines().find(|l| l.starts_with("TCP")).and_then(|l| l.split_whitespace().nth(2)).and_then(|c| c.parse().ok()).context("stats line")?;
+    ensure!(conns == 90, "ipvsadm --stats counts {conns} connections to 10.96.0.10:80, we made 90:\n{stats}");
+    let ours: serde_json::Value = serde_json::from_str(&kpr(lab, &["ipvs", "--json"])?)?;
+    let row = ours.as_array().and_then(|r| r.iter().find(|r| r["service"] == "TCP 10.96.0.10:80")).context("row")?;
+    ensure!(row["stats"]["conns"] == 90, "kpr ipvs --json stats: {row}");
+    let status = kpr(lab, &["status", "--json"])?;
+    let st: serde_json::Value = serde_json::from_str(&status)?;
+    ensure!(st["counters"]["set_masq_mark"].as_u64().unwrap_or(0) > 0 && st["counters"]["set_drop_filter"].as_u64().unwrap_or(0) > 0, "{status}");
+    Ok(())
+}
+
+fn edit(lab: &Lab, file: &str, f: impl FnOnce(String) -> String) -> Result<()> {
+    let p = lab.manifests.join(file);
+    let text = std::fs::read_to_string(&p)?;
+    std::fs::write(&p, f(text))?;
+    Ok(())
+}
+
+/// A scheduler and weights from annotations: the virtual server is updated in place.
+fn scheduler_change(lab: &Lab) -> Result<()> {
+    edit(lab, "web.yaml", |t| t.replacen("  namespace: default\n", "  namespace: default\n  annotations: {kpr.io/ipvs-scheduler: wrr, kpr.io/ipvs-weights: \"10.244.1.2=3\"}\n", 1))?;
+    wait_until("wrr with weights", 30, || {
+        let s = sn(lab);
+        ensure!(s.contains("-A -t 10.96.0.10:80 -s wrr\n") && s.contains("-a -t 10.96.0.10:80 -r 10.244.1.2:8080 -m -w 3\n"), "{s}");
+        Ok(())
+    })?;
+    let stats = ipvsadm(Some(&node(lab)), "-Ln --stats -t 10.96.0.10:80");
+    ensure!(stats.lines().any(|l| l.starts_with("TCP") && l.split_whitespace().nth(2) == Some("90")), "counters reset: the service was re-created:\n{stats}");
+    Ok(())
+}
+
+/// Endpoint churn: UDP goes at once; TCP drains at weight 0 while a connection lives.
+fn graceful_termination(lab: &Lab) -> Result<std::process::Child> {
+    edit(lab, "dns.yaml", |t| t.replace("- {addresses: [\"10.244.3.2\"], conditions: {ready: true}, nodeName: node-a}\n", ""))?;
+    wait_until("UDP destination removed", 30, || {
+        let s = sn(lab);
+        ensure!(!s.contains("-a -u 10.96.0.53:53 -r 10.244.3.2:5353"), "{s}");
+        Ok(())
+    })?;
+    let v = burst(lab, "pod", "10.96.0.53:53", "udp", "20");
+    ensure!(errors(&v) == 0 && per_backend(&v).len() == 2, "UDP after removal: {v}");
+
+    let mut hold = lab.peer_bg("pod", &["hold", "10.96.0.30:80", "12"]);
+    // Wait for the connection before removing its backend.
+    let mut line = String::new();
+    {
+        use std::io::BufRead;
+        let out = hold.stdout.as_mut().context("hold stdout")?;
+        std::io::BufReader::new(out).read_line(&mut line)?;
+    }
+    ensure!(line.trim() == "connected", "hold: {line}");
+    edit(lab, "drain.yaml", |t| t.replace("10.244.1.2", "10.244.2.2"))?;
+    wait_until("draining at weight 0", 30, || {
+        let s = sn(lab);
+        ensure!(s.contains("-a -t 10.96.0.30:80 -r 10.244.1.2:8080 -m -w 0\n") && s.contains("-a -t 10.96.0.30:80 -r 10.244.2.2:8080 -m -w 1\n"), "{s}");
+        Ok(())
+    })?;
+    let v = burst(lab, "pod", "10.96.0.30:80", "tcp", "10");
+    ensure!(per_backend(&v) == vec![("b2".to_string(), 10)], "new connections avoid the draining backend: {v}");
+    Ok(hold)
+}
+
+fn graceful_termination_finishes(lab: &Lab, hold: std::process::Child) -> Result<()> {
+    let v = Lab::finish(hold);
+    ensure!(errors(&v) == 0 && per_backend(&v).len() == 1 && per_backend(&v)[0].0 == "b1", "the live connection kept working on its backend: {v}");
+    // Gone once IPVS counts no connection (TIME_WAIT counts as inactive for two minutes).
+    wait_until("drained destination deleted", 240, || {
+        let s = sn(lab);
+        ensure!(!s.contains("10.96.0.30:80 -r 10.244.1.2"), "{s}");
+        Ok(())
+    })
+}
+
+/// DR and TUN: the real servers hold the VIP themselves and answer the client directly.
+fn dr_and_tun_traffic(lab: &Lab) -> Result<()> {
+    let (b2, b3, n, cl) = (lab.ns("b2"), lab.ns("b3"), node(lab), lab.ns("cl"));
+    for b in [&b2, &b3] {
+        must(&format!("ip -n {b} route add 198.18.0.0/24 via 10.244.{}.1", if *b == b2 { 2 } else { 3 }));
+    }
+    // DR: VIP on lo, no ARP for it (the documented backend setup).
+    must(&format!("ip -n {b2} addr add 10.96.0.40/32 dev lo"));
+    must(&format!("ip netns exec {b2} sysctl -qw net.ipv4.conf.all.arp_ignore=1 net.ipv4.conf.all.arp_announce=2"));
+    // TUN: ipip decapsulation on tunl0, VIP on lo, no reverse-path check on the tunnel.
+    let _ = Command::new("modprobe").arg("ipip").status();
+    must(&format!("ip -n {b3} link set tunl0 up"));
+    must(&format!("ip -n {b3} addr add 10.96.0.41/32 dev lo"));
+    must(&format!("ip netns exec {b3} sysctl -qw net.ipv4.conf.all.rp_filter=0 net.ipv4.conf.tunl0.rp_filter=0"));
+    // The answers leave the backends with the VIP as source and cross the node back.
+    must(&format!("ip netns exec {n} sysctl -qw net.ipv4.conf.all.accept_local=1 net.ipv4.conf.all.rp_filter=0"));
+    for i in 1..=3 {
+        must(&format!("ip netns exec {n} sysctl -qw net.ipv4.conf.hb{i}.rp_filter=0 net.ipv4.conf.hb{i}.accept_local=1"));
+    }
+    let v = lab.peer("cl", &["burst", "10.96.0.40:8080", "tcp", "10"]);
+    ensure!(errors(&v) == 0 && per_backend(&v) == vec![("b2".to_string(), 10)], "DR: {v} ({cl})");
+    let v = lab.peer("cl", &["burst", "10.96.0.41:8080", "tcp", "10"]);
+    ensure!(errors(&v) == 0 && per_backend(&v) == vec![("b3".to_string(), 10)], "TUN: {v}");
+    Ok(())
+}
+
+/// A restart rewrites nothing: same state, and the counters show no destination re-created.
+fn restart_changes_nothing(lab: &mut Lab) -> Result<()> {
+    let before = sn(lab);
+    // IPVS folds its per-CPU counters every 2 s: let them settle first.
+    std::thread::sleep(Duration::from_millis(2500));
+    let stats_before = ipvsadm(Some(&node(lab)), "-Ln --stats");
+    let log_len = lab.agent_log().len();
+    lab.kill_agent();
+    lab.start_agent();
+    wait_until("first sync after restart", 60, || {
+        let log = lab.agent_log();
+        ensure!(log[log_len.min(log.len())..].contains("synced"), "no sync yet");
+        Ok(())
+    })?;
+    let log = lab.agent_log();
+    let line = log[log_len..].lines().find(|l| l.contains("synced")).unwrap_or("").to_string();
+    ensure!(line.contains("writes=0") && line.contains("deletes=0"), "the first sync after a restart wrote: {line}");
+    ensure!(sn(lab) == before, "state changed across the restart");
+    std::thread::sleep(Duration::from_millis(2500));
+    let stats_after = ipvsadm(Some(&node(lab)), "-Ln --stats");
+    // A re-created destination would count from zero again.
+    let conns = |s: &str| -> Vec<(String, u64)> {
+        let mut svc = String::new();
+        let mut v = Vec::new();
+        for l in s.lines() {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            match w.as_slice() {
+                ["->", addr, n, ..] => v.push((format!("{svc} {addr}"), n.parse().unwrap_or(0))),
+                [p, addr, ..] if *p == "TCP" || *p == "UDP" => svc = format!("{p} {addr}"),
+                _ => {}
+            }
+        }
+        v
+    };
+    let (b, a) = (conns(&stats_before), conns(&stats_after));
+    ensure!(b.len() == a.len() && b.len() > 20, "destinations differ: {b:?} / {a:?}");
+    for ((k1, n1), (k2, n2)) in b.iter().zip(&a) {
+        ensure!(k1 == k2 && n2 >= n1, "{k1}: {n1} connections before the restart, {k2}: {n2} after (re-created?)");
+    }
+    Ok(())
+}
+
+/// `kpr cleanup` leaves nothing of IPVS mode behind.
+fn cleanup_leaves_nothing(lab: &mut Lab) -> Result<()> {
+    lab.kill_agent();
+    kpr(lab, &["cleanup"])?;
+    let n = node(lab);
+    ensure!(sn(lab).trim().is_empty(), "IPVS services left: {}", sn(lab));
+    ensure!(!sh(&format!("ip -n {n} link show kube-ipvs0")).status.success(), "kube-ipvs0 left");
+    for table in ["nat", "filter"] {
+        let s = must(&format!("ip netns exec {n} iptables-save -t {table}"));
+        ensure!(!s.contains("KPR"), "{table} rules left:\n{s}");
+    }
+    let pins: Vec<PathBuf> = std::fs::read_dir(lab.pins.path()).map(|r| r.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+    ensure!(pins.is_empty(), "pins left: {pins:?}");
+    for i in ["up0", "hb1", "hpod"] {
+        let f = must(&format!("tc -n {n} filter show dev {i} ingress"));
+        ensure!(f.trim().is_empty(), "tc filter left on {i}: {f}");
+    }
+    Ok(())
+}
+
+fn manifests_copy() -> Result<PathBuf> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("vm-manifests");
+    let dst = std::env::temp_dir().join(format!("kpr-vm-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dst);
+    std::fs::create_dir_all(&dst)?;
+    for e in std::fs::read_dir(src)?.flatten() {
+        std::fs::copy(e.path(), dst.join(e.file_name()))?;
+    }
+    Ok(dst)
+}
+
+fn main() {
+    if std::env::var_os("KPR_VM_OUT").is_none() && std::env::var_os("KPR_VM_TESTS_ANYWHERE").is_none() {
+        eprintln!("kpr-vm-tests runs inside the QEMU guest: `cargo xtask vm-test` (it flushes this kernel's IPVS table)");
+        std::process::exit(2);
+    }
+    let filter = std::env::args().nth(1).unwrap_or_default();
+    let mut results: Vec<(&str, Result<()>)> = Vec::new();
+    let mut run = |name: &'static str, r: Result<()>| {
+        match &r {
+            Ok(()) => println!("test vm::{name} ... ok"),
+            Err(e) => println!("test vm::{name} ... FAILED\n{e:#}"),
+        }
+        results.push((name, r));
+    };
+    let wanted = |name: &str| filter.is_empty() || name.contains(&filter);
+    if wanted("client_api") {
+        run("client_api", client_api());
+    }
+    if wanted("lab") {
+        let setup = (|| -> Result<Lab> {
+            let mut lab = Lab::build(PREFIX, &manifests_copy()?);
+            lab.agent_args = vec!["--mode".into(), "ipvs".into()];
+            lab.start_agent();
+            Ok(lab)
+        })();
+        match setup {
+            Err(e) => run("lab_setup", Err(e)),
+            Ok(mut lab) => {
+                run("programs_the_manifests", programs_the_manifests(&lab));
+                run("nat_traffic_with_masquerade", nat_traffic_with_masquerade(&lab));
+                run("scheduler_change", scheduler_change(&lab));
+                // The drain is finished after the other checks: TIME_WAIT lasts two minutes.
+                let hold = match graceful_termination(&lab) {
+                    Ok(h) => {
+                        run("graceful_termination", Ok(()));
+                        Some(h)
+                    }
+                    Err(e) => {
+                        run("graceful_termination", Err(e));
+                        None
+                    }
+                };
+                run("dr_and_tun_traffic", dr_and_tun_traffic(&lab));
+                run("restart_changes_nothing", restart_changes_nothing(&mut lab));
+                if let Some(h) = hold {
+                    run("graceful_termination_finishes", graceful_termination_finishes(&lab, h));
+                }
+                run("cleanup_leaves_nothing", cleanup_leaves_nothing(&mut lab));
+                if results.iter().any(|(_, r)| r.is_err()) {
+                    println!("--- agent log ---\n{}", lab.agent_log());
+                }
+            }
+        }
+    }
+    let failed = results.iter().filter(|(_, r)| r.is_err()).count();
+    let passed = results.len() - failed;
+    let verdict = if failed == 0 { "ok" } else { "FAILED" };
+    println!("test result: {verdict}. {passed} passed; {failed} failed (kpr-vm-tests, in the IPVS guest)");
+    if let Some(out) = std::env::var_os("KPR_VM_OUT") {
+        let _ = std::fs::write(Path::new(&out).join("summary.txt"), format!("{passed} passed; {failed} failed\n"));
+    }
+    std::process::exit(if failed == 0 { 0 } else { 1 });
+}
+
