@@ -352,9 +352,13 @@ fn main() -> Result<()> {
             let services = maps_len(&maps)?;
             let health = agent_health(&healthz);
             let last_sync = health.as_ref().map(|h| h["lastUpdated"].as_str().unwrap_or("").to_string());
+            // The agent says its mode; without it, IPVS mode shows as a pinned loop-back match.
+            let mode = health.as_ref().and_then(|h| h["mode"].as_str().map(str::to_string)).unwrap_or_else(|| {
+                if cli.pin_dir.join(proxy_common::prog_names::LOOPBACK).exists() { "ipvs".into() } else { "ebpf".into() }
+            });
             if json {
                 let v = serde_json::json!({
-                    "mode": "ebpf",
+                    "mode": mode,
                     "agent": health,
                     "pin_dir": cli.pin_dir,
                     "links": links.iter().map(|(i, h)| serde_json::json!({"iface": i, "hook": format!("{h:?}")})).collect::<Vec<_>>(),
@@ -363,7 +367,10 @@ fn main() -> Result<()> {
                 });
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
-                println!("mode: ebpf   pins: {}   frontends: {services}", cli.pin_dir.display());
+                println!("mode: {mode}   pins: {}   fast-path frontends: {services}", cli.pin_dir.display());
+                if mode == "ipvs" {
+                    println!("IPVS mode: `kpr ipvs` (or ipvsadm -Ln) for virtual servers, `kpr ipset` for the sets");
+                }
                 match &last_sync {
                     Some(t) if !t.is_empty() => println!("last sync: {t} (agent healthy at {healthz})"),
                     Some(_) => println!("agent at {healthz} has not synced yet"),
