@@ -1,4 +1,4 @@
-//! Developer tasks: `cargo xtask build-ebpf | lab | test | bench | vm-test`.
+//! Developer tasks: `cargo xtask build-ebpf | lab | test | bench | vm-test | fuzz`.
 mod ebpf_build;
 mod vm;
 
@@ -61,6 +61,13 @@ enum Cmd {
         /// Arguments for kpr-vm-tests (after `--`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
+    },
+    /// Fuzz the IPVS netlink reply decoder (proxy-agent/fuzz) with cargo-fuzz and rustup's
+    /// nightly, installing either where missing.
+    Fuzz {
+        /// How long libFuzzer runs.
+        #[arg(long, default_value_t = 60)]
+        seconds: u64,
     },
 }
 
@@ -143,6 +150,39 @@ fn apt_install(pkgs: &[&str], hint: &str) -> Result<()> {
     run(c, &format!("installing {}", pkgs.join(" ")))
 }
 
+/// `cargo +nightly` through rustup's proxy: `$CARGO` is the stable toolchain's own cargo.
+fn rustup_cargo() -> Command {
+    let mut c = Command::new("cargo");
+    c.env_remove("RUSTUP_TOOLCHAIN");
+    c
+}
+
+/// cargo-fuzz needs nightly (-Zsanitizer); the run writes new inputs to an ignored working
+/// corpus and only reads the committed seeds.
+fn fuzz(seconds: u64) -> Result<()> {
+    let toolchains = Command::new("rustup").args(["toolchain", "list"]).output();
+    let toolchains = toolchains.context("cargo fuzz needs rustup's nightly toolchain, and rustup is not installed")?;
+    if !String::from_utf8_lossy(&toolchains.stdout).lines().any(|l| l.starts_with("nightly")) {
+        let mut c = Command::new("rustup");
+        c.args(["toolchain", "install", "nightly", "--profile", "minimal"]);
+        run(c, "installing rustup's nightly toolchain (cargo fuzz needs it)")
+            .context("no nightly toolchain and none could be installed: run `rustup toolchain install nightly --profile minimal` where the network allows")?;
+    }
+    if !rustup_cargo().args(["fuzz", "--version"]).output().map(|o| o.status.success()).unwrap_or(false) {
+        let mut c = rustup_cargo();
+        c.args(["install", "cargo-fuzz", "--locked"]);
+        run(c, "installing cargo-fuzz (a few minutes)")?;
+    }
+    let dir = root().join("proxy-agent/fuzz");
+    let work = dir.join("target/corpus/ipvs_decode");
+    std::fs::create_dir_all(&work)?;
+    let mut c = rustup_cargo();
+    // libFuzzer adds new inputs to the first corpus directory only.
+    c.current_dir(&dir).args(["+nightly", "fuzz", "run", "ipvs_decode"]).arg(&work).arg("corpus/ipvs_decode");
+    c.arg("--").arg(format!("-max_total_time={seconds}"));
+    run(c, &format!("fuzzing the IPVS reply decoder for {seconds}s (the first build takes a few minutes)"))
+}
+
 fn main() -> ExitCode {
     match real_main() {
         Ok(()) => ExitCode::SUCCESS,
@@ -217,6 +257,7 @@ fn real_main() -> Result<()> {
             }
             vm::vm_test(command, Duration::from_secs(timeout_secs), &args)?;
         }
+        Cmd::Fuzz { seconds } => fuzz(seconds)?,
     }
     Ok(())
 }

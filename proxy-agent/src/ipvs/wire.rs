@@ -366,7 +366,16 @@ pub struct EncodeError {
     msg: String,
 }
 
+/// An attribute's length is a u16: neli would wrap (or, nesting, overflow) past it.
+fn check_len(ty: u16, payload: usize) -> Result<(), EncodeError> {
+    if payload > usize::from(u16::MAX) - 4 {
+        return Err(EncodeError { ty, msg: format!("{payload} bytes do not fit in a netlink attribute") });
+    }
+    Ok(())
+}
+
 pub fn attr(ty: u16, payload: Vec<u8>) -> Result<Attr, EncodeError> {
+    check_len(ty, payload.len())?;
     let err = |e: &dyn std::fmt::Display| EncodeError { ty, msg: e.to_string() };
     NlattrBuilder::default()
         .nla_type(AttrTypeBuilder::default().nla_type(ty).build().map_err(|e| err(&e))?)
@@ -376,6 +385,7 @@ pub fn attr(ty: u16, payload: Vec<u8>) -> Result<Attr, EncodeError> {
 }
 
 fn nested(ty: u16, children: Vec<Attr>) -> Result<Attr, EncodeError> {
+    check_len(ty, children.iter().map(|c| (usize::from(*c.nla_len()) + 3) & !3).sum())?;
     let mut outer = NlattrBuilder::default()
         .nla_type(
             AttrTypeBuilder::default()
@@ -601,5 +611,66 @@ mod tests {
         let body = encode_body(cmd::NEW_SERVICE, &[nested(top::SERVICE, inner).unwrap()]);
         let Reply::Service(s) = decode_reply(&body, AF_INET).unwrap() else { panic!() };
         assert_eq!((s.stats.conns, s.stats.inbytes), (7, 1 << 40));
+    }
+
+    #[test]
+    fn oversized_attributes_are_encode_errors() {
+        // A name past a u16 attribute length: an error, not a wrapped length or an overflow panic.
+        let c = ServiceConfig { scheduler: "x".repeat(70_000), ..sample_service() };
+        assert!(service_attr(&c).is_err());
+        let c = ServiceConfig { scheduler: "x".repeat(65_500), ..sample_service() };
+        assert!(service_attr(&c).is_err(), "fits alone, not nested with the other attributes");
+    }
+
+    /// The fuzzer's seed corpus (proxy-agent/fuzz/corpus/ipvs_decode): one reply of each kind.
+    fn fuzz_seeds() -> Vec<(&'static str, Vec<u8>)> {
+        let v6 = ServiceConfig {
+            id: ServiceId::Addr { proto: 17, addr: "fd00::10".parse().unwrap(), port: 5060 },
+            scheduler: "mh".into(),
+            flags: flags::PERSISTENT | flags::MH_PORT,
+            timeout_s: 60,
+            netmask: 128,
+            pe_name: Some("sip".into()),
+        };
+        let mut v6_attr = service_attr(&v6).unwrap();
+        let st64 = [(stats::CONNS, 3u64), (stats::INPKTS, 40), (stats::INBYTES, 1 << 33)];
+        let st64 = nested(svc::STATS64, st64.iter().map(|&(t, n)| attr(t, n.to_ne_bytes().to_vec()).unwrap()).collect()).unwrap();
+        v6_attr = v6_attr.nest(&st64).unwrap();
+        let tun = DestConfig {
+            tun_type: Some(TunType::Gue),
+            tun_port: Some(6080),
+            tun_flags: 0x1,
+            ..DestConfig::new("10.244.1.2".parse().unwrap(), 8080, FwdMethod::Tunnel, 5)
+        };
+        let info = [attr(info::VERSION, ((1u32 << 16) | (2 << 8) | 1).to_ne_bytes().to_vec()).unwrap(), attr(info::CONN_TAB_SIZE, 4096u32.to_ne_bytes().to_vec()).unwrap()];
+        let t = Timeouts { tcp_s: 900, tcp_fin_s: 120, udp_s: 300 };
+        vec![
+            ("seed-new-service", encode_body(cmd::NEW_SERVICE, &[service_attr(&sample_service()).unwrap()])),
+            ("seed-new-service-v6-stats", encode_body(cmd::NEW_SERVICE, &[v6_attr])),
+            ("seed-new-dest-tunnel", encode_body(cmd::NEW_DEST, &[service_id_attr(&sample_service().id).unwrap(), dest_attr(&tun, true).unwrap()])),
+            ("seed-set-info", encode_body(cmd::SET_INFO, &info)),
+            ("seed-set-config", encode_body(cmd::SET_CONFIG, &timeout_attrs(&t).unwrap())),
+        ]
+    }
+
+    fn seed_dir() -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/ipvs_decode")
+    }
+
+    #[test]
+    #[ignore = "writes the fuzz seeds: cargo test -p proxy-agent --lib write_fuzz_seeds -- --ignored"]
+    fn write_fuzz_seeds() {
+        for (name, body) in fuzz_seeds() {
+            std::fs::write(seed_dir().join(name), body).unwrap();
+        }
+    }
+
+    #[test]
+    fn fuzz_seeds_are_current() {
+        for (name, body) in fuzz_seeds() {
+            assert!(decode_reply(&body, AF_INET).is_ok(), "{name}");
+            let on_disk = std::fs::read(seed_dir().join(name)).unwrap_or_default();
+            assert!(on_disk == body, "{name} is stale: run the ignored test write_fuzz_seeds");
+        }
     }
 }
