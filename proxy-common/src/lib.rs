@@ -23,10 +23,10 @@ pub const MARK_MASQ: u32 = 0x4000;
 /// so an agent never reuses a pinned map of an older layout. The eBPF statics carry exactly
 /// these names (the agent's tests check every name exists in the object).
 pub mod map_names {
-    pub const SERVICES: &str = "KPR_SVC_V1";
-    pub const SLOTS: &str = "KPR_SLOT_V1";
+    pub const SERVICES: &str = "KPR_SVC_V2";
+    pub const SLOTS: &str = "KPR_SLOT_V2";
     pub const MAGLEV: &str = "KPR_MAGLEV_V1";
-    pub const BACKENDS: &str = "KPR_BE_V1";
+    pub const BACKENDS: &str = "KPR_BE_V2";
     pub const CONNTRACK: &str = "KPR_CT_V1";
     pub const AFFINITY: &str = "KPR_AFF_V1";
     pub const SOURCE_RANGES: &str = "KPR_SRCRNG_V1";
@@ -207,7 +207,7 @@ const _: () = assert!(core::mem::size_of::<ServiceKey>() == 20);
 pub struct ServiceValue {
     /// Index into the slot, round-robin, affinity and source-range maps. Never 0.
     pub service_id: u32,
-    /// Slots 1..=backend_count exist in KPR_SLOT_V1. 0 means "no endpoints": reject.
+    /// Slots 1..=backend_count exist in KPR_SLOT_V2. 0 means "no endpoints": reject.
     pub backend_count: u32,
     /// sessionAffinity ClientIP timeout; 0 means no affinity.
     pub affinity_timeout_s: u32,
@@ -219,7 +219,7 @@ pub struct ServiceValue {
 }
 const _: () = assert!(core::mem::size_of::<ServiceValue>() == 20);
 
-/// Key of KPR_SLOT_V1: (service id, slot 1..=backend_count).
+/// Key of KPR_SLOT_V2: (service id, slot 1..=backend_count).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Pod, Zeroable)]
 pub struct SlotKey {

@@ -8,7 +8,7 @@ use proxy_common::{
 
 use crate::{
     counters::bump,
-    maps::{KPR_BE_V1, KPR_CT_SCRATCH, KPR_CT_V1},
+    maps::{KPR_BE_V2, KPR_CT_SCRATCH, KPR_CT_V1},
     parse::Flow,
 };
 
@@ -76,7 +76,7 @@ pub fn established(f: &Flow, cfg: &DatapathConfig, now: u64) -> Option<Rewrite> 
         let idle = now.wrapping_sub(v.last_seen_ns) > timeout_ns(cfg, f.proto);
         // A fresh SYN on a closing tuple, or to a backend that is gone, is a new connection.
         let reopened = f.is_new_tcp_syn()
-            && (v.flags & CT_F_CLOSING != 0 || unsafe { KPR_BE_V1.get(&v.backend_id) }.is_none());
+            && (v.flags & CT_F_CLOSING != 0 || unsafe { KPR_BE_V2.get(&v.backend_id) }.is_none());
         if !idle && !reopened {
             touch(v, f, now);
             bump(counter::ESTABLISHED);

@@ -7,14 +7,14 @@ use proxy_common::{
 
 use crate::{
     counters::bump,
-    maps::{KPR_AFF_V1, KPR_BE_V1, KPR_MAGLEV_V1, KPR_RR_V1, KPR_SLOT_V1, KPR_SVC_V1},
+    maps::{KPR_AFF_V1, KPR_BE_V2, KPR_MAGLEV_V1, KPR_RR_V1, KPR_SLOT_V2, KPR_SVC_V2},
     parse::Flow,
 };
 
 #[inline(always)]
 pub fn lookup_service(f: &Flow, scope: u8) -> Option<ServiceValue> {
     let key = ServiceKey { addr: [f.daddr, 0, 0, 0], port: f.dport, proto: f.proto, scope };
-    unsafe { KPR_SVC_V1.get(&key) }.copied()
+    unsafe { KPR_SVC_V2.get(&key) }.copied()
 }
 
 /// Murmur3-style mixing of the 5-tuple: the Maglev flow hash.
@@ -54,7 +54,7 @@ fn schedule(svc: &ServiceValue, f: &Flow) -> Option<u32> {
     } else {
         (unsafe { bpf_get_prandom_u32() }) % count + 1
     };
-    unsafe { KPR_SLOT_V1.get(&SlotKey { service_id: svc.service_id, slot }) }.copied()
+    unsafe { KPR_SLOT_V2.get(&SlotKey { service_id: svc.service_id, slot }) }.copied()
 }
 
 /// Picks the backend of a new flow. The remembered ClientIP backend wins inside the timeout
@@ -67,7 +67,7 @@ pub fn select_backend(svc: &ServiceValue, f: &Flow, now: u64) -> Option<(u32, Ba
         if let Some(a) = KPR_AFF_V1.get_ptr_mut(&aff_key) {
             let a = unsafe { &mut *a };
             if now.wrapping_sub(a.last_used_ns) <= affinity_ns {
-                if let Some(be) = unsafe { KPR_BE_V1.get(&a.backend_id) } {
+                if let Some(be) = unsafe { KPR_BE_V2.get(&a.backend_id) } {
                     a.last_used_ns = now;
                     bump(counter::AFFINITY_HIT);
                     return Some((a.backend_id, *be));
@@ -76,7 +76,7 @@ pub fn select_backend(svc: &ServiceValue, f: &Flow, now: u64) -> Option<(u32, Ba
         }
     }
     let id = schedule(svc, f)?;
-    let be = *unsafe { KPR_BE_V1.get(&id) }?;
+    let be = *unsafe { KPR_BE_V2.get(&id) }?;
     if affinity_ns != 0 {
         let v = AffinityValue { last_used_ns: now, backend_id: id, _pad: 0 };
         let _ = KPR_AFF_V1.insert(&aff_key, &v, 0);

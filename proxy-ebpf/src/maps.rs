@@ -10,13 +10,17 @@ use proxy_common::{
     ServiceValue, SetIpPort, SetIpPortIp, SetIpPortNet, SetPort, SlotKey, SourceRangeKey,
 };
 
+/// BPF_F_NO_PREALLOC: the control plane's hash maps (services, slots, backends, IPVS-mode sets)
+/// cost memory in proportion to their entries, not their capacity (V2: this flag changed).
+const NO_PREALLOC: u32 = 1;
+
 /// (VIP or node address, port, protocol, scope) -> frontend: service id, backend count, scheduler.
 #[map]
-pub static KPR_SVC_V1: HashMap<ServiceKey, ServiceValue> = HashMap::pinned(MAX_FRONTENDS, 0);
+pub static KPR_SVC_V2: HashMap<ServiceKey, ServiceValue> = HashMap::pinned(MAX_FRONTENDS, NO_PREALLOC);
 
 /// (service id, slot 1..=count) -> backend id; the random and round-robin schedulers index it.
 #[map]
-pub static KPR_SLOT_V1: HashMap<SlotKey, u32> = HashMap::pinned(MAX_SLOTS, 0);
+pub static KPR_SLOT_V2: HashMap<SlotKey, u32> = HashMap::pinned(MAX_SLOTS, NO_PREALLOC);
 
 /// Flat Maglev tables: index row * MAGLEV_TABLE_SIZE + (flow hash % size) -> backend id.
 #[map]
@@ -24,7 +28,7 @@ pub static KPR_MAGLEV_V1: Array<u32> = Array::pinned(MAGLEV_ROWS * MAGLEV_TABLE_
 
 /// Stable backend id -> backend address, target port, protocol.
 #[map]
-pub static KPR_BE_V1: HashMap<u32, Backend> = HashMap::pinned(MAX_BACKENDS, 0);
+pub static KPR_BE_V2: HashMap<u32, Backend> = HashMap::pinned(MAX_BACKENDS, NO_PREALLOC);
 
 /// (5-tuple as received, direction) -> the 4-tuple to rewrite to, backend id, last seen.
 #[map]
@@ -66,11 +70,11 @@ pub static KPR_BE_NEW_V1: PerCpuArray<u64> = PerCpuArray::pinned(MAX_BACKENDS, 0
 
 /// (address, port, proto) -> bits: CLUSTER-IP, EXTERNAL-IP(-LOCAL), LOAD-BALANCER(-LOCAL, -FW).
 #[map]
-pub static KPR_SET_IPP_V1: HashMap<SetIpPort, u32> = HashMap::pinned(MAX_FRONTENDS, 0);
+pub static KPR_SET_IPP_V1: HashMap<SetIpPort, u32> = HashMap::pinned(MAX_FRONTENDS, NO_PREALLOC);
 
 /// (address, port, proto, address2) -> bits: LOOP-BACK (endpoint twice), LOAD-BALANCER-SOURCE-IP.
 #[map]
-pub static KPR_SET_IPPI_V1: HashMap<SetIpPortIp, u32> = HashMap::pinned(MAX_BACKENDS, 0);
+pub static KPR_SET_IPPI_V1: HashMap<SetIpPortIp, u32> = HashMap::pinned(MAX_BACKENDS, NO_PREALLOC);
 
 /// LPM (address, port, proto, source CIDR) -> bits: LOAD-BALANCER-SOURCE-CIDR.
 #[map]
@@ -78,8 +82,8 @@ pub static KPR_SET_IPPN_V1: LpmTrie<SetIpPortNet, u32> = LpmTrie::pinned(MAX_SOU
 
 /// (port, proto) -> bits: NODE-PORT-*, NODE-PORT-LOCAL-*, HEALTH-CHECK-NODE-PORT.
 #[map]
-pub static KPR_SET_PORT_V1: HashMap<SetPort, u32> = HashMap::pinned(65_536, 0);
+pub static KPR_SET_PORT_V1: HashMap<SetPort, u32> = HashMap::pinned(65_536, NO_PREALLOC);
 
 /// address -> bits: IPVS-IPS (bound on kube-ipvs0), NODE-IPS (this node's own addresses).
 #[map]
-pub static KPR_SET_IP_V1: HashMap<u32, u32> = HashMap::pinned(MAX_FRONTENDS, 0);
+pub static KPR_SET_IP_V1: HashMap<u32, u32> = HashMap::pinned(MAX_FRONTENDS, NO_PREALLOC);

@@ -72,3 +72,46 @@ pub fn render(services: &[Svc], cluster_cidr: &str) -> String {
     out += "COMMIT\n";
     out
 }
+
+/// kube-proxy's IPVS-mode sets as `ipset restore` input, from the same listing `kpr ipset`
+/// prints (so both sides of the IPVS A/B hold identical members).
+pub fn ipset_restore(sets: &[proxy_agent::sets::SetListing]) -> String {
+    let mut out = String::new();
+    for s in sets.iter().filter(|s| s.name.starts_with("KUBE-")) {
+        let opts = if s.kind == "bitmap:port" { " range 0-65535" } else { "" };
+        out += &format!("create {} {}{opts}\n", s.name, s.kind);
+        for m in &s.members {
+            out += &format!("add {} {m}\n", s.name);
+        }
+    }
+    out
+}
+
+/// kube-proxy's IPVS-mode iptables rules (the ClusterIP and NodePort paths): constant chains
+/// that consult the sets; for `iptables-restore`.
+pub fn render_ipvs_mode(cluster_cidr: &str) -> String {
+    format!(
+        "*nat\n:KUBE-SERVICES - [0:0]\n:KUBE-POSTROUTING - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n:KUBE-NODE-PORT - [0:0]\n\
+         -A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
+         -A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
+         -A POSTROUTING -m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING\n\
+         -A KUBE-POSTROUTING -m comment --comment \"Kubernetes endpoints dst ip:port, source ip for solving hairpin purpose\" -m set --match-set KUBE-LOOP-BACK dst,dst,src -j MASQUERADE\n\
+         -A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN\n\
+         -A KUBE-POSTROUTING -j MARK --xor-mark 0x4000\n\
+         -A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully\n\
+         -A KUBE-MARK-MASQ -j MARK --or-mark 0x4000\n\
+         -A KUBE-SERVICES ! -s {cluster_cidr} -m comment --comment \"Kubernetes service cluster ip + port for masquerade purpose\" -m set --match-set KUBE-CLUSTER-IP dst,dst -j KUBE-MARK-MASQ\n\
+         -A KUBE-SERVICES -m addrtype --dst-type LOCAL -j KUBE-NODE-PORT\n\
+         -A KUBE-SERVICES -m set --match-set KUBE-CLUSTER-IP dst,dst -j ACCEPT\n\
+         -A KUBE-NODE-PORT -p tcp -m comment --comment \"Kubernetes nodeport TCP port for masquerade purpose\" -m set --match-set KUBE-NODE-PORT-TCP dst -j KUBE-MARK-MASQ\n\
+         COMMIT\n\
+         *filter\n:KUBE-FORWARD - [0:0]\n:KUBE-IPVS-FILTER - [0:0]\n\
+         -A INPUT -j KUBE-IPVS-FILTER\n\
+         -A FORWARD -j KUBE-FORWARD\n\
+         -A KUBE-IPVS-FILTER -m set --match-set KUBE-CLUSTER-IP dst,dst -j RETURN\n\
+         -A KUBE-IPVS-FILTER -m conntrack --ctstate NEW -m set --match-set KUBE-IPVS-IPS dst -j REJECT\n\
+         -A KUBE-FORWARD -m mark --mark 0x4000/0x4000 -j ACCEPT\n\
+         -A KUBE-FORWARD -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT\n\
+         COMMIT\n"
+    )
+}

@@ -38,12 +38,25 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
-    /// Per-packet cost vs. the pass-only floor at several service counts, the control plane at
-    /// scale (kpr-scale), and the A/B against kube-proxy's iptables rules (kpr-ab) (root).
+    /// Per-packet cost vs. the pass-only floor at several service counts (kpr-bench), the
+    /// control plane at scale (kpr-scale), the A/B against kube-proxy's iptables rules (kpr-ab),
+    /// and the IPVS sides in the QEMU guest (kpr-vm-bench) (root). Results: target/bench/.
     Bench {
         /// Small sizes and counts: proves the harness runs (what CI runs).
         #[arg(long)]
         smoke: bool,
+        /// Which parts: packet, scale, ab, vm (comma-separated).
+        #[arg(long, value_delimiter = ',', default_value = "packet,scale,ab,vm")]
+        parts: Vec<String>,
+        /// A/B sizes (services) for kpr-ab [default: 100,1000,10000,30000].
+        #[arg(long)]
+        ab_sizes: Option<String>,
+        /// Guest control-plane sizes (services × 10 endpoints) [default: 1000,10000].
+        #[arg(long)]
+        vm_cp_sizes: Option<String>,
+        /// Guest traffic sizes [default: 100,10000].
+        #[arg(long)]
+        vm_traffic_sizes: Option<String>,
         /// Arguments for kpr-bench (--sizes, --repeat, --new-flows, --runs, --json).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
@@ -222,34 +235,60 @@ fn real_main() -> Result<()> {
             t.args(["test", "--workspace"]).args(&args);
             run(t, "running the tests")?;
         }
-        Cmd::Bench { smoke, args } => {
+        Cmd::Bench { smoke, parts, ab_sizes, vm_cp_sizes, vm_traffic_sizes, args } => {
             require_root("bench")?;
             ensure_toolchain()?;
             mount_bpffs();
+            let part = |p: &str| parts.iter().any(|x| x == p);
+            if let Some(unknown) = parts.iter().find(|p| !["packet", "scale", "ab", "vm"].contains(&p.as_str())) {
+                bail!("unknown bench part {unknown:?} (packet, scale, ab, vm)");
+            }
             let mut b = cargo();
             b.args(["build", "--release", "-p", "kpr-tests", "-p", "proxy-agent", "--bins"]);
-            run(b, "building kpr, kpr-bench and kpr-scale")?;
-            let mut c = Command::new(root().join("target/release/kpr-bench"));
-            c.current_dir(root());
-            if smoke {
-                c.args(["--sizes", "1,1000", "--repeat", "20000", "--new-flows", "200", "--runs", "3"]);
-            }
-            c.args(&args);
-            run(c, "data plane: per-packet cost")?;
-            let mut s = Command::new(root().join("target/release/kpr-scale"));
-            s.current_dir(root());
-            if smoke {
-                s.args(["--services", "500", "--changes", "10"]);
-            }
-            run(s, "control plane: N services through the whole pipeline")?;
+            run(b, "building kpr and the benchmarks")?;
             let out = root().join("target/bench");
             std::fs::create_dir_all(&out)?;
-            let mut ab = Command::new(root().join("target/release/kpr-ab"));
-            ab.current_dir(root()).arg("--json").arg(out.join("ab.json")).arg("--svg").arg(out.join("ab.svg"));
-            if smoke {
-                ab.args(["--sizes", "100", "--seconds", "1"]);
+            if part("packet") {
+                let mut c = Command::new(root().join("target/release/kpr-bench"));
+                c.current_dir(root()).arg("--json").arg(out.join("packet.json"));
+                if smoke {
+                    c.args(["--sizes", "1,1000", "--repeat", "20000", "--new-flows", "200", "--runs", "3"]);
+                }
+                c.args(&args);
+                run(c, "data plane: per-packet cost")?;
             }
-            run(ab, "A/B: eBPF vs kube-proxy's iptables rules vs direct, in the namespace lab")?;
+            if part("scale") {
+                let mut s = Command::new(root().join("target/release/kpr-scale"));
+                s.current_dir(root());
+                if smoke {
+                    s.args(["--services", "500", "--changes", "10"]);
+                }
+                run(s, "control plane: N services through the whole pipeline")?;
+            }
+            if part("ab") {
+                let mut ab = Command::new(root().join("target/release/kpr-ab"));
+                ab.current_dir(root()).arg("--json").arg(out.join("ab.json")).arg("--svg").arg(out.join("ab.svg"));
+                match (&ab_sizes, smoke) {
+                    (Some(s), _) => ab.args(["--sizes", s]),
+                    (None, true) => ab.args(["--sizes", "100", "--seconds", "1"]),
+                    (None, false) => &mut ab,
+                };
+                run(ab, "A/B: eBPF vs kube-proxy's iptables rules vs direct, in the namespace lab")?;
+            }
+            if part("vm") {
+                let (cp, tr, rest) = if smoke {
+                    ("100".to_string(), "100".to_string(), "--seconds 1 --runs 1")
+                } else {
+                    (vm_cp_sizes.clone().unwrap_or_else(|| "1000,10000".into()), vm_traffic_sizes.clone().unwrap_or_else(|| "100,10000".into()), "--seconds 3 --runs 3")
+                };
+                eprintln!("xtask: IPVS sides in the QEMU guest (control plane {cp}; traffic {tr})");
+                let cmd = format!("./target/release/kpr-vm-bench --cp-sizes {cp} --traffic-sizes {tr} {rest} --json \"$KPR_VM_OUT/vm.json\" --svg \"$KPR_VM_OUT/vm.svg\"");
+                vm::vm_test(Some(cmd), Duration::from_secs(3600), &[])?;
+                for f in ["vm.json", "vm.svg"] {
+                    std::fs::copy(root().join("target/vm/out").join(f), out.join(f))?;
+                }
+            }
+            eprintln!("xtask: results in {}", out.display());
         }
         Cmd::VmTest { command, timeout_secs, args } => {
             if unsafe { libc_geteuid() } != 0 {

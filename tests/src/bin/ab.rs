@@ -76,41 +76,12 @@ fn restore(lab: &Lab, rules: &str) -> f64 {
 }
 
 fn svg(rows: &[Row]) -> String {
-    let sizes: Vec<u32> = {
-        let mut s: Vec<u32> = rows.iter().map(|r| r.services).collect();
-        s.dedup();
-        s
-    };
-    let modes = ["direct", "ebpf", "iptables"];
-    let colors = ["#888888", "#2b7bb9", "#d9534f"];
-    let max = rows.iter().map(|r| r.rate).fold(1.0, f64::max);
-    let (w, h, left, bottom) = (760.0, 380.0, 70.0, 60.0);
-    let group = (w - left - 20.0) / sizes.len() as f64;
-    let bar = group / 4.0;
-    let mut s = format!("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"{left}\" y=\"20\" font-size=\"14\">New TCP connections per second through a ClusterIP (higher is better)</text>\n");
-    let plot_h = h - bottom - 40.0;
-    for t in 0..=4 {
-        let v = max * t as f64 / 4.0;
-        let y = h - bottom - plot_h * t as f64 / 4.0;
-        let _ = writeln!(s, "<line x1=\"{left}\" y1=\"{y}\" x2=\"{}\" y2=\"{y}\" stroke=\"#ddd\"/><text x=\"{}\" y=\"{}\" text-anchor=\"end\">{:.0}</text>", w - 20.0, left - 5.0, y + 4.0, v);
-    }
-    for (gi, n) in sizes.iter().enumerate() {
-        let gx = left + gi as f64 * group + bar / 2.0;
-        for (mi, m) in modes.iter().enumerate() {
-            if let Some(r) = rows.iter().find(|r| r.services == *n && r.mode == *m) {
-                let bh = plot_h * r.rate / max;
-                let x = gx + mi as f64 * bar;
-                let _ = writeln!(s, "<rect x=\"{x}\" y=\"{}\" width=\"{}\" height=\"{bh}\" fill=\"{}\"><title>{m} at {n} services: {:.0}/s</title></rect>", h - bottom - bh, bar - 4.0, colors[mi], r.rate);
-            }
-        }
-        let _ = writeln!(s, "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{n} services</text>", gx + bar * 1.5, h - bottom + 18.0);
-    }
-    for (mi, m) in modes.iter().enumerate() {
-        let x = left + mi as f64 * 130.0;
-        let _ = writeln!(s, "<rect x=\"{x}\" y=\"{}\" width=\"12\" height=\"12\" fill=\"{}\"/><text x=\"{}\" y=\"{}\">{m}</text>", h - 22.0, colors[mi], x + 16.0, h - 12.0);
-    }
-    s += "</svg>\n";
-    s
+    let mut sizes: Vec<u32> = rows.iter().map(|r| r.services).collect();
+    sizes.dedup();
+    let series = [("direct", "#888888"), ("ebpf", "#2b7bb9"), ("iptables", "#d9534f")];
+    kpr_tests::chart::bars("New TCP connections per second through a ClusterIP (higher is better)", &sizes, &series, |n, m| {
+        rows.iter().find(|r| r.services == n && r.mode == m).map(|r| r.rate)
+    })
 }
 
 fn main() {

@@ -54,6 +54,8 @@ enum Prog {
     Xdp,
     TcPass,
     XdpPass,
+    /// IPVS mode's kube-proxy set matching (kpr_tc_ipset).
+    TcIpset,
 }
 
 impl Prog {
@@ -63,6 +65,7 @@ impl Prog {
             Prog::Xdp => "xdp fast path",
             Prog::TcPass => "tc pass (floor)",
             Prog::XdpPass => "xdp pass (floor)",
+            Prog::TcIpset => "tc ipset (ipvs)",
         }
     }
 }
@@ -73,6 +76,7 @@ fn run(dp: &mut Datapath, p: Prog, frame: &[u8], repeat: u32) -> f64 {
     let r = match p {
         Prog::Tc => dp.classifier(prog_names::TC_INGRESS).unwrap().test_run(opts),
         Prog::TcPass => dp.classifier(prog_names::TC_PASS).unwrap().test_run(opts),
+        Prog::TcIpset => dp.classifier(prog_names::TC_IPSET).unwrap().test_run(opts),
         Prog::Xdp => dp.xdp(prog_names::XDP_INGRESS).unwrap().test_run(opts),
         Prog::XdpPass => dp.xdp(prog_names::XDP_PASS).unwrap().test_run(opts),
     }
@@ -110,7 +114,9 @@ fn main() {
         conntrack: 1_048_576,
     };
     let mut dp = Datapath::load(pins.path(), caps).expect("load");
+    dp.load_ipset().expect("load the IPVS-mode set matching");
     let mut maps = KernelMaps::open(pins.path()).unwrap();
+    let mut set_maps = proxy_agent::sets::KernelSetMaps::open(pins.path()).unwrap();
     let mut syncer = Syncer::new(caps.services, 16);
     let cfg = datapath_config("192.0.2.1", Some(("10.244.0.0", 16)));
 
@@ -119,13 +125,18 @@ fn main() {
     let mut flow_port = 1024u16;
     for &n in &sizes {
         let t = Instant::now();
-        let st = syncer.sync(&mut maps, &desired(n), cfg).expect("sync");
+        let d = desired(n);
+        let st = syncer.sync(&mut maps, &d, cfg).expect("sync");
+        // The same services as kube-proxy's IPVS-mode sets (CLUSTER-IP, LOOP-BACK, IPVS-IPS).
+        let bound = d.frontends.keys().map(|k| k.ip).collect();
+        let sets = proxy_agent::sets::compute(&d, &["192.0.2.1".parse().unwrap()], &bound);
+        proxy_agent::sets::sync(&mut set_maps, &sets).expect("sets");
         eprintln!("  programmed {n} services ({} frontends, {} map writes) in {:.2}s", st.frontends, st.writes + st.deletes, t.elapsed().as_secs_f64());
         // The service hit is the last one programmed: nothing favours it in the hash table.
         let target = vip(n - 1).to_string();
         let mut floor_est = BTreeMap::new();
         let mut floor_new = BTreeMap::new();
-        for p in [Prog::TcPass, Prog::XdpPass, Prog::Tc, Prog::Xdp] {
+        for p in [Prog::TcPass, Prog::XdpPass, Prog::Tc, Prog::Xdp, Prog::TcIpset] {
             let est_frame = Frame::tcp("10.244.200.1", 999, &target, 80, ACK).bytes();
             // Prime the flow (the first packet creates it).
             run(&mut dp, p, &Frame::tcp("10.244.200.1", 999, &target, 80, SYN).bytes(), 1);
@@ -137,7 +148,7 @@ fn main() {
                 total += run(&mut dp, p, &Frame::tcp(src, flow_port, &target, 80, SYN).bytes(), 1);
             }
             let newf = total / f64::from(new_flows);
-            let is_tc = matches!(p, Prog::Tc | Prog::TcPass);
+            let is_tc = matches!(p, Prog::Tc | Prog::TcPass | Prog::TcIpset);
             let (fe, fnw) = match p {
                 Prog::TcPass | Prog::XdpPass => {
                     floor_est.insert(is_tc, est);
@@ -164,7 +175,7 @@ fn main() {
     }
     // Flatness: each program's established cost at the largest size vs the smallest.
     let (lo, hi) = (sizes[0], max);
-    for p in ["tc fast path", "xdp fast path"] {
+    for p in ["tc fast path", "xdp fast path", "tc ipset (ipvs)"] {
         let get = |n: u32| results.iter().find(|r| r["services"] == n && r["program"] == p).map(|r| r["established_ns"].as_f64().unwrap());
         if let (Some(a), Some(b)) = (get(lo), get(hi)) {
             println!("{p}: established cost at {hi} services is {:.2}x that at {lo}", b / a);

@@ -1,0 +1,349 @@
+//! `kpr-vm-bench`: the IPVS sides of the A/B, inside the QEMU guest (Debian's IPVS kernel; run
+//! by `cargo xtask bench`). The guest's CPU is emulated, so only ratios measured in the same
+//! guest mean anything. Figures, never assertions.
+//!
+//! 1. Control plane: N services × 10 endpoints from nothing, and one change at N, into IPVS
+//!    over netlink and into the BPF maps; the maps' memory from the kernel's map info.
+//! 2. Traffic: new TCP connections per second and latency from a client outside the cluster
+//!    CIDR through a ClusterIP (so every connection needs the masquerade), with the same IPVS
+//!    state and sets for: kube-proxy's IPVS mode (iptables + ipset), kpr's IPVS mode (BPF set
+//!    matching), kpr's eBPF fast path.
+//!
+//!   kpr-vm-bench [--cp-sizes 1000,10000] [--traffic-sizes 100,10000] [--seconds 3] [--runs 3]
+//!                [--json FILE] [--svg FILE]
+//!   kpr-vm-bench program-ipvs DIR     (internal: kube-proxy's side, run in the node namespace)
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt::Write as _,
+    io::Write as _,
+    net::IpAddr,
+    path::Path,
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use kpr_tests::{
+    datapath_config,
+    lab::{backend_ip, Lab, NODE_IP},
+    must, sh, PinDir,
+};
+use proxy_agent::{
+    ipvs::{Ipvs, NetlinkIpvs, ServiceId},
+    ipvs_sync::{desired_virtual_servers, FakeConntrack, IpvsSettings, IpvsSyncer},
+    kernel::{Capacities, Datapath, KernelMaps},
+    model::{self, BackendKey, DesiredState, Frontend, FrontendKey, FrontendKind, NodeInfo, Proto, Scheduler},
+    rtnl::{Links, NetlinkLinks, IPVS_DUMMY},
+    sync::Syncer,
+};
+use proxy_common::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
+
+fn vip(i: u32) -> IpAddr {
+    IpAddr::from((0x0a60_0000u32 + 256 + i).to_be_bytes()) // 10.96.1.0 + i
+}
+
+fn ip(n: u32) -> IpAddr {
+    IpAddr::from(n.to_be_bytes())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+/// N ClusterIP services with `eps` endpoints each (addresses need not exist for programming).
+fn desired(n: u32, eps: u32) -> DesiredState {
+    let mut d = DesiredState::default();
+    for i in 0..n {
+        let backends = (0..eps).map(|j| BackendKey { ip: ip(0x0af5_0000 + (i * eps + j) % 0xff00 + 2), port: 8080, proto: Proto::Tcp }).collect();
+        set_frontend(&mut d, i, backends);
+    }
+    d
+}
+
+fn set_frontend(d: &mut DesiredState, i: u32, backends: Vec<BackendKey>) {
+    for scope in [SCOPE_INTERNAL, SCOPE_EXTERNAL] {
+        let fe = Frontend {
+            service: format!("bench/s{i}:http"),
+            kind: FrontendKind::ClusterIp,
+            scheduler: Scheduler::Random,
+            affinity_timeout_s: 0,
+            flags: 0,
+            source_ranges: vec![],
+            backends: backends.clone(),
+            ipvs: Default::default(),
+        };
+        d.frontends.insert(FrontendKey { ip: vip(i), port: 80, proto: Proto::Tcp, scope }, fe);
+    }
+}
+
+/// One service's endpoints replaced by another set: the change applied at N.
+fn change(d: &mut DesiredState, i: u32, round: u32) {
+    let backends = (0..10).map(|j| BackendKey { ip: ip(0x0af6_0000 + round * 16 + j), port: 8080, proto: Proto::Tcp }).collect();
+    set_frontend(d, i, backends);
+}
+
+struct Cp {
+    n: u32,
+    ipvs_program_s: f64,
+    ipvs_change_ms: f64,
+    bpf_program_s: f64,
+    bpf_change_ms: f64,
+    bpf_map_bytes: u64,
+}
+
+/// Sum of `memlock` over this process's BPF map descriptors (the kernel's own figure).
+fn bpf_map_memory() -> u64 {
+    let mut total = 0;
+    for e in std::fs::read_dir("/proc/self/fdinfo").into_iter().flatten().flatten() {
+        let Ok(info) = std::fs::read_to_string(e.path()) else { continue };
+        if !info.contains("map_type:") {
+            continue;
+        }
+        total += info.lines().find_map(|l| l.strip_prefix("memlock:")).and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(0);
+    }
+    total
+}
+
+fn control_plane(n: u32) -> Cp {
+    let changes = 5;
+    // IPVS over netlink, in the guest's root namespace (ours alone).
+    let _ = Command::new("modprobe").arg("ip_vs").status();
+    let mut ipvs = NetlinkIpvs::connect().expect("IPVS");
+    ipvs.flush().expect("flush");
+    let mut links = NetlinkLinks::connect().expect("rtnetlink");
+    let settings = IpvsSettings::default();
+    let mut syncer = IpvsSyncer::new(settings.clone());
+    let mut ct = FakeConntrack::default();
+    let mut d = desired(n, 10);
+    let t = Instant::now();
+    let st = syncer.sync(&mut ipvs, &mut links, &mut ct, &desired_virtual_servers(&d, &settings), None).expect("ipvs sync");
+    let ipvs_program_s = t.elapsed().as_secs_f64();
+    assert!(st.errors.is_empty(), "{:?}", &st.errors[..st.errors.len().min(3)]);
+    let mut times = Vec::new();
+    for r in 0..changes {
+        let i = r * n / changes;
+        change(&mut d, i, r);
+        let only: BTreeSet<ServiceId> = [ServiceId::Addr { proto: 6, addr: vip(i), port: 80 }].into();
+        let vs = desired_virtual_servers(&d, &settings);
+        let t = Instant::now();
+        syncer.sync(&mut ipvs, &mut links, &mut ct, &vs, Some(&only)).expect("ipvs change");
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    let ipvs_change_ms = median(times);
+    ipvs.flush().expect("flush");
+    links.delete_link(IPVS_DUMMY).expect("delete kube-ipvs0");
+
+    // The BPF maps, same services.
+    let pins = PinDir::new("vmbench");
+    let caps = Capacities { services: 2 * n + 16, frontends: 2 * n + 16, backends: (10 * n + 64).max(65_536), slots: 20 * n + 64, conntrack: 65_536 };
+    let _dp = Datapath::load(pins.path(), caps).expect("load");
+    let mut maps = KernelMaps::open(pins.path()).expect("maps");
+    let mut bsync = Syncer::new(caps.services, 16);
+    let cfg = datapath_config("198.18.0.1", Some(("10.244.0.0", 16)));
+    let mut d = desired(n, 10);
+    let t = Instant::now();
+    bsync.sync(&mut maps, &d, cfg).expect("map sync");
+    let bpf_program_s = t.elapsed().as_secs_f64();
+    let mut times = Vec::new();
+    for r in 0..changes {
+        let i = r * n / changes;
+        change(&mut d, i, r);
+        let touched: BTreeSet<FrontendKey> = [SCOPE_INTERNAL, SCOPE_EXTERNAL].into_iter().map(|scope| FrontendKey { ip: vip(i), port: 80, proto: Proto::Tcp, scope }).collect();
+        let t = Instant::now();
+        bsync.sync_subset(&mut maps, &d, cfg, &touched).expect("map change");
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    Cp { n, ipvs_program_s, ipvs_change_ms, bpf_program_s, bpf_change_ms: median(times), bpf_map_bytes: bpf_map_memory() }
+}
+
+/// Manifests for the traffic part: N services on the lab's three backends.
+fn manifests(n: u32) -> String {
+    let mut y = String::new();
+    for i in 0..n {
+        let _ = write!(
+            y,
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: s{i}, namespace: vb}}\nspec: {{clusterIP: {}, ports: [{{name: http, port: 80, targetPort: 8080}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: s{i}-1, namespace: vb, labels: {{kubernetes.io/service-name: s{i}}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080}}]\nendpoints: [{{addresses: [{}], nodeName: node-a}}, {{addresses: [{}], nodeName: node-a}}, {{addresses: [{}], nodeName: node-a}}]\n---\n",
+            vip(i),
+            backend_ip(1),
+            backend_ip(2),
+            backend_ip(3)
+        );
+    }
+    y
+}
+
+/// kube-proxy's side, run inside the node namespace: the IPVS state kube-proxy makes (the same
+/// virtual servers as kpr's IPVS mode), plus its ipsets and iptables rules.
+fn program_ipvs(dir: &Path) {
+    let report = proxy_agent::manifests::load_dir(dir).expect("manifests");
+    let node = NodeInfo { name: "node-a".into(), nodeport_addresses: vec![NODE_IP.parse().unwrap()], zone: None };
+    let d = model::compute(&report.objects, &node, &Default::default());
+    let settings = IpvsSettings { node_addresses: node.nodeport_addresses.clone(), ..Default::default() };
+    let vs = desired_virtual_servers(&d, &settings);
+    // kube-proxy's IPVS proxier sysctls (vs.conntrack=1 is what lets MASQUERADE see IPVS's NAT).
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let kver = proxy_agent::sysctl::kernel_version(release.trim()).unwrap_or((0, 0));
+    for (k, v) in proxy_agent::sysctl::ipvs_sysctls(kver, false) {
+        proxy_agent::sysctl::Sysctls::set(&mut proxy_agent::sysctl::ProcSysctls, k, v).expect("sysctl");
+    }
+    let mut ipvs = NetlinkIpvs::connect().expect("IPVS");
+    let mut links = NetlinkLinks::connect().expect("rtnetlink");
+    let st = IpvsSyncer::new(settings).sync(&mut ipvs, &mut links, &mut FakeConntrack::default(), &vs, None).expect("ipvs");
+    assert!(st.errors.is_empty(), "{:?}", st.errors);
+    let bound: BTreeSet<IpAddr> = vs.keys().filter_map(|id| if let ServiceId::Addr { addr, .. } = id { Some(*addr) } else { None }).collect();
+    let sets = proxy_agent::sets::listing(&proxy_agent::sets::compute(&d, &node.nodeport_addresses, &bound));
+    pipe("ipset", &["restore"], &kpr_tests::iptables::ipset_restore(&sets));
+    pipe("iptables-restore", &["--noflush"], &kpr_tests::iptables::render_ipvs_mode("10.244.0.0/16"));
+}
+
+fn pipe(cmd: &str, args: &[&str], input: &str) {
+    let mut c = Command::new(cmd).args(args).stdin(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap_or_else(|e| panic!("{cmd}: {e}"));
+    c.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    let o = c.wait_with_output().unwrap();
+    assert!(o.status.success(), "{cmd} {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+}
+
+struct Traffic {
+    n: u32,
+    mode: &'static str,
+    rate: f64,
+    p50: f64,
+    p99: f64,
+    errors: u64,
+}
+
+fn measure(lab: &Lab, target: &str, secs: f64, runs: usize) -> (f64, f64, f64, u64) {
+    // One connection first: a side that does not work says why instead of printing zeros.
+    let v = lab.peer("cl", &["burst", target, "tcp", "1"]);
+    if v["errors"].as_u64() != Some(0) {
+        eprintln!("  {target}: {v}");
+    }
+    let mut rs = Vec::new();
+    let (mut p50s, mut p99s, mut errors) = (Vec::new(), Vec::new(), 0);
+    for _ in 0..runs {
+        let v = lab.peer("cl", &["rate", target, &secs.to_string()]);
+        rs.push(v["rate"].as_f64().unwrap_or(0.0));
+        p50s.push(v["p50_us"].as_f64().unwrap_or(0.0));
+        p99s.push(v["p99_us"].as_f64().unwrap_or(0.0));
+        errors += v["errors"].as_u64().unwrap_or(0);
+    }
+    (median(rs), median(p50s), median(p99s), errors)
+}
+
+fn wait_ipvs(lab: &Lab, target: &str) {
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while !sh(&format!("ip netns exec {} ipvsadm -Ln -t {target} | grep -c -- '-> 10.244' | grep -qx 3", lab.ns("node"))).status.success() {
+        assert!(Instant::now() < deadline, "IPVS never got {target}:\n{}", lab.agent_log());
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+fn cleanup(lab: &mut Lab) {
+    lab.kill_agent();
+    let n = lab.ns("node");
+    let _ = sh(&format!("{} --netns {n} --pin-dir {} cleanup", lab.kpr.display(), lab.pins.path().display()));
+    let _ = sh(&format!("ip netns exec {n} sh -c 'ipvsadm -C; ip link del kube-ipvs0; printf \"*nat\\nCOMMIT\\n*filter\\nCOMMIT\\n\" | iptables-restore; ipset destroy'"));
+}
+
+fn traffic(sizes: &[u32], secs: f64, runs: usize) -> Vec<Traffic> {
+    let dir = std::env::temp_dir().join(format!("kpr-vm-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut lab = Lab::build("kvb", &dir);
+    // The backends cannot answer the client unless its connections are masqueraded (they
+    // reach the node, not the client network): every side pays for the marking it does.
+    for i in 1..=3 {
+        let b = lab.ns(&format!("b{i}"));
+        must(&format!("ip -n {b} route del 198.18.0.0/24"));
+        must(&format!("ip -n {b} route add {NODE_IP}/32 via 10.244.{i}.1"));
+    }
+    let me = std::env::current_exe().unwrap();
+    let mut out = Vec::new();
+    for &n in sizes {
+        std::fs::write(dir.join("services.yaml"), manifests(n)).unwrap();
+        let target = format!("{}:80", vip(n / 2));
+        eprintln!("  {n} services: kube-proxy IPVS (iptables + ipset)");
+        must(&format!("ip netns exec {} {} program-ipvs {}", lab.ns("node"), me.display(), dir.display()));
+        let (rate, p50, p99, errors) = measure(&lab, &target, secs, runs);
+        out.push(Traffic { n, mode: "ipvs+iptables", rate, p50, p99, errors });
+        cleanup(&mut lab);
+        eprintln!("  {n} services: kpr IPVS mode (BPF sets)");
+        lab.agent_args = vec!["--mode".into(), "ipvs".into()];
+        lab.start_agent();
+        wait_ipvs(&lab, &target);
+        let (rate, p50, p99, errors) = measure(&lab, &target, secs, runs);
+        out.push(Traffic { n, mode: "ipvs+bpf", rate, p50, p99, errors });
+        cleanup(&mut lab);
+        eprintln!("  {n} services: kpr eBPF fast path");
+        lab.agent_args = vec!["--mode".into(), "ebpf".into()];
+        lab.start_agent();
+        let deadline = Instant::now() + Duration::from_secs(600);
+        while !lab.services().as_array().is_some_and(|a| a.iter().any(|r| r["frontend"] == target.as_str())) {
+            assert!(Instant::now() < deadline, "eBPF never got {target}");
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        let (rate, p50, p99, errors) = measure(&lab, &target, secs, runs);
+        out.push(Traffic { n, mode: "ebpf", rate, p50, p99, errors });
+        cleanup(&mut lab);
+        for t in out.iter().filter(|t| t.n == n) {
+            println!("{:>8} {:<14} {:>10.0} {:>9.0} {:>9.0} {:>7}", t.n, t.mode, t.rate, t.p50, t.p99, t.errors);
+        }
+    }
+    drop(lab);
+    let _ = std::fs::remove_dir_all(&dir);
+    out
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("program-ipvs") {
+        return program_ipvs(Path::new(&args[2]));
+    }
+    let opt = |n: &str| args.iter().position(|a| a == n).and_then(|i| args.get(i + 1)).cloned();
+    let list = |n: &str, d: &str| -> Vec<u32> { opt(n).unwrap_or_else(|| d.into()).split(',').filter(|s| !s.is_empty()).map(|s| s.parse().expect(n)).collect() };
+    let cp_sizes = list("--cp-sizes", "1000,10000");
+    let tr_sizes = list("--traffic-sizes", "100,10000");
+    let secs: f64 = opt("--seconds").map(|s| s.parse().unwrap()).unwrap_or(3.0);
+    let runs: usize = opt("--runs").map(|s| s.parse().unwrap()).unwrap_or(3);
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
+    println!("machine: QEMU guest (TCG, emulated CPU: compare ratios only), Linux {} | {ncpu} CPUs", kernel.trim());
+
+    println!("\ncontrol plane: N services x 10 endpoints from nothing; 1 change = one service's endpoints replaced (median of 5)");
+    println!("{:>8} {:>14} {:>14} {:>14} {:>14} {:>10} {:>12}", "services", "IPVS prog (s)", "IPVS 1 chg ms", "maps prog (s)", "maps 1 chg ms", "prog ratio", "BPF map MiB");
+    let mut cps = Vec::new();
+    for &n in &cp_sizes {
+        let c = control_plane(n);
+        println!(
+            "{:>8} {:>14.2} {:>14.2} {:>14.2} {:>14.2} {:>9.1}x {:>12.1}",
+            c.n, c.ipvs_program_s, c.ipvs_change_ms, c.bpf_program_s, c.bpf_change_ms, c.ipvs_program_s / c.bpf_program_s.max(1e-9), c.bpf_map_bytes as f64 / 1048576.0
+        );
+        cps.push(c);
+    }
+
+    let mut tr = Vec::new();
+    if !tr_sizes.is_empty() {
+        println!("\ntraffic: new TCP connections from outside the cluster CIDR to a ClusterIP (masqueraded), {secs} s x {runs} runs, medians");
+        println!("{:>8} {:<14} {:>10} {:>9} {:>9} {:>7}", "services", "mode", "conn/s", "p50 µs", "p99 µs", "errors");
+        tr = traffic(&tr_sizes, secs, runs);
+        println!();
+        for &n in &tr_sizes {
+            let get = |m: &str| tr.iter().find(|t| t.n == n && t.mode == m).map(|t| t.rate).unwrap_or(0.0);
+            let base = get("ipvs+iptables").max(1e-9);
+            println!("{n:>8} services: kpr IPVS mode {:.2}x kube-proxy IPVS; eBPF fast path {:.2}x kube-proxy IPVS", get("ipvs+bpf") / base, get("ebpf") / base);
+        }
+    }
+    if let Some(path) = opt("--json") {
+        let cp: Vec<_> = cps.iter().map(|c| serde_json::json!({"services": c.n, "endpoints_per_service": 10, "ipvs_program_s": c.ipvs_program_s, "ipvs_one_change_ms": c.ipvs_change_ms, "bpf_program_s": c.bpf_program_s, "bpf_one_change_ms": c.bpf_change_ms, "bpf_map_memlock_bytes": c.bpf_map_bytes})).collect();
+        let t: Vec<_> = tr.iter().map(|t| serde_json::json!({"services": t.n, "mode": t.mode, "conn_per_s": t.rate, "p50_us": t.p50, "p99_us": t.p99, "errors": t.errors})).collect();
+        let doc = serde_json::json!({"kernel": kernel.trim(), "guest": "QEMU TCG", "seconds": secs, "runs": runs, "control_plane": cp, "traffic": t});
+        std::fs::write(&path, serde_json::to_string_pretty(&doc).unwrap()).unwrap();
+        println!("wrote {path}");
+    }
+    if let Some(path) = opt("--svg") {
+        let series = [("ipvs+iptables", "#d9534f"), ("ipvs+bpf", "#f0ad4e"), ("ebpf", "#2b7bb9")];
+        let by: BTreeMap<(u32, &str), f64> = tr.iter().map(|t| ((t.n, t.mode), t.rate)).collect();
+        let svg = kpr_tests::chart::bars("IPVS guest: new TCP connections per second through a ClusterIP (higher is better)", &tr_sizes, &series, |n, m| by.get(&(n, m)).copied());
+        std::fs::write(&path, svg).unwrap();
+        println!("wrote {path}");
+    }
+}
