@@ -90,6 +90,8 @@ struct IpvsPlane {
     ct: Option<NetlinkConntrack>,
     syncer: IpvsSyncer,
     sets: crate::sets::KernelSetMaps,
+    /// What the set maps hold after the last sync (None: read them at the next one).
+    sets_mirror: Option<crate::sets::Sets>,
 }
 
 /// Opens IPVS, loading the module first if the kernel has it as one.
@@ -317,7 +319,7 @@ impl Agent {
             ..IpvsSettings::default()
         };
         let sets = crate::sets::KernelSetMaps::open(&cfg.pin_dir)?;
-        Ok(IpvsPlane { ipvs, links: NetlinkLinks::connect()?, ct, syncer: IpvsSyncer::new(settings), sets })
+        Ok(IpvsPlane { ipvs, links: NetlinkLinks::connect()?, ct, syncer: IpvsSyncer::new(settings), sets, sets_mirror: None })
     }
 
     /// IPVS mode's sync: virtual servers, destinations and kube-ipvs0 addresses.
@@ -340,7 +342,12 @@ impl Agent {
             crate::ipvs::ServiceId::Fwmark { .. } => None,
         }).collect();
         let want = crate::sets::compute(desired, node_addrs, &bound);
-        let (set_writes, set_deletes) = crate::sets::sync(&mut plane.sets, &want)?;
+        let have = match (touched, plane.sets_mirror.take()) {
+            (Some(_), Some(m)) => m,
+            _ => crate::sets::SetMaps::read(&plane.sets)?,
+        };
+        let (set_writes, set_deletes) = crate::sets::sync_from(&mut plane.sets, &have, &want)?;
+        plane.sets_mirror = Some(want);
         let (cidr, len) = match self.cfg.cluster_cidr {
             Some(net) => (addr_words(net.network()), u32::from(net.prefix_len())),
             None => ([0; 4], 0),

@@ -144,6 +144,9 @@ pub struct IpvsSyncStats {
 
 pub struct IpvsSyncer {
     pub settings: IpvsSettings,
+    /// kube-ipvs0's index and addresses as of the last sync: an incremental sync trusts them
+    /// (listing 10,000 addresses per change would make a change O(N)); a full sync re-lists.
+    link_cache: Option<(u32, BTreeSet<IpAddr>)>,
 }
 
 fn dest_differs(want: &DestConfig, have: &DestConfig) -> bool {
@@ -165,7 +168,7 @@ fn service_differs(want: &ServiceConfig, have: &ServiceConfig) -> bool {
 
 impl IpvsSyncer {
     pub fn new(settings: IpvsSettings) -> Self {
-        IpvsSyncer { settings }
+        IpvsSyncer { settings, link_cache: None }
     }
 
     /// Is this kernel virtual server one the agent manages (and may delete)?
@@ -189,8 +192,14 @@ impl IpvsSyncer {
         only: Option<&BTreeSet<ServiceId>>,
     ) -> Result<IpvsSyncStats, IpvsSyncError> {
         let mut st = IpvsSyncStats { services: desired.len(), dests: desired.values().map(|v| v.dests.len()).sum(), ..Default::default() };
-        let ifindex = links.ensure_dummy(IPVS_DUMMY)?;
-        let bound = links.addresses(ifindex)?;
+        let (ifindex, bound) = match (self.link_cache.take(), only) {
+            (Some(cached), Some(_)) => cached,
+            _ => {
+                let i = links.ensure_dummy(IPVS_DUMMY)?;
+                (i, links.addresses(i)?)
+            }
+        };
+        let mut now_bound = bound.clone();
 
         // Bind first: IPVS only sees packets to local addresses.
         let want_bound: BTreeSet<IpAddr> = desired.values().filter(|v| v.bind).filter_map(|v| match v.config.id {
@@ -199,7 +208,10 @@ impl IpvsSyncer {
         }).collect();
         for addr in want_bound.difference(&bound) {
             match links.add_address(ifindex, *addr) {
-                Ok(()) => st.addresses_bound += 1,
+                Ok(()) => {
+                    st.addresses_bound += 1;
+                    now_bound.insert(*addr);
+                }
                 Err(e) => st.errors.push(format!("bind {addr} on {IPVS_DUMMY}: {e}")),
             }
         }
@@ -241,11 +253,15 @@ impl IpvsSyncer {
                     continue;
                 }
                 match links.del_address(ifindex, *addr) {
-                    Ok(()) => st.addresses_unbound += 1,
+                    Ok(()) => {
+                        st.addresses_unbound += 1;
+                        now_bound.remove(addr);
+                    }
                     Err(e) => st.errors.push(format!("unbind {addr} from {IPVS_DUMMY}: {e}")),
                 }
             }
         }
+        self.link_cache = Some((ifindex, now_bound));
         Ok(st)
     }
 
@@ -425,6 +441,27 @@ mod tests {
         w.sync(&one);
         assert_eq!(w.ipvs.services[&id].1.len(), 1);
         assert_eq!(w.ct.flushed, vec![(17, "10.96.0.10".parse().unwrap(), 53, "10.244.2.2".parse().unwrap(), 53)]);
+    }
+
+    #[test]
+    fn incremental_syncs_touch_only_their_services_and_bind_new_vips() {
+        let mut w = World::new();
+        let mut d = state(vec![("10.96.0.1", 80, Proto::Tcp, fe(FrontendKind::ClusterIp, &[("10.244.1.2", 80)], Proto::Tcp))]);
+        w.sync(&d);
+        d.frontends.extend(state(vec![("10.96.0.2", 80, Proto::Tcp, fe(FrontendKind::ClusterIp, &[("10.244.2.2", 80)], Proto::Tcp))]).frontends);
+        let vs = desired_virtual_servers(&d, &w.syncer.settings);
+        let only: BTreeSet<ServiceId> = [tcp("10.96.0.2", 80)].into();
+        w.ipvs.writes.clear();
+        let st = w.syncer.sync(&mut w.ipvs, &mut w.links, &mut w.ct, &vs, Some(&only)).unwrap();
+        assert_eq!((st.addresses_bound, st.errors.len()), (1, 0));
+        assert_eq!(w.ipvs.writes, vec!["add-service TCP 10.96.0.2:80", "add-dest TCP 10.96.0.2:80 10.244.2.2:80 w1"]);
+        assert_eq!(w.bound(), vec!["10.96.0.1", "10.96.0.2"]);
+        // Removed by an incremental sync: service and address go.
+        d.frontends.retain(|k, _| k.ip != "10.96.0.2".parse::<IpAddr>().unwrap());
+        let vs = desired_virtual_servers(&d, &w.syncer.settings);
+        w.syncer.sync(&mut w.ipvs, &mut w.links, &mut w.ct, &vs, Some(&only)).unwrap();
+        assert!(!w.ipvs.services.contains_key(&tcp("10.96.0.2", 80)));
+        assert_eq!(w.bound(), vec!["10.96.0.1"]);
     }
 
     #[test]

@@ -341,6 +341,10 @@ pub fn cleanup(pin_dir: &Path) -> io::Result<Vec<PathBuf>> {
 
 pub(crate) fn op(map: &'static str, op: &'static str, e: AyaMapError) -> MapError {
     let source = match e {
+        // The kernel's "Argument list too long" on an update means the map is at capacity.
+        AyaMapError::SyscallError(s) if s.io_error.raw_os_error() == Some(libc::E2BIG) => {
+            io::Error::new(s.io_error.kind(), "the map is full (E2BIG): the cluster needs more entries than its capacity (see the README's capacities)")
+        }
         AyaMapError::SyscallError(s) => s.io_error,
         other => io::Error::other(other.to_string()),
     };

@@ -111,9 +111,15 @@ impl SetMaps for FakeSetMaps {
     }
 }
 
-/// Writes the difference; returns (writes, deletes).
+/// Writes the difference from what the maps hold; returns (writes, deletes).
 pub fn sync(maps: &mut dyn SetMaps, want: &Sets) -> Result<(usize, usize), MapError> {
     let have = maps.read()?;
+    sync_from(maps, &have, want)
+}
+
+/// Writes the difference from `have`, what the maps are known to hold (the last sync's
+/// result: an incremental sync does not re-read every map).
+pub fn sync_from(maps: &mut dyn SetMaps, have: &Sets, want: &Sets) -> Result<(usize, usize), MapError> {
     let (mut w, mut d) = (0, 0);
     for (e, bits) in want {
         if have.get(e) != Some(bits) {

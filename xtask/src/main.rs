@@ -54,7 +54,7 @@ enum Cmd {
         /// Guest control-plane sizes (services × 10 endpoints) [default: 1000,10000].
         #[arg(long)]
         vm_cp_sizes: Option<String>,
-        /// Guest traffic sizes [default: 100,10000].
+        /// Guest traffic sizes [default: 100,10000]; "" skips the traffic part.
         #[arg(long)]
         vm_traffic_sizes: Option<String>,
         /// Arguments for kpr-bench (--sizes, --repeat, --new-flows, --runs, --json).
@@ -282,7 +282,7 @@ fn real_main() -> Result<()> {
                     (vm_cp_sizes.clone().unwrap_or_else(|| "1000,10000".into()), vm_traffic_sizes.clone().unwrap_or_else(|| "100,10000".into()), "--seconds 3 --runs 3")
                 };
                 eprintln!("xtask: IPVS sides in the QEMU guest (control plane {cp}; traffic {tr})");
-                let cmd = format!("./target/release/kpr-vm-bench --cp-sizes {cp} --traffic-sizes {tr} {rest} --json \"$KPR_VM_OUT/vm.json\" --svg \"$KPR_VM_OUT/vm.svg\"");
+                let cmd = format!("./target/release/kpr-vm-bench --cp-sizes '{cp}' --traffic-sizes '{tr}' {rest} --json \"$KPR_VM_OUT/vm.json\" --svg \"$KPR_VM_OUT/vm.svg\"");
                 vm::vm_test(Some(cmd), Duration::from_secs(3600), &[])?;
                 for f in ["vm.json", "vm.svg"] {
                     std::fs::copy(root().join("target/vm/out").join(f), out.join(f))?;

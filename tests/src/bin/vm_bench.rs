@@ -232,7 +232,8 @@ fn measure(lab: &Lab, target: &str, secs: f64, runs: usize) -> (f64, f64, f64, u
 
 fn wait_ipvs(lab: &Lab, target: &str) {
     let deadline = Instant::now() + Duration::from_secs(600);
-    while !sh(&format!("ip netns exec {} ipvsadm -Ln -t {target} | grep -c -- '-> 10.244' | grep -qx 3", lab.ns("node"))).status.success() {
+    // The sets are written after IPVS in the same sync: wait for the sync's log line too.
+    while !lab.agent_log().contains("synced") || !sh(&format!("ip netns exec {} ipvsadm -Ln -t {target} | grep -c -- '-> 10.244' | grep -qx 3", lab.ns("node"))).status.success() {
         assert!(Instant::now() < deadline, "IPVS never got {target}:\n{}", lab.agent_log());
         std::thread::sleep(Duration::from_millis(500));
     }
