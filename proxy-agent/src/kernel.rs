@@ -381,9 +381,14 @@ pub(crate) fn open(pin_dir: &Path, name: &'static str) -> Result<Map, MapError> 
     Map::from_map_data(data).map_err(|e| op(name, "open", e))
 }
 
+/// A pinned map, checked to be of the type `T` expects.
+pub(crate) fn open_typed<T: TryFrom<Map, Error = AyaMapError>>(pin_dir: &Path, name: &'static str) -> Result<T, MapError> {
+    open(pin_dir, name)?.try_into().map_err(|e| op(name, "type check", e))
+}
+
 macro_rules! typed {
     ($dir:expr, $name:expr) => {
-        open($dir, $name)?.try_into().map_err(|e| op($name, "type check", e))?
+        open_typed($dir, $name)?
     };
 }
 

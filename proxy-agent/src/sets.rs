@@ -13,7 +13,7 @@ use proxy_common::{map_names, sets, SetIpPort, SetIpPortIp, SetIpPortNet, SetPor
 use serde::Serialize;
 
 use crate::{
-    kernel::{collect, del, op, open},
+    kernel::{collect, del, op, open_typed},
     maps::MapError,
     model::{DesiredState, FrontendKind},
 };
@@ -142,20 +142,14 @@ pub struct KernelSetMaps {
     ip: HashMap<MapData, u32, u32>,
 }
 
-macro_rules! typed {
-    ($dir:expr, $name:expr) => {
-        open($dir, $name)?.try_into().map_err(|e| op($name, "type check", e))?
-    };
-}
-
 impl KernelSetMaps {
     pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
         Ok(Self {
-            ip_port: typed!(pin_dir, map_names::SET_IP_PORT),
-            ip_port_ip: typed!(pin_dir, map_names::SET_IP_PORT_IP),
-            ip_port_net: typed!(pin_dir, map_names::SET_IP_PORT_NET),
-            port: typed!(pin_dir, map_names::SET_PORT),
-            ip: typed!(pin_dir, map_names::SET_IP),
+            ip_port: open_typed(pin_dir, map_names::SET_IP_PORT)?,
+            ip_port_ip: open_typed(pin_dir, map_names::SET_IP_PORT_IP)?,
+            ip_port_net: open_typed(pin_dir, map_names::SET_IP_PORT_NET)?,
+            port: open_typed(pin_dir, map_names::SET_PORT)?,
+            ip: open_typed(pin_dir, map_names::SET_IP)?,
         })
     }
 }
