@@ -186,3 +186,54 @@ fn publish_not_ready_and_absurd_sizes() {
     assert_eq!(d.errors.len(), 1);
     assert_eq!((d.errors[0].object.as_str(), d.errors[0].field.as_str()), ("Service s/huge", "spec.ports[0]"));
 }
+
+#[test]
+fn ipvs_annotations_are_validated_per_service() {
+    let y = r#"
+apiVersion: v1
+kind: Service
+metadata:
+  name: good
+  namespace: a
+  annotations: {kpr.io/ipvs-scheduler: wlc, kpr.io/ipvs-forward: dr, kpr.io/ipvs-weights: "10.244.1.2=5, nonsense, 10.244.1.3=2"}
+spec: {clusterIP: 10.96.2.1, ports: [{name: p, port: 8080}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: good-1, namespace: a, labels: {kubernetes.io/service-name: good}}
+addressType: IPv4
+ports: [{name: p, port: 8080}]
+endpoints: [{addresses: [10.244.1.2]}, {addresses: [10.244.1.3]}]
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: bad
+  namespace: a
+  annotations: {kpr.io/ipvs-scheduler: fastest, kpr.io/ipvs-forward: tun}
+spec: {clusterIP: 10.96.2.2, ports: [{name: p, port: 80}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: bad-1, namespace: a, labels: {kubernetes.io/service-name: bad}}
+addressType: IPv4
+ports: [{name: p, port: 8080}]
+endpoints: [{addresses: [10.244.1.2]}]
+"#;
+    let mut r = LoadReport::default();
+    load_text("ipvs.yaml", y, &mut r);
+    let d = compute(&r.objects, &NodeInfo { name: "me".into(), ..Default::default() }, &ModelConfig::default());
+    let good = d.frontends.values().find(|f| f.service == "a/good:p").expect("good programmed");
+    assert_eq!(good.ipvs.scheduler.as_deref(), Some("wlc"));
+    assert_eq!(good.ipvs.forward, proxy_agent::model::IpvsForward::DirectRouting);
+    assert_eq!(good.ipvs.weights.len(), 2);
+    let bad = d.frontends.values().find(|f| f.service == "a/bad:p").expect("bad still programmed");
+    // Unknown scheduler: the configured one; tun with port != targetPort: NAT.
+    assert_eq!((bad.ipvs.scheduler.as_deref(), bad.ipvs.forward), (None, proxy_agent::model::IpvsForward::Nat));
+    let errs: Vec<String> = d.errors.iter().map(|e| e.to_string()).collect();
+    let has = |object: &str, field: &str| errs.iter().any(|e| e.contains(object) && e.contains(field));
+    assert!(has("Service a/good", "metadata.annotations[kpr.io/ipvs-weights][1]"), "{errs:#?}");
+    assert!(has("Service a/bad", "metadata.annotations[kpr.io/ipvs-scheduler]"), "{errs:#?}");
+    assert!(has("Service a/bad", "metadata.annotations[kpr.io/ipvs-forward]"), "{errs:#?}");
+    assert_eq!(errs.len(), 3, "{errs:#?}");
+}
