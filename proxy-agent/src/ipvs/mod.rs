@@ -224,7 +224,11 @@ pub trait Ipvs {
 }
 
 fn kernel_err(op: &'static str, object: impl ToString, errno: i32) -> IpvsError {
-    IpvsError::Kernel { op, object: object.to_string(), err: std::io::Error::from_raw_os_error(errno) }
+    let mut object = object.to_string();
+    if errno == libc::EPERM {
+        object += " (IPVS needs CAP_NET_ADMIN in the node's network namespace)";
+    }
+    IpvsError::Kernel { op, object, err: std::io::Error::from_raw_os_error(errno) }
 }
 
 /// The kernel's IPVS as a map, with the same errnos, for deterministic tests. Destinations carry
