@@ -168,14 +168,25 @@ fn nfgenmsg() -> Vec<u8> {
     vec![libc::AF_INET as u8, 0, 0, 0]
 }
 
-impl ConntrackFlusher for NetlinkConntrack {
-    fn flush(&mut self, proto: u8, vip: IpAddr, port: u16, backend: IpAddr, backend_port: u16) -> Result<usize, String> {
-        let doomed: Vec<Vec<u8>> = self
+impl NetlinkConntrack {
+    /// Entries from a client to `vip:port` that `backend:backend_port` answers.
+    pub fn count(&mut self, proto: u8, vip: IpAddr, port: u16, backend: IpAddr, backend_port: u16) -> Result<usize, String> {
+        Ok(self.matching(proto, vip, port, backend, backend_port)?.len())
+    }
+
+    fn matching(&mut self, proto: u8, vip: IpAddr, port: u16, backend: IpAddr, backend_port: u16) -> Result<Vec<Vec<u8>>, String> {
+        Ok(self
             .dump()?
             .into_iter()
             .filter(|(_, o, r)| o.proto == proto && o.dst == Some(vip) && o.dport == port && r.src == Some(backend) && r.sport == backend_port)
             .map(|(raw, _, _)| raw)
-            .collect();
+            .collect())
+    }
+}
+
+impl ConntrackFlusher for NetlinkConntrack {
+    fn flush(&mut self, proto: u8, vip: IpAddr, port: u16, backend: IpAddr, backend_port: u16) -> Result<usize, String> {
+        let doomed = self.matching(proto, vip, port, backend, backend_port)?;
         for raw in &doomed {
             self.delete(raw)?;
         }

@@ -38,6 +38,10 @@ mount -t tmpfs -o mode=1777 tmp $h/tmp && mount -t tmpfs -o mode=755 run $h/run 
 [ -L $h/var/run ] || mount -t tmpfs run $h/var/run
 # After the tmpfs /run, so it is not hidden by it.
 mkdir -p $h/run/kpr-vm && mount -t 9p -o trans=virtio,version=9p2000.L out $h/run/kpr-vm || die "output share"
+# The repository may live under /tmp or /run (a CI clone), hidden by the tmpfs above: its own
+# share, mounted again at its own path.
+r=$(cat /repo_path)
+mkdir -p $h$r && mount -t 9p -o trans=virtio,version=9p2000.L,ro repo $h$r || die "repository share $r"
 mount -t bpf bpf $h/sys/fs/bpf && mount -t cgroup2 none $h/sys/fs/cgroup || die "bpffs/cgroup2"
 mkdir -p $h/dev/shm $h/dev/pts && mount -t tmpfs -o mode=1777 shm $h/dev/shm && mount -t devpts devpts $h/dev/pts
 ip link set lo up
@@ -72,7 +76,7 @@ pub fn vm_test(command: Option<String>, timeout: Duration, args: &[String]) -> R
     fs::create_dir_all(&out)?;
     fs::write(out.join("guest.sh"), guest_script(&root, &command, args))?;
     let initrd = vm_dir.join("initramfs.cpio");
-    fs::write(&initrd, initramfs(&version)?).with_context(|| format!("writing {}", initrd.display()))?;
+    fs::write(&initrd, initramfs(&version, &root)?).with_context(|| format!("writing {}", initrd.display()))?;
 
     let mut qemu = Command::new("qemu-system-x86_64");
     // Nested KVM hangs at boot on these machines: software emulation only.
@@ -87,6 +91,8 @@ pub fn vm_test(command: Option<String>, timeout: Duration, args: &[String]) -> R
         .args(["-virtfs", "local,path=/,mount_tag=host,security_model=none,readonly=on,multidevs=remap"])
         .arg("-virtfs")
         .arg(format!("local,path={},mount_tag=out,security_model=none,multidevs=remap", out.display().to_string().replace(',', ",,")))
+        .arg("-virtfs")
+        .arg(format!("local,path={},mount_tag=repo,security_model=none,readonly=on,multidevs=remap", root.display().to_string().replace(',', ",,")))
         // No stdin: -nographic would otherwise put the terminal in raw mode and read the monitor escape from it.
         .stdin(Stdio::null())
         .stdout(Stdio::piped());
@@ -184,7 +190,7 @@ fn guest_script(root: &Path, command: &str, args: &[String]) -> String {
 }
 
 /// busybox-static, the 9p modules and /init as an uncompressed cpio (the kernel takes it as is).
-fn initramfs(version: &str) -> Result<Vec<u8>> {
+fn initramfs(version: &str, repo: &Path) -> Result<Vec<u8>> {
     let moddir = Path::new("/lib/modules").join(version);
     let dep = fs::read_to_string(moddir.join("modules.dep")).context("reading modules.dep")?;
     let builtin = fs::read_to_string(moddir.join("modules.builtin")).unwrap_or_default();
@@ -195,6 +201,7 @@ fn initramfs(version: &str) -> Result<Vec<u8>> {
     c.entry("dev/console", 0o020600, 5 << 8 | 1, &[]); // the kernel opens it for init's stdio
     c.entry("bin/busybox", 0o100755, 0, &fs::read("/bin/busybox").context("reading /bin/busybox (busybox-static)")?);
     c.entry("init", 0o100755, 0, INIT.as_bytes());
+    c.entry("repo_path", 0o100644, 0, repo.display().to_string().as_bytes());
     let mut order = Vec::new();
     for m in MODULES {
         let is = |path: &str| module_name(path) == m.replace('-', "_");

@@ -286,10 +286,25 @@ fn scheduler_change(lab: &Lab) -> Result<()> {
 
 /// Endpoint churn: UDP goes at once; TCP drains at weight 0 while a connection lives.
 fn graceful_termination(lab: &Lab) -> Result<std::process::Child> {
+    // Conntrack entries answered by the backend about to go: there are some now...
+    let ct = |lab: &Lab| -> Result<usize> {
+        let me = std::env::current_exe()?;
+        Ok(must(&format!("ip netns exec {} {} ct-count 17 10.96.0.53 53 10.244.3.2 5353", node(lab), me.display())).trim().parse()?)
+    };
+    let v = burst(lab, "pod", "10.96.0.53:53", "udp", "9");
+    ensure!(errors(&v) == 0, "{v}");
+    let before = ct(lab)?;
+    ensure!(before > 0, "no conntrack entry answered by 10.244.3.2 before its removal");
     edit(lab, "dns.yaml", |t| t.replace("- {addresses: [\"10.244.3.2\"], conditions: {ready: true}, nodeName: node-a}\n", ""))?;
     wait_until("UDP destination removed", 30, || {
         let s = sn(lab);
         ensure!(!s.contains("-a -u 10.96.0.53:53 -r 10.244.3.2:5353"), "{s}");
+        Ok(())
+    })?;
+    // ...and none once it is removed (deleted over ctnetlink, not left to time out).
+    wait_until("conntrack entries of the removed UDP backend deleted", 10, || {
+        let after = ct(lab)?;
+        ensure!(after == 0, "{after} conntrack entries still lead to the removed UDP backend (were {before})");
         Ok(())
     })?;
     let v = burst(lab, "pod", "10.96.0.53:53", "udp", "20");
@@ -425,7 +440,26 @@ fn manifests_copy() -> Result<PathBuf> {
     Ok(dst)
 }
 
+/// `kpr-vm-tests ct-count PROTO VIP PORT BACKEND BPORT`: conntrack entries of that service
+/// answered by that backend, in the caller's network namespace (run with `ip netns exec`).
+fn ct_count(args: &[String]) -> Result<usize> {
+    let p = |i: usize| args.get(i).context("ct-count PROTO VIP PORT BACKEND BPORT");
+    let mut ct = proxy_agent::ctnetlink::NetlinkConntrack::connect().map_err(anyhow::Error::msg)?;
+    ct.count(p(0)?.parse()?, p(1)?.parse()?, p(2)?.parse()?, p(3)?.parse()?, p(4)?.parse()?).map_err(anyhow::Error::msg)
+}
+
 fn main() {
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some("ct-count") {
+        match ct_count(&argv[2..]) {
+            Ok(n) => println!("{n}"),
+            Err(e) => {
+                eprintln!("{e:#}");
+                std::process::exit(1);
+            }
+        }
+        return;
+    }
     if std::env::var_os("KPR_VM_OUT").is_none() && std::env::var_os("KPR_VM_TESTS_ANYWHERE").is_none() {
         eprintln!("kpr-vm-tests runs inside the QEMU guest: `cargo xtask vm-test` (it flushes this kernel's IPVS table)");
         std::process::exit(2);
