@@ -4,13 +4,17 @@ use std::net::IpAddr;
 
 use neli::{
     consts::{nl::NlmF, socket::NlFamily},
-    nl::{NlPayload, Nlmsghdr, NlmsghdrBuilder},
+    nl::{NlPayload, NlmsghdrBuilder},
     socket::synchronous::NlSocketHandle,
     types::Buffer,
     utils::Groups,
 };
 
-use crate::{ipvs::wire::attrs, ipvs_sync::ConntrackFlusher};
+use crate::{
+    ipvs::wire::attrs,
+    ipvs_sync::ConntrackFlusher,
+    nlsock::{exchange, NlError},
+};
 
 const NFNL_SUBSYS_CTNETLINK: u16 = 1;
 const IPCTNL_MSG_CT_GET: u16 = 1;
@@ -24,7 +28,6 @@ const CTA_IP_V4_DST: u16 = 2;
 const CTA_PROTO_NUM: u16 = 1;
 const CTA_PROTO_SRC_PORT: u16 = 2;
 const CTA_PROTO_DST_PORT: u16 = 3;
-const NLMSG_DONE: u16 = 3;
 
 /// (proto, src, sport, dst, dport) of a conntrack tuple.
 #[derive(Debug, Default, PartialEq, Eq, Clone, Copy)]
@@ -84,7 +87,8 @@ impl NetlinkConntrack {
         Ok(NetlinkConntrack { sock, seq: 0 })
     }
 
-    fn send(&mut self, msg_type: u16, flags: NlmF, body: Vec<u8>) -> Result<u32, String> {
+    /// One ctnetlink request; the bodies of its answers (after their nfgenmsg header).
+    fn request(&mut self, msg_type: u16, flags: NlmF, body: Vec<u8>) -> Result<Vec<Buffer>, NlError> {
         self.seq = self.seq.wrapping_add(1);
         let msg = NlmsghdrBuilder::default()
             .nl_type((NFNL_SUBSYS_CTNETLINK << 8) | msg_type)
@@ -92,74 +96,52 @@ impl NetlinkConntrack {
             .nl_seq(self.seq)
             .nl_payload(NlPayload::Payload(Buffer::from(body)))
             .build()
-            .map_err(|e| e.to_string())?;
-        self.sock.send(&msg).map_err(|e| e.to_string())?;
-        Ok(self.seq)
+            .map_err(|e| NlError::Socket(e.to_string()))?;
+        exchange(&self.sock, &msg)
     }
 
     /// Every IPv4 entry: its original-direction attribute (raw, for a delete), both tuples.
     fn dump(&mut self) -> Result<Vec<(Vec<u8>, Tuple, Tuple)>, String> {
-        let seq = self.send(IPCTNL_MSG_CT_GET, NlmF::DUMP, nfgenmsg())?;
         let mut out = Vec::new();
-        loop {
-            let (msgs, _) = self.sock.recv::<u16, Buffer>().map_err(|e| e.to_string())?;
-            for m in msgs {
-                let m: Nlmsghdr<u16, Buffer> = m.map_err(|e| e.to_string())?;
-                if *m.nl_seq() != seq {
-                    continue;
-                }
-                if *m.nl_type() == NLMSG_DONE {
-                    return Ok(out);
-                }
-                match m.nl_payload() {
-                    NlPayload::Payload(b) => {
-                        let body = b.as_ref().get(4..).unwrap_or(&[]);
-                        let (mut orig_raw, mut orig, mut reply) = (None, None, None);
-                        let mut off = 0;
-                        for a in attrs("conntrack", body) {
-                            let Ok((ty, v)) = a else { break };
-                            let len = v.len() + 4;
-                            match ty {
-                                CTA_TUPLE_ORIG => {
-                                    orig_raw = body.get(off..off + len).map(<[u8]>::to_vec);
-                                    orig = decode_tuple(v);
-                                }
-                                CTA_TUPLE_REPLY => reply = decode_tuple(v),
-                                _ => {}
-                            }
-                            off += (len + 3) & !3;
-                        }
-                        if let (Some(raw), Some(o), Some(r)) = (orig_raw, orig, reply) {
-                            out.push((raw, o, r));
-                        }
+        for b in self.request(IPCTNL_MSG_CT_GET, NlmF::DUMP, nfgenmsg()).map_err(describe)? {
+            let body = b.as_ref().get(4..).unwrap_or(&[]);
+            let (mut orig_raw, mut orig, mut reply) = (None, None, None);
+            let mut off = 0;
+            for a in attrs("conntrack", body) {
+                let Ok((ty, v)) = a else { break };
+                let len = v.len() + 4;
+                match ty {
+                    CTA_TUPLE_ORIG => {
+                        orig_raw = body.get(off..off + len).map(<[u8]>::to_vec);
+                        orig = decode_tuple(v);
                     }
-                    NlPayload::Err(e) => return Err(std::io::Error::from_raw_os_error(-*e.error()).to_string()),
+                    CTA_TUPLE_REPLY => reply = decode_tuple(v),
                     _ => {}
                 }
+                off += (len + 3) & !3;
+            }
+            if let (Some(raw), Some(o), Some(r)) = (orig_raw, orig, reply) {
+                out.push((raw, o, r));
             }
         }
+        Ok(out)
     }
 
     fn delete(&mut self, orig_raw: &[u8]) -> Result<(), String> {
         let mut body = nfgenmsg();
         body.extend_from_slice(orig_raw);
-        let seq = self.send(IPCTNL_MSG_CT_DELETE, NlmF::ACK, body)?;
-        loop {
-            let (msgs, _) = self.sock.recv::<u16, Buffer>().map_err(|e| e.to_string())?;
-            for m in msgs {
-                let m: Nlmsghdr<u16, Buffer> = m.map_err(|e| e.to_string())?;
-                if *m.nl_seq() != seq {
-                    continue;
-                }
-                match m.nl_payload() {
-                    NlPayload::Ack(_) => return Ok(()),
-                    // Gone meanwhile (expired): what we wanted.
-                    NlPayload::Err(e) if -*e.error() == libc::ENOENT => return Ok(()),
-                    NlPayload::Err(e) => return Err(std::io::Error::from_raw_os_error(-*e.error()).to_string()),
-                    _ => {}
-                }
-            }
+        match self.request(IPCTNL_MSG_CT_DELETE, NlmF::ACK, body) {
+            // Gone meanwhile (expired): what we wanted.
+            Ok(_) | Err(NlError::Errno(libc::ENOENT)) => Ok(()),
+            Err(e) => Err(describe(e)),
         }
+    }
+}
+
+fn describe(e: NlError) -> String {
+    match e {
+        NlError::Errno(errno) => std::io::Error::from_raw_os_error(errno).to_string(),
+        NlError::Socket(s) => s,
     }
 }
 

@@ -16,6 +16,7 @@ pub mod maps;
 pub mod metrics;
 pub mod model;
 pub mod netif;
+pub mod nlsock;
 pub mod rtnl;
 pub mod sets;
 pub mod sync;

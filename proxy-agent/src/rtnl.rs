@@ -7,17 +7,19 @@ use std::{
 
 use neli::{
     consts::{
-        nl::{NlmF, Nlmsg},
+        nl::NlmF,
         rtnl::{Ifa, Ifla, IflaInfo, RtAddrFamily, RtScope, Rtm},
         socket::NlFamily,
     },
-    nl::{NlPayload, Nlmsghdr, NlmsghdrBuilder},
+    nl::{NlPayload, NlmsghdrBuilder},
     rtnl::{Ifaddrmsg, IfaddrmsgBuilder, IfinfomsgBuilder, RtattrBuilder},
     socket::synchronous::NlSocketHandle,
     types::{Buffer, RtBuffer},
     utils::Groups,
     FromBytesWithInput, Size, ToBytes,
 };
+
+use crate::nlsock::NlError;
 
 /// kube-proxy's name, so operators' habits (`ip addr show kube-ipvs0`) carry over.
 pub const IPVS_DUMMY: &str = "kube-ipvs0";
@@ -67,7 +69,7 @@ impl NetlinkLinks {
         Ok(NetlinkLinks { sock, seq: 0 })
     }
 
-    /// One request; the typed replies of a dump, or none after an ACK.
+    /// One request; the typed replies of a dump, or none after an ACK (`flags` ask for one).
     fn request<P>(&mut self, ty: Rtm, flags: NlmF, payload: P, op: &'static str, object: &str) -> Result<Vec<P>, LinkError>
     where
         P: Size + ToBytes + FromBytesWithInput<Input = usize> + std::fmt::Debug + Clone,
@@ -81,33 +83,10 @@ impl NetlinkLinks {
             .nl_payload(NlPayload::Payload(payload))
             .build()
             .map_err(sock_err)?;
-        self.sock.send(&msg).map_err(sock_err)?;
-        let dump = flags.contains(NlmF::DUMP);
-        let mut out = Vec::new();
-        loop {
-            let (msgs, _) = self.sock.recv::<u16, P>().map_err(sock_err)?;
-            for m in msgs {
-                let m: Nlmsghdr<u16, P> = m.map_err(sock_err)?;
-                if *m.nl_seq() != seq {
-                    continue;
-                }
-                if *m.nl_type() == u16::from(Nlmsg::Done) {
-                    return Ok(out);
-                }
-                match m.nl_payload() {
-                    NlPayload::Err(e) => {
-                        return Err(LinkError::Kernel { op, object: object.into(), err: std::io::Error::from_raw_os_error(-*e.error()) })
-                    }
-                    NlPayload::Ack(_) if !dump => return Ok(out),
-                    NlPayload::Payload(_) => {
-                        if let Some(p) = m.get_payload().cloned() {
-                            out.push(p)
-                        }
-                    }
-                    _ => {}
-                }
-            }
-        }
+        crate::nlsock::exchange(&self.sock, &msg).map_err(|e| match e {
+            NlError::Errno(errno) => LinkError::Kernel { op, object: object.into(), err: std::io::Error::from_raw_os_error(errno) },
+            NlError::Socket(e) => LinkError::Socket(e),
+        })
     }
 
     fn addr_msg(ifindex: u32, addr: IpAddr) -> Result<Ifaddrmsg, LinkError> {

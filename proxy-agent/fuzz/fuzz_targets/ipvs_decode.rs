@@ -9,6 +9,10 @@ use libfuzzer_sys::fuzz_target;
 #[path = "../../src/ipvs/mod.rs"]
 mod ipvs;
 
+#[allow(dead_code)]
+#[path = "../../src/nlsock.rs"]
+mod nlsock;
+
 use ipvs::{
     wire::{self, cmd, Reply},
     DestConfig, ServiceConfig,

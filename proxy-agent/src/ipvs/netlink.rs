@@ -4,15 +4,17 @@ use std::net::IpAddr;
 use neli::{
     consts::{
         genl::{CtrlAttr, CtrlCmd},
-        nl::{GenlId, NlmF, Nlmsg},
+        nl::{GenlId, NlmF},
         socket::NlFamily,
     },
     genl::{AttrTypeBuilder, Genlmsghdr, GenlmsghdrBuilder, NlattrBuilder},
-    nl::{NlPayload, Nlmsghdr, NlmsghdrBuilder},
+    nl::{NlPayload, NlmsghdrBuilder},
     socket::synchronous::NlSocketHandle,
     types::{Buffer, GenlBuffer},
     utils::Groups,
 };
+
+use crate::nlsock::NlError;
 
 use super::{
     kernel_err,
@@ -67,31 +69,20 @@ impl NetlinkIpvs {
             .nl_payload(NlPayload::Payload(genl))
             .build()
             .map_err(sock_err)?;
-        self.sock.send(&msg).map_err(sock_err)?;
-        let mut family = None;
-        loop {
-            let (msgs, _) = self.sock.recv::<GenlId, Genlmsghdr<CtrlCmd, CtrlAttr>>().map_err(sock_err)?;
-            for m in msgs {
-                let m = m.map_err(sock_err)?;
-                if *m.nl_seq() != seq {
-                    continue;
-                }
-                match m.nl_payload() {
-                    NlPayload::Payload(p) => {
-                        family = p.attrs().get_attr_handle().get_attr_payload_as::<u16>(CtrlAttr::FamilyId).ok();
-                    }
-                    NlPayload::Err(e) if -*e.error() == libc::ENOENT => return Err(IpvsError::NoIpvs),
-                    NlPayload::Err(e) => return Err(kernel_err("resolve family", wire::FAMILY, -*e.error())),
-                    NlPayload::Ack(_) => return family.ok_or(IpvsError::NoIpvs),
-                    _ => {}
-                }
-            }
+        match crate::nlsock::exchange::<_, _, Genlmsghdr<CtrlCmd, CtrlAttr>>(&self.sock, &msg) {
+            Ok(replies) => replies
+                .iter()
+                .find_map(|p| p.attrs().get_attr_handle().get_attr_payload_as::<u16>(CtrlAttr::FamilyId).ok())
+                .ok_or(IpvsError::NoIpvs),
+            Err(NlError::Errno(libc::ENOENT)) => Err(IpvsError::NoIpvs),
+            Err(NlError::Errno(errno)) => Err(kernel_err("resolve family", wire::FAMILY, errno)),
+            Err(NlError::Socket(e)) => Err(IpvsError::Socket(e)),
         }
     }
 
     /// Sends one request and collects the generic netlink bodies of its replies: every message
     /// of a dump up to NLMSG_DONE, or up to the ACK of a plain request.
-    fn request(&mut self, command: u8, dump: bool, attrs: Vec<Attr>, op: &'static str, object: &dyn std::fmt::Display) -> Result<Vec<Vec<u8>>, IpvsError> {
+    fn request(&mut self, command: u8, dump: bool, attrs: Vec<Attr>, op: &'static str, object: &dyn std::fmt::Display) -> Result<Vec<Buffer>, IpvsError> {
         let seq = self.next_seq();
         let genl = GenlmsghdrBuilder::<u8, u16>::default()
             .cmd(command)
@@ -107,35 +98,19 @@ impl NetlinkIpvs {
             .nl_payload(NlPayload::Payload(genl))
             .build()
             .map_err(sock_err)?;
-        self.sock.send(&msg).map_err(sock_err)?;
-        let mut bodies = Vec::new();
-        loop {
-            let (msgs, _) = self.sock.recv::<u16, Buffer>().map_err(sock_err)?;
-            for m in msgs {
-                let m: Nlmsghdr<u16, Buffer> = m.map_err(sock_err)?;
-                if *m.nl_seq() != seq {
-                    continue; // a late answer to an earlier, abandoned request
-                }
-                if *m.nl_type() == u16::from(Nlmsg::Done) {
-                    return Ok(bodies);
-                }
-                match m.nl_payload() {
-                    NlPayload::Payload(b) => bodies.push(b.as_ref().to_vec()),
-                    NlPayload::Ack(_) => return Ok(bodies),
-                    NlPayload::Err(e) => return Err(kernel_err(op, object, -*e.error())),
-                    NlPayload::DumpExtAck(_) => return Ok(bodies),
-                    NlPayload::Empty => {}
-                }
-            }
+        match crate::nlsock::exchange::<_, _, Buffer>(&self.sock, &msg) {
+            Ok(bodies) => Ok(bodies),
+            Err(NlError::Errno(errno)) => Err(kernel_err(op, object, errno)),
+            Err(NlError::Socket(e)) => Err(IpvsError::Socket(e)),
         }
     }
 
-    fn decode_all(&self, op: &'static str, bodies: Vec<Vec<u8>>, svc_af: u16) -> Result<Vec<Reply>, IpvsError> {
-        bodies.iter().map(|b| wire::decode_reply(b, svc_af).map_err(|err| IpvsError::Decode { op, err })).collect()
+    fn decode_all(&self, op: &'static str, bodies: Vec<Buffer>, svc_af: u16) -> Result<Vec<Reply>, IpvsError> {
+        bodies.iter().map(|b| wire::decode_reply(b.as_ref(), svc_af).map_err(|err| IpvsError::Decode { op, err })).collect()
     }
 
     /// Deletes are idempotent: a missing object is what the caller wanted.
-    fn ignore_missing(r: Result<Vec<Vec<u8>>, IpvsError>) -> Result<(), IpvsError> {
+    fn ignore_missing(r: Result<Vec<Buffer>, IpvsError>) -> Result<(), IpvsError> {
         match r {
             Err(e) if matches!(e.errno(), Some(libc::ESRCH) | Some(libc::ENOENT)) => Ok(()),
             r => r.map(drop),
