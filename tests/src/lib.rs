@@ -1,5 +1,6 @@
 //! Shared helpers of kpr's kernel tests: root/bpffs checks, pin-directory and namespace guards
 //! that clean up on drop (also when a test fails), and the packet builder.
+pub mod bench;
 pub mod chart;
 pub mod fake_api;
 pub mod iptables;

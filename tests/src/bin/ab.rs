@@ -6,7 +6,6 @@
 //!
 //!   kpr-ab [--sizes 100,1000,10000,30000] [--seconds 3] [--json FILE] [--svg FILE]
 use std::{
-    fmt::Write as _,
     process::{Command, Stdio},
     time::Instant,
 };
@@ -27,18 +26,7 @@ fn services(n: u32) -> Vec<Svc> {
 }
 
 fn manifests(n: u32) -> String {
-    let mut y = String::new();
-    for i in 0..n {
-        let _ = write!(
-            y,
-            "apiVersion: v1\nkind: Service\nmetadata: {{name: s{i}, namespace: ab}}\nspec: {{clusterIP: {}, ports: [{{name: http, port: 80, targetPort: 8080}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: s{i}-1, namespace: ab, labels: {{kubernetes.io/service-name: s{i}}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080}}]\nendpoints: [{{addresses: [{}]}}, {{addresses: [{}]}}, {{addresses: [{}]}}]\n---\n",
-            vip(i),
-            backend_ip(1),
-            backend_ip(2),
-            backend_ip(3)
-        );
-    }
-    y
+    kpr_tests::bench::clusterip_manifests(n, "ab", vip)
 }
 
 struct Row {

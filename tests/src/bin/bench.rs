@@ -7,45 +7,22 @@
 use std::{collections::BTreeMap, io::Write, time::Instant};
 
 use aya::programs::{TestRun, TestRunOptions};
-use kpr_tests::{datapath_config, packet::{Frame, SYN, ACK}, PinDir};
+use kpr_tests::{bench::median, datapath_config, packet::{Frame, SYN, ACK}, PinDir};
 use proxy_agent::{
     kernel::{Capacities, Datapath, KernelMaps},
-    model::{BackendKey, DesiredState, Frontend, FrontendKey, FrontendKind, Proto, Scheduler},
+    model::DesiredState,
     sync::Syncer,
 };
-use proxy_common::{prog_names, SCOPE_EXTERNAL, SCOPE_INTERNAL};
+use proxy_common::prog_names;
 
 fn vip(i: u32) -> std::net::IpAddr {
     let n = 0x0a60_0000u32 + i; // 10.96.0.0 + i
     std::net::IpAddr::from(n.to_be_bytes())
 }
 
+/// N services on 3 endpoints each, spread over 60,000 addresses of 10.244.0.0/16.
 fn desired(n: u32) -> DesiredState {
-    let mut d = DesiredState::default();
-    for i in 0..n {
-        let backends: Vec<BackendKey> = (0..3u32)
-            .map(|j| {
-                let b = 0x0af4_0000u32 + (i * 3 + j) % 60_000 + 2; // 10.244.x.y
-                BackendKey { ip: std::net::IpAddr::from(b.to_be_bytes()), port: 8080, proto: Proto::Tcp }
-            })
-            .collect();
-        for scope in [SCOPE_INTERNAL, SCOPE_EXTERNAL] {
-            d.frontends.insert(
-                FrontendKey { ip: vip(i), port: 80, proto: Proto::Tcp, scope },
-                Frontend {
-                    service: format!("bench/s{i}:http"),
-                    kind: FrontendKind::ClusterIp,
-                    scheduler: Scheduler::Random,
-                    affinity_timeout_s: 0,
-                    flags: 0,
-                    source_ranges: vec![],
-                    backends: backends.clone(),
-                    ipvs: Default::default(),
-                },
-            );
-        }
-    }
-    d
+    kpr_tests::bench::clusterips(n, 3, vip, 0x0af4_0002, 60_000)
 }
 
 #[derive(Clone, Copy)]
@@ -82,11 +59,6 @@ fn run(dp: &mut Datapath, p: Prog, frame: &[u8], repeat: u32) -> f64 {
     }
     .expect("BPF_PROG_TEST_RUN");
     r.duration.as_nanos() as f64
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
 }
 
 fn main() {

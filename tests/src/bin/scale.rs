@@ -31,18 +31,6 @@ fn slice(i: u32, endpoints: u32, generation: u32) -> serde_json::Value {
         "addressType": "IPv4", "ports": [{"name": "http", "port": 8080}], "endpoints": eps})
 }
 
-/// The kernel's figure for the BPF maps a process holds: `memlock` of each map descriptor.
-fn bpf_map_memlock(pid: u32) -> u64 {
-    let mut total = 0;
-    for e in std::fs::read_dir(format!("/proc/{pid}/fdinfo")).into_iter().flatten().flatten() {
-        let Ok(info) = std::fs::read_to_string(e.path()) else { continue };
-        if info.contains("map_type:") {
-            total += info.lines().find_map(|l| l.strip_prefix("memlock:")).and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(0);
-        }
-    }
-    total
-}
-
 fn vm_hwm_kb(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
@@ -129,7 +117,7 @@ fn main() {
         std::thread::sleep(Duration::from_millis(20));
     }
     let hwm = vm_hwm_kb(agent.id());
-    let maps_bytes = bpf_map_memlock(agent.id());
+    let maps_bytes = kpr_tests::bench::bpf_map_memlock(&agent.id().to_string());
     let _ = agent.kill();
     let _ = agent.wait();
     println!(

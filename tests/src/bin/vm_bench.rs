@@ -14,7 +14,6 @@
 //!   kpr-vm-bench program-ipvs DIR     (internal: kube-proxy's side, run in the node namespace)
 use std::{
     collections::{BTreeMap, BTreeSet},
-    fmt::Write as _,
     io::Write as _,
     net::IpAddr,
     path::Path,
@@ -23,15 +22,16 @@ use std::{
 };
 
 use kpr_tests::{
+    bench::{bpf_map_memlock, clusterip_manifests, clusterips, median, set_clusterip},
     datapath_config,
-    lab::{backend_ip, Lab, NODE_IP},
+    lab::{Lab, NODE_IP},
     must, sh, PinDir,
 };
 use proxy_agent::{
     ipvs::{Ipvs, NetlinkIpvs, ServiceId},
     ipvs_sync::{desired_virtual_servers, FakeConntrack, IpvsSettings, IpvsSyncer},
     kernel::{Capacities, Datapath, KernelMaps},
-    model::{self, BackendKey, DesiredState, Frontend, FrontendKey, FrontendKind, NodeInfo, Proto, Scheduler},
+    model::{self, BackendKey, DesiredState, FrontendKey, NodeInfo, Proto},
     rtnl::{Links, NetlinkLinks, IPVS_DUMMY},
     sync::Syncer,
 };
@@ -45,41 +45,15 @@ fn ip(n: u32) -> IpAddr {
     IpAddr::from(n.to_be_bytes())
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
-
 /// N ClusterIP services with `eps` endpoints each (addresses need not exist for programming).
 fn desired(n: u32, eps: u32) -> DesiredState {
-    let mut d = DesiredState::default();
-    for i in 0..n {
-        let backends = (0..eps).map(|j| BackendKey { ip: ip(0x0af5_0000 + (i * eps + j) % 0xff00 + 2), port: 8080, proto: Proto::Tcp }).collect();
-        set_frontend(&mut d, i, backends);
-    }
-    d
-}
-
-fn set_frontend(d: &mut DesiredState, i: u32, backends: Vec<BackendKey>) {
-    for scope in [SCOPE_INTERNAL, SCOPE_EXTERNAL] {
-        let fe = Frontend {
-            service: format!("bench/s{i}:http"),
-            kind: FrontendKind::ClusterIp,
-            scheduler: Scheduler::Random,
-            affinity_timeout_s: 0,
-            flags: 0,
-            source_ranges: vec![],
-            backends: backends.clone(),
-            ipvs: Default::default(),
-        };
-        d.frontends.insert(FrontendKey { ip: vip(i), port: 80, proto: Proto::Tcp, scope }, fe);
-    }
+    clusterips(n, eps, vip, 0x0af5_0002, 0xff00)
 }
 
 /// One service's endpoints replaced by another set: the change applied at N.
 fn change(d: &mut DesiredState, i: u32, round: u32) {
     let backends = (0..10).map(|j| BackendKey { ip: ip(0x0af6_0000 + round * 16 + j), port: 8080, proto: Proto::Tcp }).collect();
-    set_frontend(d, i, backends);
+    set_clusterip(d, i, vip(i), backends);
 }
 
 struct Cp {
@@ -89,19 +63,6 @@ struct Cp {
     bpf_program_s: f64,
     bpf_change_ms: f64,
     bpf_map_bytes: u64,
-}
-
-/// Sum of `memlock` over this process's BPF map descriptors (the kernel's own figure).
-fn bpf_map_memory() -> u64 {
-    let mut total = 0;
-    for e in std::fs::read_dir("/proc/self/fdinfo").into_iter().flatten().flatten() {
-        let Ok(info) = std::fs::read_to_string(e.path()) else { continue };
-        if !info.contains("map_type:") {
-            continue;
-        }
-        total += info.lines().find_map(|l| l.strip_prefix("memlock:")).and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(0);
-    }
-    total
 }
 
 fn control_plane(n: u32) -> Cp {
@@ -153,23 +114,12 @@ fn control_plane(n: u32) -> Cp {
         bsync.sync_subset(&mut maps, &d, cfg, &touched).expect("map change");
         times.push(t.elapsed().as_secs_f64() * 1e3);
     }
-    Cp { n, ipvs_program_s, ipvs_change_ms, bpf_program_s, bpf_change_ms: median(times), bpf_map_bytes: bpf_map_memory() }
+    Cp { n, ipvs_program_s, ipvs_change_ms, bpf_program_s, bpf_change_ms: median(times), bpf_map_bytes: bpf_map_memlock("self") }
 }
 
 /// Manifests for the traffic part: N services on the lab's three backends.
 fn manifests(n: u32) -> String {
-    let mut y = String::new();
-    for i in 0..n {
-        let _ = write!(
-            y,
-            "apiVersion: v1\nkind: Service\nmetadata: {{name: s{i}, namespace: vb}}\nspec: {{clusterIP: {}, ports: [{{name: http, port: 80, targetPort: 8080}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: s{i}-1, namespace: vb, labels: {{kubernetes.io/service-name: s{i}}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080}}]\nendpoints: [{{addresses: [{}], nodeName: node-a}}, {{addresses: [{}], nodeName: node-a}}, {{addresses: [{}], nodeName: node-a}}]\n---\n",
-            vip(i),
-            backend_ip(1),
-            backend_ip(2),
-            backend_ip(3)
-        );
-    }
-    y
+    clusterip_manifests(n, "vb", |i| vip(i).to_string())
 }
 
 /// kube-proxy's side, run inside the node namespace: the IPVS state kube-proxy makes (the same

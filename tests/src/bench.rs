@@ -1,0 +1,73 @@
+//! What the benchmarks share: ClusterIP desired states and manifests, medians, the kernel's
+//! figure for BPF map memory.
+use std::{fmt::Write as _, net::IpAddr};
+
+use proxy_agent::model::{BackendKey, DesiredState, Frontend, FrontendKey, FrontendKind, Proto, Scheduler};
+use proxy_common::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
+
+use crate::lab::backend_ip;
+
+/// Sets (or replaces) service `i`'s ClusterIP frontend `vip:80`, both scopes, on `backends`.
+pub fn set_clusterip(d: &mut DesiredState, i: u32, vip: IpAddr, backends: Vec<BackendKey>) {
+    for scope in [SCOPE_INTERNAL, SCOPE_EXTERNAL] {
+        let fe = Frontend {
+            service: format!("bench/s{i}:http"),
+            kind: FrontendKind::ClusterIp,
+            scheduler: Scheduler::Random,
+            affinity_timeout_s: 0,
+            flags: 0,
+            source_ranges: vec![],
+            backends: backends.clone(),
+            ipvs: Default::default(),
+        };
+        d.frontends.insert(FrontendKey { ip: vip, port: 80, proto: Proto::Tcp, scope }, fe);
+    }
+}
+
+/// N ClusterIP services (`vip(i):80`) with `eps` TCP endpoints each on port 8080, taken in turn
+/// from `first_backend` (a host-order IPv4 address) onwards, wrapping after `span` addresses.
+pub fn clusterips(n: u32, eps: u32, vip: impl Fn(u32) -> IpAddr, first_backend: u32, span: u32) -> DesiredState {
+    let mut d = DesiredState::default();
+    for i in 0..n {
+        let backends = (0..eps)
+            .map(|j| BackendKey { ip: IpAddr::from((first_backend + (i * eps + j) % span).to_be_bytes()), port: 8080, proto: Proto::Tcp })
+            .collect();
+        set_clusterip(&mut d, i, vip(i), backends);
+    }
+    d
+}
+
+/// N Services with their EndpointSlices in `namespace`, each `vip(i):80` -> port 8080 of the
+/// lab's three backends.
+pub fn clusterip_manifests(n: u32, namespace: &str, vip: impl Fn(u32) -> String) -> String {
+    let mut y = String::new();
+    for i in 0..n {
+        let _ = write!(
+            y,
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: s{i}, namespace: {namespace}}}\nspec: {{clusterIP: {}, ports: [{{name: http, port: 80, targetPort: 8080}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: s{i}-1, namespace: {namespace}, labels: {{kubernetes.io/service-name: s{i}}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080}}]\nendpoints: [{{addresses: [{}]}}, {{addresses: [{}]}}, {{addresses: [{}]}}]\n---\n",
+            vip(i),
+            backend_ip(1),
+            backend_ip(2),
+            backend_ip(3)
+        );
+    }
+    y
+}
+
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+/// The kernel's figure for the BPF maps a process holds (`pid`, or "self"): the `memlock` of
+/// each map descriptor in its fdinfo.
+pub fn bpf_map_memlock(pid: &str) -> u64 {
+    let mut total = 0;
+    for e in std::fs::read_dir(format!("/proc/{pid}/fdinfo")).into_iter().flatten().flatten() {
+        let Ok(info) = std::fs::read_to_string(e.path()) else { continue };
+        if info.contains("map_type:") {
+            total += info.lines().find_map(|l| l.strip_prefix("memlock:")).and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(0);
+        }
+    }
+    total
+}
