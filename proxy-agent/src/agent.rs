@@ -94,6 +94,16 @@ struct IpvsPlane {
     sets_mirror: Option<crate::sets::Sets>,
 }
 
+/// Sets what differs; a failure is a warning (in a cluster the init container sets them, as
+/// /proc/sys is read-only in an unprivileged container).
+fn set_sysctls(list: &[(&str, &str)]) {
+    for (k, v) in list {
+        if let Err(e) = ProcSysctls.set(k, v) {
+            warn!(error = %e, "cannot set {k}={v}: set it on the host (the DaemonSet's init container does)");
+        }
+    }
+}
+
 /// Opens IPVS, loading the module first if the kernel has it as one.
 pub fn connect_ipvs() -> Result<NetlinkIpvs, IpvsError> {
     match NetlinkIpvs::connect() {
@@ -296,12 +306,7 @@ impl Agent {
         info!(version = format!("{}.{}.{}", info.version >> 16, (info.version >> 8) & 0xff, info.version & 0xff), conn_tab = info.conn_tab_size, "IPVS");
         let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
         let kver = crate::sysctl::kernel_version(release.trim()).unwrap_or((0, 0));
-        let mut sys = ProcSysctls;
-        for (k, v) in crate::sysctl::ipvs_sysctls(kver, cfg.ipvs.strict_arp) {
-            if let Err(e) = sys.set(k, v) {
-                warn!(error = %e, "cannot set {k}={v}: set it on the host (the DaemonSet's init container does)");
-            }
-        }
+        set_sysctls(&crate::sysctl::ipvs_sysctls(kver, cfg.ipvs.strict_arp));
         let t = cfg.ipvs.timeouts;
         if t.tcp_s + t.tcp_fin_s + t.udp_s > 0 {
             ipvs.set_timeouts(&t)?;
@@ -348,18 +353,7 @@ impl Agent {
         };
         let (set_writes, set_deletes) = crate::sets::sync_from(&mut plane.sets, &have, &want)?;
         plane.sets_mirror = Some(want);
-        let (cidr, len) = match self.cfg.cluster_cidr {
-            Some(net) => (addr_words(net.network()), u32::from(net.prefix_len())),
-            None => ([0; 4], 0),
-        };
-        let dcfg = DatapathConfig {
-            snat_addr: node_addrs.first().map(|a| addr_words(*a)).unwrap_or_default(),
-            cluster_cidr: cidr,
-            cluster_cidr_len: len,
-            flags: if self.cfg.masquerade_all { CFG_F_MASQUERADE_ALL } else { 0 },
-            ct_tcp_timeout_s: self.cfg.ct_tcp_timeout_s,
-            ct_udp_timeout_s: self.cfg.ct_udp_timeout_s,
-        };
+        let dcfg = self.datapath_config(node_addrs)?;
         if self.maps.config().ok() != Some(dcfg) {
             self.maps.set_config(dcfg)?;
         }
@@ -393,14 +387,18 @@ impl Agent {
             .unwrap_or_default()
     }
 
+    /// The fast path needs an SNAT address; IPVS mode (which masquerades in netfilter) does not.
     fn datapath_config(&self, node_addrs: &[IpAddr]) -> Result<DatapathConfig, AgentError> {
-        let snat = self.cfg.snat_ip.or_else(|| node_addrs.first().copied()).ok_or(AgentError::NoNodeAddress)?;
+        let snat = self.cfg.snat_ip.or_else(|| node_addrs.first().copied());
+        if snat.is_none() && self.mode != Mode::Ipvs {
+            return Err(AgentError::NoNodeAddress);
+        }
         let (cidr, len) = match self.cfg.cluster_cidr {
             Some(net) => (addr_words(net.network()), u32::from(net.prefix_len())),
             None => ([0; 4], 0),
         };
         Ok(DatapathConfig {
-            snat_addr: addr_words(snat),
+            snat_addr: snat.map(addr_words).unwrap_or_default(),
             cluster_cidr: cidr,
             cluster_cidr_len: len,
             flags: if self.cfg.masquerade_all { CFG_F_MASQUERADE_ALL } else { 0 },
@@ -446,14 +444,7 @@ impl Agent {
             }
         }
         if attached_any && self.mode == Mode::Ebpf {
-            let mut sys = ProcSysctls;
-            for (k, v) in FAST_PATH_SYSCTLS {
-                if sys.get(k).ok().as_deref() != Some(v) {
-                    if let Err(e) = sys.set(k, v) {
-                        warn!(error = %e, "cannot set {k}={v}: set it on the host (the DaemonSet's init container does)");
-                    }
-                }
-            }
+            set_sysctls(&FAST_PATH_SYSCTLS);
         }
     }
 

@@ -2,7 +2,7 @@
 //! (optionally with `--stats`), or as JSON.
 use serde::Serialize;
 
-use crate::ipvs::{flags, Dest, Ipvs, IpvsError, Service, ServiceId, Stats};
+use crate::ipvs::{flags, Dest, Ipvs, IpvsError, Service, Stats};
 
 #[derive(Debug, Serialize)]
 pub struct VirtualServerRow {
@@ -114,20 +114,10 @@ pub fn render(rows: &[VirtualServerRow], stats: bool) -> String {
     o
 }
 
-/// The same service as `ServiceId`'s Display, for matching `ipvsadm -Sn` lines in tests.
-pub fn ipvsadm_service_flag(id: &ServiceId) -> String {
-    match id {
-        ServiceId::Addr { proto: 17, addr, port } => format!("-u {}", addr_port(*addr, *port)),
-        ServiceId::Addr { proto: 132, addr, port } => format!("--sctp-service {}", addr_port(*addr, *port)),
-        ServiceId::Addr { addr, port, .. } => format!("-t {}", addr_port(*addr, *port)),
-        ServiceId::Fwmark { mark, .. } => format!("-f {mark}"),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ipvs::{DestConfig, FakeIpvs, FwdMethod, ServiceConfig};
+    use crate::ipvs::{DestConfig, FakeIpvs, FwdMethod, ServiceConfig, ServiceId};
 
     #[test]
     fn renders_like_ipvsadm() {
@@ -141,6 +131,5 @@ mod tests {
         assert!(text.contains("TCP  10.96.0.1:80 wrr persistent 600\n"), "{text}");
         assert!(text.contains("  -> 10.244.1.2:8080"), "{text}");
         assert!(text.lines().any(|l| l.contains("10.244.2.2:8080") && l.ends_with("draining")), "{text}");
-        assert_eq!(ipvsadm_service_flag(&id), "-t 10.96.0.1:80");
     }
 }

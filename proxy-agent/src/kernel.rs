@@ -386,25 +386,20 @@ pub(crate) fn open_typed<T: TryFrom<Map, Error = AyaMapError>>(pin_dir: &Path, n
     open(pin_dir, name)?.try_into().map_err(|e| op(name, "type check", e))
 }
 
-macro_rules! typed {
-    ($dir:expr, $name:expr) => {
-        open_typed($dir, $name)?
-    };
-}
 
 impl KernelMaps {
     pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
         Ok(Self {
-            services: typed!(pin_dir, map_names::SERVICES),
-            slots: typed!(pin_dir, map_names::SLOTS),
-            backends: typed!(pin_dir, map_names::BACKENDS),
-            maglev: typed!(pin_dir, map_names::MAGLEV),
-            source_ranges: typed!(pin_dir, map_names::SOURCE_RANGES),
-            config: typed!(pin_dir, map_names::CONFIG),
-            conntrack: typed!(pin_dir, map_names::CONNTRACK),
-            affinity: typed!(pin_dir, map_names::AFFINITY),
-            counters: typed!(pin_dir, map_names::COUNTERS),
-            backend_new: typed!(pin_dir, map_names::BACKEND_NEW),
+            services: open_typed(pin_dir, map_names::SERVICES)?,
+            slots: open_typed(pin_dir, map_names::SLOTS)?,
+            backends: open_typed(pin_dir, map_names::BACKENDS)?,
+            maglev: open_typed(pin_dir, map_names::MAGLEV)?,
+            source_ranges: open_typed(pin_dir, map_names::SOURCE_RANGES)?,
+            config: open_typed(pin_dir, map_names::CONFIG)?,
+            conntrack: open_typed(pin_dir, map_names::CONNTRACK)?,
+            affinity: open_typed(pin_dir, map_names::AFFINITY)?,
+            counters: open_typed(pin_dir, map_names::COUNTERS)?,
+            backend_new: open_typed(pin_dir, map_names::BACKEND_NEW)?,
         })
     }
 }
