@@ -4,16 +4,19 @@
 //!
 //!   kpr-bench [--sizes 1,1000,10000,100000] [--repeat 1000000] [--new-flows 2000] [--runs 5]
 //!             [--json FILE]
-use std::{collections::BTreeMap, io::Write, time::Instant};
+use std::{collections::BTreeMap, io::Write, net::Ipv4Addr, time::Instant};
 
-use aya::programs::{TestRun, TestRunOptions};
+use aya::{
+    maps::{HashMap as AyaHashMap, Map, MapData},
+    programs::{TestRun, TestRunOptions},
+};
 use kpr_tests::{bench::median, datapath_config, packet::{Frame, SYN, ACK}, PinDir};
 use proxy_agent::{
     kernel::{Capacities, Datapath, KernelMaps},
     model::DesiredState,
     sync::Syncer,
 };
-use proxy_common::prog_names;
+use proxy_common::{counter, map_names, prog_names, CtKey, CtValue, CT_DIR_FORWARD, CT_DIR_REPLY};
 
 fn vip(i: u32) -> std::net::IpAddr {
     let n = 0x0a60_0000u32 + i; // 10.96.0.0 + i
@@ -47,7 +50,8 @@ impl Prog {
     }
 }
 
-fn run(dp: &mut Datapath, p: Prog, frame: &[u8], repeat: u32) -> f64 {
+/// One BPF_PROG_TEST_RUN: the kernel's mean time per repetition, and the packet after the last.
+fn run(dp: &mut Datapath, p: Prog, frame: &[u8], repeat: u32) -> (f64, Vec<u8>) {
     let mut out = vec![0u8; 256];
     let opts = TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), repeat, ..Default::default() };
     let r = match p {
@@ -58,14 +62,64 @@ fn run(dp: &mut Datapath, p: Prog, frame: &[u8], repeat: u32) -> f64 {
         Prog::XdpPass => dp.xdp(prog_names::XDP_PASS).unwrap().test_run(opts),
     }
     .expect("BPF_PROG_TEST_RUN");
-    r.duration.as_nanos() as f64
+    out.truncate(r.data_size_out as usize);
+    (r.duration.as_nanos() as f64, out)
+}
+
+fn addr(raw: u32) -> Ipv4Addr {
+    Ipv4Addr::from(raw.to_ne_bytes())
+}
+
+fn tcp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, flags: u8) -> Vec<u8> {
+    Frame { src, dst, ..Frame::tcp("0.0.0.0", sport, "0.0.0.0", dport, flags) }.bytes()
+}
+
+/// BPF_PROG_TEST_RUN runs the program `repeat` times on one buffer, so from the second run on
+/// it sees the packet the first one rewrote. To time a conntrack hit on every repetition, each
+/// measured flow gets a mirror entry keyed by its rewritten tuple that rewrites it back: the
+/// packet alternates between the two tuples, and every repetition is a hit with a full NAT
+/// rewrite (address and port, L3 and L4 checksums).
+struct PingPong {
+    /// client -> VIP, a forward hit (DNAT) on every repetition.
+    forward: Vec<u8>,
+    /// backend -> client, a reply hit (reverse NAT) on every repetition.
+    reply: Vec<u8>,
+}
+
+fn ping_pong(ct: &mut AyaHashMap<MapData, CtKey, CtValue>, client: (Ipv4Addr, u16), vip: (Ipv4Addr, u16)) -> PingPong {
+    let is = |a: [u32; 4], ip: Ipv4Addr| addr(a[0]) == ip;
+    let entries: Vec<(CtKey, CtValue)> = ct.iter().map(|e| e.unwrap()).collect();
+    let (fk, fv) = *entries
+        .iter()
+        .find(|(k, _)| k.dir == CT_DIR_FORWARD && is(k.saddr, client.0) && u16::from_be(k.sport) == client.1 && is(k.daddr, vip.0))
+        .expect("the primed flow's forward entry");
+    let rk = CtKey { saddr: fv.new_daddr, daddr: fv.new_saddr, sport: fv.new_dport, dport: fv.new_sport, proto: fk.proto, dir: CT_DIR_REPLY, _pad: [0; 2] };
+    let rv = ct.get(&rk, 0).expect("the primed flow's reply entry");
+    // (client -> backend) rewrites back to (client -> VIP); (VIP -> client) back to (backend -> client).
+    let fwd_mirror = CtKey { daddr: fv.new_daddr, dport: fv.new_dport, ..fk };
+    let fwd_mirror_v = CtValue { new_daddr: fk.daddr, new_dport: fk.dport, ..fv };
+    let rev_mirror = CtKey { saddr: rv.new_saddr, sport: rv.new_sport, ..rk };
+    let rev_mirror_v = CtValue { new_saddr: rk.saddr, new_sport: rk.sport, ..rv };
+    ct.insert(fwd_mirror, fwd_mirror_v, 0).expect("insert the forward mirror");
+    ct.insert(rev_mirror, rev_mirror_v, 0).expect("insert the reply mirror");
+    let backend = (addr(fv.new_daddr[0]), u16::from_be(fv.new_dport));
+    PingPong { forward: tcp(client.0, client.1, vip.0, vip.1, ACK), reply: tcp(backend.0, backend.1, client.0, client.1, ACK) }
+}
+
+/// Fails the run when a figure did not measure what its column says.
+fn check(what: &str, got: u64, want: u64) {
+    if got != want {
+        eprintln!("kpr-bench: {what}: counted {got} packets, expected {want}; the figure would be wrong");
+        std::process::exit(1);
+    }
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let opt = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
     let sizes: Vec<u32> = opt("--sizes").unwrap_or_else(|| "1,1000,10000,100000".into()).split(',').map(|s| s.parse().expect("--sizes")).collect();
-    let repeat: u32 = opt("--repeat").map(|s| s.parse().unwrap()).unwrap_or(1_000_000);
+    // An even count: each measured ping-pong flow ends as it began, which is checked.
+    let repeat: u32 = opt("--repeat").map(|s| s.parse().unwrap()).unwrap_or(1_000_000).max(2) & !1;
     let new_flows: u32 = opt("--new-flows").map(|s| s.parse().unwrap()).unwrap_or(2000);
     let runs: usize = opt("--runs").map(|s| s.parse().unwrap()).unwrap_or(5);
     let json_out = opt("--json");
@@ -74,7 +128,7 @@ fn main() {
     let cpu = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|c| c.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())).unwrap_or_default();
     let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
     println!("machine: Linux {} | {cpu} | {ncpu} CPUs", kernel.trim());
-    println!("method: BPF_PROG_TEST_RUN, 54-byte TCP frame; established = one flow repeated {repeat}x (median of {runs} runs); new flow = {new_flows} distinct SYNs, 1 run each (mean)");
+    println!("method: BPF_PROG_TEST_RUN, 54-byte TCP frames, median of {runs} runs of {repeat} repetitions: forward = a hit on an established flow (DNAT), reply = a hit on its reverse NAT, other = a packet of no service and no flow; new = {new_flows} distinct SYNs, 1 repetition each (mean)");
 
     let pins = PinDir::new("bench");
     let max = *sizes.iter().max().unwrap();
@@ -92,8 +146,18 @@ fn main() {
     let mut syncer = Syncer::new(caps.services, 16);
     let cfg = datapath_config("192.0.2.1", Some(("10.244.0.0", 16)));
 
+    let mut ct: AyaHashMap<MapData, CtKey, CtValue> =
+        AyaHashMap::try_from(Map::LruHashMap(MapData::from_pin(pins.path().join(map_names::CONNTRACK)).expect("open conntrack"))).expect("conntrack type");
+    let counters = |maps: &KernelMaps| proxy_agent::maps::DatapathMaps::counters(maps).expect("counters");
+    let client = ("10.244.200.1".parse::<Ipv4Addr>().unwrap(), 999u16);
+    // Pod-to-pod traffic: no service, no flow; what most packets on a node are.
+    let other = tcp(client.0, client.1, "10.244.250.250".parse().unwrap(), 8080, ACK);
+
     let mut results: Vec<BTreeMap<String, serde_json::Value>> = Vec::new();
-    println!("\n{:>9} {:<18} {:>14} {:>10} {:>14} {:>10}", "services", "program", "established ns", "x floor", "new flow ns", "x floor");
+    println!(
+        "\n{:>9} {:<18} {:>10} {:>7} {:>10} {:>7} {:>10} {:>7} {:>10} {:>7}",
+        "services", "program", "forward ns", "x floor", "reply ns", "x floor", "other ns", "x floor", "new ns", "x floor"
+    );
     let mut flow_port = 1024u16;
     for &n in &sizes {
         let t = Instant::now();
@@ -105,39 +169,68 @@ fn main() {
         proxy_agent::sets::sync(&mut set_maps, &sets).expect("sets");
         eprintln!("  programmed {n} services ({} frontends, {} map writes) in {:.2}s", st.frontends, st.writes + st.deletes, t.elapsed().as_secs_f64());
         // The service hit is the last one programmed: nothing favours it in the hash table.
-        let target = vip(n - 1).to_string();
-        let mut floor_est = BTreeMap::new();
-        let mut floor_new = BTreeMap::new();
+        let target = match vip(n - 1) {
+            std::net::IpAddr::V4(a) => a,
+            _ => unreachable!(),
+        };
+        run(&mut dp, Prog::Tc, &tcp(client.0, client.1, target, 80, SYN), 1);
+        let flows = ping_pong(&mut ct, client, (target, 80));
+        let mut floor: BTreeMap<bool, [f64; 4]> = BTreeMap::new();
         for p in [Prog::TcPass, Prog::XdpPass, Prog::Tc, Prog::Xdp, Prog::TcIpset] {
-            let est_frame = Frame::tcp("10.244.200.1", 999, &target, 80, ACK).bytes();
-            // Prime the flow (the first packet creates it).
-            run(&mut dp, p, &Frame::tcp("10.244.200.1", 999, &target, 80, SYN).bytes(), 1);
-            let est = median((0..runs).map(|_| run(&mut dp, p, &est_frame, repeat)).collect());
+            let lb = matches!(p, Prog::Tc | Prog::Xdp);
+            let mut timed = |frame: &[u8], counter: Option<u32>| {
+                let before = counters(&maps);
+                let t = median(
+                    (0..runs)
+                        .map(|_| {
+                            let (ns, out) = run(&mut dp, p, frame, repeat);
+                            if lb && out != frame {
+                                eprintln!("kpr-bench: {}: an even number of ping-pong rewrites did not restore the packet", p.name());
+                                std::process::exit(1);
+                            }
+                            ns
+                        })
+                        .collect(),
+                );
+                let after = counters(&maps);
+                if lb {
+                    let total = u64::from(repeat) * runs as u64;
+                    let delta = |c: u32| after[c as usize] - before[c as usize];
+                    for c in [counter::ESTABLISHED, counter::REVERSE_NAT, counter::NEW_FLOW] {
+                        let want = if Some(c) == counter { total } else { 0 };
+                        check(&format!("{} {}", p.name(), counter::NAMES[c as usize]), delta(c), want);
+                    }
+                }
+                t
+            };
+            let fwd = timed(&flows.forward, Some(counter::ESTABLISHED));
+            let rev = timed(&flows.reply, Some(counter::REVERSE_NAT));
+            let oth = timed(&other, None);
             let mut total = 0.0;
             for _ in 0..new_flows {
                 flow_port = if flow_port == u16::MAX { 1024 } else { flow_port + 1 };
                 let src = if flow_port == 1024 { "10.244.201.1" } else { "10.244.200.2" };
-                total += run(&mut dp, p, &Frame::tcp(src, flow_port, &target, 80, SYN).bytes(), 1);
+                total += run(&mut dp, p, &Frame::tcp(src, flow_port, &target.to_string(), 80, SYN).bytes(), 1).0;
             }
             let newf = total / f64::from(new_flows);
             let is_tc = matches!(p, Prog::Tc | Prog::TcPass | Prog::TcIpset);
-            let (fe, fnw) = match p {
-                Prog::TcPass | Prog::XdpPass => {
-                    floor_est.insert(is_tc, est);
-                    floor_new.insert(is_tc, newf);
-                    (est, newf)
-                }
-                _ => (floor_est[&is_tc], floor_new[&is_tc]),
-            };
-            println!("{n:>9} {:<18} {est:>14.1} {:>10.2} {newf:>14.1} {:>10.2}", p.name(), est / fe, newf / fnw);
+            let fig = [fwd, rev, oth, newf];
+            if matches!(p, Prog::TcPass | Prog::XdpPass) {
+                floor.insert(is_tc, fig);
+            }
+            let x: Vec<f64> = fig.iter().zip(floor[&is_tc]).map(|(a, b)| a / b).collect();
+            println!(
+                "{n:>9} {:<18} {fwd:>10.1} {:>7.2} {rev:>10.1} {:>7.2} {oth:>10.1} {:>7.2} {newf:>10.1} {:>7.2}",
+                p.name(), x[0], x[1], x[2], x[3]
+            );
             let _ = std::io::stdout().flush();
             let mut row = BTreeMap::new();
             row.insert("services".into(), n.into());
             row.insert("program".into(), p.name().into());
-            row.insert("established_ns".into(), est.into());
-            row.insert("established_x_floor".into(), (est / fe).into());
-            row.insert("new_flow_ns".into(), newf.into());
-            row.insert("new_flow_x_floor".into(), (newf / fnw).into());
+            for (i, name) in ["established_forward", "established_reply", "no_service", "new_flow"].iter().enumerate() {
+                row.insert(format!("{name}_ns"), fig[i].into());
+                row.insert(format!("{name}_x_floor"), x[i].into());
+            }
             results.push(row);
         }
         // Flows of this size must not help the next one.
@@ -145,12 +238,12 @@ fn main() {
             let _ = proxy_agent::maps::DatapathMaps::del_conntrack(&mut maps, k);
         }
     }
-    // Flatness: each program's established cost at the largest size vs the smallest.
+    // Flatness: each program's established-flow cost at the largest size vs the smallest.
     let (lo, hi) = (sizes[0], max);
     for p in ["tc fast path", "xdp fast path", "tc ipset (ipvs)"] {
-        let get = |n: u32| results.iter().find(|r| r["services"] == n && r["program"] == p).map(|r| r["established_ns"].as_f64().unwrap());
+        let get = |n: u32| results.iter().find(|r| r["services"] == n && r["program"] == p).map(|r| r["established_forward_ns"].as_f64().unwrap());
         if let (Some(a), Some(b)) = (get(lo), get(hi)) {
-            println!("{p}: established cost at {hi} services is {:.2}x that at {lo}", b / a);
+            println!("{p}: established-flow (forward) cost at {hi} services is {:.2}x that at {lo}", b / a);
         }
     }
     if let Some(path) = json_out {
