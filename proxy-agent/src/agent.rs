@@ -15,7 +15,7 @@ use std::{
 use aya::programs::XdpMode;
 use ipnet::IpNet;
 use proxy_common::{
-    user::addr_words, DatapathConfig, CFG_F_MASQUERADE_ALL, CT_DIR_FORWARD, CT_F_CLOSING, PROTO_TCP,
+    user::addr_words, DatapathConfig, CFG_F_MASQUERADE_ALL, CT_F_CLOSING, PROTO_TCP,
 };
 use tracing::{error, info, warn};
 
@@ -609,7 +609,7 @@ impl Agent {
             };
             if now.saturating_sub(v.last_seen_ns) > u64::from(timeout) * 1_000_000_000 {
                 self.maps.del_conntrack(k)?;
-                if k.dir == CT_DIR_FORWARD {
+                if !v.is_reply() {
                     flows += 1;
                 }
             }

@@ -117,6 +117,11 @@ impl Datapath {
         for dir in [pin_dir.to_path_buf(), pin_dir.join("links")] {
             std::fs::create_dir_all(&dir).map_err(|err| KernelError::PinDir { path: dir.clone(), err })?;
         }
+        for name in map_names::RETIRED {
+            if std::fs::remove_file(pin_dir.join(name)).is_ok() {
+                tracing::info!(map = name, "removed the pin of a map an earlier version used");
+            }
+        }
         let ebpf = EbpfLoader::new()
             .default_map_pin_directory(pin_dir)
             .map_max_entries(map_names::SERVICES, caps.frontends)

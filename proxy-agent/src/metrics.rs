@@ -10,7 +10,7 @@ use std::{
 };
 
 use axum::{extract::State, http::StatusCode, response::IntoResponse, routing::get, Router};
-use proxy_common::{user::{port_host, words_addr}, CT_DIR_FORWARD};
+use proxy_common::user::{port_host, v4_addr, words_addr};
 use tracing::error;
 
 use crate::{kernel::KernelMaps, maps::DatapathMaps, view};
@@ -187,9 +187,8 @@ pub fn render(stats: &Stats, maps: Option<&dyn DatapathMaps>) -> String {
     if let Ok(ct) = maps.conntrack() {
         let _ = writeln!(o, "kpr_map_entries{{map=\"{}\"}} {}", proxy_common::map_names::CONNTRACK, ct.len());
         let mut per_backend: BTreeMap<String, u64> = BTreeMap::new();
-        for (k, v) in ct.iter().filter(|(k, _)| k.dir == CT_DIR_FORWARD) {
-            let _ = k;
-            *per_backend.entry(format!("{}:{}", words_addr(v.new_daddr), port_host(v.new_dport))).or_default() += 1;
+        for (_, v) in ct.iter().filter(|(_, v)| !v.is_reply()) {
+            *per_backend.entry(format!("{}:{}", v4_addr(v.new_daddr), port_host(v.new_dport))).or_default() += 1;
         }
         let flows: u64 = per_backend.values().sum();
         gauge(&mut o, "kpr_conntrack_flows", "Tracked flows (forward conntrack entries)", "gauge", flows as f64);

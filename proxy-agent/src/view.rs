@@ -4,8 +4,8 @@ use std::collections::HashMap;
 
 use proxy_common::{
     counter,
-    user::{port_host, proto_name, words_addr},
-    CT_DIR_FORWARD, CT_F_CLOSING, CT_F_SNAT, SCOPE_EXTERNAL, SCHED_MAGLEV, SCHED_ROUND_ROBIN,
+    user::{port_host, proto_name, v4_addr, words_addr},
+    CT_F_CLOSING, CT_F_SNAT, SCOPE_EXTERNAL, SCHED_MAGLEV, SCHED_ROUND_ROBIN,
     SVC_F_MASQ, SVC_F_PRESERVE_SOURCE, SVC_F_SOURCE_RANGES,
 };
 use serde::Serialize;
@@ -84,13 +84,13 @@ pub fn conntrack(maps: &dyn DatapathMaps, now_ns: u64) -> Result<Vec<FlowRow>, M
     let mut rows: Vec<FlowRow> = maps
         .conntrack()?
         .into_iter()
-        .filter(|(k, _)| k.dir == CT_DIR_FORWARD)
+        .filter(|(_, v)| !v.is_reply())
         .map(|(k, v)| FlowRow {
             proto: proto_name(k.proto).into(),
-            client: format!("{}:{}", words_addr(k.saddr), port_host(k.sport)),
-            frontend: format!("{}:{}", words_addr(k.daddr), port_host(k.dport)),
-            backend: format!("{}:{}", words_addr(v.new_daddr), port_host(v.new_dport)),
-            snat: (v.flags & CT_F_SNAT != 0).then(|| format!("{}:{}", words_addr(v.new_saddr), port_host(v.new_sport))),
+            client: format!("{}:{}", v4_addr(k.saddr), port_host(k.sport)),
+            frontend: format!("{}:{}", v4_addr(k.daddr), port_host(k.dport)),
+            backend: format!("{}:{}", v4_addr(v.new_daddr), port_host(v.new_dport)),
+            snat: (v.flags & CT_F_SNAT != 0).then(|| format!("{}:{}", v4_addr(v.new_saddr), port_host(v.new_sport))),
             backend_id: v.backend_id,
             closing: v.flags & CT_F_CLOSING != 0,
             idle_s: now_ns.saturating_sub(v.last_seen_ns) as f64 / 1e9,

@@ -27,7 +27,7 @@ pub mod map_names {
     pub const SLOTS: &str = "KPR_SLOT_V2";
     pub const MAGLEV: &str = "KPR_MAGLEV_V1";
     pub const BACKENDS: &str = "KPR_BE_V2";
-    pub const CONNTRACK: &str = "KPR_CT_V1";
+    pub const CONNTRACK: &str = "KPR_CT_V2";
     pub const AFFINITY: &str = "KPR_AFF_V1";
     pub const SOURCE_RANGES: &str = "KPR_SRCRNG_V1";
     pub const RR_STATE: &str = "KPR_RR_V1";
@@ -42,6 +42,9 @@ pub mod map_names {
     pub const SET_PORT: &str = "KPR_SET_PORT_V1";
     pub const SET_IP: &str = "KPR_SET_IP_V1";
     pub const SETS: [&str; 5] = [SET_IP_PORT, SET_IP_PORT_IP, SET_IP_PORT_NET, SET_PORT, SET_IP];
+    /// Pins of earlier layouts: removed at load, so an upgrade does not keep them (and their
+    /// memory) alive next to their successors.
+    pub const RETIRED: [&str; 5] = ["KPR_SVC_V1", "KPR_SLOT_V1", "KPR_BE_V1", "KPR_CNT_V1", "KPR_CT_V1"];
     /// Every map the fast path pins.
     pub const ALL: [&str; 12] = [
         SERVICES, SLOTS, MAGLEV, BACKENDS, CONNTRACK, AFFINITY, SOURCE_RANGES, RR_STATE, CONFIG,
@@ -180,10 +183,6 @@ pub const CT_F_SNAT: u16 = 1 << 0;
 pub const CT_F_CLOSING: u16 = 1 << 1;
 pub const CT_F_REPLY: u16 = 1 << 2;
 
-/// CtKey::dir.
-pub const CT_DIR_FORWARD: u8 = 0;
-pub const CT_DIR_REPLY: u8 = 1;
-
 /// Source ports used for SNAT when the client's own port collides.
 pub const SNAT_PORT_MIN: u16 = 32768;
 pub const SNAT_PORT_MAX: u16 = 60999;
@@ -241,23 +240,27 @@ pub struct Backend {
 }
 const _: () = assert!(core::mem::size_of::<Backend>() == 20);
 
-/// Conntrack key: the packet's own 5-tuple as it arrives, plus the direction.
+/// Conntrack key: an IPv4 packet's 5-tuple as it arrives. Forward (client -> frontend) and
+/// reply (backend -> client or SNAT address) entries share one key space, as in the kernel's
+/// conntrack: one probe finds either, and the value says which (CT_F_REPLY). The data path
+/// picks reply tuples that no other entry holds (see `snat_port`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Pod, Zeroable)]
 pub struct CtKey {
     /// Network order.
-    pub saddr: [u32; 4],
+    pub saddr: u32,
     /// Network order.
-    pub daddr: [u32; 4],
+    pub daddr: u32,
     /// Network order.
     pub sport: u16,
     /// Network order.
     pub dport: u16,
     pub proto: u8,
-    pub dir: u8,
-    pub _pad: [u8; 2],
+    // Two scalar fields, not a byte array: zeroing an array costs the data path a memset call.
+    pub _pad: u8,
+    pub _pad2: u16,
 }
-const _: () = assert!(core::mem::size_of::<CtKey>() == 40);
+const _: () = assert!(core::mem::size_of::<CtKey>() == 16);
 
 /// Conntrack value: the 4-tuple the packet is rewritten to. A forward entry rewrites
 /// (client -> VIP) into (client or SNAT address -> backend); its reply entry rewrites
@@ -265,12 +268,12 @@ const _: () = assert!(core::mem::size_of::<CtKey>() == 40);
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct CtValue {
-    /// bpf_ktime_get_ns of the last packet.
+    /// CLOCK_MONOTONIC (coarse) ns of the last packet.
     pub last_seen_ns: u64,
     /// Network order.
-    pub new_saddr: [u32; 4],
+    pub new_saddr: u32,
     /// Network order.
-    pub new_daddr: [u32; 4],
+    pub new_daddr: u32,
     /// Network order.
     pub new_sport: u16,
     /// Network order.
@@ -280,7 +283,13 @@ pub struct CtValue {
     pub flags: u16,
     pub _pad: u16,
 }
-const _: () = assert!(core::mem::size_of::<CtValue>() == 56);
+const _: () = assert!(core::mem::size_of::<CtValue>() == 32);
+
+impl CtValue {
+    pub fn is_reply(&self) -> bool {
+        self.flags & CT_F_REPLY != 0
+    }
+}
 
 /// Per-CPU scratch space where the data path builds a flow's two conntrack entries (the BPF
 /// stack is 512 bytes). Kernel-only; user space never reads it.
@@ -292,7 +301,18 @@ pub struct CtScratch {
     pub fwd: CtValue,
     pub rev: CtValue,
 }
-const _: () = assert!(core::mem::size_of::<CtScratch>() == 192);
+const _: () = assert!(core::mem::size_of::<CtScratch>() == 96);
+
+/// Per-CPU clock cache: bpf_ktime_get_coarse_ns as of the jiffy `jiffies`. The coarse clock
+/// only moves on a tick, so re-reading it once per jiffy (bpf_jiffies64 is inlined, the
+/// helper call is not) gives the same stamps for far less per packet. Kernel-only.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct ClockCache {
+    pub jiffies: u64,
+    pub coarse_ns: u64,
+}
+const _: () = assert!(core::mem::size_of::<ClockCache>() == 16);
 
 /// Key of KPR_SOCK_REV_V1: a socket (by cookie) and the backend it was pointed at.
 #[repr(C)]
@@ -481,6 +501,10 @@ pub mod user {
     }
     pub fn set_ip_addr(key: u32) -> IpAddr {
         be_v4(key)
+    }
+    /// A data-path IPv4 address (network-order u32 as it lies in memory).
+    pub fn v4_addr(w: u32) -> IpAddr {
+        be_v4(w)
     }
 
     /// IP address to the wire-order words the data path compares.

@@ -1,16 +1,34 @@
 //! Connection tracking: a forward entry per flow and a reply entry for its reverse NAT, in one
-//! LRU map. Flows keep their backend whatever happens to the service afterwards.
-use aya_ebpf::helpers::bpf_get_prandom_u32;
+//! LRU map and one key space, so every packet of a flow costs one probe of a 16-byte key.
+//! Flows keep their backend whatever happens to the service afterwards.
+use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_jiffies64, bpf_ktime_get_coarse_ns};
 use proxy_common::{
-    counter, Backend, CtKey, CtValue, DatapathConfig, CT_DIR_FORWARD, CT_DIR_REPLY, CT_F_CLOSING,
-    CT_F_REPLY, CT_F_SNAT, PROTO_TCP, SNAT_PORT_MAX, SNAT_PORT_MIN,
+    counter, Backend, CtKey, CtValue, DatapathConfig, CT_F_CLOSING, CT_F_REPLY, CT_F_SNAT,
+    PROTO_TCP, SNAT_PORT_MAX, SNAT_PORT_MIN,
 };
 
 use crate::{
     counters::bump,
-    maps::{KPR_BE_V2, KPR_CT_SCRATCH, KPR_CT_V1},
+    maps::{KPR_BE_V2, KPR_CLOCK, KPR_CT_SCRATCH, KPR_CT_V2},
     parse::Flow,
 };
+
+/// CLOCK_MONOTONIC coarse ns, read through the helper once per jiffy and CPU (see ClockCache).
+#[inline(always)]
+pub fn now_ns() -> u64 {
+    let jiffies = unsafe { bpf_jiffies64() };
+    match KPR_CLOCK.get_ptr_mut(0) {
+        Some(c) => {
+            let c = unsafe { &mut *c };
+            if c.jiffies != jiffies {
+                c.jiffies = jiffies;
+                c.coarse_ns = unsafe { bpf_ktime_get_coarse_ns() };
+            }
+            c.coarse_ns
+        }
+        None => unsafe { bpf_ktime_get_coarse_ns() },
+    }
+}
 
 /// The 4-tuple a packet is rewritten to (network order), and whether it was masqueraded.
 #[derive(Clone, Copy)]
@@ -26,8 +44,8 @@ impl Rewrite {
     #[inline(always)]
     fn of(v: &CtValue) -> Self {
         Self {
-            saddr: v.new_saddr[0],
-            daddr: v.new_daddr[0],
+            saddr: v.new_saddr,
+            daddr: v.new_daddr,
             sport: v.new_sport,
             dport: v.new_dport,
             snat: v.flags & CT_F_SNAT != 0,
@@ -36,30 +54,14 @@ impl Rewrite {
 }
 
 #[inline(always)]
-pub fn key(f: &Flow, dir: u8) -> CtKey {
-    CtKey {
-        saddr: [f.saddr, 0, 0, 0],
-        daddr: [f.daddr, 0, 0, 0],
-        sport: f.sport,
-        dport: f.dport,
-        proto: f.proto,
-        dir,
-        _pad: [0; 2],
-    }
+pub fn key(f: &Flow) -> CtKey {
+    CtKey { saddr: f.saddr, daddr: f.daddr, sport: f.sport, dport: f.dport, proto: f.proto, _pad: 0, _pad2: 0 }
 }
 
 /// The key replies of a flow to `be` arrive with: from the backend to (client or SNAT) address.
 #[inline(always)]
 fn reply_key(be: &Backend, to_addr: u32, to_port: u16, proto: u8) -> CtKey {
-    CtKey {
-        saddr: be.addr,
-        daddr: [to_addr, 0, 0, 0],
-        sport: be.port,
-        dport: to_port,
-        proto,
-        dir: CT_DIR_REPLY,
-        _pad: [0; 2],
-    }
+    CtKey { saddr: be.addr[0], daddr: to_addr, sport: be.port, dport: to_port, proto, _pad: 0, _pad2: 0 }
 }
 
 #[inline(always)]
@@ -71,23 +73,21 @@ fn timeout_ns(cfg: &DatapathConfig, proto: u8) -> u64 {
 /// The rewrite of an existing flow, forward or reply, refreshed for this packet.
 #[inline(always)]
 pub fn established(f: &Flow, cfg: &DatapathConfig, now: u64) -> Option<Rewrite> {
-    if let Some(v) = KPR_CT_V1.get_ptr_mut(&key(f, CT_DIR_FORWARD)) {
-        let v = unsafe { &mut *v };
-        let idle = now.wrapping_sub(v.last_seen_ns) > timeout_ns(cfg, f.proto);
-        // A fresh SYN on a closing tuple, or to a backend that is gone, is a new connection.
-        let reopened = f.is_new_tcp_syn()
-            && (v.flags & CT_F_CLOSING != 0 || unsafe { KPR_BE_V2.get(&v.backend_id) }.is_none());
-        if !idle && !reopened {
-            touch(v, f, now);
-            bump(counter::ESTABLISHED);
-            return Some(Rewrite::of(v));
-        }
+    let v = unsafe { &mut *KPR_CT_V2.get_ptr_mut(&key(f))? };
+    if v.flags & CT_F_REPLY != 0 {
+        touch(v, f, now);
+        bump(counter::REVERSE_NAT);
+        return Some(Rewrite::of(v));
+    }
+    let idle = now.wrapping_sub(v.last_seen_ns) > timeout_ns(cfg, f.proto);
+    // A fresh SYN on a closing tuple, or to a backend that is gone, is a new connection.
+    let reopened = f.is_new_tcp_syn()
+        && (v.flags & CT_F_CLOSING != 0 || unsafe { KPR_BE_V2.get(&v.backend_id) }.is_none());
+    if idle || reopened {
         return None;
     }
-    let v = KPR_CT_V1.get_ptr_mut(&key(f, CT_DIR_REPLY))?;
-    let v = unsafe { &mut *v };
     touch(v, f, now);
-    bump(counter::REVERSE_NAT);
+    bump(counter::ESTABLISHED);
     Some(Rewrite::of(v))
 }
 
@@ -113,10 +113,16 @@ pub fn snat_port(f: &Flow, be: &Backend, snat_addr: u32) -> Option<u16> {
     let mut port = f.sport;
     let mut tries = 0;
     while tries < 4 {
-        match unsafe { KPR_CT_V1.get(&reply_key(be, snat_addr, port, f.proto)) } {
+        match unsafe { KPR_CT_V2.get(&reply_key(be, snat_addr, port, f.proto)) } {
             None => return Some(port),
             // Our own flow (a retransmitted first packet): same client and same service address.
-            Some(v) if v.new_daddr[0] == f.saddr && v.new_dport == f.sport && v.new_saddr[0] == f.daddr && v.new_sport == f.dport => {
+            Some(v)
+                if v.flags & CT_F_REPLY != 0
+                    && v.new_daddr == f.saddr
+                    && v.new_dport == f.sport
+                    && v.new_saddr == f.daddr
+                    && v.new_sport == f.dport =>
+            {
                 return Some(port)
             }
             Some(_) => {
@@ -146,11 +152,11 @@ pub fn create(
     let (saddr, sport) = src;
     let flags = if masq { CT_F_SNAT } else { 0 };
     let s = unsafe { &mut *KPR_CT_SCRATCH.get_ptr_mut(0)? };
-    s.fwd_key = key(f, CT_DIR_FORWARD);
+    s.fwd_key = key(f);
     s.fwd = CtValue {
         last_seen_ns: now,
-        new_saddr: [saddr, 0, 0, 0],
-        new_daddr: be.addr,
+        new_saddr: saddr,
+        new_daddr: be.addr[0],
         new_sport: sport,
         new_dport: be.port,
         backend_id,
@@ -161,8 +167,8 @@ pub fn create(
     s.rev_key = reply_key(be, saddr, sport, f.proto);
     s.rev = CtValue {
         last_seen_ns: now,
-        new_saddr: [f.daddr, 0, 0, 0],
-        new_daddr: [f.saddr, 0, 0, 0],
+        new_saddr: f.daddr,
+        new_daddr: f.saddr,
         new_sport: f.dport,
         new_dport: f.sport,
         backend_id,
@@ -170,7 +176,7 @@ pub fn create(
         flags: flags | CT_F_REPLY,
         _pad: 0,
     };
-    if KPR_CT_V1.insert(&s.rev_key, &s.rev, 0).is_err() || KPR_CT_V1.insert(&s.fwd_key, &s.fwd, 0).is_err() {
+    if KPR_CT_V2.insert(&s.rev_key, &s.rev, 0).is_err() || KPR_CT_V2.insert(&s.fwd_key, &s.fwd, 0).is_err() {
         bump(counter::CT_INSERT_FAILED);
         return None;
     }

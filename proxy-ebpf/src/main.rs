@@ -21,7 +21,6 @@ mod sock;
 
 use aya_ebpf::{
     bindings::{xdp_action, TC_ACT_OK},
-    helpers::bpf_ktime_get_coarse_ns,
     macros::{cgroup_sock_addr, classifier, socket_filter, xdp},
     maps::lpm_trie::Key,
     programs::{SkBuffContext, SockAddrContext, TcContext, XdpContext},
@@ -69,7 +68,7 @@ fn process<P: Pkt>(p: &mut P, scope: u8) -> Verdict {
     let Some(cfg) = KPR_CFG_V1.get(0) else {
         return Verdict::Pass;
     };
-    let now = unsafe { bpf_ktime_get_coarse_ns() };
+    let now = conntrack::now_ns();
 
     if let Some(rw) = conntrack::established(&f, cfg, now) {
         if rw.snat {

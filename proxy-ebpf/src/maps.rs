@@ -5,7 +5,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
-    CtScratch, SockRevKey, SockRevValue,
+    ClockCache, CtScratch, SockRevKey, SockRevValue,
     limits::*, AffinityKey, AffinityValue, Backend, CtKey, CtValue, DatapathConfig, ServiceKey,
     ServiceValue, SetIpPort, SetIpPortIp, SetIpPortNet, SetPort, SlotKey, SourceRangeKey,
 };
@@ -30,9 +30,9 @@ pub static KPR_MAGLEV_V1: Array<u32> = Array::pinned(MAGLEV_ROWS * MAGLEV_TABLE_
 #[map]
 pub static KPR_BE_V2: HashMap<u32, Backend> = HashMap::pinned(MAX_BACKENDS, NO_PREALLOC);
 
-/// (5-tuple as received, direction) -> the 4-tuple to rewrite to, backend id, last seen.
+/// IPv4 5-tuple as received (forward or reply) -> the 4-tuple to rewrite to, backend id, last seen.
 #[map]
-pub static KPR_CT_V1: LruHashMap<CtKey, CtValue> = LruHashMap::pinned(MAX_CONNTRACK, 0);
+pub static KPR_CT_V2: LruHashMap<CtKey, CtValue> = LruHashMap::pinned(MAX_CONNTRACK, 0);
 
 /// (client address, service id) -> remembered backend id and last use (sessionAffinity ClientIP).
 #[map]
@@ -57,6 +57,10 @@ pub static KPR_CNT_V2: PerCpuArray<u64> = PerCpuArray::pinned(proxy_common::coun
 /// index 0 -> this CPU's scratch space for building conntrack entries off the stack.
 #[map]
 pub static KPR_CT_SCRATCH: PerCpuArray<CtScratch> = PerCpuArray::with_max_entries(1, 0);
+
+/// index 0 -> this CPU's jiffy and the coarse clock read at it (conntrack::now_ns).
+#[map]
+pub static KPR_CLOCK: PerCpuArray<ClockCache> = PerCpuArray::with_max_entries(1, 0);
 
 /// LRU: (socket cookie, backend address, port) -> the service address that socket asked for.
 #[map]

@@ -16,7 +16,7 @@ use proxy_agent::{
     model::DesiredState,
     sync::Syncer,
 };
-use proxy_common::{counter, map_names, prog_names, CtKey, CtValue, CT_DIR_FORWARD, CT_DIR_REPLY};
+use proxy_common::{counter, map_names, prog_names, CtKey, CtValue};
 
 fn vip(i: u32) -> std::net::IpAddr {
     let n = 0x0a60_0000u32 + i; // 10.96.0.0 + i
@@ -87,13 +87,13 @@ struct PingPong {
 }
 
 fn ping_pong(ct: &mut AyaHashMap<MapData, CtKey, CtValue>, client: (Ipv4Addr, u16), vip: (Ipv4Addr, u16)) -> PingPong {
-    let is = |a: [u32; 4], ip: Ipv4Addr| addr(a[0]) == ip;
+    let is = |a: u32, ip: Ipv4Addr| addr(a) == ip;
     let entries: Vec<(CtKey, CtValue)> = ct.iter().map(|e| e.unwrap()).collect();
     let (fk, fv) = *entries
         .iter()
-        .find(|(k, _)| k.dir == CT_DIR_FORWARD && is(k.saddr, client.0) && u16::from_be(k.sport) == client.1 && is(k.daddr, vip.0))
+        .find(|(k, v)| !v.is_reply() && is(k.saddr, client.0) && u16::from_be(k.sport) == client.1 && is(k.daddr, vip.0))
         .expect("the primed flow's forward entry");
-    let rk = CtKey { saddr: fv.new_daddr, daddr: fv.new_saddr, sport: fv.new_dport, dport: fv.new_sport, proto: fk.proto, dir: CT_DIR_REPLY, _pad: [0; 2] };
+    let rk = CtKey { saddr: fv.new_daddr, daddr: fv.new_saddr, sport: fv.new_dport, dport: fv.new_sport, ..fk };
     let rv = ct.get(&rk, 0).expect("the primed flow's reply entry");
     // (client -> backend) rewrites back to (client -> VIP); (VIP -> client) back to (backend -> client).
     let fwd_mirror = CtKey { daddr: fv.new_daddr, dport: fv.new_dport, ..fk };
@@ -102,7 +102,7 @@ fn ping_pong(ct: &mut AyaHashMap<MapData, CtKey, CtValue>, client: (Ipv4Addr, u1
     let rev_mirror_v = CtValue { new_saddr: rk.saddr, new_sport: rk.sport, ..rv };
     ct.insert(fwd_mirror, fwd_mirror_v, 0).expect("insert the forward mirror");
     ct.insert(rev_mirror, rev_mirror_v, 0).expect("insert the reply mirror");
-    let backend = (addr(fv.new_daddr[0]), u16::from_be(fv.new_dport));
+    let backend = (addr(fv.new_daddr), u16::from_be(fv.new_dport));
     PingPong { forward: tcp(client.0, client.1, vip.0, vip.1, ACK), reply: tcp(backend.0, backend.1, client.0, client.1, ACK) }
 }
 
