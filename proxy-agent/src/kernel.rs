@@ -376,6 +376,7 @@ pub struct KernelMaps {
     affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     counters: PerCpuArray<MapData, u64>,
     backend_new: PerCpuArray<MapData, u64>,
+    flow_cache_gen: Array<MapData, u64>,
 }
 
 pub(crate) fn open(pin_dir: &Path, name: &'static str) -> Result<Map, MapError> {
@@ -405,6 +406,7 @@ impl KernelMaps {
             affinity: open_typed(pin_dir, map_names::AFFINITY)?,
             counters: open_typed(pin_dir, map_names::COUNTERS)?,
             backend_new: open_typed(pin_dir, map_names::BACKEND_NEW)?,
+            flow_cache_gen: open_typed(pin_dir, map_names::FLOW_CACHE_GEN)?,
         })
     }
 }
@@ -496,6 +498,12 @@ impl DatapathMaps for KernelMaps {
     }
     fn del_conntrack(&mut self, k: CtKey) -> Result<(), MapError> {
         del(map_names::CONNTRACK, self.conntrack.remove(&k))
+    }
+    fn invalidate_flow_cache(&mut self) -> Result<(), MapError> {
+        let name = map_names::FLOW_CACHE_GEN;
+        let g = self.flow_cache_gen.get(&0, 0).map_err(|e| op(name, "lookup", e))?;
+        // Past any of the data path's own (32-bit) steps: never a value an entry holds.
+        self.flow_cache_gen.set(0, g.wrapping_add(1 << 33), 0).map_err(|e| op(name, "update", e))
     }
     fn affinity(&self) -> Result<Vec<(AffinityKey, AffinityValue)>, MapError> {
         collect(map_names::AFFINITY, self.affinity.iter())

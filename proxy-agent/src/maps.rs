@@ -45,6 +45,9 @@ pub trait DatapathMaps {
 
     fn conntrack(&self) -> Result<Vec<(CtKey, CtValue)>, MapError>;
     fn del_conntrack(&mut self, k: CtKey) -> Result<(), MapError>;
+    /// After deleting flows that may still carry packets: no CPU's flow cache may answer for
+    /// them any more (it otherwise re-checks conntrack within FLOW_CACHE_REFRESH_NS).
+    fn invalidate_flow_cache(&mut self) -> Result<(), MapError>;
     fn affinity(&self) -> Result<Vec<(AffinityKey, AffinityValue)>, MapError>;
     fn del_affinity(&mut self, k: AffinityKey) -> Result<(), MapError>;
 
@@ -66,6 +69,7 @@ pub struct FakeMaps {
     pub conntrack: BTreeMap<CtKey, CtValue>,
     pub affinity: BTreeMap<AffinityKey, AffinityValue>,
     pub writes: usize,
+    pub flow_cache_generation: u64,
 }
 
 impl DatapathMaps for FakeMaps {
@@ -141,6 +145,10 @@ impl DatapathMaps for FakeMaps {
     }
     fn del_conntrack(&mut self, k: CtKey) -> Result<(), MapError> {
         self.conntrack.remove(&k);
+        Ok(())
+    }
+    fn invalidate_flow_cache(&mut self) -> Result<(), MapError> {
+        self.flow_cache_generation += 1;
         Ok(())
     }
     fn affinity(&self) -> Result<Vec<(AffinityKey, AffinityValue)>, MapError> {

@@ -32,9 +32,11 @@ pub mod map_names {
     pub const SOURCE_RANGES: &str = "KPR_SRCRNG_V1";
     pub const RR_STATE: &str = "KPR_RR_V1";
     pub const CONFIG: &str = "KPR_CFG_V1";
-    pub const COUNTERS: &str = "KPR_CNT_V2";
+    pub const COUNTERS: &str = "KPR_CNT_V3";
     pub const SOCK_REV: &str = "KPR_SOCK_REV_V1";
     pub const BACKEND_NEW: &str = "KPR_BE_NEW_V1";
+    /// The flow cache's generation (see `FlowCacheEntry`).
+    pub const FLOW_CACHE_GEN: &str = "KPR_FC_GEN_V1";
     /// IPVS mode's ipset mirrors (see `sets`).
     pub const SET_IP_PORT: &str = "KPR_SET_IPP_V1";
     pub const SET_IP_PORT_IP: &str = "KPR_SET_IPPI_V1";
@@ -44,11 +46,11 @@ pub mod map_names {
     pub const SETS: [&str; 5] = [SET_IP_PORT, SET_IP_PORT_IP, SET_IP_PORT_NET, SET_PORT, SET_IP];
     /// Pins of earlier layouts: removed at load, so an upgrade does not keep them (and their
     /// memory) alive next to their successors.
-    pub const RETIRED: [&str; 5] = ["KPR_SVC_V1", "KPR_SLOT_V1", "KPR_BE_V1", "KPR_CNT_V1", "KPR_CT_V1"];
+    pub const RETIRED: [&str; 6] = ["KPR_SVC_V1", "KPR_SLOT_V1", "KPR_BE_V1", "KPR_CNT_V1", "KPR_CNT_V3", "KPR_CT_V1"];
     /// Every map the fast path pins.
-    pub const ALL: [&str; 12] = [
+    pub const ALL: [&str; 13] = [
         SERVICES, SLOTS, MAGLEV, BACKENDS, CONNTRACK, AFFINITY, SOURCE_RANGES, RR_STATE, CONFIG,
-        COUNTERS, SOCK_REV, BACKEND_NEW,
+        COUNTERS, SOCK_REV, BACKEND_NEW, FLOW_CACHE_GEN,
     ];
 }
 
@@ -150,6 +152,13 @@ pub mod limits {
     pub const MAGLEV_TABLE_SIZE: u32 = 1021;
     /// Backends per service (slots) the data path accepts.
     pub const MAX_BACKENDS_PER_SERVICE: u32 = 65_535;
+    /// Flow cache slots per CPU (a power of two): 96 KiB a CPU.
+    pub const FLOW_CACHE_SLOTS: u32 = 2048;
+    /// A flow cache entry is re-checked against conntrack (and refreshes its timestamp there)
+    /// at least every this many jiffies (25: 25 ms at HZ=1000, 100 ms at 250, 250 ms at 100),
+    /// so conntrack's idle timeouts and garbage collection stay exact to that much. Jiffies,
+    /// not ns: bpf_jiffies64 is inlined, the clock helper is a call.
+    pub const FLOW_CACHE_REFRESH_JIFFIES: u64 = 25;
 }
 
 pub const PROTO_TCP: u8 = 6;
@@ -177,6 +186,8 @@ pub const SVC_F_SOURCE_RANGES: u8 = 1 << 2;
 
 /// DatapathConfig::flags.
 pub const CFG_F_MASQUERADE_ALL: u32 = 1 << 0;
+/// Every established packet probes conntrack (the benchmark's baseline; a troubleshooting aid).
+pub const CFG_F_NO_FLOW_CACHE: u32 = 1 << 1;
 
 /// CtValue::flags.
 pub const CT_F_SNAT: u16 = 1 << 0;
@@ -303,6 +314,28 @@ pub struct CtScratch {
 }
 const _: () = assert!(core::mem::size_of::<CtScratch>() == 96);
 
+/// Flow cache entry: a per-CPU, direct-mapped copy of an established flow's conntrack rewrite,
+/// in an array the verifier inlines (a hash-map probe is several calls). Valid while its
+/// generation is current (conntrack bumps it when a tuple gets a new flow; user space when it
+/// deletes flows) and for FLOW_CACHE_REFRESH_JIFFIES after it was checked against conntrack. TCP
+/// packets with SYN, FIN or RST always take conntrack. Kernel-only.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct FlowCacheEntry {
+    pub key: CtKey,
+    pub new_saddr: u32,
+    pub new_daddr: u32,
+    pub new_sport: u16,
+    pub new_dport: u16,
+    /// CtValue::flags.
+    pub flags: u16,
+    pub _pad: u16,
+    pub generation: u64,
+    /// bpf_jiffies64 when this entry was checked against conntrack.
+    pub checked_jiffies: u64,
+}
+const _: () = assert!(core::mem::size_of::<FlowCacheEntry>() == 48);
+
 /// Per-CPU clock cache: bpf_ktime_get_coarse_ns as of the jiffy `jiffies`. The coarse clock
 /// only moves on a tick, so re-reading it once per jiffy (bpf_jiffies64 is inlined, the
 /// helper call is not) gives the same stamps for far less per packet. Kernel-only.
@@ -386,7 +419,7 @@ pub struct DatapathConfig {
 }
 const _: () = assert!(core::mem::size_of::<DatapathConfig>() == 48);
 
-/// Indices of the per-CPU counters in KPR_CNT_V2.
+/// Indices of the per-CPU counters in KPR_CNT_V3.
 pub mod counter {
     pub const NEW_FLOW: u32 = 0;
     pub const ESTABLISHED: u32 = 1;
@@ -405,7 +438,9 @@ pub mod counter {
     pub const SET_MASQ_MARK: u32 = 13;
     pub const SET_DROP_FIREWALL: u32 = 14;
     pub const SET_DROP_FILTER: u32 = 15;
-    pub const COUNT: u32 = 16;
+    /// Established or reply packets the flow cache did not answer (conntrack was probed).
+    pub const FLOW_CACHE_MISS: u32 = 16;
+    pub const COUNT: u32 = 17;
 
     pub const NAMES: [&str; COUNT as usize] = [
         "new_flow",
@@ -424,6 +459,7 @@ pub mod counter {
         "set_masq_mark",
         "set_drop_firewall",
         "set_drop_filter",
+        "flow_cache_miss",
     ];
 }
 

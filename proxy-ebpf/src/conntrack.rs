@@ -1,7 +1,7 @@
 //! Connection tracking: a forward entry per flow and a reply entry for its reverse NAT, in one
 //! LRU map and one key space, so every packet of a flow costs one probe of a 16-byte key.
 //! Flows keep their backend whatever happens to the service afterwards.
-use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_jiffies64, bpf_ktime_get_coarse_ns};
+use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns};
 use proxy_common::{
     counter, Backend, CtKey, CtValue, DatapathConfig, CT_F_CLOSING, CT_F_REPLY, CT_F_SNAT,
     PROTO_TCP, SNAT_PORT_MAX, SNAT_PORT_MIN,
@@ -9,14 +9,14 @@ use proxy_common::{
 
 use crate::{
     counters::bump,
+    flowcache,
     maps::{KPR_BE_V2, KPR_CLOCK, KPR_CT_SCRATCH, KPR_CT_V2},
     parse::Flow,
 };
 
 /// CLOCK_MONOTONIC coarse ns, read through the helper once per jiffy and CPU (see ClockCache).
 #[inline(always)]
-pub fn now_ns() -> u64 {
-    let jiffies = unsafe { bpf_jiffies64() };
+pub fn now_ns(jiffies: u64) -> u64 {
     match KPR_CLOCK.get_ptr_mut(0) {
         Some(c) => {
             let c = unsafe { &mut *c };
@@ -38,6 +38,8 @@ pub struct Rewrite {
     pub sport: u16,
     pub dport: u16,
     pub snat: bool,
+    /// A reply entry's rewrite (reverse NAT).
+    pub reply: bool,
 }
 
 impl Rewrite {
@@ -49,6 +51,7 @@ impl Rewrite {
             sport: v.new_sport,
             dport: v.new_dport,
             snat: v.flags & CT_F_SNAT != 0,
+            reply: v.flags & CT_F_REPLY != 0,
         }
     }
 }
@@ -72,8 +75,8 @@ fn timeout_ns(cfg: &DatapathConfig, proto: u8) -> u64 {
 
 /// The rewrite of an existing flow, forward or reply, refreshed for this packet.
 #[inline(always)]
-pub fn established(f: &Flow, cfg: &DatapathConfig, now: u64) -> Option<Rewrite> {
-    let v = unsafe { &mut *KPR_CT_V2.get_ptr_mut(&key(f))? };
+pub fn established(f: &Flow, key: &CtKey, cfg: &DatapathConfig, now: u64) -> Option<Rewrite> {
+    let v = unsafe { &mut *KPR_CT_V2.get_ptr_mut(key)? };
     if v.flags & CT_F_REPLY != 0 {
         touch(v, f, now);
         bump(counter::REVERSE_NAT);
@@ -84,6 +87,8 @@ pub fn established(f: &Flow, cfg: &DatapathConfig, now: u64) -> Option<Rewrite> 
     let reopened = f.is_new_tcp_syn()
         && (v.flags & CT_F_CLOSING != 0 || unsafe { KPR_BE_V2.get(&v.backend_id) }.is_none());
     if idle || reopened {
+        // The tuple is about to mean another flow: no CPU may answer it from its cache.
+        flowcache::invalidate();
         return None;
     }
     touch(v, f, now);

@@ -10,6 +10,7 @@
 mod conntrack;
 mod counters;
 mod csum;
+mod flowcache;
 mod ipset;
 mod lb;
 mod maps;
@@ -21,17 +22,19 @@ mod sock;
 
 use aya_ebpf::{
     bindings::{xdp_action, TC_ACT_OK},
+    helpers::bpf_jiffies64,
     macros::{cgroup_sock_addr, classifier, socket_filter, xdp},
     maps::lpm_trie::Key,
     programs::{SkBuffContext, SockAddrContext, TcContext, XdpContext},
 };
 use proxy_common::{
-    counter, DatapathConfig, SourceRangeKey, CFG_F_MASQUERADE_ALL, MARK_MASQ,
+    counter, DatapathConfig, SourceRangeKey, CFG_F_MASQUERADE_ALL, CFG_F_NO_FLOW_CACHE, MARK_MASQ,
     SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_F_MASQ, SVC_F_PRESERVE_SOURCE, SVC_F_SOURCE_RANGES,
 };
 
 use counters::bump;
 use maps::{KPR_CFG_V1, KPR_SRCRNG_V1};
+use conntrack::Rewrite;
 use parse::{Flow, Parsed};
 use pkt::{Pkt, Tc, Verdict, Xdp};
 
@@ -68,19 +71,39 @@ fn process<P: Pkt>(p: &mut P, scope: u8) -> Verdict {
     let Some(cfg) = KPR_CFG_V1.get(0) else {
         return Verdict::Pass;
     };
-    let now = conntrack::now_ns();
+    let jiffies = unsafe { bpf_jiffies64() };
+    let key = conntrack::key(&f);
+    let cached = cfg.flags & CFG_F_NO_FLOW_CACHE == 0;
+    let generation = flowcache::generation();
 
-    if let Some(rw) = conntrack::established(&f, cfg, now) {
-        if rw.snat {
-            p.or_mark(MARK_MASQ);
+    if cached && !f.is_tcp_control() {
+        if let Some(rw) = flowcache::lookup(&key, generation, jiffies) {
+            bump(if rw.reply { counter::REVERSE_NAT } else { counter::ESTABLISHED });
+            return forward(p, &f, &rw);
         }
-        return match nat::rewrite(p, &f, &rw) {
-            Some(()) => Verdict::Pass,
-            None => Verdict::Drop,
-        };
+    }
+    let now = conntrack::now_ns(jiffies);
+    if let Some(rw) = conntrack::established(&f, &key, cfg, now) {
+        bump(counter::FLOW_CACHE_MISS);
+        if cached {
+            flowcache::fill(&key, &rw, generation, jiffies);
+        }
+        return forward(p, &f, &rw);
     }
 
     new_flow(p, &f, scope, cfg, now)
+}
+
+/// An established flow's packet: the masquerade mark and the rewrite.
+#[inline(always)]
+fn forward<P: Pkt>(p: &mut P, f: &Flow, rw: &Rewrite) -> Verdict {
+    if rw.snat {
+        p.or_mark(MARK_MASQ);
+    }
+    match nat::rewrite(p, f, rw) {
+        Some(()) => Verdict::Pass,
+        None => Verdict::Drop,
+    }
 }
 
 /// A packet of no known flow: service lookup, policy, backend choice, conntrack, NAT.
@@ -130,6 +153,9 @@ fn new_flow<P: Pkt>(p: &mut P, f: &Flow, scope: u8, cfg: &DatapathConfig, now: u
     }
     bump(counter::NEW_FLOW);
     counters::backend_new(backend_id);
+    if cfg.flags & CFG_F_NO_FLOW_CACHE == 0 {
+        flowcache::fill(&conntrack::key(&f), &rw, flowcache::generation(), unsafe { bpf_jiffies64() });
+    }
     match nat::rewrite(p, &f, &rw) {
         Some(()) => Verdict::Pass,
         None => Verdict::Drop,

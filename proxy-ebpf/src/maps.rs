@@ -5,7 +5,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
-    ClockCache, CtScratch, SockRevKey, SockRevValue,
+    ClockCache, CtScratch, FlowCacheEntry, SockRevKey, SockRevValue,
     limits::*, AffinityKey, AffinityValue, Backend, CtKey, CtValue, DatapathConfig, ServiceKey,
     ServiceValue, SetIpPort, SetIpPortIp, SetIpPortNet, SetPort, SlotKey, SourceRangeKey,
 };
@@ -52,11 +52,19 @@ pub static KPR_CFG_V1: Array<DatapathConfig> = Array::pinned(1, 0);
 
 /// counter index (proxy_common::counter) -> packets, per CPU.
 #[map]
-pub static KPR_CNT_V2: PerCpuArray<u64> = PerCpuArray::pinned(proxy_common::counter::COUNT, 0);
+pub static KPR_CNT_V3: PerCpuArray<u64> = PerCpuArray::pinned(proxy_common::counter::COUNT, 0);
 
 /// index 0 -> this CPU's scratch space for building conntrack entries off the stack.
 #[map]
 pub static KPR_CT_SCRATCH: PerCpuArray<CtScratch> = PerCpuArray::with_max_entries(1, 0);
+
+/// per CPU: flow cache slot (hash of the 5-tuple) -> a copy of that flow's conntrack rewrite.
+#[map]
+pub static KPR_FLOW_CACHE: PerCpuArray<FlowCacheEntry> = PerCpuArray::with_max_entries(FLOW_CACHE_SLOTS, 0);
+
+/// index 0 -> the flow cache generation; entries of another generation are stale.
+#[map]
+pub static KPR_FC_GEN_V1: Array<u64> = Array::pinned(1, 0);
 
 /// index 0 -> this CPU's jiffy and the coarse clock read at it (conntrack::now_ns).
 #[map]

@@ -54,6 +54,17 @@ pub trait Pkt {
         Some(unsafe { core::ptr::read((start + off) as *const T) })
     }
 
+    /// A pointer to `size_of::<T>()` bytes at `off`, checked once: accesses through it need no
+    /// further checks, until a helper call that may move the packet.
+    #[inline(always)]
+    fn ptr<T>(&mut self, off: usize) -> Option<*mut T> {
+        let start = self.data();
+        if start + off + core::mem::size_of::<T>() > self.data_end() {
+            return None;
+        }
+        Some((start + off) as *mut T)
+    }
+
     #[inline(always)]
     fn store<T: Copy>(&mut self, off: usize, v: T) -> Option<()> {
         let start = self.data();

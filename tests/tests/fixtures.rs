@@ -379,3 +379,65 @@ fn two_flows_meeting_on_one_backend_with_one_reply_tuple_get_distinct_ports() {
     assert_eq!(parse(&b2).sport, b.sport);
     assert_eq!(counter_of(&l, counter::SNAT), 0, "a port move is not a masquerade");
 }
+
+/// Runs the rest of this thread on one CPU: the flow cache is per CPU.
+fn on_cpu(cpu: usize) {
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        assert_eq!(libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set), 0, "pin to CPU {cpu}");
+    }
+}
+
+#[test]
+fn flow_cache_answers_established_packets_and_never_outlives_a_tuple_reuse() {
+    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let other_cpu = if cpus > 1 { 1 } else { 0 };
+    let mut l = load("flowcache");
+    let cfg = datapath_config(NODE_IP, Some(("10.244.0.0", 16)));
+    let ack = Frame::tcp("10.244.0.30", 52000, "10.96.0.10", 80, ACK);
+    on_cpu(0);
+    let (_, out) = tc(&mut l.dp, &Frame::tcp("10.244.0.30", 52000, "10.96.0.10", 80, SYN));
+    let first = parse(&out).dst;
+
+    // Established packets come from the cache: conntrack is not probed.
+    let misses = counter_of(&l, counter::FLOW_CACHE_MISS);
+    for _ in 0..3 {
+        let (v, o) = tc(&mut l.dp, &ack);
+        assert_eq!(v, TC_ACT_OK);
+        let p = parse(&o);
+        assert_eq!(p.dst, first);
+        assert!(p.ip_csum_ok && p.l4_csum_ok, "{p:?}");
+    }
+    assert_eq!(counter_of(&l, counter::FLOW_CACHE_MISS), misses, "the cache answered");
+    // With the cache off, every packet probes conntrack, with the same result.
+    l.maps.set_config(proxy_common::DatapathConfig { flags: cfg.flags | proxy_common::CFG_F_NO_FLOW_CACHE, ..cfg }).unwrap();
+    let (_, o) = tc(&mut l.dp, &ack);
+    assert_eq!(parse(&o).dst, first);
+    assert_eq!(counter_of(&l, counter::FLOW_CACHE_MISS), misses + 1);
+    l.maps.set_config(cfg).unwrap();
+
+    // Another CPU caches the flow too. Then its backend goes, and a new SYN on the same tuple
+    // (on CPU 0) is a new flow to another backend: the other CPU's copy must not answer.
+    on_cpu(other_cpu);
+    assert_eq!(parse(&tc(&mut l.dp, &ack).1).dst, first);
+    let node = NodeInfo { name: "node-a".into(), nodeport_addresses: vec![ip(NODE_IP)], ..Default::default() };
+    let rest: Vec<&str> = WEB.iter().copied().filter(|b| *b != first.to_string()).collect();
+    let y = manifests().replace(&slice("web", 8080, "TCP", &WEB), &slice("web", 8080, "TCP", &rest));
+    l.syncer.sync(&mut l.maps, &kpr_tests::desired(&y, &node), cfg).unwrap();
+    on_cpu(0);
+    let (_, o) = tc(&mut l.dp, &Frame::tcp("10.244.0.30", 52000, "10.96.0.10", 80, SYN));
+    let second = parse(&o).dst;
+    assert_ne!(second, first);
+    on_cpu(other_cpu);
+    assert_eq!(parse(&tc(&mut l.dp, &ack).1).dst, second, "a stale flow cache entry answered on CPU {other_cpu}");
+
+    // Flows deleted from user space: after the invalidation nothing answers for them.
+    for (k, _) in l.maps.conntrack().unwrap() {
+        l.maps.del_conntrack(k).unwrap();
+    }
+    l.maps.invalidate_flow_cache().unwrap();
+    let new_before = counter_of(&l, counter::NEW_FLOW);
+    tc(&mut l.dp, &ack);
+    assert_eq!(counter_of(&l, counter::NEW_FLOW), new_before + 1, "the cache answered for a deleted flow");
+}

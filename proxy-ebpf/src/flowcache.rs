@@ -1,0 +1,78 @@
+//! The flow cache: a per-CPU, direct-mapped copy of established flows' rewrites in front of
+//! the conntrack map (see proxy_common::FlowCacheEntry). An array lookup with a constant-time
+//! index is inlined by the verifier; the conntrack probe it saves costs several calls (hash,
+//! bucket walk, key compare), each expensive on CPUs with return-thunk mitigations.
+use aya_ebpf::helpers::bpf_get_prandom_u32;
+use proxy_common::{
+    limits::{FLOW_CACHE_REFRESH_JIFFIES, FLOW_CACHE_SLOTS},
+    CtKey, FlowCacheEntry, CT_F_REPLY, CT_F_SNAT,
+};
+
+use crate::{
+    conntrack::Rewrite,
+    maps::{KPR_FC_GEN_V1, KPR_FLOW_CACHE},
+};
+
+#[inline(always)]
+fn words(k: &CtKey) -> [u64; 2] {
+    unsafe { core::mem::transmute::<CtKey, [u64; 2]>(*k) }
+}
+
+#[inline(always)]
+fn slot(k: &[u64; 2]) -> u32 {
+    let h = (k[0] ^ k[1].rotate_left(29)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    (h >> 32) as u32 & (FLOW_CACHE_SLOTS - 1)
+}
+
+/// The current generation.
+#[inline(always)]
+pub fn generation() -> u64 {
+    KPR_FC_GEN_V1.get(0).copied().unwrap_or(0)
+}
+
+/// Makes every CPU's entries stale: a tuple now means another flow. The BPF target has no
+/// atomic add here, so two CPUs may race; a random step (not +1) keeps the loser's write from
+/// bringing back a value that entries were filled with.
+#[inline(always)]
+pub fn invalidate() {
+    if let Some(g) = KPR_FC_GEN_V1.get_ptr_mut(0) {
+        let step = u64::from(unsafe { bpf_get_prandom_u32() }) | 1;
+        unsafe { *g = (*g).wrapping_add(step) };
+    }
+}
+
+#[inline(always)]
+pub fn lookup(key: &CtKey, generation: u64, jiffies: u64) -> Option<Rewrite> {
+    let k = words(key);
+    let e = KPR_FLOW_CACHE.get(slot(&k))?;
+    if words(&e.key) != k || e.generation != generation || jiffies.wrapping_sub(e.checked_jiffies) > FLOW_CACHE_REFRESH_JIFFIES {
+        return None;
+    }
+    Some(Rewrite {
+        saddr: e.new_saddr,
+        daddr: e.new_daddr,
+        sport: e.new_sport,
+        dport: e.new_dport,
+        snat: e.flags & CT_F_SNAT != 0,
+        reply: e.flags & CT_F_REPLY != 0,
+    })
+}
+
+/// Remembers the rewrite conntrack just gave for `key`.
+#[inline(always)]
+pub fn fill(key: &CtKey, rw: &Rewrite, generation: u64, jiffies: u64) {
+    let k = words(key);
+    let Some(e) = KPR_FLOW_CACHE.get_ptr_mut(slot(&k)) else {
+        return;
+    };
+    // Per-CPU slot: no other writer.
+    let e = unsafe { &mut *e };
+    e.key = *key;
+    e.new_saddr = rw.saddr;
+    e.new_daddr = rw.daddr;
+    e.new_sport = rw.sport;
+    e.new_dport = rw.dport;
+    e.flags = if rw.snat { CT_F_SNAT } else { 0 } | if rw.reply { CT_F_REPLY } else { 0 };
+    e.generation = generation;
+    e.checked_jiffies = jiffies;
+}
