@@ -16,7 +16,7 @@ use proxy_agent::{
     model::DesiredState,
     sync::Syncer,
 };
-use proxy_common::{counter, map_names, prog_names, CtKey, CtValue};
+use proxy_common::{counter, map_names, prog_names, CtKey, CtValue, DatapathConfig, CFG_F_NO_FLOW_CACHE};
 
 fn vip(i: u32) -> std::net::IpAddr {
     let n = 0x0a60_0000u32 + i; // 10.96.0.0 + i
@@ -32,6 +32,9 @@ fn desired(n: u32) -> DesiredState {
 enum Prog {
     Tc,
     Xdp,
+    /// The fast path with its flow cache off: every established packet probes conntrack.
+    TcNoCache,
+    XdpNoCache,
     TcPass,
     XdpPass,
     /// IPVS mode's kube-proxy set matching (kpr_tc_ipset).
@@ -43,6 +46,8 @@ impl Prog {
         match self {
             Prog::Tc => "tc fast path",
             Prog::Xdp => "xdp fast path",
+            Prog::TcNoCache => "tc, no flow cache",
+            Prog::XdpNoCache => "xdp, no flow cache",
             Prog::TcPass => "tc pass (floor)",
             Prog::XdpPass => "xdp pass (floor)",
             Prog::TcIpset => "tc ipset (ipvs)",
@@ -55,10 +60,10 @@ fn run(dp: &mut Datapath, p: Prog, frame: &[u8], repeat: u32) -> (f64, Vec<u8>) 
     let mut out = vec![0u8; 256];
     let opts = TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), repeat, ..Default::default() };
     let r = match p {
-        Prog::Tc => dp.classifier(prog_names::TC_INGRESS).unwrap().test_run(opts),
+        Prog::Tc | Prog::TcNoCache => dp.classifier(prog_names::TC_INGRESS).unwrap().test_run(opts),
         Prog::TcPass => dp.classifier(prog_names::TC_PASS).unwrap().test_run(opts),
         Prog::TcIpset => dp.classifier(prog_names::TC_IPSET).unwrap().test_run(opts),
-        Prog::Xdp => dp.xdp(prog_names::XDP_INGRESS).unwrap().test_run(opts),
+        Prog::Xdp | Prog::XdpNoCache => dp.xdp(prog_names::XDP_INGRESS).unwrap().test_run(opts),
         Prog::XdpPass => dp.xdp(prog_names::XDP_PASS).unwrap().test_run(opts),
     }
     .expect("BPF_PROG_TEST_RUN");
@@ -128,7 +133,7 @@ fn main() {
     let cpu = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|c| c.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())).unwrap_or_default();
     let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
     println!("machine: Linux {} | {cpu} | {ncpu} CPUs", kernel.trim());
-    println!("method: BPF_PROG_TEST_RUN, 54-byte TCP frames, median of {runs} runs of {repeat} repetitions: forward = a hit on an established flow (DNAT), reply = a hit on its reverse NAT, other = a packet of no service and no flow; new = {new_flows} distinct SYNs, 1 repetition each (mean)");
+    println!("method: BPF_PROG_TEST_RUN, 54-byte TCP frames, median of {runs} runs of {repeat} repetitions: forward = a hit on an established flow (DNAT), reply = a hit on its reverse NAT, other = a packet of no service and no flow; new = {new_flows} distinct SYNs, 1 repetition each (mean). The fast path answers repeated hits from its per-CPU flow cache; the 'no flow cache' rows probe conntrack for every packet");
 
     let pins = PinDir::new("bench");
     let max = *sizes.iter().max().unwrap();
@@ -176,8 +181,11 @@ fn main() {
         run(&mut dp, Prog::Tc, &tcp(client.0, client.1, target, 80, SYN), 1);
         let flows = ping_pong(&mut ct, client, (target, 80));
         let mut floor: BTreeMap<bool, [f64; 4]> = BTreeMap::new();
-        for p in [Prog::TcPass, Prog::XdpPass, Prog::Tc, Prog::Xdp, Prog::TcIpset] {
-            let lb = matches!(p, Prog::Tc | Prog::Xdp);
+        for p in [Prog::TcPass, Prog::XdpPass, Prog::Tc, Prog::Xdp, Prog::TcNoCache, Prog::XdpNoCache, Prog::TcIpset] {
+            let lb = matches!(p, Prog::Tc | Prog::Xdp | Prog::TcNoCache | Prog::XdpNoCache);
+            let no_cache = matches!(p, Prog::TcNoCache | Prog::XdpNoCache);
+            let flags = if no_cache { cfg.flags | CFG_F_NO_FLOW_CACHE } else { cfg.flags };
+            proxy_agent::maps::DatapathMaps::set_config(&mut maps, DatapathConfig { flags, ..cfg }).expect("config");
             let mut timed = |frame: &[u8], counter: Option<u32>| {
                 let before = counters(&maps);
                 let t = median(
@@ -196,6 +204,11 @@ fn main() {
                 if lb {
                     let total = u64::from(repeat) * runs as u64;
                     let delta = |c: u32| after[c as usize] - before[c as usize];
+                    // Without the cache every hit probes conntrack.
+                    if no_cache {
+                        let want = if counter.is_some() { total } else { 0 };
+                        check(&format!("{} {}", p.name(), counter::NAMES[counter::FLOW_CACHE_MISS as usize]), delta(counter::FLOW_CACHE_MISS), want);
+                    }
                     for c in [counter::ESTABLISHED, counter::REVERSE_NAT, counter::NEW_FLOW] {
                         let want = if Some(c) == counter { total } else { 0 };
                         check(&format!("{} {}", p.name(), counter::NAMES[c as usize]), delta(c), want);
@@ -213,7 +226,7 @@ fn main() {
                 total += run(&mut dp, p, &Frame::tcp(src, flow_port, &target.to_string(), 80, SYN).bytes(), 1).0;
             }
             let newf = total / f64::from(new_flows);
-            let is_tc = matches!(p, Prog::Tc | Prog::TcPass | Prog::TcIpset);
+            let is_tc = matches!(p, Prog::Tc | Prog::TcNoCache | Prog::TcPass | Prog::TcIpset);
             let fig = [fwd, rev, oth, newf];
             if matches!(p, Prog::TcPass | Prog::XdpPass) {
                 floor.insert(is_tc, fig);
@@ -234,13 +247,15 @@ fn main() {
             results.push(row);
         }
         // Flows of this size must not help the next one.
+        proxy_agent::maps::DatapathMaps::set_config(&mut maps, cfg).expect("config");
         for (k, _) in proxy_agent::maps::DatapathMaps::conntrack(&maps).unwrap() {
             let _ = proxy_agent::maps::DatapathMaps::del_conntrack(&mut maps, k);
         }
+        proxy_agent::maps::DatapathMaps::invalidate_flow_cache(&mut maps).expect("invalidate the flow cache");
     }
     // Flatness: each program's established-flow cost at the largest size vs the smallest.
     let (lo, hi) = (sizes[0], max);
-    for p in ["tc fast path", "xdp fast path", "tc ipset (ipvs)"] {
+    for p in ["tc fast path", "xdp fast path", "tc, no flow cache", "xdp, no flow cache", "tc ipset (ipvs)"] {
         let get = |n: u32| results.iter().find(|r| r["services"] == n && r["program"] == p).map(|r| r["established_forward_ns"].as_f64().unwrap());
         if let (Some(a), Some(b)) = (get(lo), get(hi)) {
             println!("{p}: established-flow (forward) cost at {hi} services is {:.2}x that at {lo}", b / a);
