@@ -82,7 +82,10 @@ pub fn established(f: &Flow, key: &CtKey, cfg: &DatapathConfig, now: u64) -> Opt
         bump(counter::REVERSE_NAT);
         return Some(Rewrite::of(v));
     }
-    let idle = now.wrapping_sub(v.last_seen_ns) > timeout_ns(cfg, f.proto);
+    // Saturating: another CPU may have stamped the entry with a clock reading newer than ours
+    // (the coarse clock moves on one CPU's tick while others still read the old value); a
+    // wrapped difference would call a live flow idle and re-balance it mid-connection.
+    let idle = now.saturating_sub(v.last_seen_ns) > timeout_ns(cfg, f.proto);
     // A fresh SYN on a closing tuple, or to a backend that is gone, is a new connection.
     let reopened = f.is_new_tcp_syn()
         && (v.flags & CT_F_CLOSING != 0 || unsafe { KPR_BE_V2.get(&v.backend_id) }.is_none());
@@ -100,7 +103,7 @@ pub fn established(f: &Flow, key: &CtKey, cfg: &DatapathConfig, now: u64) -> Opt
 fn touch(v: &mut CtValue, f: &Flow, now: u64) {
     // The coarse clock ticks every few ms: most packets find the stamp current and leave the
     // shared cache line clean.
-    if v.last_seen_ns != now {
+    if now > v.last_seen_ns {
         v.last_seen_ns = now;
     }
     if f.is_tcp_close() {

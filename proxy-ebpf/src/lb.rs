@@ -66,9 +66,12 @@ pub fn select_backend(svc: &ServiceValue, f: &Flow, now: u64) -> Option<(u32, Ba
     if affinity_ns != 0 {
         if let Some(a) = KPR_AFF_V1.get_ptr_mut(&aff_key) {
             let a = unsafe { &mut *a };
-            if now.wrapping_sub(a.last_used_ns) <= affinity_ns {
+            // Saturating: another CPU's stamp may be a little ahead of our clock reading.
+            if now.saturating_sub(a.last_used_ns) <= affinity_ns {
                 if let Some(be) = unsafe { KPR_BE_V2.get(&a.backend_id) } {
-                    a.last_used_ns = now;
+                    if now > a.last_used_ns {
+                        a.last_used_ns = now;
+                    }
                     bump(counter::AFFINITY_HIT);
                     return Some((a.backend_id, *be));
                 }

@@ -441,3 +441,31 @@ fn flow_cache_answers_established_packets_and_never_outlives_a_tuple_reuse() {
     tc(&mut l.dp, &ack);
     assert_eq!(counter_of(&l, counter::NEW_FLOW), new_before + 1, "the cache answered for a deleted flow");
 }
+
+#[test]
+fn a_flow_stamped_by_a_cpu_whose_clock_is_ahead_stays_established() {
+    // The coarse clock moves on one CPU's tick while another still reads the old value, so an
+    // entry's stamp can be a little ahead of the clock a packet reads. That must not make the
+    // flow look idle (a wrapped age), or it is re-balanced mid-connection.
+    use aya::maps::{HashMap, Map, MapData};
+    use proxy_common::{map_names, CtKey, CtValue, CFG_F_NO_FLOW_CACHE};
+    let mut l = load("clockskew");
+    let cfg = datapath_config(NODE_IP, Some(("10.244.0.0", 16)));
+    l.maps.set_config(proxy_common::DatapathConfig { flags: cfg.flags | CFG_F_NO_FLOW_CACHE, ..cfg }).unwrap();
+    let (_, out) = tc(&mut l.dp, &Frame::tcp("10.244.0.31", 53000, "10.96.0.10", 80, SYN));
+    let first = parse(&out).dst;
+    let mut ct: HashMap<MapData, CtKey, CtValue> =
+        HashMap::try_from(Map::LruHashMap(MapData::from_pin(l.pins.path().join(map_names::CONNTRACK)).unwrap())).unwrap();
+    let entries: Vec<(CtKey, CtValue)> = ct.iter().map(|e| e.unwrap()).collect();
+    for (k, mut v) in entries {
+        v.last_seen_ns += 50_000_000;
+        ct.insert(k, v, 0).unwrap();
+    }
+    let (est, new) = (counter_of(&l, counter::ESTABLISHED), counter_of(&l, counter::NEW_FLOW));
+    for _ in 0..5 {
+        let (_, o) = tc(&mut l.dp, &Frame::tcp("10.244.0.31", 53000, "10.96.0.10", 80, ACK));
+        assert_eq!(parse(&o).dst, first);
+    }
+    assert_eq!(counter_of(&l, counter::NEW_FLOW), new, "a live flow was taken for idle and scheduled again");
+    assert_eq!(counter_of(&l, counter::ESTABLISHED), est + 5);
+}
