@@ -98,21 +98,20 @@ pub fn parse<P: Pkt>(p: &P) -> Parsed {
     if tot_len < ihl_bytes + l4_min {
         return Parsed::Malformed;
     }
-    let Some(ports) = p.load::<[u16; 2]>(l4_off) else {
-        return Parsed::Malformed;
-    };
-    let tcp_flags = if proto == PROTO_TCP {
-        let Some(f) = p.load::<u8>(l4_off + 13) else {
+    // One bounds check per header: TCP up to its flags (and checksum), the whole UDP header.
+    let (ports, tcp_flags) = if proto == PROTO_TCP {
+        let Some(h) = p.ptr::<[u32; 5]>(l4_off) else {
             return Parsed::Malformed;
         };
-        f
+        let (ports, word3) = unsafe { ((*h)[0], (*h)[3]) };
+        (ports, (word3 >> 8) as u8)
     } else {
-        // The UDP header must be complete too.
-        if p.load::<u16>(l4_off + 6).is_none() {
+        let Some(h) = p.ptr::<[u32; 2]>(l4_off) else {
             return Parsed::Malformed;
-        }
-        0
+        };
+        (unsafe { (*h)[0] }, 0)
     };
+    let ports: [u16; 2] = [ports as u16, (ports >> 16) as u16];
     Parsed::Flow(Flow {
         l4_off,
         ihl_bytes,

@@ -57,7 +57,7 @@ pub trait Pkt {
     /// A pointer to `size_of::<T>()` bytes at `off`, checked once: accesses through it need no
     /// further checks, until a helper call that may move the packet.
     #[inline(always)]
-    fn ptr<T>(&mut self, off: usize) -> Option<*mut T> {
+    fn ptr<T>(&self, off: usize) -> Option<*mut T> {
         let start = self.data();
         if start + off + core::mem::size_of::<T>() > self.data_end() {
             return None;
@@ -223,10 +223,18 @@ impl Pkt for Tc<'_> {
         if csum::is_zero(port_diff) {
             return Some(());
         }
-        let now: u16 = self.load(c.off)?;
+        // The helper may have moved the packet: one new check, then read and write through it.
+        let field = self.ptr::<u16>(c.off)?;
+        let now = unsafe { *field };
         if csum::same(now, csum::apply(old, addr_diff)) {
             // A full checksum: the port change cancels its own in skb->csum, so only the field.
-            update_full(self, c, port_diff)
+            // (A UDP zero here would have been left alone by the helper: `old` was not zero.)
+            let mut new = csum::apply(now, port_diff);
+            if c.udp && new == 0 {
+                new = 0xffff;
+            }
+            unsafe { *field = new };
+            Some(())
         } else if csum::same(now, csum::add(old, addr_diff)) {
             // CHECKSUM_PARTIAL: the device (or skb_checksum_help) sums the new ports itself.
             Some(())
