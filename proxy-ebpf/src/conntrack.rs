@@ -43,16 +43,15 @@ pub struct Rewrite {
 }
 
 impl Rewrite {
+    /// From a stored tuple and its CtValue flags.
+    #[inline(always)]
+    pub fn new(saddr: u32, daddr: u32, sport: u16, dport: u16, flags: u16) -> Self {
+        Self { saddr, daddr, sport, dport, snat: flags & CT_F_SNAT != 0, reply: flags & CT_F_REPLY != 0 }
+    }
+
     #[inline(always)]
     fn of(v: &CtValue) -> Self {
-        Self {
-            saddr: v.new_saddr,
-            daddr: v.new_daddr,
-            sport: v.new_sport,
-            dport: v.new_dport,
-            snat: v.flags & CT_F_SNAT != 0,
-            reply: v.flags & CT_F_REPLY != 0,
-        }
+        Self::new(v.new_saddr, v.new_daddr, v.new_sport, v.new_dport, v.flags)
     }
 }
 

@@ -48,14 +48,7 @@ pub fn lookup(key: &CtKey, generation: u64, jiffies: u64) -> Option<Rewrite> {
     if words(&e.key) != k || e.generation != generation || jiffies.wrapping_sub(e.checked_jiffies) > FLOW_CACHE_REFRESH_JIFFIES {
         return None;
     }
-    Some(Rewrite {
-        saddr: e.new_saddr,
-        daddr: e.new_daddr,
-        sport: e.new_sport,
-        dport: e.new_dport,
-        snat: e.flags & CT_F_SNAT != 0,
-        reply: e.flags & CT_F_REPLY != 0,
-    })
+    Some(Rewrite::new(e.new_saddr, e.new_daddr, e.new_sport, e.new_dport, e.flags))
 }
 
 /// Remembers the rewrite conntrack just gave for `key`.
