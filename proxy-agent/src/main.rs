@@ -248,7 +248,7 @@ fn main() -> Result<()> {
             if let Some(path) = &config_file {
                 let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
                 let kp = config::parse(&path.display().to_string(), &text)?;
-                apply_kube_proxy_config(&mut cfg, &kp, explicit);
+                // The mode first: what applies (the fast path's scheduler) depends on it.
                 if mode_flag.is_none() {
                     cfg.mode = match kp.mode.as_str() {
                         "ipvs" => proxy_agent::agent::Mode::Ipvs,
@@ -256,6 +256,7 @@ fn main() -> Result<()> {
                         _ => proxy_agent::agent::Mode::Ebpf,
                     };
                 }
+                apply_kube_proxy_config(&mut cfg, &kp, explicit);
                 if a_flags_unset(&config_file, &healthz) {
                     if let Some(h) = &kp.healthz_bind_address {
                         healthz = h.clone();
@@ -470,8 +471,9 @@ fn apply_kube_proxy_config(cfg: &mut AgentConfig, kp: &config::KubeProxyConfig, 
     if !explicit.0 {
         match kp.fast_path_scheduler() {
             Some(Ok(s)) => cfg.scheduler = s,
-            Some(Err(w)) => tracing::warn!("{w}"),
-            None => {}
+            // In IPVS mode IPVS itself uses it: nothing to warn about.
+            Some(Err(w)) if cfg.mode != proxy_agent::agent::Mode::Ipvs => tracing::warn!("{w}"),
+            _ => {}
         }
     }
     let nonzero = |d: Option<Duration>| d.filter(|d| !d.is_zero());
