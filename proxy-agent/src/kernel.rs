@@ -561,4 +561,14 @@ mod tests {
             assert!(has(name), "program {name} missing from the eBPF object");
         }
     }
+
+    /// Retired pins are removed at every load: a name in use there would unpin a live map.
+    #[test]
+    fn no_retired_map_name_is_in_use() {
+        let in_use: Vec<&str> = map_names::ALL.iter().chain(map_names::SETS.iter()).copied().collect();
+        for name in map_names::RETIRED {
+            assert!(!in_use.contains(&name), "{name} is retired and in use");
+            assert!(!EBPF_OBJECT.windows(name.len()).any(|w| w == name.as_bytes()), "{name} is retired but in the eBPF object");
+        }
+    }
 }

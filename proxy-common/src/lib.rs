@@ -46,7 +46,7 @@ pub mod map_names {
     pub const SETS: [&str; 5] = [SET_IP_PORT, SET_IP_PORT_IP, SET_IP_PORT_NET, SET_PORT, SET_IP];
     /// Pins of earlier layouts: removed at load, so an upgrade does not keep them (and their
     /// memory) alive next to their successors.
-    pub const RETIRED: [&str; 6] = ["KPR_SVC_V1", "KPR_SLOT_V1", "KPR_BE_V1", "KPR_CNT_V1", "KPR_CNT_V3", "KPR_CT_V1"];
+    pub const RETIRED: [&str; 6] = ["KPR_SVC_V1", "KPR_SLOT_V1", "KPR_BE_V1", "KPR_CNT_V1", "KPR_CNT_V2", "KPR_CT_V1"];
     /// Every map the fast path pins.
     pub const ALL: [&str; 13] = [
         SERVICES, SLOTS, MAGLEV, BACKENDS, CONNTRACK, AFFINITY, SOURCE_RANGES, RR_STATE, CONFIG,
