@@ -46,7 +46,7 @@ pub trait DatapathMaps {
     fn conntrack(&self) -> Result<Vec<(CtKey, CtValue)>, MapError>;
     fn del_conntrack(&mut self, k: CtKey) -> Result<(), MapError>;
     /// After deleting flows that may still carry packets: no CPU's flow cache may answer for
-    /// them any more (it otherwise re-checks conntrack within FLOW_CACHE_REFRESH_NS).
+    /// them any more (it otherwise re-checks conntrack within FLOW_CACHE_REFRESH_JIFFIES).
     fn invalidate_flow_cache(&mut self) -> Result<(), MapError>;
     fn affinity(&self) -> Result<Vec<(AffinityKey, AffinityValue)>, MapError>;
     fn del_affinity(&mut self, k: AffinityKey) -> Result<(), MapError>;

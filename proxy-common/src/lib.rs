@@ -327,7 +327,7 @@ pub struct FlowCacheEntry {
     pub new_daddr: u32,
     pub new_sport: u16,
     pub new_dport: u16,
-    /// CtValue::flags.
+    /// CtValue::flags of the entry copied.
     pub flags: u16,
     pub _pad: u16,
     pub generation: u64,

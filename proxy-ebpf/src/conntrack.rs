@@ -30,28 +30,30 @@ pub fn now_ns(jiffies: u64) -> u64 {
     }
 }
 
-/// The 4-tuple a packet is rewritten to (network order), and whether it was masqueraded.
+/// The 4-tuple a packet is rewritten to (network order), with its entry's CtValue flags.
 #[derive(Clone, Copy)]
 pub struct Rewrite {
     pub saddr: u32,
     pub daddr: u32,
     pub sport: u16,
     pub dport: u16,
-    pub snat: bool,
-    /// A reply entry's rewrite (reverse NAT).
-    pub reply: bool,
+    pub flags: u16,
 }
 
 impl Rewrite {
-    /// From a stored tuple and its CtValue flags.
-    #[inline(always)]
-    pub fn new(saddr: u32, daddr: u32, sport: u16, dport: u16, flags: u16) -> Self {
-        Self { saddr, daddr, sport, dport, snat: flags & CT_F_SNAT != 0, reply: flags & CT_F_REPLY != 0 }
-    }
-
     #[inline(always)]
     fn of(v: &CtValue) -> Self {
-        Self::new(v.new_saddr, v.new_daddr, v.new_sport, v.new_dport, v.flags)
+        Self { saddr: v.new_saddr, daddr: v.new_daddr, sport: v.new_sport, dport: v.new_dport, flags: v.flags }
+    }
+    /// Masqueraded.
+    #[inline(always)]
+    pub fn snat(&self) -> bool {
+        self.flags & CT_F_SNAT != 0
+    }
+    /// A reply entry's rewrite (reverse NAT).
+    #[inline(always)]
+    pub fn reply(&self) -> bool {
+        self.flags & CT_F_REPLY != 0
     }
 }
 

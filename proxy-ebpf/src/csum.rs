@@ -29,6 +29,18 @@ pub fn apply(check: u16, diff: u32) -> u16 {
     !fold(u64::from(!check) + u64::from(diff))
 }
 
+/// `apply` for an L4 checksum: a UDP checksum that computes to zero is sent as 0xffff (zero
+/// means "no checksum").
+#[inline(always)]
+pub fn apply_l4(check: u16, diff: u32, udp: bool) -> u16 {
+    let new = apply(check, diff);
+    if udp && new == 0 {
+        0xffff
+    } else {
+        new
+    }
+}
+
 /// A stored (uncomplemented) partial sum after the change: what the kernel keeps in the L4
 /// checksum field of a CHECKSUM_PARTIAL packet (the pseudo-header sum).
 #[inline(always)]

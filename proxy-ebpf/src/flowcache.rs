@@ -5,7 +5,7 @@
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use proxy_common::{
     limits::{FLOW_CACHE_REFRESH_JIFFIES, FLOW_CACHE_SLOTS},
-    CtKey, FlowCacheEntry, CT_F_REPLY, CT_F_SNAT,
+    CtKey, FlowCacheEntry,
 };
 
 use crate::{
@@ -48,7 +48,7 @@ pub fn lookup(key: &CtKey, generation: u64, jiffies: u64) -> Option<Rewrite> {
     if words(&e.key) != k || e.generation != generation || jiffies.wrapping_sub(e.checked_jiffies) > FLOW_CACHE_REFRESH_JIFFIES {
         return None;
     }
-    Some(Rewrite::new(e.new_saddr, e.new_daddr, e.new_sport, e.new_dport, e.flags))
+    Some(Rewrite { saddr: e.new_saddr, daddr: e.new_daddr, sport: e.new_sport, dport: e.new_dport, flags: e.flags })
 }
 
 /// Remembers the rewrite conntrack just gave for `key`.
@@ -65,7 +65,7 @@ pub fn fill(key: &CtKey, rw: &Rewrite, generation: u64, jiffies: u64) {
     e.new_daddr = rw.daddr;
     e.new_sport = rw.sport;
     e.new_dport = rw.dport;
-    e.flags = if rw.snat { CT_F_SNAT } else { 0 } | if rw.reply { CT_F_REPLY } else { 0 };
+    e.flags = rw.flags;
     e.generation = generation;
     e.checked_jiffies = jiffies;
 }

@@ -78,7 +78,7 @@ fn process<P: Pkt>(p: &mut P, scope: u8) -> Verdict {
 
     if cached && !f.is_tcp_control() {
         if let Some(rw) = flowcache::lookup(&key, generation, jiffies) {
-            bump(if rw.reply { counter::REVERSE_NAT } else { counter::ESTABLISHED });
+            bump(if rw.reply() { counter::REVERSE_NAT } else { counter::ESTABLISHED });
             return forward(p, &f, &rw);
         }
     }
@@ -97,7 +97,7 @@ fn process<P: Pkt>(p: &mut P, scope: u8) -> Verdict {
 /// An established flow's packet: the masquerade mark and the rewrite.
 #[inline(always)]
 fn forward<P: Pkt>(p: &mut P, f: &Flow, rw: &Rewrite) -> Verdict {
-    if rw.snat {
+    if rw.snat() {
         p.or_mark(MARK_MASQ);
     }
     match nat::rewrite(p, f, rw) {

@@ -7,9 +7,6 @@ pub const ETH_LEN: usize = 14;
 pub const ETH_P_IP_BE: u16 = 0x0800u16.to_be();
 /// Offsets of IPv4 fields from the start of the frame.
 pub const IP_OFF: usize = ETH_LEN;
-pub const IP_CSUM: usize = IP_OFF + 10;
-pub const IP_SADDR: usize = IP_OFF + 12;
-pub const IP_DADDR: usize = IP_OFF + 16;
 
 pub const TCP_FIN: u8 = 0x01;
 pub const TCP_SYN: u8 = 0x02;

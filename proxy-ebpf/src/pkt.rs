@@ -90,19 +90,14 @@ pub trait Pkt {
 
 pub struct Xdp<'a>(pub &'a XdpContext);
 
-/// A complete L4 checksum after a change. A zero UDP checksum means "none" and stays zero, and a
-/// computed zero is sent as 0xffff.
+/// A complete L4 checksum after a change. A zero UDP checksum means "none" and stays zero.
 #[inline(always)]
 fn update_full<P: Pkt>(p: &mut P, c: L4Csum, diff: u32) -> Option<()> {
     let old: u16 = p.load(c.off)?;
     if c.udp && old == 0 {
         return Some(());
     }
-    let mut new = csum::apply(old, diff);
-    if c.udp && new == 0 {
-        new = 0xffff;
-    }
-    p.store(c.off, new)
+    p.store(c.off, csum::apply_l4(old, diff, c.udp))
 }
 
 impl Xdp<'_> {
@@ -229,11 +224,7 @@ impl Pkt for Tc<'_> {
         if csum::same(now, csum::apply(old, addr_diff)) {
             // A full checksum: the port change cancels its own in skb->csum, so only the field.
             // (A UDP zero here would have been left alone by the helper: `old` was not zero.)
-            let mut new = csum::apply(now, port_diff);
-            if c.udp && new == 0 {
-                new = 0xffff;
-            }
-            unsafe { *field = new };
+            unsafe { *field = csum::apply_l4(now, port_diff, c.udp) };
             Some(())
         } else if csum::same(now, csum::add(old, addr_diff)) {
             // CHECKSUM_PARTIAL: the device (or skb_checksum_help) sums the new ports itself.
