@@ -388,7 +388,7 @@ pub(crate) fn open(pin_dir: &Path, name: &'static str) -> Result<Map, MapError> 
 }
 
 /// A pinned map, checked to be of the type `T` expects.
-pub(crate) fn open_typed<T: TryFrom<Map, Error = AyaMapError>>(pin_dir: &Path, name: &'static str) -> Result<T, MapError> {
+pub fn open_typed<T: TryFrom<Map, Error = AyaMapError>>(pin_dir: &Path, name: &'static str) -> Result<T, MapError> {
     open(pin_dir, name)?.try_into().map_err(|e| op(name, "type check", e))
 }
 

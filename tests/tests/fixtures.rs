@@ -447,15 +447,14 @@ fn a_flow_stamped_by_a_cpu_whose_clock_is_ahead_stays_established() {
     // The coarse clock moves on one CPU's tick while another still reads the old value, so an
     // entry's stamp can be a little ahead of the clock a packet reads. That must not make the
     // flow look idle (a wrapped age), or it is re-balanced mid-connection.
-    use aya::maps::{HashMap, Map, MapData};
+    use aya::maps::{HashMap, MapData};
     use proxy_common::{map_names, CtKey, CtValue, CFG_F_NO_FLOW_CACHE};
     let mut l = load("clockskew");
     let cfg = datapath_config(NODE_IP, Some(("10.244.0.0", 16)));
     l.maps.set_config(proxy_common::DatapathConfig { flags: cfg.flags | CFG_F_NO_FLOW_CACHE, ..cfg }).unwrap();
     let (_, out) = tc(&mut l.dp, &Frame::tcp("10.244.0.31", 53000, "10.96.0.10", 80, SYN));
     let first = parse(&out).dst;
-    let mut ct: HashMap<MapData, CtKey, CtValue> =
-        HashMap::try_from(Map::LruHashMap(MapData::from_pin(l.pins.path().join(map_names::CONNTRACK)).unwrap())).unwrap();
+    let mut ct: HashMap<MapData, CtKey, CtValue> = proxy_agent::kernel::open_typed(l.pins.path(), map_names::CONNTRACK).unwrap();
     let entries: Vec<(CtKey, CtValue)> = ct.iter().map(|e| e.unwrap()).collect();
     for (k, mut v) in entries {
         v.last_seen_ns += 50_000_000;

@@ -7,7 +7,7 @@
 use std::{collections::BTreeMap, io::Write, net::Ipv4Addr, time::Instant};
 
 use aya::{
-    maps::{HashMap as AyaHashMap, Map, MapData},
+    maps::{HashMap as AyaHashMap, MapData},
     programs::{TestRun, TestRunOptions},
 };
 use kpr_tests::{bench::median, datapath_config, packet::{Frame, SYN, ACK}, PinDir};
@@ -152,7 +152,7 @@ fn main() {
     let cfg = datapath_config("192.0.2.1", Some(("10.244.0.0", 16)));
 
     let mut ct: AyaHashMap<MapData, CtKey, CtValue> =
-        AyaHashMap::try_from(Map::LruHashMap(MapData::from_pin(pins.path().join(map_names::CONNTRACK)).expect("open conntrack"))).expect("conntrack type");
+        proxy_agent::kernel::open_typed(pins.path(), map_names::CONNTRACK).expect("open conntrack");
     let counters = |maps: &KernelMaps| proxy_agent::maps::DatapathMaps::counters(maps).expect("counters");
     let client = ("10.244.200.1".parse::<Ipv4Addr>().unwrap(), 999u16);
     // Pod-to-pod traffic: no service, no flow; what most packets on a node are.
