@@ -2,7 +2,7 @@
 //! attach to new pod interfaces, and collect idle conntrack and affinity entries. A failed step
 //! is logged and counted; the loop goes on.
 use std::{
-    collections::{BTreeSet, HashMap},
+    collections::BTreeSet,
     net::IpAddr,
     path::PathBuf,
     sync::{
@@ -14,9 +14,7 @@ use std::{
 
 use aya::programs::XdpMode;
 use ipnet::IpNet;
-use proxy_common::{
-    user::addr_words, DatapathConfig, CFG_F_MASQUERADE_ALL, CT_F_CLOSING, PROTO_TCP,
-};
+use proxy_common::{user::addr_words, DatapathConfig, CFG_F_MASQUERADE_ALL};
 use tracing::{error, info, warn};
 
 use crate::{
@@ -36,6 +34,11 @@ use crate::{
 };
 
 pub static STOP: AtomicBool = AtomicBool::new(false);
+
+/// The conntrack collector reads at most this many entries of each table per round...
+const GC_BATCH: usize = 16_384;
+/// ...every this often: a full pass over 524,288 entries takes about 8 s.
+const GC_INTERVAL: Duration = Duration::from_millis(250);
 
 /// Which data plane programs services.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -100,6 +103,22 @@ fn set_sysctls(list: &[(&str, &str)]) {
     for (k, v) in list {
         if let Err(e) = ProcSysctls.set(k, v) {
             warn!(error = %e, "cannot set {k}={v}: set it on the host (the DaemonSet's init container does)");
+        }
+    }
+}
+
+/// The masquerade port range for this node (its namespace's ephemeral range decides).
+fn masquerade_ports() -> (u16, u16) {
+    let local = ProcSysctls.get("net.ipv4.ip_local_port_range").unwrap_or_default();
+    match crate::sysctl::snat_port_range(&local) {
+        Some(r) => {
+            info!(ephemeral = %local, snat_ports = %format!("{}-{}", r.0, r.1), "masquerade source ports");
+            r
+        }
+        None => {
+            let r = (proxy_common::SNAT_PORT_MIN, proxy_common::SNAT_PORT_MAX);
+            warn!(ephemeral = %local, snat_ports = %format!("{}-{}", r.0, r.1), "net.ipv4.ip_local_port_range leaves no 4096 ports outside it and the NodePort range for masquerade: using the default range, which the node's own connections may also use");
+            r
         }
     }
 }
@@ -250,7 +269,9 @@ pub struct Agent {
     dp: Datapath,
     maps: KernelMaps,
     syncer: Syncer,
-    attached: BTreeSet<(String, &'static str)>,
+    attached: BTreeSet<(String, Hook)>,
+    /// What KPR_IFADDR_V1 holds (interface index -> masquerade address).
+    iface_addrs: std::collections::BTreeMap<u32, std::net::Ipv4Addr>,
     pub stats: SharedStats,
     /// healthCheckNodePort servers (need a tokio runtime; None in tools and tests without one).
     pub health_checks: Option<crate::healthcheck::HealthChecks>,
@@ -263,6 +284,10 @@ pub struct Agent {
     /// The mode in force (auto resolved).
     pub mode: Mode,
     ipvs: Option<IpvsPlane>,
+    /// The conntrack collector's inbox: (service id, backend id) pairs whose flows go at once.
+    gc: Option<std::sync::mpsc::Sender<BTreeSet<(u32, u32)>>>,
+    /// Masquerade source ports (see sysctl::snat_port_range).
+    snat_ports: (u16, u16),
 }
 
 impl Agent {
@@ -294,7 +319,7 @@ impl Agent {
         let maps = KernelMaps::open(&cfg.pin_dir)?;
         let stats = Arc::new(std::sync::Mutex::new(Stats::new(cfg.sync_period * 2)));
         stats.lock().unwrap().mode = mode.name();
-        Ok(Self { cfg, dp, maps, syncer: Syncer::default(), attached: BTreeSet::new(), stats, health_checks: None, last_desired: None, last_node_version: None, events: None, reported: BTreeSet::new(), mode, ipvs })
+        Ok(Self { cfg, dp, maps, syncer: Syncer::default(), attached: BTreeSet::new(), iface_addrs: Default::default(), stats, health_checks: None, last_desired: None, last_node_version: None, events: None, reported: BTreeSet::new(), mode, ipvs, gc: None, snat_ports: masquerade_ports() })
     }
 
     /// IPVS mode's one-time setup: the netlink handles, the proxier's sysctls, the timeouts.
@@ -364,6 +389,7 @@ impl Agent {
             writes: st.writes + st.addresses_bound + set_writes,
             deletes: st.deletes + st.addresses_unbound + set_deletes,
             errors: st.errors,
+            removed_udp: Default::default(),
         })
     }
 
@@ -397,6 +423,7 @@ impl Agent {
             Some(net) => (addr_words(net.network()), u32::from(net.prefix_len())),
             None => ([0; 4], 0),
         };
+        let (snat_port_min, snat_port_max) = self.snat_ports;
         Ok(DatapathConfig {
             snat_addr: snat.map(addr_words).unwrap_or_default(),
             cluster_cidr: cidr,
@@ -404,36 +431,52 @@ impl Agent {
             flags: if self.cfg.masquerade_all { CFG_F_MASQUERADE_ALL } else { 0 },
             ct_tcp_timeout_s: self.cfg.ct_tcp_timeout_s,
             ct_udp_timeout_s: self.cfg.ct_udp_timeout_s,
+            snat_port_min,
+            snat_port_max,
+            _pad: 0,
         })
     }
 
-    /// Attaches XDP to the uplinks and TC to pod interfaces not attached yet.
-    pub fn attach_interfaces(&mut self) {
-        let present = netif::interfaces();
+    /// The hooks each interface gets: eBPF mode runs the pipeline's ingress half (XDP on
+    /// uplinks, TC on pod and tunnel interfaces) and its egress half (TC) on all of them; IPVS
+    /// mode the set-matching program at TC ingress everywhere (XDP has no skb mark).
+    fn wanted_hooks(&self, present: &[String]) -> Vec<(String, Hook)> {
         let mut wanted: Vec<(String, Hook)> = Vec::new();
-        // IPVS mode: the set-matching program at TC ingress everywhere (XDP has no skb mark).
-        let uplink_hook = if self.mode == Mode::Ipvs { Hook::TcIngress } else { Hook::Xdp };
+        let ebpf = self.mode != Mode::Ipvs;
         for u in &self.cfg.uplinks {
-            wanted.push((u.clone(), uplink_hook));
+            wanted.push((u.clone(), if ebpf { Hook::Xdp } else { Hook::TcIngress }));
+            if ebpf {
+                wanted.push((u.clone(), Hook::TcEgress));
+            }
         }
-        for i in &present {
+        for i in present {
             if self.cfg.pod_ifaces.contains(i) || self.cfg.pod_iface_prefixes.iter().any(|p| i.starts_with(p.as_str())) {
                 wanted.push((i.clone(), Hook::TcIngress));
+                if ebpf {
+                    wanted.push((i.clone(), Hook::TcEgress));
+                }
             }
         }
+        wanted
+    }
+
+    /// Attaches the programs to interfaces that do not have them yet, detaches them from
+    /// interfaces that are gone, and keeps the masquerade address of each interface current.
+    pub fn attach_interfaces(&mut self) {
+        let present = netif::interfaces();
+        let wanted = self.wanted_hooks(&present);
         let mut attached_any = false;
-        for (iface, hook) in wanted {
-            let tag = if hook == Hook::Xdp { "xdp" } else { "tc" };
-            if self.attached.contains(&(iface.clone(), tag)) {
+        for (iface, hook) in &wanted {
+            if self.attached.contains(&(iface.clone(), *hook)) {
                 continue;
             }
-            match self.dp.attach(&iface, hook, self.cfg.xdp_mode) {
+            match self.dp.attach(iface, *hook, self.cfg.xdp_mode) {
                 Ok(()) => {
-                    info!(iface = %iface, hook = tag, "attached");
-                    self.attached.insert((iface.clone(), tag));
+                    info!(iface = %iface, hook = hook.tag(), "attached");
+                    self.attached.insert((iface.clone(), *hook));
                     attached_any = true;
                 }
-                Err(e) => error!(iface = %iface, hook = tag, error = %e, "attach failed"),
+                Err(e) => error!(iface = %iface, hook = hook.tag(), error = %e, "attach failed"),
             }
         }
         // Links of interfaces that are gone.
@@ -441,6 +484,27 @@ impl Agent {
             if hook != Hook::Cgroup && !present.contains(&iface) {
                 let _ = kernel::detach(&self.cfg.pin_dir, &iface, hook);
                 self.attached.retain(|(i, _)| i != &iface);
+            }
+        }
+        if self.mode != Mode::Ipvs {
+            // Masquerade uses the address of the interface a flow leaves by, as MASQUERADE does
+            // (a tunnel device's own address, so the remote node routes replies back through
+            // the tunnel); interfaces without one use the node's SNAT address.
+            let mut addrs = std::collections::BTreeMap::new();
+            for (iface, hook) in &wanted {
+                if *hook != Hook::TcEgress {
+                    continue;
+                }
+                let index = netif::index(iface);
+                if let (Some(index), Some(IpAddr::V4(a))) = (index, netif::ipv4_addresses(iface).first().copied()) {
+                    addrs.insert(index, a);
+                }
+            }
+            if addrs != self.iface_addrs {
+                match self.maps.set_iface_addrs(&addrs) {
+                    Ok(()) => self.iface_addrs = addrs,
+                    Err(e) => warn!(error = %e, "interface masquerade addresses"),
+                }
             }
         }
         if attached_any && self.mode == Mode::Ebpf {
@@ -539,6 +603,9 @@ impl Agent {
         for e in &st.errors {
             warn!(error = %e, "frontend not programmed");
         }
+        if let (Some(gc), false) = (&self.gc, st.removed_udp.is_empty()) {
+            let _ = gc.send(st.removed_udp.clone());
+        }
         if let Some(hc) = &mut self.health_checks {
             for e in hc.update(&desired.health_checks) {
                 warn!(error = %e, "health check server");
@@ -595,36 +662,63 @@ impl Agent {
         r.map(|_| generation)
     }
 
-    /// Deletes idle flows (both directions) and expired affinity entries.
-    pub fn collect_garbage(&mut self) -> Result<(usize, usize), AgentError> {
-        let now = kernel::monotonic_ns();
-        let mut flows = 0;
-        for (k, v) in self.maps.conntrack()? {
-            let timeout = if v.flags & CT_F_CLOSING != 0 {
-                self.cfg.ct_closing_timeout_s
-            } else if k.proto == PROTO_TCP {
-                self.cfg.ct_tcp_timeout_s
-            } else {
-                self.cfg.ct_udp_timeout_s
+    /// The conntrack collector's thread (eBPF mode): one bounded round every GC_INTERVAL, and
+    /// at once the flows of UDP backends that left their service (sent by the syncs).
+    fn start_gc(&self) -> Option<std::sync::mpsc::Sender<BTreeSet<(u32, u32)>>> {
+        if self.mode == Mode::Ipvs {
+            return None;
+        }
+        let (tx, rx) = std::sync::mpsc::channel::<BTreeSet<(u32, u32)>>();
+        let pin_dir = self.cfg.pin_dir.clone();
+        let timeouts = crate::conntrack::Timeouts {
+            tcp: self.cfg.ct_tcp_timeout_s,
+            udp: self.cfg.ct_udp_timeout_s,
+            closing: self.cfg.ct_closing_timeout_s,
+            ..Default::default()
+        };
+        let stats = self.stats.clone();
+        let spawned = std::thread::Builder::new().name("kpr-gc".into()).spawn(move || {
+            let mut tables = match kernel::KernelConntrack::open(&pin_dir) {
+                Ok(t) => t,
+                Err(e) => return error!(error = %e, "conntrack collector cannot open its maps; idle flows are not collected"),
             };
-            if now.saturating_sub(v.last_seen_ns) > u64::from(timeout) * 1_000_000_000 {
-                self.maps.del_conntrack(k)?;
-                if !v.is_reply() {
-                    flows += 1;
+            let mut affinity = crate::affinity_gc::AffinityGc::new(&pin_dir);
+            let mut gc = crate::conntrack::Gc::new(timeouts, GC_BATCH);
+            let mut last_affinity = Instant::now();
+            while !STOP.load(Ordering::Relaxed) {
+                match rx.recv_timeout(GC_INTERVAL) {
+                    Ok(pairs) => match gc.purge(&mut tables, &pairs) {
+                        Ok(st) => info!(flows = st.flows, entries = st.entries, "deleted the flows of UDP backends that left their service"),
+                        Err(e) => warn!(error = %e, "deleting the flows of removed UDP backends failed"),
+                    },
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
+                }
+                match gc.round(&mut tables, kernel::monotonic_ns()) {
+                    Ok(st) => {
+                        if st.flows > 0 {
+                            tracing::debug!(read = st.read, flows = st.flows, entries = st.entries, kept = st.kept, "collected idle flows");
+                        }
+                        let mut s = stats.lock().unwrap();
+                        s.gc_flows_total += st.flows as u64;
+                    }
+                    Err(e) => warn!(error = %e, "conntrack gc round failed"),
+                }
+                if last_affinity.elapsed() >= Duration::from_secs(5) {
+                    if let Err(e) = affinity.collect(kernel::monotonic_ns()) {
+                        warn!(error = %e, "affinity gc failed");
+                    }
+                    last_affinity = Instant::now();
                 }
             }
-        }
-        let timeouts: HashMap<u32, u32> =
-            self.maps.services()?.into_iter().map(|(_, v)| (v.service_id, v.affinity_timeout_s)).collect();
-        let mut aff = 0;
-        for (k, v) in self.maps.affinity()? {
-            let t = timeouts.get(&k.service_id).copied().unwrap_or(0);
-            if now.saturating_sub(v.last_used_ns) > u64::from(t) * 1_000_000_000 {
-                self.maps.del_affinity(k)?;
-                aff += 1;
+        });
+        match spawned {
+            Ok(_) => Some(tx),
+            Err(e) => {
+                error!(error = %e, "cannot start the conntrack collector");
+                None
             }
         }
-        Ok((flows, aff))
     }
 
     pub fn run(&mut self) {
@@ -632,7 +726,7 @@ impl Agent {
         let mut last_fp = None;
         let mut last_generation = u64::MAX;
         let mut last_full = Instant::now() - self.cfg.sync_period * 2;
-        let mut last_gc = Instant::now();
+        self.gc = self.start_gc();
         let mut last_attach = Instant::now() - Duration::from_secs(10);
         let mut dirty = true;
         let mut logged_waiting = false;
@@ -709,14 +803,6 @@ impl Agent {
                 if self.cfg.once {
                     return;
                 }
-            }
-            if last_gc.elapsed() >= Duration::from_secs(5) {
-                match self.collect_garbage() {
-                    Ok((f, a)) if f + a > 0 => info!(flows = f, affinity = a, "collected idle entries"),
-                    Ok(_) => {}
-                    Err(e) => warn!(error = %e, "conntrack gc failed"),
-                }
-                last_gc = Instant::now();
             }
         }
         info!("stopping; programs and maps stay in place (run `kpr cleanup` to remove them)");

@@ -20,7 +20,10 @@ use proxy_common::{
     DatapathConfig, ServiceKey, ServiceValue, SlotKey, SourceRangeKey,
 };
 
-use crate::maps::{DatapathMaps, MapError, SrcRange};
+use crate::{
+    conntrack::{ConntrackTables, Table},
+    maps::{DatapathMaps, MapError, SrcRange},
+};
 
 /// The eBPF object, built by build.rs (see xtask/src/ebpf_build.rs).
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf.o"));
@@ -43,18 +46,22 @@ pub enum KernelError {
     Map(#[from] MapError),
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Hook {
     TcIngress,
+    /// The fast path's second half (masquerade, reverse DNAT), on every interface it runs on.
+    TcEgress,
     Xdp,
     /// Connect-time programs on a cgroup; the "interface" is the program name.
     Cgroup,
 }
 
 impl Hook {
-    fn tag(self) -> &'static str {
+    /// The name in link pins, logs and `kpr status`.
+    pub fn tag(self) -> &'static str {
         match self {
             Hook::TcIngress => "tc_ingress",
+            Hook::TcEgress => "tc_egress",
             Hook::Xdp => "xdp",
             Hook::Cgroup => "cgroup",
         }
@@ -69,6 +76,7 @@ pub struct Capacities {
     pub backends: u32,
     pub slots: u32,
     pub conntrack: u32,
+    pub conntrack_new: u32,
 }
 
 impl Default for Capacities {
@@ -79,6 +87,7 @@ impl Default for Capacities {
             backends: limits::MAX_BACKENDS,
             slots: limits::MAX_SLOTS,
             conntrack: limits::MAX_CONNTRACK,
+            conntrack_new: limits::MAX_CONNTRACK_NEW,
         }
     }
 }
@@ -130,6 +139,7 @@ impl Datapath {
             .map_max_entries(map_names::BACKEND_NEW, caps.backends)
             .map_max_entries(map_names::SLOTS, caps.slots)
             .map_max_entries(map_names::CONNTRACK, caps.conntrack)
+            .map_max_entries(map_names::CONNTRACK_NEW, caps.conntrack_new)
             .load(EBPF_OBJECT)
             .map_err(KernelError::Load)?;
         Ok(Self { ebpf, pin_dir: pin_dir.into(), tc_program: prog_names::TC_INGRESS })
@@ -152,7 +162,7 @@ impl Datapath {
 
     /// Verifies and loads the eBPF fast path (TC, XDP, connect-time programs).
     pub fn load_fast_path(&mut self) -> Result<(), KernelError> {
-        for name in [prog_names::TC_INGRESS, prog_names::TC_PASS] {
+        for name in [prog_names::TC_INGRESS, prog_names::TC_EGRESS, prog_names::TC_PASS] {
             self.classifier(name)?.load().map_err(|err| KernelError::Program { name, err })?;
         }
         for name in [prog_names::XDP_INGRESS, prog_names::XDP_PASS] {
@@ -233,9 +243,13 @@ impl Datapath {
             None
         };
         match hook {
-            Hook::TcIngress => {
-                let tc_program = self.tc_program;
-                let prog = self.classifier(tc_program)?;
+            Hook::TcIngress | Hook::TcEgress => {
+                let (program, attach_type, what) = if hook == Hook::TcIngress {
+                    (self.tc_program, TcAttachType::Ingress, "tc ingress")
+                } else {
+                    (prog_names::TC_EGRESS, TcAttachType::Egress, "tc egress")
+                };
+                let prog = self.classifier(program)?;
                 if let Some(link) = existing {
                     let link = SchedClassifierLink::try_from(link).map_err(|e| fail("reuse pinned tc link", e.to_string()))?;
                     let id = prog.attach_to_link(link).map_err(|e| fail("update tc link", e.to_string()))?;
@@ -246,10 +260,10 @@ impl Datapath {
                 // Only needed on kernels before TCX (6.6); harmless otherwise. There, filters are
                 // not links: remove ours before adding one, or restarts would stack them.
                 let _ = tc::qdisc_add_clsact(iface);
-                for name in [prog_names::TC_INGRESS, prog_names::TC_IPSET] {
-                    let _ = tc::qdisc_detach_program(iface, TcAttachType::Ingress, name);
+                for name in TC_PROGRAMS {
+                    let _ = tc::qdisc_detach_program(iface, attach_type, name);
                 }
-                let id = prog.attach(iface, TcAttachType::Ingress).map_err(|e| fail("attach tc ingress", e.to_string()))?;
+                let id = prog.attach(iface, attach_type).map_err(|e| fail(what, e.to_string()))?;
                 let link = prog.take_link(id).map_err(|e| fail("take tc link", e.to_string()))?;
                 match FdLink::try_from(link) {
                     Ok(fd) => {
@@ -282,6 +296,9 @@ impl Datapath {
     }
 }
 
+/// Every TC program kpr attaches (what a cleanup removes from pre-TCX kernels' filters).
+const TC_PROGRAMS: [&str; 3] = [prog_names::TC_INGRESS, prog_names::TC_EGRESS, prog_names::TC_IPSET];
+
 pub fn link_path(pin_dir: &Path, iface: &str, hook: Hook) -> PathBuf {
     pin_dir.join("links").join(format!("{}_{}", hook.tag(), iface))
 }
@@ -294,6 +311,8 @@ pub fn attached_links(pin_dir: &Path) -> Vec<(String, Hook)> {
         let name = e.file_name().to_string_lossy().to_string();
         if let Some(i) = name.strip_prefix("tc_ingress_") {
             out.push((i.to_string(), Hook::TcIngress));
+        } else if let Some(i) = name.strip_prefix("tc_egress_") {
+            out.push((i.to_string(), Hook::TcEgress));
         } else if let Some(i) = name.strip_prefix("xdp_") {
             out.push((i.to_string(), Hook::Xdp));
         } else if let Some(p) = name.strip_prefix("cgroup_") {
@@ -318,9 +337,11 @@ pub fn cleanup(pin_dir: &Path) -> io::Result<Vec<PathBuf>> {
     let mut removed = Vec::new();
     // Kernels before TCX (6.6) attach TC programs as netlink filters, which no pin holds.
     for iface in crate::netif::interfaces() {
-        for name in [prog_names::TC_INGRESS, prog_names::TC_IPSET] {
-            if tc::qdisc_detach_program(&iface, TcAttachType::Ingress, name).is_ok() {
-                removed.push(PathBuf::from(format!("tc filter {name} on {iface}")));
+        for name in TC_PROGRAMS {
+            for at in [TcAttachType::Ingress, TcAttachType::Egress] {
+                if tc::qdisc_detach_program(&iface, at, name).is_ok() {
+                    removed.push(PathBuf::from(format!("tc filter {name} on {iface}")));
+                }
             }
         }
     }
@@ -372,11 +393,70 @@ pub struct KernelMaps {
     maglev: Array<MapData, u32>,
     source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
     config: Array<MapData, DatapathConfig>,
-    conntrack: HashMap<MapData, CtKey, CtValue>,
+    conntrack: KernelConntrack,
+    iface_addrs: HashMap<MapData, u32, u32>,
     affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     counters: PerCpuArray<MapData, u64>,
     backend_new: PerCpuArray<MapData, u64>,
+}
+
+/// The conntrack tables and the flow cache's generation, opened from their pins (the garbage
+/// collector's thread has its own).
+pub struct KernelConntrack {
+    assured: HashMap<MapData, CtKey, CtValue>,
+    embryonic: HashMap<MapData, CtKey, CtValue>,
     flow_cache_gen: Array<MapData, u64>,
+}
+
+impl KernelConntrack {
+    pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
+        Ok(Self {
+            assured: open_typed(pin_dir, map_names::CONNTRACK)?,
+            embryonic: open_typed(pin_dir, map_names::CONNTRACK_NEW)?,
+            flow_cache_gen: open_typed(pin_dir, map_names::FLOW_CACHE_GEN)?,
+        })
+    }
+    fn map(&self, t: Table) -> &HashMap<MapData, CtKey, CtValue> {
+        match t {
+            Table::Assured => &self.assured,
+            Table::Embryonic => &self.embryonic,
+        }
+    }
+}
+
+impl ConntrackTables for KernelConntrack {
+    fn read_batch(&self, table: Table, cursor: Option<u32>, max: usize) -> Result<(Vec<(CtKey, CtValue)>, Option<u32>), MapError> {
+        let fd = aya::maps::IterableMap::map(self.map(table)).fd();
+        crate::bpf_batch::lookup_batch(fd, cursor, max).map_err(|source| MapError::Op { map: table.map_name(), op: "lookup batch", source })
+    }
+    fn get(&self, table: Table, key: &CtKey) -> Result<Option<CtValue>, MapError> {
+        match self.map(table).get(key, 0) {
+            Ok(v) => Ok(Some(v)),
+            Err(e) if is_enoent(&e) => Ok(None),
+            Err(e) => Err(op(table.map_name(), "lookup", e)),
+        }
+    }
+    fn delete_if(&mut self, table: Table, key: &CtKey, expected: &CtValue) -> Result<bool, MapError> {
+        let name = table.map_name();
+        let fd = aya::maps::IterableMap::map(self.map(table)).fd();
+        let taken: Option<CtValue> = crate::bpf_batch::lookup_and_delete(fd, key).map_err(|source| MapError::Op { map: name, op: "lookup and delete", source })?;
+        match taken {
+            None => Ok(false),
+            Some(v) if v == *expected => Ok(true),
+            Some(v) => {
+                // Changed since it was read: put it back, unless the data path already wrote a
+                // newer one in the moment it was out.
+                crate::bpf_batch::insert_new(fd, key, &v).map_err(|source| MapError::Op { map: name, op: "update", source })?;
+                Ok(false)
+            }
+        }
+    }
+    fn invalidate_flow_cache(&mut self) -> Result<(), MapError> {
+        let name = map_names::FLOW_CACHE_GEN;
+        let g = self.flow_cache_gen.get(&0, 0).map_err(|e| op(name, "lookup", e))?;
+        // Past any of the data path's own (32-bit) steps: never a value an entry holds.
+        self.flow_cache_gen.set(0, g.wrapping_add(1 << 33), 0).map_err(|e| op(name, "update", e))
+    }
 }
 
 pub(crate) fn open(pin_dir: &Path, name: &'static str) -> Result<Map, MapError> {
@@ -402,11 +482,11 @@ impl KernelMaps {
             maglev: open_typed(pin_dir, map_names::MAGLEV)?,
             source_ranges: open_typed(pin_dir, map_names::SOURCE_RANGES)?,
             config: open_typed(pin_dir, map_names::CONFIG)?,
-            conntrack: open_typed(pin_dir, map_names::CONNTRACK)?,
+            conntrack: KernelConntrack::open(pin_dir)?,
+            iface_addrs: open_typed(pin_dir, map_names::IFACE_ADDR)?,
             affinity: open_typed(pin_dir, map_names::AFFINITY)?,
             counters: open_typed(pin_dir, map_names::COUNTERS)?,
             backend_new: open_typed(pin_dir, map_names::BACKEND_NEW)?,
-            flow_cache_gen: open_typed(pin_dir, map_names::FLOW_CACHE_GEN)?,
         })
     }
 }
@@ -493,17 +573,25 @@ impl DatapathMaps for KernelMaps {
     fn set_config(&mut self, c: DatapathConfig) -> Result<(), MapError> {
         self.config.set(0, c, 0).map_err(|e| op(map_names::CONFIG, "update", e))
     }
-    fn conntrack(&self) -> Result<Vec<(CtKey, CtValue)>, MapError> {
-        collect(map_names::CONNTRACK, self.conntrack.iter())
+    fn conntrack(&self) -> &dyn ConntrackTables {
+        &self.conntrack
     }
-    fn del_conntrack(&mut self, k: CtKey) -> Result<(), MapError> {
-        del(map_names::CONNTRACK, self.conntrack.remove(&k))
+    fn conntrack_mut(&mut self) -> &mut dyn ConntrackTables {
+        &mut self.conntrack
     }
-    fn invalidate_flow_cache(&mut self) -> Result<(), MapError> {
-        let name = map_names::FLOW_CACHE_GEN;
-        let g = self.flow_cache_gen.get(&0, 0).map_err(|e| op(name, "lookup", e))?;
-        // Past any of the data path's own (32-bit) steps: never a value an entry holds.
-        self.flow_cache_gen.set(0, g.wrapping_add(1 << 33), 0).map_err(|e| op(name, "update", e))
+    fn set_iface_addrs(&mut self, want: &std::collections::BTreeMap<u32, std::net::Ipv4Addr>) -> Result<(), MapError> {
+        let name = map_names::IFACE_ADDR;
+        let have: Vec<(u32, u32)> = collect(name, self.iface_addrs.iter())?;
+        for (ifindex, _) in have.iter().filter(|(i, _)| !want.contains_key(i)) {
+            del(name, self.iface_addrs.remove(ifindex))?;
+        }
+        for (ifindex, addr) in want {
+            let wire = u32::from_ne_bytes(addr.octets());
+            if !have.contains(&(*ifindex, wire)) {
+                self.iface_addrs.insert(*ifindex, wire, 0).map_err(|e| op(name, "update", e))?;
+            }
+        }
+        Ok(())
     }
     fn affinity(&self) -> Result<Vec<(AffinityKey, AffinityValue)>, MapError> {
         collect(map_names::AFFINITY, self.affinity.iter())
@@ -554,7 +642,7 @@ mod tests {
         for name in map_names::ALL {
             assert!(has(name), "map {name} missing from the eBPF object");
         }
-        for name in [prog_names::TC_INGRESS, prog_names::XDP_INGRESS, prog_names::TC_PASS, prog_names::XDP_PASS]
+        for name in [prog_names::TC_INGRESS, prog_names::TC_EGRESS, prog_names::XDP_INGRESS, prog_names::TC_PASS, prog_names::XDP_PASS]
             .into_iter()
             .chain(prog_names::SOCK)
         {

@@ -1,6 +1,9 @@
 //! kpr, a kube-proxy replacement: the node agent's library (the `kpr` binary is a thin CLI).
+pub mod affinity_gc;
 pub mod agent;
+pub mod bpf_batch;
 pub mod config;
+pub mod conntrack;
 pub mod ctnetlink;
 pub mod healthcheck;
 pub mod ipvs;

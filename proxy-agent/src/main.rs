@@ -362,7 +362,7 @@ fn main() -> Result<()> {
                     "mode": mode,
                     "agent": health,
                     "pin_dir": cli.pin_dir,
-                    "links": links.iter().map(|(i, h)| serde_json::json!({"iface": i, "hook": format!("{h:?}")})).collect::<Vec<_>>(),
+                    "links": links.iter().map(|(i, h)| serde_json::json!({"iface": i, "hook": h.tag()})).collect::<Vec<_>>(),
                     "frontends": services,
                     "counters": counters.iter().map(|(k, v)| (k.to_string(), *v)).collect::<std::collections::BTreeMap<_, _>>(),
                 });
@@ -378,7 +378,7 @@ fn main() -> Result<()> {
                     None => println!("agent: no answer at {healthz} (not running, or --healthz elsewhere); the maps below keep forwarding"),
                 }
                 for (i, h) in &links {
-                    println!("attached: {h:?} on {i}");
+                    println!("attached: {} on {i}", h.tag());
                 }
                 for (k, v) in counters {
                     println!("{k:<22} {v}");

@@ -2,10 +2,14 @@
 //! aya (kernel.rs) and a fake on BTreeMaps for fast deterministic tests.
 use std::collections::BTreeMap;
 
+use std::net::Ipv4Addr;
+
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, CtKey, CtValue, DatapathConfig, ServiceKey, ServiceValue,
-    SlotKey, SourceRangeKey,
+    AffinityKey, AffinityValue, Backend, DatapathConfig, ServiceKey, ServiceValue, SlotKey,
+    SourceRangeKey,
 };
+
+use crate::conntrack::{ConntrackTables, FakeTables};
 
 #[derive(Debug, thiserror::Error)]
 pub enum MapError {
@@ -43,11 +47,13 @@ pub trait DatapathMaps {
     fn config(&self) -> Result<DatapathConfig, MapError>;
     fn set_config(&mut self, c: DatapathConfig) -> Result<(), MapError>;
 
-    fn conntrack(&self) -> Result<Vec<(CtKey, CtValue)>, MapError>;
-    fn del_conntrack(&mut self, k: CtKey) -> Result<(), MapError>;
-    /// After deleting flows that may still carry packets: no CPU's flow cache may answer for
-    /// them any more (it otherwise re-checks conntrack within FLOW_CACHE_REFRESH_JIFFIES).
-    fn invalidate_flow_cache(&mut self) -> Result<(), MapError>;
+    /// The two conntrack tables (flows, garbage collection, targeted deletes).
+    fn conntrack(&self) -> &dyn ConntrackTables;
+    fn conntrack_mut(&mut self) -> &mut dyn ConntrackTables;
+
+    /// Interface index -> the address masquerade uses for flows leaving through it: written to
+    /// equal `want` exactly.
+    fn set_iface_addrs(&mut self, want: &BTreeMap<u32, Ipv4Addr>) -> Result<(), MapError>;
     fn affinity(&self) -> Result<Vec<(AffinityKey, AffinityValue)>, MapError>;
     fn del_affinity(&mut self, k: AffinityKey) -> Result<(), MapError>;
 
@@ -66,10 +72,10 @@ pub struct FakeMaps {
     pub maglev: BTreeMap<u32, Vec<u32>>,
     pub source_ranges: BTreeMap<(u32, SourceRangeKey), ()>,
     pub config: DatapathConfig,
-    pub conntrack: BTreeMap<CtKey, CtValue>,
+    pub conntrack: FakeTables,
+    pub iface_addrs: BTreeMap<u32, Ipv4Addr>,
     pub affinity: BTreeMap<AffinityKey, AffinityValue>,
     pub writes: usize,
-    pub flow_cache_generation: u64,
 }
 
 impl DatapathMaps for FakeMaps {
@@ -140,15 +146,14 @@ impl DatapathMaps for FakeMaps {
         self.config = c;
         Ok(())
     }
-    fn conntrack(&self) -> Result<Vec<(CtKey, CtValue)>, MapError> {
-        Ok(self.conntrack.iter().map(|(k, v)| (*k, *v)).collect())
+    fn conntrack(&self) -> &dyn ConntrackTables {
+        &self.conntrack
     }
-    fn del_conntrack(&mut self, k: CtKey) -> Result<(), MapError> {
-        self.conntrack.remove(&k);
-        Ok(())
+    fn conntrack_mut(&mut self) -> &mut dyn ConntrackTables {
+        &mut self.conntrack
     }
-    fn invalidate_flow_cache(&mut self) -> Result<(), MapError> {
-        self.flow_cache_generation += 1;
+    fn set_iface_addrs(&mut self, want: &BTreeMap<u32, Ipv4Addr>) -> Result<(), MapError> {
+        self.iface_addrs = want.clone();
         Ok(())
     }
     fn affinity(&self) -> Result<Vec<(AffinityKey, AffinityValue)>, MapError> {

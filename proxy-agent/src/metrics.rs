@@ -71,6 +71,8 @@ pub struct Stats {
     pub mode: &'static str,
     /// IPVS mode: destinations at weight 0 waiting for their connections to end.
     pub ipvs_terminating: u64,
+    /// Flows the conntrack collector deleted (idle, closed, or of removed UDP backends).
+    pub gc_flows_total: u64,
 }
 
 impl Stats {
@@ -91,6 +93,7 @@ impl Stats {
             rejected_objects: 0,
             mode: "ebpf",
             ipvs_terminating: 0,
+            gc_flows_total: 0,
         }
     }
 
@@ -155,6 +158,7 @@ pub fn render(stats: &Stats, maps: Option<&dyn DatapathMaps>) -> String {
     gauge(&mut o, "kpr_syncs_total", "Syncs of the data plane, successful or not", "counter", stats.syncs_total as f64);
     gauge(&mut o, "kpr_sync_failures_total", "Syncs that failed (retried on the next change or period)", "counter", stats.sync_failures_total as f64);
     gauge(&mut o, "kpr_ipvs_terminating_destinations", "IPVS destinations at weight 0 waiting for their connections to end", "gauge", stats.ipvs_terminating as f64);
+    gauge(&mut o, "kpr_conntrack_gc_flows_total", "Flows deleted by the conntrack collector", "counter", stats.gc_flows_total as f64);
     gauge(&mut o, "kpr_rejected_objects", "Service and EndpointSlice fields skipped as invalid in the last sync", "gauge", stats.rejected_objects as f64);
     let Some(maps) = maps else { return o };
     if let Ok(counters) = view::counters(maps) {
@@ -184,18 +188,22 @@ pub fn render(stats: &Stats, maps: Option<&dyn DatapathMaps>) -> String {
             }
         }
     }
-    if let Ok(ct) = maps.conntrack() {
-        let _ = writeln!(o, "kpr_map_entries{{map=\"{}\"}} {}", proxy_common::map_names::CONNTRACK, ct.len());
-        let mut per_backend: BTreeMap<String, u64> = BTreeMap::new();
-        for (_, v) in ct.iter().filter(|(_, v)| !v.is_reply()) {
+    let mut per_backend: BTreeMap<String, u64> = BTreeMap::new();
+    let _ = writeln!(o, "# HELP kpr_conntrack_flows Tracked flows, by table (embryonic: TCP before its handshake completed)\n# TYPE kpr_conntrack_flows gauge");
+    for table in crate::conntrack::Table::ALL {
+        let Ok(entries) = maps.conntrack().entries(table) else { continue };
+        let _ = writeln!(o, "kpr_map_entries{{map=\"{}\"}} {}", table.map_name(), entries.len());
+        let flows = crate::conntrack::assemble(&entries);
+        let mut n = 0;
+        for (_, v) in flows.iter().filter_map(|f| f.forward.as_ref()) {
             *per_backend.entry(format!("{}:{}", v4_addr(v.new_daddr), port_host(v.new_dport))).or_default() += 1;
+            n += 1;
         }
-        let flows: u64 = per_backend.values().sum();
-        gauge(&mut o, "kpr_conntrack_flows", "Tracked flows (forward conntrack entries)", "gauge", flows as f64);
-        let _ = writeln!(o, "# HELP kpr_backend_flows Tracked flows per backend (active and idle until collected)\n# TYPE kpr_backend_flows gauge");
-        for (b, n) in per_backend {
-            let _ = writeln!(o, "kpr_backend_flows{{backend=\"{b}\"}} {n}");
-        }
+        let _ = writeln!(o, "kpr_conntrack_flows{{table=\"{}\"}} {n}", table.name());
+    }
+    let _ = writeln!(o, "# HELP kpr_backend_flows Tracked flows per backend (active and idle until collected)\n# TYPE kpr_backend_flows gauge");
+    for (b, n) in per_backend {
+        let _ = writeln!(o, "kpr_backend_flows{{backend=\"{b}\"}} {n}");
     }
     o
 }

@@ -19,6 +19,13 @@ pub fn interfaces() -> Vec<String> {
     out
 }
 
+/// The interface's index, None when there is no such interface.
+pub fn index(iface: &str) -> Option<u32> {
+    let name = std::ffi::CString::new(iface).ok()?;
+    let i = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    (i != 0).then_some(i)
+}
+
 /// IPv4 addresses of `iface`.
 pub fn ipv4_addresses(iface: &str) -> Vec<IpAddr> {
     let mut out = Vec::new();

@@ -5,8 +5,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use proxy_common::{
     limits::{MAGLEV_ROWS, MAX_SERVICES},
-    Backend, DatapathConfig, ServiceKey, ServiceValue, SlotKey, SourceRangeKey, SCHED_MAGLEV,
-    SCHED_RANDOM,
+    Backend, DatapathConfig, ServiceKey, ServiceValue, SlotKey, SourceRangeKey, PROTO_UDP,
+    SCHED_MAGLEV, SCHED_RANDOM,
 };
 
 use crate::{
@@ -29,6 +29,23 @@ pub struct SyncStats {
     pub deletes: usize,
     /// Per-frontend failures; the other frontends were still programmed.
     pub errors: Vec<String>,
+    /// (service id, backend id) of UDP backends that left their frontend: their flows are
+    /// deleted at once (a UDP client has no handshake that would move it elsewhere).
+    pub removed_udp: BTreeSet<(u32, u32)>,
+}
+
+/// The backends a frontend had (its slots up to its count).
+fn current_ids(m: &Mirror, key: &ServiceKey) -> Vec<u32> {
+    match m.services.get(key) {
+        Some(v) => m.slots.get(&v.service_id).map(|s| s.range(1..=v.backend_count).map(|(_, id)| *id).collect()).unwrap_or_default(),
+        None => Vec::new(),
+    }
+}
+
+fn note_removed_udp(st: &mut SyncStats, key: &ServiceKey, service_id: u32, old: &[u32], new: &[u32]) {
+    if key.proto == PROTO_UDP {
+        st.removed_udp.extend(old.iter().filter(|id| !new.contains(id)).map(|id| (service_id, *id)));
+    }
 }
 
 pub struct Syncer {
@@ -198,6 +215,8 @@ impl Syncer {
         let wanted: std::collections::HashSet<ServiceKey> = desired.frontends.keys().map(|fk| fk.wire()).collect();
         let stale: Vec<(ServiceKey, ServiceValue)> = m.services.iter().filter(|(k, _)| !wanted.contains(k)).map(|(k, v)| (*k, *v)).collect();
         for (key, v) in stale {
+            let old = current_ids(&m, &key);
+            note_removed_udp(&mut st, &key, v.service_id, &old, &[]);
             maps.del_service(key)?;
             m.services.remove(&key);
             st.deletes += 1;
@@ -297,6 +316,8 @@ impl Syncer {
                 }
             }
         }
+        let old = current_ids(m, &key);
+        note_removed_udp(st, &key, service_id, &old, &ids);
         // Make before break: new slots, then the count, then the slots past the count.
         let slots = m.slots.entry(service_id).or_default();
         for (i, id) in ids.iter().enumerate() {
@@ -397,6 +418,8 @@ impl Syncer {
                 }
                 None => {
                     if let Some(v) = old {
+                        let old_ids = current_ids(&m, &key);
+                        note_removed_udp(&mut st, &key, v.service_id, &old_ids, &[]);
                         maps.del_service(key)?;
                         m.services.remove(&key);
                         st.deletes += 1;

@@ -45,11 +45,25 @@ impl Sysctls for FakeSysctls {
     }
 }
 
-/// What the fast path needs on the node: forwarding, and accepting packets whose source is the
-/// node's own address (masqueraded traffic; `all` covers every interface, present and future).
-/// In a cluster the DaemonSet's init container sets them, since /proc/sys is read-only in an
-/// unprivileged container; the agent sets them itself where it can.
-pub const FAST_PATH_SYSCTLS: [(&str, &str); 2] = [("net.ipv4.ip_forward", "1"), ("net.ipv4.conf.all.accept_local", "1")];
+/// What the fast path needs on the node: forwarding. (Masquerade happens at egress, so no packet
+/// arrives with the node's own address as its source.) In a cluster the DaemonSet's init
+/// container sets it, since /proc/sys is read-only in an unprivileged container; the agent sets
+/// it itself where it can.
+pub const FAST_PATH_SYSCTLS: [(&str, &str); 1] = [("net.ipv4.ip_forward", "1")];
+
+/// The node's own connections take their source ports from `net.ipv4.ip_local_port_range`:
+/// masquerade must use others, or a node process's connection to a backend could meet a
+/// masqueraded flow's reply tuple. The larger free stretch of 1024..=65535 outside that range
+/// and the NodePort range (30000-32767); None when neither holds 4096 ports.
+pub fn snat_port_range(local: &str) -> Option<(u16, u16)> {
+    let mut it = local.split_whitespace().map(|p| p.parse::<u32>());
+    let (lo, hi) = (it.next()?.ok()?, it.next()?.ok()?);
+    let below = (1024, lo.min(30_000).saturating_sub(1));
+    let above = (hi.max(32_767) + 1, 65_535);
+    let size = |(a, b): (u32, u32)| if b >= a { b - a + 1 } else { 0 };
+    let best = if size(below) >= size(above) { below } else { above };
+    (size(best) >= 4096).then(|| (best.0 as u16, best.1 as u16))
+}
 
 /// (major, minor) of a kernel release string ("6.1.0-57-amd64" -> (6, 1)).
 pub fn kernel_version(release: &str) -> Option<(u32, u32)> {
@@ -80,6 +94,14 @@ pub fn ipvs_sysctls(kernel: (u32, u32), strict_arp: bool) -> Vec<(&'static str, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn snat_ports_avoid_the_nodes_ephemeral_range_and_node_ports() {
+        assert_eq!(snat_port_range("32768\t60999"), Some((1024, 29_999)));
+        assert_eq!(snat_port_range("1024 65000"), None, "no room left");
+        assert_eq!(snat_port_range("10000 40000"), Some((40_001, 65_535)));
+        assert_eq!(snat_port_range("garbage"), None);
+    }
 
     #[test]
     fn ipvs_sysctls_follow_the_kernel_version() {

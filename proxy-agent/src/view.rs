@@ -5,12 +5,15 @@ use std::collections::HashMap;
 use proxy_common::{
     counter,
     user::{port_host, proto_name, v4_addr, words_addr},
-    CT_F_CLOSING, CT_F_SNAT, SCOPE_EXTERNAL, SCHED_MAGLEV, SCHED_ROUND_ROBIN,
+    CT_F_SNAT_PENDING, SCOPE_EXTERNAL, SCHED_MAGLEV, SCHED_ROUND_ROBIN,
     SVC_F_MASQ, SVC_F_PRESERVE_SOURCE, SVC_F_SOURCE_RANGES,
 };
 use serde::Serialize;
 
-use crate::maps::{DatapathMaps, MapError};
+use crate::{
+    conntrack::{assemble, Table},
+    maps::{DatapathMaps, MapError},
+};
 
 #[derive(Debug, Serialize)]
 pub struct ServiceRow {
@@ -74,28 +77,47 @@ pub struct FlowRow {
     pub client: String,
     pub frontend: String,
     pub backend: String,
+    /// The masquerade address and port, once the flow left the node (None: not masqueraded).
     pub snat: Option<String>,
     pub backend_id: u32,
-    pub closing: bool,
+    /// "embryonic" (TCP before its handshake completed), "established", "closing", or
+    /// "orphan" (entries whose forward entry is gone, waiting to be collected).
+    pub state: String,
     pub idle_s: f64,
 }
 
 pub fn conntrack(maps: &dyn DatapathMaps, now_ns: u64) -> Result<Vec<FlowRow>, MapError> {
-    let mut rows: Vec<FlowRow> = maps
-        .conntrack()?
-        .into_iter()
-        .filter(|(_, v)| !v.is_reply())
-        .map(|(k, v)| FlowRow {
-            proto: proto_name(k.proto).into(),
-            client: format!("{}:{}", v4_addr(k.saddr), port_host(k.sport)),
-            frontend: format!("{}:{}", v4_addr(k.daddr), port_host(k.dport)),
-            backend: format!("{}:{}", v4_addr(v.new_daddr), port_host(v.new_dport)),
-            snat: (v.flags & CT_F_SNAT != 0).then(|| format!("{}:{}", v4_addr(v.new_saddr), port_host(v.new_sport))),
-            backend_id: v.backend_id,
-            closing: v.flags & CT_F_CLOSING != 0,
-            idle_s: now_ns.saturating_sub(v.last_seen_ns) as f64 / 1e9,
-        })
-        .collect();
+    let mut rows = Vec::new();
+    for table in Table::ALL {
+        for f in assemble(&maps.conntrack().entries(table)?) {
+            let addr = |a: u32, p: u16| format!("{}:{}", v4_addr(a), port_host(p));
+            let state = if f.forward.is_none() {
+                "orphan"
+            } else if table == Table::Embryonic {
+                "embryonic"
+            } else if f.closing() {
+                "closing"
+            } else {
+                "established"
+            };
+            let (client, frontend, backend) = match (&f.forward, &f.reverse_dnat) {
+                (Some((k, v)), _) => (addr(k.saddr, k.sport), addr(k.daddr, k.dport), addr(v.new_daddr, v.new_dport)),
+                (None, Some((k, v))) => (addr(v.new_daddr, v.new_dport), addr(v.new_saddr, v.new_sport), addr(k.saddr, k.sport)),
+                _ => ("-".into(), "-".into(), "-".into()),
+            };
+            let snat = f.snat.as_ref().filter(|(_, v)| v.flags & CT_F_SNAT_PENDING == 0).map(|(_, v)| addr(v.new_saddr, v.new_sport));
+            rows.push(FlowRow {
+                proto: proto_name(f.proto()).into(),
+                client,
+                frontend,
+                backend,
+                snat,
+                backend_id: f.ids().1,
+                state: state.into(),
+                idle_s: now_ns.saturating_sub(f.last_seen_ns()) as f64 / 1e9,
+            });
+        }
+    }
     rows.sort_by(|a, b| (&a.frontend, &a.client).cmp(&(&b.frontend, &b.client)));
     Ok(rows)
 }
@@ -121,17 +143,17 @@ pub fn render_services(rows: &[ServiceRow]) -> String {
 }
 
 pub fn render_conntrack(rows: &[FlowRow]) -> String {
-    let mut s = format!("{:<4} {:<22} {:<22} {:<22} {:<22} {:>8}\n", "PROTO", "CLIENT", "FRONTEND", "BACKEND", "SNAT", "IDLE(s)");
+    let mut s = format!("{:<5} {:<22} {:<22} {:<22} {:<22} {:>8} STATE\n", "PROTO", "CLIENT", "FRONTEND", "BACKEND", "SNAT", "IDLE(s)");
     for r in rows {
         s += &format!(
-            "{:<5} {:<22} {:<22} {:<22} {:<22} {:>8.1}{}\n",
+            "{:<5} {:<22} {:<22} {:<22} {:<22} {:>8.1} {}\n",
             r.proto,
             r.client,
             r.frontend,
             r.backend,
             r.snat.clone().unwrap_or_else(|| "-".into()),
             r.idle_s,
-            if r.closing { " closing" } else { "" }
+            r.state
         );
     }
     s

@@ -27,12 +27,18 @@ pub mod map_names {
     pub const SLOTS: &str = "KPR_SLOT_V2";
     pub const MAGLEV: &str = "KPR_MAGLEV_V1";
     pub const BACKENDS: &str = "KPR_BE_V2";
-    pub const CONNTRACK: &str = "KPR_CT_V2";
+    /// Assured flows (V3: the key carries the hook direction, one flow has up to four entries).
+    pub const CONNTRACK: &str = "KPR_CT_V3";
+    /// TCP flows whose handshake has not completed yet: a flood of them cannot evict assured ones.
+    pub const CONNTRACK_NEW: &str = "KPR_CT_NEW_V1";
+    /// Interface index -> the address masquerade uses when a flow leaves through it.
+    pub const IFACE_ADDR: &str = "KPR_IFADDR_V1";
     pub const AFFINITY: &str = "KPR_AFF_V1";
     pub const SOURCE_RANGES: &str = "KPR_SRCRNG_V1";
     pub const RR_STATE: &str = "KPR_RR_V1";
-    pub const CONFIG: &str = "KPR_CFG_V1";
-    pub const COUNTERS: &str = "KPR_CNT_V3";
+    /// V2: the SNAT port range.
+    pub const CONFIG: &str = "KPR_CFG_V2";
+    pub const COUNTERS: &str = "KPR_CNT_V4";
     pub const SOCK_REV: &str = "KPR_SOCK_REV_V1";
     pub const BACKEND_NEW: &str = "KPR_BE_NEW_V1";
     /// The flow cache's generation (see `FlowCacheEntry`).
@@ -46,17 +52,21 @@ pub mod map_names {
     pub const SETS: [&str; 5] = [SET_IP_PORT, SET_IP_PORT_IP, SET_IP_PORT_NET, SET_PORT, SET_IP];
     /// Pins of earlier layouts: removed at load, so an upgrade does not keep them (and their
     /// memory) alive next to their successors.
-    pub const RETIRED: [&str; 6] = ["KPR_SVC_V1", "KPR_SLOT_V1", "KPR_BE_V1", "KPR_CNT_V1", "KPR_CNT_V2", "KPR_CT_V1"];
+    pub const RETIRED: [&str; 9] =
+        ["KPR_SVC_V1", "KPR_SLOT_V1", "KPR_BE_V1", "KPR_CNT_V1", "KPR_CNT_V2", "KPR_CNT_V3", "KPR_CT_V1", "KPR_CT_V2", "KPR_CFG_V1"];
     /// Every map the fast path pins.
-    pub const ALL: [&str; 13] = [
-        SERVICES, SLOTS, MAGLEV, BACKENDS, CONNTRACK, AFFINITY, SOURCE_RANGES, RR_STATE, CONFIG,
-        COUNTERS, SOCK_REV, BACKEND_NEW, FLOW_CACHE_GEN,
+    pub const ALL: [&str; 15] = [
+        SERVICES, SLOTS, MAGLEV, BACKENDS, CONNTRACK, CONNTRACK_NEW, IFACE_ADDR, AFFINITY,
+        SOURCE_RANGES, RR_STATE, CONFIG, COUNTERS, SOCK_REV, BACKEND_NEW, FLOW_CACHE_GEN,
     ];
 }
 
 /// Program names in the object.
 pub mod prog_names {
     pub const TC_INGRESS: &str = "kpr_tc_ingress";
+    /// TC egress on the same interfaces: masquerade and the reply's reverse DNAT happen after
+    /// the node's netfilter, as kube-proxy's POSTROUTING does.
+    pub const TC_EGRESS: &str = "kpr_tc_egress";
     pub const XDP_INGRESS: &str = "kpr_xdp_ingress";
     pub const TC_PASS: &str = "kpr_tc_pass";
     pub const XDP_PASS: &str = "kpr_xdp_pass";
@@ -144,6 +154,10 @@ pub mod limits {
     pub const MAX_BACKENDS: u32 = 262_144;
     pub const MAX_SLOTS: u32 = 1_048_576;
     pub const MAX_CONNTRACK: u32 = 524_288;
+    /// TCP flows between their first SYN and the end of the handshake (see KPR_CT_NEW_V1).
+    pub const MAX_CONNTRACK_NEW: u32 = 131_072;
+    /// Interfaces with their own masquerade address (KPR_IFADDR_V1).
+    pub const MAX_IFACES: u32 = 4096;
     pub const MAX_AFFINITY: u32 = 131_072;
     pub const MAX_SOURCE_RANGES: u32 = 16_384;
     /// Rows of the Maglev table (services using the maglev scheduler at once).
@@ -183,20 +197,40 @@ pub const SVC_F_MASQ: u8 = 1 << 0;
 pub const SVC_F_PRESERVE_SOURCE: u8 = 1 << 1;
 /// loadBalancerSourceRanges apply: the source must match KPR_SRCRNG_V1 for this service id.
 pub const SVC_F_SOURCE_RANGES: u8 = 1 << 2;
+/// backend_count is 0 because the traffic policy is Local and no endpoint is on this node,
+/// while the service has endpoints elsewhere: drop (kube-proxy's "has no local endpoints"),
+/// not reject.
+pub const SVC_F_NO_LOCAL_ENDPOINT: u8 = 1 << 3;
 
 /// DatapathConfig::flags.
 pub const CFG_F_MASQUERADE_ALL: u32 = 1 << 0;
 /// Every established packet probes conntrack (the benchmark's baseline; a troubleshooting aid).
 pub const CFG_F_NO_FLOW_CACHE: u32 = 1 << 1;
 
-/// CtValue::flags.
-pub const CT_F_SNAT: u16 = 1 << 0;
-pub const CT_F_CLOSING: u16 = 1 << 1;
-pub const CT_F_REPLY: u16 = 1 << 2;
+/// CtKey::dir: the hook a conntrack entry is for. A packet crosses the node's ingress hook of
+/// the interface it arrives on, then netfilter, then the egress hook of the interface it leaves
+/// by; kpr translates at both, so netfilter sees client <-> backend in both directions (as with
+/// kube-proxy, whose DNAT runs in PREROUTING and whose masquerade in POSTROUTING).
+pub const CT_DIR_INGRESS: u8 = 0;
+pub const CT_DIR_EGRESS: u8 = 1;
 
-/// Source ports used for SNAT when the client's own port collides.
-pub const SNAT_PORT_MIN: u16 = 32768;
-pub const SNAT_PORT_MAX: u16 = 60999;
+/// CtValue::flags.
+/// The flow is masqueraded (its forward, SNAT and reverse-SNAT entries carry it).
+pub const CT_F_SNAT: u16 = 1 << 0;
+/// FIN or RST seen: idle after a short timeout; a new SYN on the tuple is a new flow.
+pub const CT_F_CLOSING: u16 = 1 << 1;
+/// The entry translates the reply direction (reverse DNAT or reverse SNAT).
+pub const CT_F_REPLY: u16 = 1 << 2;
+/// SNAT entry whose address and port are chosen at egress, where the interface is known.
+pub const CT_F_SNAT_PENDING: u16 = 1 << 3;
+/// Forward entry of a flow whose reply was seen (a TCP flow is assured at its next packet).
+pub const CT_F_SEEN_REPLY: u16 = 1 << 4;
+
+/// Source ports for masquerade and for moved ports when the agent sets none
+/// (DatapathConfig::snat_port_min/max): below the NodePort range and the node's default
+/// ephemeral range (32768-60999), which its own connections use.
+pub const SNAT_PORT_MIN: u16 = 1024;
+pub const SNAT_PORT_MAX: u16 = 29_999;
 
 /// Frontend key: (address, port, protocol, scope). Lookup is one hash probe.
 #[repr(C)]
@@ -251,10 +285,20 @@ pub struct Backend {
 }
 const _: () = assert!(core::mem::size_of::<Backend>() == 20);
 
-/// Conntrack key: an IPv4 packet's 5-tuple as it arrives. Forward (client -> frontend) and
-/// reply (backend -> client or SNAT address) entries share one key space, as in the kernel's
-/// conntrack: one probe finds either, and the value says which (CT_F_REPLY). The data path
-/// picks reply tuples that no other entry holds (see `snat_port`).
+/// Conntrack key: an IPv4 packet's 5-tuple as it is seen at one hook (CtKey::dir). A flow from
+/// client C:c to frontend V:v, balanced to backend B:b with source port p (C's own unless that
+/// would clash), has up to four entries, each the rewrite for one hook and direction:
+///
+/// | entry | key | rewrite to |
+/// |---|---|---|
+/// | forward (DNAT) | ingress C:c -> V:v | C:p -> B:b |
+/// | reverse DNAT (reply) | egress B:b -> C:p | V:v -> C:c |
+/// | SNAT (masquerade only) | egress C:p -> B:b | S:s -> B:b |
+/// | reverse SNAT (reply, masquerade only) | ingress B:b -> S:s | B:b -> C:p |
+///
+/// S:s is chosen at egress (CT_F_SNAT_PENDING until then). Every entry can be derived from the
+/// forward entry (and the SNAT entry's address), see [`CtKey::reversed_of`] and
+/// [`CtKey::straight_of`]; the data path picks ports so that no two flows share a key.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Pod, Zeroable)]
 pub struct CtKey {
@@ -267,15 +311,54 @@ pub struct CtKey {
     /// Network order.
     pub dport: u16,
     pub proto: u8,
-    // Two scalar fields, not a byte array: zeroing an array costs the data path a memset call.
-    pub _pad: u8,
-    pub _pad2: u16,
+    /// CT_DIR_INGRESS or CT_DIR_EGRESS.
+    pub dir: u8,
+    // A scalar, not a byte array: zeroing an array costs the data path a memset call.
+    pub _pad: u16,
 }
 const _: () = assert!(core::mem::size_of::<CtKey>() == 16);
 
-/// Conntrack value: the 4-tuple the packet is rewritten to. A forward entry rewrites
-/// (client -> VIP) into (client or SNAT address -> backend); its reply entry rewrites
-/// (backend -> client or SNAT address) back into (VIP -> client).
+/// What an entry does, from its direction and flags (see [`CtKey`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum CtRole {
+    Forward,
+    ReverseDnat,
+    Snat,
+    ReverseSnat,
+}
+
+impl CtKey {
+    /// The key of the packet a rewrite produces, travelling the other way: the rewrite's
+    /// destination becomes the source (a forward entry's value gives its reverse-DNAT key, a
+    /// reverse-DNAT entry's value its forward key, an SNAT entry's value its reverse-SNAT key).
+    #[inline(always)]
+    pub fn reversed_of(v: &CtValue, proto: u8, dir: u8) -> Self {
+        Self { saddr: v.new_daddr, daddr: v.new_saddr, sport: v.new_dport, dport: v.new_sport, proto, dir, _pad: 0 }
+    }
+    /// The key of the packet a rewrite produces, at another hook (a forward entry's value gives
+    /// its SNAT key, a reverse-SNAT entry's value its reverse-DNAT key).
+    #[inline(always)]
+    pub fn straight_of(v: &CtValue, proto: u8, dir: u8) -> Self {
+        Self { saddr: v.new_saddr, daddr: v.new_daddr, sport: v.new_sport, dport: v.new_dport, proto, dir, _pad: 0 }
+    }
+    /// This tuple travelling the other way (an SNAT key gives its reverse-DNAT key).
+    #[inline(always)]
+    pub fn reversed(&self, dir: u8) -> Self {
+        Self { saddr: self.daddr, daddr: self.saddr, sport: self.dport, dport: self.sport, proto: self.proto, dir, _pad: 0 }
+    }
+    #[inline(always)]
+    pub fn role(&self, v: &CtValue) -> CtRole {
+        match (self.dir == CT_DIR_EGRESS, v.flags & CT_F_REPLY != 0) {
+            (false, false) => CtRole::Forward,
+            (true, true) => CtRole::ReverseDnat,
+            (true, false) => CtRole::Snat,
+            (false, true) => CtRole::ReverseSnat,
+        }
+    }
+}
+
+/// Conntrack value: the 4-tuple the packet is rewritten to (see [`CtKey`]), the flow's backend
+/// and service, and when the entry last saw a packet.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct CtValue {
@@ -302,17 +385,15 @@ impl CtValue {
     }
 }
 
-/// Per-CPU scratch space where the data path builds a flow's two conntrack entries (the BPF
-/// stack is 512 bytes). Kernel-only; user space never reads it.
+/// Per-CPU scratch space where the data path builds a flow's conntrack entries (the BPF stack
+/// is 512 bytes). Kernel-only; user space never reads it.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct CtScratch {
-    pub fwd_key: CtKey,
-    pub rev_key: CtKey,
-    pub fwd: CtValue,
-    pub rev: CtValue,
+    pub keys: [CtKey; 3],
+    pub values: [CtValue; 3],
 }
-const _: () = assert!(core::mem::size_of::<CtScratch>() == 96);
+const _: () = assert!(core::mem::size_of::<CtScratch>() == 144);
 
 /// Flow cache entry: a per-CPU, direct-mapped copy of an established flow's conntrack rewrite,
 /// in an array the verifier inlines (a hash-map probe is several calls). Valid while its
@@ -403,7 +484,7 @@ pub struct SourceRangeKey {
 }
 const _: () = assert!(core::mem::size_of::<SourceRangeKey>() == 20);
 
-/// The only entry (index 0) of KPR_CFG_V1.
+/// The only entry (index 0) of KPR_CFG_V2.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct DatapathConfig {
@@ -416,51 +497,61 @@ pub struct DatapathConfig {
     /// A forward conntrack entry idle longer than this is a new flow.
     pub ct_tcp_timeout_s: u32,
     pub ct_udp_timeout_s: u32,
+    /// Masquerade (and moved) source ports, host order, inclusive: outside the node's own
+    /// ephemeral range, or the node's connections to a backend could meet a masqueraded flow's
+    /// reply tuple. 0: SNAT_PORT_MIN..=SNAT_PORT_MAX.
+    pub snat_port_min: u16,
+    pub snat_port_max: u16,
+    pub _pad: u32,
 }
-const _: () = assert!(core::mem::size_of::<DatapathConfig>() == 48);
+const _: () = assert!(core::mem::size_of::<DatapathConfig>() == 56);
 
-/// Indices of the per-CPU counters in KPR_CNT_V3.
+/// Defines the counters once: their index constants, their names and how many there are.
+macro_rules! counters {
+    ($($(#[$doc:meta])* $name:ident = $index:literal, $label:literal;)+) => {
+        $($(#[$doc])* pub const $name: u32 = $index;)+
+        /// Metric label and `kpr status` name of each counter, by index.
+        pub const NAMES: &[&str] = &[$($label),+];
+        pub const COUNT: u32 = NAMES.len() as u32;
+        const _: () = { let mut i = 0; $(assert!($index == i, "counter indices must be 0, 1, 2, ..."); i += 1;)+ let _ = i; };
+    };
+}
+
+/// Indices of the per-CPU counters in KPR_CNT_V4.
 pub mod counter {
-    pub const NEW_FLOW: u32 = 0;
-    pub const ESTABLISHED: u32 = 1;
-    pub const REVERSE_NAT: u32 = 2;
-    pub const SNAT: u32 = 3;
-    pub const AFFINITY_HIT: u32 = 4;
-    pub const REJECT_NO_BACKEND: u32 = 5;
-    pub const DROP_SOURCE_RANGE: u32 = 6;
-    pub const MISS_BACKEND: u32 = 7;
-    pub const MALFORMED: u32 = 8;
-    pub const FRAGMENT: u32 = 9;
-    pub const CT_INSERT_FAILED: u32 = 10;
-    pub const SNAT_PORT_COLLISION: u32 = 11;
-    pub const REJECT_FAILED: u32 = 12;
-    /// IPVS mode's set-matching program.
-    pub const SET_MASQ_MARK: u32 = 13;
-    pub const SET_DROP_FIREWALL: u32 = 14;
-    pub const SET_DROP_FILTER: u32 = 15;
-    /// Established or reply packets the flow cache did not answer (conntrack was probed).
-    pub const FLOW_CACHE_MISS: u32 = 16;
-    pub const COUNT: u32 = 17;
-
-    pub const NAMES: [&str; COUNT as usize] = [
-        "new_flow",
-        "established",
-        "reverse_nat",
-        "snat",
-        "affinity_hit",
-        "reject_no_backend",
-        "drop_source_range",
-        "miss_backend",
-        "malformed",
-        "fragment",
-        "ct_insert_failed",
-        "snat_port_collision",
-        "reject_failed",
-        "set_masq_mark",
-        "set_drop_firewall",
-        "set_drop_filter",
-        "flow_cache_miss",
-    ];
+    counters! {
+        NEW_FLOW = 0, "new_flow";
+        /// Forward packets of a tracked flow (DNAT, SNAT).
+        ESTABLISHED = 1, "established";
+        /// Reply packets of a tracked flow (reverse DNAT, reverse SNAT).
+        REVERSE_NAT = 2, "reverse_nat";
+        /// New flows that are masqueraded.
+        SNAT = 3, "snat";
+        AFFINITY_HIT = 4, "affinity_hit";
+        /// A service without any endpoint: ICMP port unreachable (kube-proxy's REJECT).
+        REJECT_NO_BACKEND = 5, "reject_no_backend";
+        DROP_SOURCE_RANGE = 6, "drop_source_range";
+        MISS_BACKEND = 7, "miss_backend";
+        MALFORMED = 8, "malformed";
+        FRAGMENT = 9, "fragment";
+        CT_INSERT_FAILED = 10, "ct_insert_failed";
+        SNAT_PORT_COLLISION = 11, "snat_port_collision";
+        REJECT_FAILED = 12, "reject_failed";
+        /// IPVS mode's set-matching program.
+        SET_MASQ_MARK = 13, "set_masq_mark";
+        SET_DROP_FIREWALL = 14, "set_drop_firewall";
+        SET_DROP_FILTER = 15, "set_drop_filter";
+        /// Established or reply packets the flow cache did not answer (conntrack was probed).
+        FLOW_CACHE_MISS = 16, "flow_cache_miss";
+        /// ICMP errors about a tracked flow, translated like the flow's replies.
+        ICMP_ERROR_NAT = 17, "icmp_error_nat";
+        /// TCP flows whose handshake completed: moved from the embryonic to the assured table.
+        FLOW_ASSURED = 18, "flow_assured";
+        /// New flows dropped because no free source port was found for them.
+        SNAT_NO_PORT = 19, "snat_no_port";
+        /// A traffic policy Local frontend without a local endpoint: dropped, as kube-proxy does.
+        DROP_NO_LOCAL_ENDPOINT = 20, "drop_no_local_endpoint";
+    }
 }
 
 #[cfg(feature = "user")]

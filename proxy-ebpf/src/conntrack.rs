@@ -1,17 +1,30 @@
-//! Connection tracking: a forward entry per flow and a reply entry for its reverse NAT, in one
-//! LRU map and one key space, so every packet of a flow costs one probe of a 16-byte key.
+//! Connection tracking. A flow has up to four entries, one per hook and direction (see
+//! proxy_common::CtKey): DNAT at ingress, reverse DNAT at egress, and for masqueraded flows SNAT
+//! at egress and reverse SNAT at ingress. So netfilter, between the two hooks, sees the flow as
+//! client <-> backend in both directions, as it does under kube-proxy.
+//!
+//! Two tables: TCP flows live in KPR_CT_NEW_V1 until their handshake completes (a reply was seen
+//! and the client sent a packet after it), then move to KPR_CT_V3. A flood of SYNs (spoofed or
+//! not) can only evict other embryonic flows from their LRU, never an established one. UDP has no
+//! handshake and starts in KPR_CT_V3.
+//!
 //! Flows keep their backend whatever happens to the service afterwards.
-use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns};
+use aya_ebpf::{
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns},
+    maps::LruHashMap,
+};
 use proxy_common::{
-    counter, Backend, CtKey, CtValue, DatapathConfig, CT_F_CLOSING, CT_F_REPLY, CT_F_SNAT,
-    PROTO_TCP, SNAT_PORT_MAX, SNAT_PORT_MIN,
+    counter, Backend, CtKey, CtRole, CtValue, DatapathConfig, CT_DIR_EGRESS, CT_DIR_INGRESS,
+    CT_F_CLOSING, CT_F_REPLY, CT_F_SEEN_REPLY, CT_F_SNAT, CT_F_SNAT_PENDING, PROTO_TCP,
+    SNAT_PORT_MAX, SNAT_PORT_MIN,
 };
 
 use crate::{
     counters::bump,
     flowcache,
-    maps::{KPR_BE_V2, KPR_CLOCK, KPR_CT_SCRATCH, KPR_CT_V2},
+    maps::{KPR_BE_V2, KPR_CLOCK, KPR_CT_NEW_V1, KPR_CT_SCRATCH, KPR_CT_V3, KPR_IFADDR_V1},
     parse::Flow,
+    rewrite::Rewrite,
 };
 
 /// CLOCK_MONOTONIC coarse ns, read through the helper once per jiffy and CPU (see ClockCache).
@@ -30,42 +43,37 @@ pub fn now_ns(jiffies: u64) -> u64 {
     }
 }
 
-/// The 4-tuple a packet is rewritten to (network order), with its entry's CtValue flags.
-#[derive(Clone, Copy)]
-pub struct Rewrite {
-    pub saddr: u32,
-    pub daddr: u32,
-    pub sport: u16,
-    pub dport: u16,
-    pub flags: u16,
+/// Where an entry lives.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Table {
+    /// KPR_CT_V3: UDP flows and TCP flows past their handshake.
+    Assured,
+    /// KPR_CT_NEW_V1: TCP flows before their handshake completed.
+    Embryonic,
 }
 
-impl Rewrite {
+impl Table {
     #[inline(always)]
-    fn of(v: &CtValue) -> Self {
-        Self { saddr: v.new_saddr, daddr: v.new_daddr, sport: v.new_sport, dport: v.new_dport, flags: v.flags }
+    fn map(self) -> &'static LruHashMap<CtKey, CtValue> {
+        match self {
+            Table::Assured => &KPR_CT_V3,
+            Table::Embryonic => &KPR_CT_NEW_V1,
+        }
     }
-    /// Masqueraded.
+    /// Where a new flow of this protocol starts.
     #[inline(always)]
-    pub fn snat(&self) -> bool {
-        self.flags & CT_F_SNAT != 0
-    }
-    /// A reply entry's rewrite (reverse NAT).
-    #[inline(always)]
-    pub fn reply(&self) -> bool {
-        self.flags & CT_F_REPLY != 0
+    fn for_new(proto: u8) -> Self {
+        if proto == PROTO_TCP {
+            Table::Embryonic
+        } else {
+            Table::Assured
+        }
     }
 }
 
 #[inline(always)]
-pub fn key(f: &Flow) -> CtKey {
-    CtKey { saddr: f.saddr, daddr: f.daddr, sport: f.sport, dport: f.dport, proto: f.proto, _pad: 0, _pad2: 0 }
-}
-
-/// The key replies of a flow to `be` arrive with: from the backend to (client or SNAT) address.
-#[inline(always)]
-fn reply_key(be: &Backend, to_addr: u32, to_port: u16, proto: u8) -> CtKey {
-    CtKey { saddr: be.addr[0], daddr: to_addr, sport: be.port, dport: to_port, proto, _pad: 0, _pad2: 0 }
+pub fn key(f: &Flow, dir: u8) -> CtKey {
+    CtKey { saddr: f.saddr, daddr: f.daddr, sport: f.sport, dport: f.dport, proto: f.proto, dir, _pad: 0 }
 }
 
 #[inline(always)]
@@ -74,34 +82,106 @@ fn timeout_ns(cfg: &DatapathConfig, proto: u8) -> u64 {
     u64::from(s) * 1_000_000_000
 }
 
-/// The rewrite of an existing flow, forward or reply, refreshed for this packet.
+/// Whether any table holds `k` (a new flow's keys must be free in both).
 #[inline(always)]
-pub fn established(f: &Flow, key: &CtKey, cfg: &DatapathConfig, now: u64) -> Option<Rewrite> {
-    let v = unsafe { &mut *KPR_CT_V2.get_ptr_mut(key)? };
-    if v.flags & CT_F_REPLY != 0 {
-        touch(v, f, now);
-        bump(counter::REVERSE_NAT);
-        return Some(Rewrite::of(v));
-    }
-    // Saturating: another CPU may have stamped the entry with a clock reading newer than ours
-    // (the coarse clock moves on one CPU's tick while others still read the old value); a
-    // wrapped difference would call a live flow idle and re-balance it mid-connection.
-    let idle = now.saturating_sub(v.last_seen_ns) > timeout_ns(cfg, f.proto);
-    // A fresh SYN on a closing tuple, or to a backend that is gone, is a new connection.
-    let reopened = f.is_new_tcp_syn()
-        && (v.flags & CT_F_CLOSING != 0 || unsafe { KPR_BE_V2.get(&v.backend_id) }.is_none());
-    if idle || reopened {
-        // The tuple is about to mean another flow: no CPU may answer it from its cache.
-        flowcache::invalidate();
-        return None;
-    }
-    touch(v, f, now);
-    bump(counter::ESTABLISHED);
-    Some(Rewrite::of(v))
+fn taken(k: &CtKey) -> bool {
+    unsafe { KPR_CT_V3.get(k).is_some() || (k.proto == PROTO_TCP && KPR_CT_NEW_V1.get(k).is_some()) }
 }
 
+/// What `track` found, with its inputs and output in one place: a subprogram takes at most
+/// five arguments.
+pub struct Lookup {
+    pub now: u64,
+    /// The hook's interface (egress: the one a masqueraded flow leaves by).
+    pub ifindex: u32,
+    pub rewrite: Rewrite,
+}
+
+/// `track`'s answer.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Tracked {
+    /// Not tracked: the caller goes on.
+    No,
+    /// Rewrite the packet as `Lookup::rewrite` says; the entry is assured (cacheable).
+    Assured,
+    /// Rewrite the packet so; the flow is still embryonic.
+    Embryonic,
+    /// Tracked, but the packet cannot be translated (no masquerade address or port): drop it.
+    Drop,
+}
+
+/// The packet's entry at this hook, if any: the assured table, then (for packets that open or
+/// close a flow, which is when an embryonic flow sees packets) the embryonic one. The
+/// handshake's last packet, an ACK, finds its embryonic flow through `embryonic_forward` once
+/// the service lookup said it goes to a service. A subprogram: the flow cache answers most
+/// packets before it, and its stack stays off the new-flow path's.
+#[inline(never)]
+pub fn track(f: &Flow, key: &CtKey, cfg: &DatapathConfig, l: &mut Lookup) -> Tracked {
+    let (v, table) = if let Some(v) = KPR_CT_V3.get_ptr_mut(key) {
+        (v, Table::Assured)
+    } else if f.is_tcp_control() {
+        match KPR_CT_NEW_V1.get_ptr_mut(key) {
+            Some(v) => (v, Table::Embryonic),
+            None => return Tracked::No,
+        }
+    } else {
+        return Tracked::No;
+    };
+    match entry(f, key, unsafe { &mut *v }, table, cfg, l.now, l.ifindex) {
+        None => Tracked::No,
+        Some(None) => Tracked::Drop,
+        Some(Some(rw)) => {
+            l.rewrite = rw;
+            if table == Table::Assured {
+                Tracked::Assured
+            } else {
+                Tracked::Embryonic
+            }
+        }
+    }
+}
+
+/// A TCP packet to a service that no assured flow knows: its embryonic flow, if it has one.
+/// The first such packet after the reply was seen completes the handshake: the flow moves to
+/// the assured table. A subprogram: off the established path's stack.
+#[inline(never)]
+pub fn embryonic_forward(f: &Flow, key: &CtKey, cfg: &DatapathConfig, now: u64) -> Option<Rewrite> {
+    let v = unsafe { &mut *KPR_CT_NEW_V1.get_ptr_mut(key)? };
+    let rw = entry(f, key, v, Table::Embryonic, cfg, now, 0)??;
+    if rw.flags & CT_F_SEEN_REPLY != 0 && !f.is_tcp_control() {
+        promote(key, &rw);
+    }
+    Some(rw)
+}
+
+/// One entry's packet: freshness, the handshake, a masquerade to finish, the timestamp. None:
+/// not (any more) this flow's; Some(None): drop.
 #[inline(always)]
-fn touch(v: &mut CtValue, f: &Flow, now: u64) {
+fn entry(f: &Flow, key: &CtKey, v: &mut CtValue, table: Table, cfg: &DatapathConfig, now: u64, ifindex: u32) -> Option<Option<Rewrite>> {
+    match key.role(v) {
+        CtRole::Forward => {
+            // Saturating: another CPU may have stamped the entry with a clock reading newer than
+            // ours (the coarse clock moves on one CPU's tick while others still read the old
+            // value); a wrapped difference would call a live flow idle and re-balance it.
+            let idle = now.saturating_sub(v.last_seen_ns) > timeout_ns(cfg, f.proto);
+            // A fresh SYN on a closing tuple, or to a backend that is gone, is a new connection.
+            let reopened = f.is_new_tcp_syn()
+                && (v.flags & CT_F_CLOSING != 0 || unsafe { KPR_BE_V2.get(&v.backend_id) }.is_none());
+            if idle || reopened {
+                forget(table, key, v);
+                // The tuple is about to mean another flow: no CPU may answer it from its cache.
+                flowcache::invalidate();
+                return None;
+            }
+        }
+        CtRole::Snat if v.flags & CT_F_SNAT_PENDING != 0 => {
+            if !finish_snat(table, key, v, cfg, ifindex) {
+                return Some(None);
+            }
+        }
+        CtRole::ReverseDnat if table == Table::Embryonic && v.flags & CT_F_SEEN_REPLY == 0 => seen_reply(key, v),
+        _ => {}
+    }
     // The coarse clock ticks every few ms: most packets find the stamp current and leave the
     // shared cache line clean.
     if now > v.last_seen_ns {
@@ -110,84 +190,202 @@ fn touch(v: &mut CtValue, f: &Flow, now: u64) {
     if f.is_tcp_close() {
         v.flags |= CT_F_CLOSING;
     }
+    let rw = Rewrite::of(v);
+    bump(if rw.reply() { counter::REVERSE_NAT } else { counter::ESTABLISHED });
+    Some(Some(rw))
 }
 
-/// Source port for the flow's packets towards the backend, seen from `snat_addr`: the client's
-/// own unless another flow already owns that reply tuple, then a few random tries in the SNAT
-/// range. Without masquerade too: two clients' flows (or one client's flows to two VIPs) that
-/// meet on one backend with the same address and port would share a reply tuple, as conntrack's
-/// NAT knows; the port is moved so each reply finds its own flow.
+/// The handshake's reply: the forward entry learns it, so the client's next packet can complete
+/// the flow. Once per flow.
+#[inline(never)]
+fn seen_reply(key: &CtKey, v: &mut CtValue) {
+    v.flags |= CT_F_SEEN_REPLY;
+    let fwd = CtKey::reversed_of(v, key.proto, CT_DIR_INGRESS);
+    if let Some(fv) = KPR_CT_NEW_V1.get_ptr_mut(&fwd) {
+        unsafe { (*fv).flags |= CT_F_SEEN_REPLY };
+    }
+}
+
+/// Deletes a stale flow's entries: the tuple starts a new flow (maybe in the other table), and
+/// the old reply tuples must not linger as collisions. Rare: a subprogram, off the hot path's
+/// stack.
+#[inline(never)]
+fn forget(table: Table, fwd_key: &CtKey, v: &CtValue) {
+    let map = table.map();
+    let _ = map.remove(&CtKey::reversed_of(v, fwd_key.proto, CT_DIR_EGRESS));
+    if v.flags & CT_F_SNAT != 0 {
+        let snat = CtKey::straight_of(v, fwd_key.proto, CT_DIR_EGRESS);
+        if let Some(sv) = unsafe { map.get(&snat) } {
+            if sv.flags & CT_F_SNAT_PENDING == 0 {
+                let _ = map.remove(&CtKey::reversed_of(sv, fwd_key.proto, CT_DIR_INGRESS));
+            }
+        }
+        let _ = map.remove(&snat);
+    }
+    let _ = map.remove(fwd_key);
+}
+
+/// Moves an embryonic flow's entries to the assured table: replies first, forward last, so a
+/// packet never finds the forward entry assured and its reply's missing. Once per flow.
+#[inline(never)]
+fn promote(fwd_key: &CtKey, rw: &Rewrite) {
+    let proto = fwd_key.proto;
+    let v = CtValue { new_saddr: rw.saddr, new_daddr: rw.daddr, new_sport: rw.sport, new_dport: rw.dport, ..CtValue::default() };
+    move_assured(&CtKey::reversed_of(&v, proto, CT_DIR_EGRESS));
+    if rw.flags & CT_F_SNAT != 0 {
+        let snat = CtKey::straight_of(&v, proto, CT_DIR_EGRESS);
+        if let Some(sv) = unsafe { KPR_CT_NEW_V1.get(&snat) } {
+            if sv.flags & CT_F_SNAT_PENDING == 0 {
+                move_assured(&CtKey::reversed_of(sv, proto, CT_DIR_INGRESS));
+            }
+        }
+        move_assured(&snat);
+    }
+    move_assured(fwd_key);
+    bump(counter::FLOW_ASSURED);
+}
+
 #[inline(always)]
-pub fn snat_port(f: &Flow, be: &Backend, snat_addr: u32) -> Option<u16> {
+fn move_assured(k: &CtKey) {
+    if let Some(v) = unsafe { KPR_CT_NEW_V1.get(k) } {
+        if KPR_CT_V3.insert(k, v, 0).is_ok() {
+            let _ = KPR_CT_NEW_V1.remove(k);
+        } else {
+            bump(counter::CT_INSERT_FAILED);
+        }
+    }
+}
+
+/// A random port of the SNAT range, network order.
+#[inline(always)]
+fn random_port(cfg: &DatapathConfig) -> u16 {
+    let (lo, hi) = if cfg.snat_port_min != 0 && cfg.snat_port_max >= cfg.snat_port_min {
+        (cfg.snat_port_min, cfg.snat_port_max)
+    } else {
+        (SNAT_PORT_MIN, SNAT_PORT_MAX)
+    };
+    let span = u32::from(hi - lo) + 1;
+    let p = u32::from(lo) + unsafe { bpf_get_prandom_u32() } % span;
+    (p as u16).to_be()
+}
+
+/// The source port of a new flow towards `be`: the client's own unless its reverse-DNAT key is
+/// taken (one client port towards two VIPs with a common backend, or the backend reached directly
+/// too), then a few random tries in the SNAT range, as conntrack's NAT moves clashing ports. A
+/// hairpin flow's port must differ from the backend's, or its SNAT and reverse-DNAT keys meet.
+#[inline(always)]
+pub fn pick_port(f: &Flow, be: &Backend, cfg: &DatapathConfig) -> Option<u16> {
+    let hairpin = be.addr[0] == f.saddr;
     let mut port = f.sport;
     let mut tries = 0;
     while tries < 4 {
-        match unsafe { KPR_CT_V2.get(&reply_key(be, snat_addr, port, f.proto)) } {
-            None => return Some(port),
-            // Our own flow (a retransmitted first packet): same client and same service address.
-            Some(v)
-                if v.flags & CT_F_REPLY != 0
-                    && v.new_daddr == f.saddr
-                    && v.new_dport == f.sport
-                    && v.new_saddr == f.daddr
-                    && v.new_sport == f.dport =>
-            {
-                return Some(port)
-            }
-            Some(_) => {
-                bump(counter::SNAT_PORT_COLLISION);
-                let span = u32::from(SNAT_PORT_MAX - SNAT_PORT_MIN) + 1;
-                let p = SNAT_PORT_MIN as u32 + unsafe { bpf_get_prandom_u32() } % span;
-                port = (p as u16).to_be();
-            }
+        let rev = CtKey { saddr: be.addr[0], daddr: f.saddr, sport: be.port, dport: port, proto: f.proto, dir: CT_DIR_EGRESS, _pad: 0 };
+        if !(hairpin && port == be.port) && !taken(&rev) {
+            return Some(port);
         }
+        bump(counter::SNAT_PORT_COLLISION);
+        port = random_port(cfg);
         tries += 1;
     }
+    bump(counter::SNAT_NO_PORT);
     None
 }
 
-/// Records a new flow: forward (client -> VIP becomes new tuple) and reply (its inverse).
-/// Keys and values are built in a per-CPU scratch entry, not on the 512-byte stack.
+/// A masqueraded flow's first packet at egress: the address is the interface's (or the node's),
+/// as MASQUERADE picks the outgoing interface's; the port a free one of the SNAT range, which
+/// the node's own connections never use (unlike the client's port, which may be one of them).
+/// Records the reverse-SNAT entry and completes the SNAT entry. Once per flow.
+#[inline(never)]
+fn finish_snat(table: Table, key: &CtKey, v: &mut CtValue, cfg: &DatapathConfig, ifindex: u32) -> bool {
+    let addr = unsafe { KPR_IFADDR_V1.get(&ifindex) }.copied().unwrap_or(cfg.snat_addr[0]);
+    if addr == 0 {
+        bump(counter::SNAT_NO_PORT);
+        return false;
+    }
+    let mut port = random_port(cfg);
+    let mut tries = 0;
+    loop {
+        let rev = CtKey { saddr: key.daddr, daddr: addr, sport: key.dport, dport: port, proto: key.proto, dir: CT_DIR_INGRESS, _pad: 0 };
+        if !taken(&rev) {
+            // Reverse SNAT: (backend -> S:s) becomes (backend -> client:p), the packet netfilter
+            // saw leave.
+            let back = CtValue {
+                last_seen_ns: v.last_seen_ns,
+                new_saddr: key.daddr,
+                new_daddr: key.saddr,
+                new_sport: key.dport,
+                new_dport: key.sport,
+                backend_id: v.backend_id,
+                service_id: v.service_id,
+                flags: CT_F_SNAT | CT_F_REPLY,
+                _pad: 0,
+            };
+            if table.map().insert(&rev, &back, 0).is_err() {
+                bump(counter::CT_INSERT_FAILED);
+                return false;
+            }
+            v.new_saddr = addr;
+            v.new_sport = port;
+            v.flags &= !CT_F_SNAT_PENDING;
+            return true;
+        }
+        bump(counter::SNAT_PORT_COLLISION);
+        tries += 1;
+        if tries >= 8 {
+            bump(counter::SNAT_NO_PORT);
+            return false;
+        }
+        port = random_port(cfg);
+    }
+}
+
+/// Records a new flow: its reverse-DNAT entry, its SNAT entry (address pending) when
+/// masqueraded, then its forward entry, in the table its protocol starts in. Keys and values are
+/// built in a per-CPU scratch entry, not on the 512-byte stack.
 #[inline(always)]
-pub fn create(
-    f: &Flow,
-    now: u64,
-    backend_id: u32,
-    service_id: u32,
-    be: &Backend,
-    src: (u32, u16),
-    masq: bool,
-) -> Option<Rewrite> {
-    let (saddr, sport) = src;
-    let flags = if masq { CT_F_SNAT } else { 0 };
+pub fn create(f: &Flow, now: u64, backend_id: u32, service_id: u32, be: &Backend, port: u16, masq: bool) -> Option<Rewrite> {
+    let snat = if masq { CT_F_SNAT } else { 0 };
     let s = unsafe { &mut *KPR_CT_SCRATCH.get_ptr_mut(0)? };
-    s.fwd_key = key(f);
-    s.fwd = CtValue {
-        last_seen_ns: now,
-        new_saddr: saddr,
-        new_daddr: be.addr[0],
-        new_sport: sport,
-        new_dport: be.port,
-        backend_id,
-        service_id,
-        flags,
-        _pad: 0,
-    };
-    s.rev_key = reply_key(be, saddr, sport, f.proto);
-    s.rev = CtValue {
-        last_seen_ns: now,
-        new_saddr: f.daddr,
-        new_daddr: f.saddr,
-        new_sport: f.dport,
-        new_dport: f.sport,
-        backend_id,
-        service_id,
-        flags: flags | CT_F_REPLY,
-        _pad: 0,
-    };
-    if KPR_CT_V2.insert(&s.rev_key, &s.rev, 0).is_err() || KPR_CT_V2.insert(&s.fwd_key, &s.fwd, 0).is_err() {
+    let table = Table::for_new(f.proto).map();
+    let blank = CtValue { last_seen_ns: now, backend_id, service_id, ..CtValue::default() };
+    // Forward: (C:c -> V:v) becomes (C:p -> B:b). A flow picked up mid-stream (not by a SYN)
+    // has no handshake left to wait for: its next packet makes it assured.
+    let picked_up = if f.proto == PROTO_TCP && !f.is_new_tcp_syn() { CT_F_SEEN_REPLY } else { 0 };
+    s.keys[0] = key(f, CT_DIR_INGRESS);
+    s.values[0] = CtValue { new_saddr: f.saddr, new_daddr: be.addr[0], new_sport: port, new_dport: be.port, flags: snat | picked_up, ..blank };
+    // Reverse DNAT: (B:b -> C:p) becomes (V:v -> C:c).
+    s.keys[1] = CtKey::reversed_of(&s.values[0], f.proto, CT_DIR_EGRESS);
+    s.values[1] = CtValue { new_saddr: f.daddr, new_daddr: f.saddr, new_sport: f.dport, new_dport: f.sport, flags: snat | CT_F_REPLY, ..blank };
+    if table.insert(&s.keys[1], &s.values[1], 0).is_err() {
         bump(counter::CT_INSERT_FAILED);
         return None;
     }
-    Some(Rewrite::of(&s.fwd))
+    if masq {
+        // SNAT: (C:p -> B:b) becomes (S:s -> B:b) once egress knows S.
+        s.keys[2] = CtKey::straight_of(&s.values[0], f.proto, CT_DIR_EGRESS);
+        s.values[2] = CtValue { new_saddr: 0, new_daddr: be.addr[0], new_sport: port, new_dport: be.port, flags: CT_F_SNAT | CT_F_SNAT_PENDING, ..blank };
+        if table.insert(&s.keys[2], &s.values[2], 0).is_err() {
+            bump(counter::CT_INSERT_FAILED);
+            return None;
+        }
+    }
+    if table.insert(&s.keys[0], &s.values[0], 0).is_err() {
+        bump(counter::CT_INSERT_FAILED);
+        return None;
+    }
+    Some(Rewrite::of(&s.values[0]))
 }
+
+/// The entry an ICMP error is translated by: the reply of the packet it quotes, at this hook.
+#[inline(always)]
+pub fn for_icmp_error(quoted_reverse: &CtKey) -> Option<Rewrite> {
+    let v = unsafe { KPR_CT_V3.get(quoted_reverse).or_else(|| KPR_CT_NEW_V1.get(quoted_reverse))? };
+    if v.flags & CT_F_SNAT_PENDING != 0 {
+        return None;
+    }
+    Some(Rewrite::of(v))
+}
+
+/// The direction constants, re-exported for the pipeline.
+pub const INGRESS: u8 = CT_DIR_INGRESS;
+pub const EGRESS: u8 = CT_DIR_EGRESS;

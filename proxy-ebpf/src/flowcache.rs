@@ -5,12 +5,12 @@
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use proxy_common::{
     limits::{FLOW_CACHE_REFRESH_JIFFIES, FLOW_CACHE_SLOTS},
-    CtKey, FlowCacheEntry,
+    CtKey,
 };
 
 use crate::{
-    conntrack::Rewrite,
     maps::{KPR_FC_GEN_V1, KPR_FLOW_CACHE},
+    rewrite::Rewrite,
 };
 
 #[inline(always)]

@@ -9,8 +9,8 @@ use proxy_common::{
 
 use crate::{
     counters::bump,
-    in_cluster_cidr,
-    maps::{KPR_CFG_V1, KPR_SET_IPPI_V1, KPR_SET_IPPN_V1, KPR_SET_IPP_V1, KPR_SET_IP_V1, KPR_SET_PORT_V1},
+    pipeline::in_cluster_cidr,
+    maps::{KPR_CFG_V2, KPR_SET_IPPI_V1, KPR_SET_IPPN_V1, KPR_SET_IPP_V1, KPR_SET_IP_V1, KPR_SET_PORT_V1},
     parse::Flow,
 };
 
@@ -41,7 +41,7 @@ pub fn classify(f: &Flow) -> SetVerdict {
     let bits = bits_ip_port(&ipp);
     if bits != 0 {
         if bits & sets::CLUSTER_IP != 0 {
-            let Some(cfg) = KPR_CFG_V1.get(0) else { return SetVerdict::Pass };
+            let Some(cfg) = KPR_CFG_V2.get(0) else { return SetVerdict::Pass };
             // KUBE-SERVICES: masqueradeAll, or `! -s clusterCIDR`.
             let off_cluster = cfg.cluster_cidr_len != 0 && !in_cluster_cidr(f.saddr, cfg);
             if cfg.flags & CFG_F_MASQUERADE_ALL != 0 || off_cluster {

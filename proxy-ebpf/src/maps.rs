@@ -30,9 +30,19 @@ pub static KPR_MAGLEV_V1: Array<u32> = Array::pinned(MAGLEV_ROWS * MAGLEV_TABLE_
 #[map]
 pub static KPR_BE_V2: HashMap<u32, Backend> = HashMap::pinned(MAX_BACKENDS, NO_PREALLOC);
 
-/// IPv4 5-tuple as received (forward or reply) -> the 4-tuple to rewrite to, backend id, last seen.
+/// Assured flows (UDP; TCP past its handshake): (5-tuple, hook) -> the 4-tuple to rewrite to,
+/// backend id, last seen. Up to four entries per flow (see proxy_common::CtKey).
 #[map]
-pub static KPR_CT_V2: LruHashMap<CtKey, CtValue> = LruHashMap::pinned(MAX_CONNTRACK, 0);
+pub static KPR_CT_V3: LruHashMap<CtKey, CtValue> = LruHashMap::pinned(MAX_CONNTRACK, 0);
+
+/// Embryonic TCP flows, same layout: their own LRU, so a SYN flood evicts only its kind.
+#[map]
+pub static KPR_CT_NEW_V1: LruHashMap<CtKey, CtValue> = LruHashMap::pinned(MAX_CONNTRACK_NEW, 0);
+
+/// Interface index -> the address masquerade gives flows leaving through it (like MASQUERADE's
+/// choice of the outgoing interface's address); absent: the node's SNAT address.
+#[map]
+pub static KPR_IFADDR_V1: HashMap<u32, u32> = HashMap::pinned(MAX_IFACES, 0);
 
 /// (client address, service id) -> remembered backend id and last use (sessionAffinity ClientIP).
 #[map]
@@ -46,13 +56,13 @@ pub static KPR_SRCRNG_V1: LpmTrie<SourceRangeKey, u8> = LpmTrie::pinned(MAX_SOUR
 #[map]
 pub static KPR_RR_V1: PerCpuArray<u32> = PerCpuArray::pinned(MAX_SERVICES, 0);
 
-/// index 0 -> DatapathConfig: SNAT address, cluster CIDR, conntrack timeouts.
+/// index 0 -> DatapathConfig: SNAT address and ports, cluster CIDR, conntrack timeouts.
 #[map]
-pub static KPR_CFG_V1: Array<DatapathConfig> = Array::pinned(1, 0);
+pub static KPR_CFG_V2: Array<DatapathConfig> = Array::pinned(1, 0);
 
 /// counter index (proxy_common::counter) -> packets, per CPU.
 #[map]
-pub static KPR_CNT_V3: PerCpuArray<u64> = PerCpuArray::pinned(proxy_common::counter::COUNT, 0);
+pub static KPR_CNT_V4: PerCpuArray<u64> = PerCpuArray::pinned(proxy_common::counter::COUNT, 0);
 
 /// index 0 -> this CPU's scratch space for building conntrack entries off the stack.
 #[map]

@@ -1,10 +1,10 @@
 //! Address and port rewriting with one incremental update per checksum: the rewrite's
 //! address and port differences are summed once, then applied.
 use crate::{
-    conntrack::Rewrite,
     csum,
     parse::{Flow, IP_OFF},
     pkt::Pkt,
+    rewrite::Rewrite,
 };
 
 /// The IPv4 header's fields the rewrite touches, at their offsets.

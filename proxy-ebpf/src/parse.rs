@@ -1,4 +1,5 @@
-//! Header parsing: Ethernet -> IPv4 -> TCP/UDP. Anything else is "not ours" and passes.
+//! Header parsing: Ethernet -> IPv4 -> TCP/UDP, and ICMP errors quoting a TCP/UDP packet.
+//! Anything else is "not ours" and passes.
 use proxy_common::{PROTO_TCP, PROTO_UDP};
 
 use crate::pkt::{L4Csum, Pkt};
@@ -43,9 +44,33 @@ impl Flow {
     }
 }
 
+pub const PROTO_ICMP: u8 = 1;
+/// ICMP errors are handled with option-less outer and quoted IPv4 headers (fixed offsets).
+pub const ICMP_OFF: usize = IP_OFF + 20;
+pub const INNER_IP_OFF: usize = ICMP_OFF + 8;
+pub const INNER_L4_OFF: usize = INNER_IP_OFF + 20;
+
+/// An ICMP error (destination unreachable, time exceeded, parameter problem) about an IPv4
+/// TCP/UDP packet, which it quotes: the outer addresses and the quoted packet's 5-tuple, in
+/// network order.
+#[derive(Clone, Copy)]
+pub struct IcmpError {
+    pub saddr: u32,
+    pub daddr: u32,
+    pub inner_saddr: u32,
+    pub inner_daddr: u32,
+    pub inner_sport: u16,
+    pub inner_dport: u16,
+    pub inner_proto: u8,
+    /// The quoted L4 checksum, when the quote holds it (UDP's always; TCP's from 18 bytes on).
+    pub inner_csum: Option<L4Csum>,
+}
+
 pub enum Parsed {
     /// Not IPv4 TCP/UDP: pass untouched.
     Other,
+    /// An ICMP error about a TCP/UDP packet: translated as a reply to that packet.
+    IcmpError(IcmpError),
     /// Truncated or inconsistent headers: pass untouched, never rewritten.
     Malformed,
     /// A fragment: no L4 ports to match on.
@@ -76,6 +101,9 @@ pub fn parse<P: Pkt>(p: &P) -> Parsed {
         return Parsed::Malformed;
     }
     let proto = b(9);
+    if proto == PROTO_ICMP {
+        return parse_icmp_error(p, &w, ihl_bytes);
+    }
     if proto != PROTO_TCP && proto != PROTO_UDP {
         return Parsed::Other;
     }
@@ -119,5 +147,50 @@ pub fn parse<P: Pkt>(p: &P) -> Parsed {
         sport: ports[0],
         dport: ports[1],
         csum: L4Csum { off: l4_off + csum_off, udp },
+    })
+}
+
+/// ICMP types that quote the packet they are about (RFC 792).
+const ICMP_DEST_UNREACH: u8 = 3;
+const ICMP_TIME_EXCEEDED: u8 = 11;
+const ICMP_PARAMETERPROB: u8 = 12;
+
+#[inline(always)]
+fn parse_icmp_error<P: Pkt>(p: &P, outer: &[u16; 10], ihl_bytes: usize) -> Parsed {
+    let frag = u16::from_be(outer[3]);
+    if ihl_bytes != 20 || frag & 0x3fff != 0 {
+        return Parsed::Other;
+    }
+    let Some(icmp_type) = p.load::<u8>(ICMP_OFF) else {
+        return Parsed::Other;
+    };
+    if icmp_type != ICMP_DEST_UNREACH && icmp_type != ICMP_TIME_EXCEEDED && icmp_type != ICMP_PARAMETERPROB {
+        return Parsed::Other;
+    }
+    // The quoted IPv4 header and the first 8 bytes of its L4 header (ports, UDP checksum).
+    let Some(inner) = p.load::<[u16; 14]>(INNER_IP_OFF) else {
+        return Parsed::Other;
+    };
+    let b = |i: usize| inner[i / 2].to_ne_bytes()[i % 2];
+    let proto = b(9);
+    if b(0) != 0x45 || (proto != PROTO_TCP && proto != PROTO_UDP) || u16::from_be(inner[3]) & 0x1fff != 0 {
+        return Parsed::Other;
+    }
+    let inner_csum = if proto == PROTO_UDP {
+        Some(L4Csum { off: INNER_L4_OFF + 6, udp: true })
+    } else if p.load::<u16>(INNER_L4_OFF + 16).is_some() {
+        Some(L4Csum { off: INNER_L4_OFF + 16, udp: false })
+    } else {
+        None
+    };
+    Parsed::IcmpError(IcmpError {
+        saddr: u32::from(outer[6]) | (u32::from(outer[7]) << 16),
+        daddr: u32::from(outer[8]) | (u32::from(outer[9]) << 16),
+        inner_saddr: u32::from(inner[6]) | (u32::from(inner[7]) << 16),
+        inner_daddr: u32::from(inner[8]) | (u32::from(inner[9]) << 16),
+        inner_sport: inner[10],
+        inner_dport: inner[11],
+        inner_proto: proto,
+        inner_csum,
     })
 }

@@ -81,8 +81,10 @@ pub trait Pkt {
     fn l4_csum_update(&mut self, c: L4Csum, addr_diff: u32, port_diff: u32) -> Option<()>;
     /// Grow or shrink the packet to exactly `len` bytes at the tail.
     fn resize(&mut self, len: usize) -> Option<()>;
-    /// Set the skb mark (kube-proxy's masquerade bit). XDP has no mark.
+    /// Set the skb mark (IPVS mode's masquerade bit). XDP has no mark.
     fn or_mark(&mut self, mark: u32);
+    /// The interface the hook runs on (TC egress: the one the packet leaves by).
+    fn ifindex(&self) -> u32;
     /// How a generated reply leaves: `Bounce` straight back out of the interface (MACs
     /// swapped), or `Pass` to the node's stack, which routes it back (MACs kept).
     fn reply_verdict(&self) -> Verdict;
@@ -138,17 +140,25 @@ impl Pkt for Xdp<'_> {
     }
     #[inline(always)]
     fn or_mark(&mut self, _mark: u32) {}
-    // XDP_TX needs the peer to accept XDP frames (a veth peer only does with NAPI on); the
-    // stack's forwarding path works on every driver, and rejects are not the fast path.
+    #[inline(always)]
+    fn ifindex(&self) -> u32 {
+        unsafe { (*self.0.ctx).ingress_ifindex }
+    }
+    // Straight back out of the NIC (XDP_TX): handed to the stack instead, the reject would be
+    // forwarded through netfilter, whose conntrack knows no flow it is about (the packet it
+    // answers never got there) and calls it INVALID, so kube-proxy's INVALID drop rule and
+    // every CNI's would eat it. A veth uplink needs its peer to have NAPI (GRO on, or an XDP
+    // program), as a NIC always does.
     #[inline(always)]
     fn reply_verdict(&self) -> Verdict {
-        Verdict::Pass
+        Verdict::Bounce
     }
 }
 
 pub struct Tc<'a>(pub &'a mut TcContext);
 
-/// Ethernet + the largest IPv4 header + a TCP header without options.
+/// Ethernet + the largest IPv4 header + a TCP header without options; also covers an ICMP
+/// error's quote up to the quoted TCP checksum (14 + 20 + 8 + 20 + 18).
 const HEADERS_MAX: u32 = 14 + 60 + 20;
 
 impl Tc<'_> {
@@ -241,6 +251,10 @@ impl Pkt for Tc<'_> {
     #[inline(always)]
     fn or_mark(&mut self, mark: u32) {
         unsafe { (*self.0.skb.skb).mark |= mark };
+    }
+    #[inline(always)]
+    fn ifindex(&self) -> u32 {
+        unsafe { (*self.0.skb.skb).ifindex }
     }
     #[inline(always)]
     fn reply_verdict(&self) -> Verdict {

@@ -8,7 +8,7 @@ use proxy_common::{counter, SockRevKey, SockRevValue, PROTO_TCP, PROTO_UDP, SCOP
 use crate::{
     counters::bump,
     lb,
-    maps::{KPR_CFG_V1, KPR_SOCK_REV_V1},
+    maps::{KPR_CFG_V2, KPR_SOCK_REV_V1},
     parse::Flow,
     pkt::L4Csum,
 };
@@ -24,7 +24,7 @@ fn flow_of(ctx: &SockAddrContext, cookie: u64) -> Option<Flow> {
     if proto != PROTO_TCP && proto != PROTO_UDP {
         return None;
     }
-    let cfg = KPR_CFG_V1.get(0)?;
+    let cfg = KPR_CFG_V2.get(0)?;
     Some(Flow {
         l4_off: 0,
         ihl_bytes: 0,

@@ -14,12 +14,14 @@ use std::{
 };
 
 use proxy_agent::{
+    conntrack::Table,
     kernel::{self, Capacities, Datapath, KernelMaps},
+    maps::DatapathMaps,
     manifests::{self, LoadReport},
     model::{self, DesiredState, ModelConfig, NodeInfo},
     sync::Syncer,
 };
-use proxy_common::DatapathConfig;
+use proxy_common::{CtKey, CtValue, DatapathConfig};
 
 pub fn require_root() {
     assert_eq!(unsafe { libc::geteuid() }, 0, "kernel tests need root (CAP_BPF, CAP_NET_ADMIN): run them through `cargo xtask test` or sudo");
@@ -112,7 +114,7 @@ pub struct Loaded {
 impl Loaded {
     pub fn new(name: &str, yaml: &str, node: &NodeInfo, cfg: DatapathConfig) -> Self {
         let pins = PinDir::new(name);
-        let caps = Capacities { services: 4096, frontends: 8192, backends: 8192, slots: 65536, conntrack: 65536 };
+        let caps = Capacities { services: 4096, frontends: 8192, backends: 8192, slots: 65536, conntrack: 65536, conntrack_new: 16384 };
         let dp = Datapath::load(pins.path(), caps).expect("load eBPF object");
         let mut maps = KernelMaps::open(pins.path()).expect("open maps");
         let mut syncer = Syncer::new(4096, 16);
@@ -121,6 +123,43 @@ impl Loaded {
         assert!(st.errors.is_empty(), "{:?}", st.errors);
         Self { pins, dp, maps, syncer }
     }
+
+    /// Every conntrack entry of a table.
+    pub fn conntrack(&self, table: Table) -> Vec<(CtKey, CtValue)> {
+        self.maps.conntrack().entries(table).expect("read conntrack")
+    }
+
+    /// Deletes every flow (both tables) and invalidates the flow cache.
+    pub fn clear_conntrack(&mut self) {
+        for table in Table::ALL {
+            for (k, v) in self.conntrack(table) {
+                self.maps.conntrack_mut().delete_if(table, &k, &v).expect("delete");
+            }
+        }
+        self.maps.conntrack_mut().invalidate_flow_cache().expect("invalidate");
+    }
+}
+
+/// Attaches kpr's pass-only XDP program to interfaces of namespace `ns` (links pinned under
+/// `pin_dir`, detached when it is cleaned): a veth delivers the frames its peer sends back with
+/// XDP_TX only when it runs an XDP program itself, as a NIC always takes them.
+pub fn xdp_pass_on(ns: &str, ifaces: &[&str], pin_dir: &Path) {
+    use aya::programs::{links::FdLink, Xdp, XdpMode};
+    let (ns, ifaces, pin_dir) = (ns.to_string(), ifaces.iter().map(|s| s.to_string()).collect::<Vec<_>>(), pin_dir.to_path_buf());
+    std::thread::spawn(move || {
+        proxy_agent::netif::enter_netns(&ns).expect("enter the namespace");
+        let small = Capacities { services: 16, frontends: 16, backends: 16, slots: 16, conntrack: 16, conntrack_new: 16 };
+        let mut dp = Datapath::load_object(&pin_dir, small).expect("load the object");
+        let prog: &mut Xdp = dp.ebpf().program_mut(proxy_common::prog_names::XDP_PASS).unwrap().try_into().unwrap();
+        prog.load().expect("load the pass program");
+        for i in &ifaces {
+            let id = prog.attach(i, XdpMode::default()).unwrap_or_else(|e| panic!("attach XDP to {i} in {ns}: {e}"));
+            let link = FdLink::try_from(prog.take_link(id).unwrap()).unwrap();
+            link.pin(pin_dir.join("links").join(format!("xdp_{i}"))).expect("pin");
+        }
+    })
+    .join()
+    .expect("xdp pass thread");
 }
 
 pub fn ip(s: &str) -> IpAddr {
@@ -137,6 +176,9 @@ pub fn datapath_config(snat: &str, cluster_cidr: Option<(&str, u32)>) -> Datapat
         flags: 0,
         ct_tcp_timeout_s: 3600,
         ct_udp_timeout_s: 60,
+        snat_port_min: 0,
+        snat_port_max: 0,
+        _pad: 0,
     }
 }
 

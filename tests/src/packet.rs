@@ -70,6 +70,11 @@ impl Frame {
         Self { proto: UDP, tcp_flags: 0, payload: payload.to_vec(), ..Self::tcp(src, sport, dst, dport, 0) }
     }
 
+    /// The IPv4 packet (no Ethernet header).
+    pub fn ip_bytes(&self) -> Vec<u8> {
+        self.bytes()[14..].to_vec()
+    }
+
     pub fn bytes(&self) -> Vec<u8> {
         let mut l4 = Vec::new();
         l4.extend_from_slice(&self.sport.to_be_bytes());
@@ -108,6 +113,28 @@ impl Frame {
     }
 }
 
+/// An ICMP error from `src` to `dst` quoting `quoted` (its IPv4 header and `quote_len` bytes of
+/// its L4 header), as a router or host sends it.
+pub fn icmp_error(src: &str, dst: &str, icmp_type: u8, code: u8, quoted: &Frame, quote_len: usize) -> Vec<u8> {
+    let q = quoted.ip_bytes();
+    let q = &q[..(20 + quote_len).min(q.len())];
+    let mut icmp = vec![icmp_type, code, 0, 0, 0, 0, 0x05, 0xaa]; // "next-hop MTU" 1450 for code 4
+    icmp.extend_from_slice(q);
+    let c = checksum(&icmp);
+    icmp[2..4].copy_from_slice(&c.to_be_bytes());
+    let (src, dst): (Ipv4Addr, Ipv4Addr) = (src.parse().unwrap(), dst.parse().unwrap());
+    let mut ip = vec![0x45, 0xc0, 0, 0, 0, 0, 0, 0, 64, ICMP, 0, 0];
+    ip[2..4].copy_from_slice(&((20 + icmp.len()) as u16).to_be_bytes());
+    ip.extend_from_slice(&src.octets());
+    ip.extend_from_slice(&dst.octets());
+    let c = checksum(&ip);
+    ip[10..12].copy_from_slice(&c.to_be_bytes());
+    let mut f = vec![0x02, 0, 0, 0, 0, 0xaa, 0x02, 0, 0, 0, 0, 0xbb, 0x08, 0x00];
+    f.extend_from_slice(&ip);
+    f.extend_from_slice(&icmp);
+    f
+}
+
 /// A parsed output frame, with its checksums verified.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Parsed {
@@ -121,6 +148,8 @@ pub struct Parsed {
     pub l4_csum_zero: bool,
     /// ICMP: type, code, and the quoted (src, dst, sport, dport).
     pub icmp: Option<(u8, u8, Ipv4Addr, Ipv4Addr, u16, u16)>,
+    /// ICMP: the quoted IPv4 header's checksum is valid.
+    pub quote_ip_csum_ok: bool,
     pub src_mac: [u8; 6],
     pub dst_mac: [u8; 6],
 }
@@ -145,6 +174,7 @@ pub fn parse(f: &[u8]) -> Parsed {
         l4_csum_ok: false,
         l4_csum_zero: false,
         icmp: None,
+        quote_ip_csum_ok: false,
         src_mac: f[6..12].try_into().unwrap(),
         dst_mac: f[0..6].try_into().unwrap(),
     };
@@ -157,6 +187,7 @@ pub fn parse(f: &[u8]) -> Parsed {
             let qs = u16::from_be_bytes([q[20], q[21]]);
             let qd = u16::from_be_bytes([q[22], q[23]]);
             p.icmp = Some((l4[0], l4[1], qsrc, qdst, qs, qd));
+            p.quote_ip_csum_ok = checksum(&q[..20]) == 0;
         }
         _ => {
             p.sport = u16::from_be_bytes([l4[0], l4[1]]);

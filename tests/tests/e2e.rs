@@ -77,7 +77,7 @@ fn clusterip_nodeport_udp_lb_and_reject_on_real_traffic() {
     let ct = lab.cli(&["conntrack"]);
     assert!(ct.contains("10.96.0.10:80"), "{ct}");
     let status = lab.cli(&["status"]);
-    assert!(status.contains("new_flow") && status.contains("hpod"), "{status}");
+    assert!(status.contains("new_flow") && status.contains("xdp on up0") && status.contains("tc_egress on calipod"), "{status}");
 }
 
 #[test]

@@ -1,14 +1,16 @@
 //! Packet fixtures through BPF_PROG_TEST_RUN (as Katran and Cilium test their data paths):
 //! each case is an input frame, the expected verdict and the expected output frame, run through
 //! the real programs, loaded into the running kernel, with maps programmed by the real agent
-//! pipeline (manifests -> model -> sync).
+//! pipeline (manifests -> model -> sync). A packet crossing the node meets the ingress program
+//! of the interface it arrives on (`tc`/`xdp` here) and the egress program of the one it leaves
+//! by (`out`); netfilter sees it in between.
 use aya::programs::{TestRun, TestRunOptions};
 use kpr_tests::{
     datapath_config, ip,
-    packet::{parse, Frame, ACK, FIN, ICMP, SYN, TCP, UDP},
+    packet::{icmp_error, parse, Frame, ACK, FIN, ICMP, SYN, TCP, UDP},
     Loaded,
 };
-use proxy_agent::{kernel::Datapath, maps::DatapathMaps, model::NodeInfo};
+use proxy_agent::{conntrack::Table, kernel::Datapath, maps::DatapathMaps, model::NodeInfo};
 use proxy_common::{counter, prog_names};
 
 const TC_ACT_OK: u32 = 0;
@@ -16,6 +18,7 @@ const TC_ACT_SHOT: u32 = 2;
 const TC_ACT_REDIRECT: u32 = 7;
 const XDP_DROP: u32 = 1;
 const XDP_PASS: u32 = 2;
+const XDP_TX: u32 = 3;
 
 const NODE_IP: &str = "192.0.2.1";
 
@@ -66,13 +69,20 @@ fn load(name: &str) -> Loaded {
     Loaded::new(name, &manifests(), &node, datapath_config(NODE_IP, Some(("10.244.0.0", 16))))
 }
 
-fn run(dp: &mut Datapath, xdp: bool, frame: &[u8]) -> (u32, Vec<u8>) {
-    let mut out = vec![0u8; 512];
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Hook {
+    TcIngress,
+    TcEgress,
+    Xdp,
+}
+
+fn run_at(dp: &mut Datapath, hook: Hook, frame: &[u8]) -> (u32, Vec<u8>) {
+    let mut out = vec![0u8; 1600];
     let opts = TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), repeat: 1, ..Default::default() };
-    let r = if xdp {
-        dp.xdp(prog_names::XDP_INGRESS).unwrap().test_run(opts)
-    } else {
-        dp.classifier(prog_names::TC_INGRESS).unwrap().test_run(opts)
+    let r = match hook {
+        Hook::Xdp => dp.xdp(prog_names::XDP_INGRESS).unwrap().test_run(opts),
+        Hook::TcIngress => dp.classifier(prog_names::TC_INGRESS).unwrap().test_run(opts),
+        Hook::TcEgress => dp.classifier(prog_names::TC_EGRESS).unwrap().test_run(opts),
     }
     .expect("BPF_PROG_TEST_RUN");
     let n = r.data_size_out as usize;
@@ -80,8 +90,40 @@ fn run(dp: &mut Datapath, xdp: bool, frame: &[u8]) -> (u32, Vec<u8>) {
     (r.return_value, out)
 }
 
+fn run(dp: &mut Datapath, xdp: bool, frame: &[u8]) -> (u32, Vec<u8>) {
+    run_at(dp, if xdp { Hook::Xdp } else { Hook::TcIngress }, frame)
+}
+
+/// TC ingress (a pod interface).
 fn tc(dp: &mut Datapath, f: &Frame) -> (u32, Vec<u8>) {
     run(dp, false, &f.bytes())
+}
+
+/// TC egress (the interface the packet leaves by).
+fn out(dp: &mut Datapath, f: &[u8]) -> (u32, Vec<u8>) {
+    run_at(dp, Hook::TcEgress, f)
+}
+
+/// As a frame again, to send on.
+fn frame(p: &kpr_tests::packet::Parsed, flags: u8) -> Frame {
+    Frame { src: p.src, dst: p.dst, ..Frame::tcp("0.0.0.0", p.sport, "0.0.0.0", p.dport, flags) }
+}
+
+/// A TCP handshake from a pod through a ClusterIP (SYN and its DNAT, the SYN-ACK's reverse DNAT
+/// at egress, the ACK that makes the flow assured): returns the ACK's rewritten packet.
+fn handshake(l: &mut Loaded, client: &str, port: u16, vip: &str, vport: u16) -> kpr_tests::packet::Parsed {
+    let (_, o) = tc(&mut l.dp, &Frame::tcp(client, port, vip, vport, SYN));
+    let fwd = parse(&o);
+    let synack = Frame { src: fwd.dst, dst: fwd.src, ..Frame::tcp("0.0.0.0", fwd.dport, "0.0.0.0", fwd.sport, SYN | ACK) };
+    let (_, back) = out(&mut l.dp, &synack.bytes());
+    let back = parse(&back);
+    assert_eq!((back.src.to_string(), back.sport), (vip.to_string(), vport), "the SYN-ACK's reverse DNAT");
+    let (_, o) = tc(&mut l.dp, &Frame::tcp(client, port, vip, vport, ACK));
+    parse(&o)
+}
+
+fn assured_has(l: &Loaded, client: &str, port: u16) -> bool {
+    l.conntrack(Table::Assured).iter().any(|(k, v)| !v.is_reply() && k.sport == port.to_be() && proxy_common::user::v4_addr(k.saddr) == ip(client))
 }
 
 fn counter_of(l: &Loaded, idx: u32) -> u64 {
@@ -89,16 +131,19 @@ fn counter_of(l: &Loaded, idx: u32) -> u64 {
 }
 
 #[test]
-fn dnat_established_and_reverse_nat_keep_checksums_valid() {
+fn dnat_at_ingress_reverse_dnat_at_egress_keep_checksums_valid() {
     let mut l = load("dnat");
     let syn = Frame::tcp("10.244.0.5", 40000, "10.96.0.10", 80, SYN);
-    let (v, out) = tc(&mut l.dp, &syn);
+    let (v, o) = tc(&mut l.dp, &syn);
     assert_eq!(v, TC_ACT_OK);
-    let p = parse(&out);
+    let p = parse(&o);
     assert!(WEB.contains(&p.dst.to_string().as_str()), "dst {}", p.dst);
     assert_eq!((p.src.to_string().as_str(), p.sport, p.dport), ("10.244.0.5", 40000, 8080));
     assert!(p.ip_csum_ok && p.l4_csum_ok, "{p:?}");
-    assert_eq!(out.len(), syn.bytes().len());
+    assert_eq!(o.len(), syn.bytes().len());
+    // Not masqueraded: egress leaves the forward packet as netfilter saw it.
+    let (v, o2) = out(&mut l.dp, &o);
+    assert_eq!((v, &o2), (TC_ACT_OK, &o));
 
     // Every later packet of the flow goes to the same backend.
     for _ in 0..5 {
@@ -108,14 +153,27 @@ fn dnat_established_and_reverse_nat_keep_checksums_valid() {
     }
     assert!(counter_of(&l, counter::ESTABLISHED) >= 5);
 
-    // The reply from that backend is rewritten back to the VIP.
+    // The reply crosses ingress untouched (netfilter must see backend -> client) and is
+    // rewritten back to the VIP at egress.
     let reply = Frame::tcp(&p.dst.to_string(), 8080, "10.244.0.5", 40000, SYN | ACK);
-    let (v, out3) = tc(&mut l.dp, &reply);
+    let (v, o3) = tc(&mut l.dp, &reply);
+    assert_eq!((v, &o3), (TC_ACT_OK, &reply.bytes()), "ingress must not reverse the DNAT");
+    let (v, o3) = out(&mut l.dp, &reply.bytes());
     assert_eq!(v, TC_ACT_OK);
-    let r = parse(&out3);
+    let r = parse(&o3);
     assert_eq!((r.src.to_string().as_str(), r.sport, r.dst.to_string().as_str(), r.dport), ("10.96.0.10", 80, "10.244.0.5", 40000));
     assert!(r.ip_csum_ok && r.l4_csum_ok, "{r:?}");
     assert!(counter_of(&l, counter::REVERSE_NAT) >= 1);
+
+    // The handshake's last ACK after the reply moves the flow to the assured table.
+    assert!(!assured_has(&l, "10.244.0.5", 40000), "a flow is embryonic until its handshake completes");
+    let (_, o4) = tc(&mut l.dp, &Frame::tcp("10.244.0.5", 40000, "10.96.0.10", 80, ACK));
+    assert_eq!(parse(&o4).dst, p.dst);
+    assert!(assured_has(&l, "10.244.0.5", 40000));
+    assert_eq!(counter_of(&l, counter::FLOW_ASSURED), 1);
+    assert!(l.conntrack(Table::Embryonic).is_empty(), "{:?}", l.conntrack(Table::Embryonic));
+    let (_, o5) = out(&mut l.dp, &Frame::tcp(&p.dst.to_string(), 8080, "10.244.0.5", 40000, ACK).bytes());
+    assert_eq!(parse(&o5).src.to_string(), "10.96.0.10", "assured replies are reversed too");
 }
 
 #[test]
@@ -145,38 +203,72 @@ fn flow_keeps_its_backend_after_the_backend_set_changes() {
 }
 
 #[test]
-fn nodeport_from_outside_is_masqueraded_and_reversed_by_xdp_then_tc() {
+fn nodeport_from_outside_dnat_at_xdp_masquerade_at_egress_and_back() {
     let mut l = load("snat");
     let syn = Frame::tcp("198.18.0.1", 50000, NODE_IP, 30080, SYN);
-    let (v, out) = run(&mut l.dp, true, &syn.bytes());
+    let (v, o) = run(&mut l.dp, true, &syn.bytes());
     assert_eq!(v, XDP_PASS);
-    let p = parse(&out);
-    assert_eq!((p.src.to_string().as_str(), p.dst.to_string().as_str(), p.dport), (NODE_IP, "10.244.1.1", 8080));
+    let p = parse(&o);
+    // DNAT only: netfilter's FORWARD sees the client, as under kube-proxy.
+    assert_eq!((p.src.to_string().as_str(), p.sport, p.dst.to_string().as_str(), p.dport), ("198.18.0.1", 50000, "10.244.1.1", 8080));
     assert!(p.ip_csum_ok && p.l4_csum_ok, "{p:?}");
     assert!(counter_of(&l, counter::SNAT) >= 1);
-    // Reply from the backend to the node's address, seen by TC on the pod interface.
-    let reply = Frame::tcp("10.244.1.1", 8080, NODE_IP, p.sport, SYN | ACK);
-    let (v, out) = tc(&mut l.dp, &reply);
+    // The masquerade happens at egress, after POSTROUTING.
+    let (v, o) = out(&mut l.dp, &o);
     assert_eq!(v, TC_ACT_OK);
-    let r = parse(&out);
+    let m = parse(&o);
+    assert_eq!((m.src.to_string().as_str(), m.dst.to_string().as_str(), m.dport), (NODE_IP, "10.244.1.1", 8080));
+    assert!(m.ip_csum_ok && m.l4_csum_ok, "{m:?}");
+    // The backend's reply to the node: reverse SNAT at ingress (netfilter sees backend ->
+    // client), reverse DNAT at egress.
+    let reply = Frame::tcp("10.244.1.1", 8080, NODE_IP, m.sport, SYN | ACK);
+    let (v, o) = tc(&mut l.dp, &reply);
+    assert_eq!(v, TC_ACT_OK);
+    let r = parse(&o);
+    assert_eq!((r.src.to_string().as_str(), r.sport, r.dst.to_string().as_str(), r.dport), ("10.244.1.1", 8080, "198.18.0.1", 50000));
+    assert!(r.ip_csum_ok && r.l4_csum_ok);
+    let (v, o) = out(&mut l.dp, &o);
+    assert_eq!(v, TC_ACT_OK);
+    let r = parse(&o);
     assert_eq!((r.src.to_string().as_str(), r.sport, r.dst.to_string().as_str(), r.dport), (NODE_IP, 30080, "198.18.0.1", 50000));
     assert!(r.ip_csum_ok && r.l4_csum_ok);
+    // The client's ACK completes the handshake; the whole flow (four entries) is assured.
+    let (_, o) = run(&mut l.dp, true, &Frame::tcp("198.18.0.1", 50000, NODE_IP, 30080, ACK).bytes());
+    let (_, o) = out(&mut l.dp, &o);
+    assert_eq!((parse(&o).src.to_string().as_str(), parse(&o).sport), (NODE_IP, m.sport));
+    assert_eq!(l.conntrack(Table::Assured).len(), 4, "{:?}", l.conntrack(Table::Assured));
+    assert!(l.conntrack(Table::Embryonic).is_empty());
 }
 
 #[test]
 fn clusterip_from_a_pod_is_not_masqueraded_but_hairpin_is() {
     let mut l = load("hairpin");
-    let (_, out) = tc(&mut l.dp, &Frame::tcp("10.244.0.7", 42000, "10.96.0.13", 80, SYN));
-    assert_eq!(parse(&out).src.to_string(), "10.244.0.7");
-    // The only backend of 10.96.0.16 is the client itself: masquerade to the node.
-    let (v, out) = tc(&mut l.dp, &Frame::tcp("10.244.1.1", 42001, "10.96.0.16", 80, SYN));
+    let (_, o) = tc(&mut l.dp, &Frame::tcp("10.244.0.7", 42000, "10.96.0.13", 80, SYN));
+    let (_, o) = out(&mut l.dp, &o);
+    assert_eq!(parse(&o).src.to_string(), "10.244.0.7");
+    // The only backend of 10.96.0.16 is the client itself: masquerade to the node at egress.
+    let (v, o) = tc(&mut l.dp, &Frame::tcp("10.244.1.1", 42001, "10.96.0.16", 80, SYN));
     assert_eq!(v, TC_ACT_OK);
-    let p = parse(&out);
+    let d = parse(&o);
+    assert_eq!((d.src.to_string().as_str(), d.dst.to_string().as_str(), d.dport), ("10.244.1.1", "10.244.1.1", 8080));
+    let (_, o) = out(&mut l.dp, &o);
+    let p = parse(&o);
     assert_eq!((p.src.to_string().as_str(), p.dst.to_string().as_str()), (NODE_IP, "10.244.1.1"));
     assert!(p.ip_csum_ok && p.l4_csum_ok);
     let (_, back) = tc(&mut l.dp, &Frame::tcp("10.244.1.1", 8080, NODE_IP, p.sport, SYN | ACK));
+    let (_, back) = out(&mut l.dp, &back);
     let r = parse(&back);
     assert_eq!((r.src.to_string().as_str(), r.sport, r.dst.to_string().as_str(), r.dport), ("10.96.0.16", 80, "10.244.1.1", 42001));
+    // A hairpin flow whose client port is the backend's port: its SNAT and reverse-DNAT keys
+    // would meet, so the port moves.
+    let (_, o) = tc(&mut l.dp, &Frame::tcp("10.244.1.1", 8080, "10.96.0.16", 80, SYN));
+    let d = parse(&o);
+    assert_ne!(d.sport, 8080, "{d:?}");
+    let (_, o) = out(&mut l.dp, &o);
+    let (_, back) = tc(&mut l.dp, &Frame::tcp("10.244.1.1", 8080, NODE_IP, parse(&o).sport, SYN | ACK));
+    let (_, back) = out(&mut l.dp, &back);
+    let r = parse(&back);
+    assert_eq!((r.src.to_string().as_str(), r.sport, r.dport), ("10.96.0.16", 80, 8080));
 }
 
 #[test]
@@ -213,8 +305,9 @@ fn no_endpoints_rejects_with_icmp_port_unreachable() {
     let syn = Frame::tcp("10.244.0.9", 44000, "10.96.0.12", 80, SYN);
     for xdp in [false, true] {
         let (v, out) = run(&mut l.dp, xdp, &syn.bytes());
-        // TC sends it straight back; XDP hands it to the stack, which routes it back.
-        assert_eq!(v, if xdp { XDP_PASS } else { TC_ACT_REDIRECT });
+        // Straight back out of the interface it came in by: through the stack, netfilter would
+        // find no flow the error is about and drop it as INVALID.
+        assert_eq!(v, if xdp { XDP_TX } else { TC_ACT_REDIRECT });
         let p = parse(&out);
         assert_eq!(p.proto, ICMP);
         assert_eq!((p.src.to_string().as_str(), p.dst.to_string().as_str()), ("10.96.0.12", "10.244.0.9"));
@@ -223,11 +316,7 @@ fn no_endpoints_rejects_with_icmp_port_unreachable() {
         assert_eq!((qs.to_string().as_str(), qd.to_string().as_str(), qsp, qdp), ("10.244.0.9", "10.96.0.12", 44000, 80));
         assert!(p.ip_csum_ok && p.l4_csum_ok, "{p:?}");
         assert_eq!(out.len(), 70);
-        if xdp {
-            assert_eq!(p.dst_mac, [2, 0, 0, 0, 0, 0xaa], "to the stack: MACs kept");
-        } else {
-            assert_eq!(p.dst_mac, [2, 0, 0, 0, 0, 0xbb], "out of the same interface: MACs swapped");
-        }
+        assert_eq!(p.dst_mac, [2, 0, 0, 0, 0, 0xbb], "out of the same interface: MACs swapped");
     }
     // UDP too, from a short datagram (the frame grows).
     let (v, out) = tc(&mut l.dp, &Frame::udp("10.244.0.9", 44001, "10.96.0.18", 53, b"x"));
@@ -280,10 +369,8 @@ fn maglev_is_consistent_per_flow() {
         let f = Frame::tcp("10.244.0.11", port, "10.96.0.17", 80, SYN);
         let (_, a) = tc(&mut l.dp, &f);
         seen.insert(parse(&a).dst);
-        // The same tuple after its conntrack entry is gone hashes to the same backend.
-        for (k, _) in l.maps.conntrack().unwrap() {
-            let _ = proxy_agent::maps::DatapathMaps::del_conntrack(&mut l.maps, k);
-        }
+        // The same tuple after its conntrack entries are gone hashes to the same backend.
+        l.clear_conntrack();
         let (_, b) = tc(&mut l.dp, &f);
         assert_eq!(parse(&a).dst, parse(&b).dst);
     }
@@ -309,10 +396,10 @@ fn non_service_and_malformed_traffic_passes_untouched() {
             f
         }),
     ];
-    for xdp in [false, true] {
+    for hook in [Hook::TcIngress, Hook::TcEgress, Hook::Xdp] {
         for (name, input) in &cases {
-            let (v, out) = run(&mut l.dp, xdp, input);
-            assert_eq!(v, if xdp { XDP_PASS } else { TC_ACT_OK }, "{name}");
+            let (v, out) = run_at(&mut l.dp, hook, input);
+            assert_eq!(v, if hook == Hook::Xdp { XDP_PASS } else { TC_ACT_OK }, "{name}");
             assert_eq!(&out, input, "{name} was modified");
         }
     }
@@ -337,7 +424,7 @@ fn non_service_and_malformed_traffic_passes_untouched() {
     }
     assert_eq!(counter_of(&l, counter::MALFORMED) - before, 8);
     assert_eq!(counter_of(&l, counter::FRAGMENT), 2);
-    assert!(l.maps.conntrack().unwrap().is_empty(), "malformed packets must create no flow");
+    assert!(l.conntrack(Table::Assured).is_empty() && l.conntrack(Table::Embryonic).is_empty(), "malformed packets must create no flow");
 }
 
 #[test]
@@ -346,7 +433,7 @@ fn fin_marks_the_flow_closing_and_a_new_syn_reschedules() {
     let (_, out) = tc(&mut l.dp, &Frame::tcp("10.244.0.13", 49000, "10.96.0.10", 80, SYN));
     let _first = parse(&out).dst;
     let (_, _) = tc(&mut l.dp, &Frame::tcp("10.244.0.13", 49000, "10.96.0.10", 80, FIN | ACK));
-    let ct = l.maps.conntrack().unwrap();
+    let ct = l.conntrack(Table::Embryonic);
     assert!(ct.iter().any(|(_, v)| !v.is_reply() && v.flags & proxy_common::CT_F_CLOSING != 0));
     let new_before = counter_of(&l, counter::NEW_FLOW);
     let (_, _) = tc(&mut l.dp, &Frame::tcp("10.244.0.13", 49000, "10.96.0.10", 80, SYN));
@@ -368,8 +455,8 @@ fn two_flows_meeting_on_one_backend_with_one_reply_tuple_get_distinct_ports() {
     assert_eq!(b.src.to_string(), "10.244.0.20", "no masquerade: the client address stays");
     assert!(b.ip_csum_ok && b.l4_csum_ok);
     // Each reply goes back to its own flow.
-    let (_, ra) = tc(&mut l.dp, &Frame::tcp("10.244.1.1", 8080, "10.244.0.20", 51000, SYN | ACK));
-    let (_, rb) = tc(&mut l.dp, &Frame::tcp("10.244.1.1", 8080, "10.244.0.20", b.sport, SYN | ACK));
+    let (_, ra) = out(&mut l.dp, &Frame::tcp("10.244.1.1", 8080, "10.244.0.20", 51000, SYN | ACK).bytes());
+    let (_, rb) = out(&mut l.dp, &Frame::tcp("10.244.1.1", 8080, "10.244.0.20", b.sport, SYN | ACK).bytes());
     let (ra, rb) = (parse(&ra), parse(&rb));
     assert_eq!((ra.src.to_string().as_str(), ra.dport), ("10.96.0.13", 51000));
     assert_eq!((rb.src.to_string().as_str(), rb.sport, rb.dport), ("10.96.0.16", 80, 51000));
@@ -397,10 +484,10 @@ fn flow_cache_answers_established_packets_and_never_outlives_a_tuple_reuse() {
     let cfg = datapath_config(NODE_IP, Some(("10.244.0.0", 16)));
     let ack = Frame::tcp("10.244.0.30", 52000, "10.96.0.10", 80, ACK);
     on_cpu(0);
-    let (_, out) = tc(&mut l.dp, &Frame::tcp("10.244.0.30", 52000, "10.96.0.10", 80, SYN));
-    let first = parse(&out).dst;
+    let first = handshake(&mut l, "10.244.0.30", 52000, "10.96.0.10", 80).dst;
 
-    // Established packets come from the cache: conntrack is not probed.
+    // Established packets come from the cache after one conntrack probe fills it.
+    tc(&mut l.dp, &ack);
     let misses = counter_of(&l, counter::FLOW_CACHE_MISS);
     for _ in 0..3 {
         let (v, o) = tc(&mut l.dp, &ack);
@@ -421,22 +508,19 @@ fn flow_cache_answers_established_packets_and_never_outlives_a_tuple_reuse() {
     // (on CPU 0) is a new flow to another backend: the other CPU's copy must not answer.
     on_cpu(other_cpu);
     assert_eq!(parse(&tc(&mut l.dp, &ack).1).dst, first);
+    assert_eq!(parse(&tc(&mut l.dp, &ack).1).dst, first);
     let node = NodeInfo { name: "node-a".into(), nodeport_addresses: vec![ip(NODE_IP)], ..Default::default() };
     let rest: Vec<&str> = WEB.iter().copied().filter(|b| *b != first.to_string()).collect();
     let y = manifests().replace(&slice("web", 8080, "TCP", &WEB), &slice("web", 8080, "TCP", &rest));
     l.syncer.sync(&mut l.maps, &kpr_tests::desired(&y, &node), cfg).unwrap();
     on_cpu(0);
-    let (_, o) = tc(&mut l.dp, &Frame::tcp("10.244.0.30", 52000, "10.96.0.10", 80, SYN));
-    let second = parse(&o).dst;
+    let second = handshake(&mut l, "10.244.0.30", 52000, "10.96.0.10", 80).dst;
     assert_ne!(second, first);
     on_cpu(other_cpu);
     assert_eq!(parse(&tc(&mut l.dp, &ack).1).dst, second, "a stale flow cache entry answered on CPU {other_cpu}");
 
     // Flows deleted from user space: after the invalidation nothing answers for them.
-    for (k, _) in l.maps.conntrack().unwrap() {
-        l.maps.del_conntrack(k).unwrap();
-    }
-    l.maps.invalidate_flow_cache().unwrap();
+    l.clear_conntrack();
     let new_before = counter_of(&l, counter::NEW_FLOW);
     tc(&mut l.dp, &ack);
     assert_eq!(counter_of(&l, counter::NEW_FLOW), new_before + 1, "the cache answered for a deleted flow");
@@ -452,10 +536,10 @@ fn a_flow_stamped_by_a_cpu_whose_clock_is_ahead_stays_established() {
     let mut l = load("clockskew");
     let cfg = datapath_config(NODE_IP, Some(("10.244.0.0", 16)));
     l.maps.set_config(proxy_common::DatapathConfig { flags: cfg.flags | CFG_F_NO_FLOW_CACHE, ..cfg }).unwrap();
-    let (_, out) = tc(&mut l.dp, &Frame::tcp("10.244.0.31", 53000, "10.96.0.10", 80, SYN));
-    let first = parse(&out).dst;
+    let first = handshake(&mut l, "10.244.0.31", 53000, "10.96.0.10", 80).dst;
     let mut ct: HashMap<MapData, CtKey, CtValue> = proxy_agent::kernel::open_typed(l.pins.path(), map_names::CONNTRACK).unwrap();
     let entries: Vec<(CtKey, CtValue)> = ct.iter().map(|e| e.unwrap()).collect();
+    assert!(!entries.is_empty());
     for (k, mut v) in entries {
         v.last_seen_ns += 50_000_000;
         ct.insert(k, v, 0).unwrap();
@@ -467,4 +551,113 @@ fn a_flow_stamped_by_a_cpu_whose_clock_is_ahead_stays_established() {
     }
     assert_eq!(counter_of(&l, counter::NEW_FLOW), new, "a live flow was taken for idle and scheduled again");
     assert_eq!(counter_of(&l, counter::ESTABLISHED), est + 5);
+}
+
+#[test]
+fn icmp_errors_about_translated_flows_are_translated_back() {
+    let mut l = load("icmp");
+    // UDP through a ClusterIP to a backend that has no socket: its port unreachable, at egress
+    // towards the client, must come from the VIP and quote the packet the client sent.
+    let (_, o) = tc(&mut l.dp, &Frame::udp("10.244.0.40", 46100, "10.96.0.15", 53, b"query"));
+    let sent = parse(&o);
+    assert_eq!((sent.dst.to_string().as_str(), sent.dport), ("10.244.1.3", 5353));
+    let quoted = Frame::udp("10.244.0.40", sent.sport, "10.244.1.3", 5353, b"query");
+    let err = icmp_error("10.244.1.3", "10.244.0.40", 3, 3, &quoted, 8);
+    let (_, i) = run_at(&mut l.dp, Hook::TcIngress, &err);
+    assert_eq!(i, err, "ingress: not the hook that reverses the DNAT");
+    let (v, o) = out(&mut l.dp, &err);
+    assert_eq!(v, TC_ACT_OK);
+    let p = parse(&o);
+    assert_eq!((p.src.to_string().as_str(), p.dst.to_string().as_str()), ("10.96.0.15", "10.244.0.40"));
+    let (ty, code, qs, qd, qsp, qdp) = p.icmp.unwrap();
+    assert_eq!((ty, code, qs.to_string().as_str(), qd.to_string().as_str(), qsp, qdp), (3, 3, "10.244.0.40", "10.96.0.15", 46100, 53));
+    assert!(p.ip_csum_ok && p.l4_csum_ok && p.quote_ip_csum_ok, "{p:?}");
+
+    // Fragmentation needed, sent by the node itself (a tunnel's smaller MTU) about a TCP
+    // segment it was forwarding: the outer addresses are the node's and the client's; only the
+    // quote changes, with a full TCP header quoted (its checksum follows).
+    let fwd = handshake(&mut l, "10.244.0.41", 46200, "10.96.0.10", 80);
+    let seg = Frame::tcp("10.244.0.41", fwd.sport, &fwd.dst.to_string(), 8080, ACK);
+    let err = icmp_error(NODE_IP, "10.244.0.41", 3, 4, &seg, 20);
+    let (_, o) = out(&mut l.dp, &err);
+    let p = parse(&o);
+    assert_eq!((p.src.to_string().as_str(), p.dst.to_string().as_str()), (NODE_IP, "10.244.0.41"));
+    let (ty, code, qs, qd, qsp, qdp) = p.icmp.unwrap();
+    assert_eq!((ty, code, qs.to_string().as_str(), qd.to_string().as_str(), qsp, qdp), (3, 4, "10.244.0.41", "10.96.0.10", 46200, 80));
+    assert!(p.l4_csum_ok && p.quote_ip_csum_ok, "{p:?}");
+    let q = &o[14 + 20 + 8..];
+    let mut quote = q[..20].to_vec();
+    quote.extend_from_slice(&q[20..40]);
+    let tcp_ok = kpr_tests::packet::parse(&[&o[..14], &quote[..]].concat()).l4_csum_ok;
+    assert!(tcp_ok, "the quoted TCP checksum must follow the quote's rewrite");
+
+    // A masqueraded flow: host unreachable from the backend to the node's address is reversed
+    // at ingress (to the client, quoting client -> backend), then at egress (from the VIP).
+    let (_, o) = run(&mut l.dp, true, &Frame::tcp("198.18.0.9", 51000, NODE_IP, 30080, SYN).bytes());
+    let (_, o) = out(&mut l.dp, &o);
+    let m = parse(&o);
+    let err = icmp_error("10.244.1.1", NODE_IP, 3, 1, &frame(&m, SYN), 8);
+    let (_, o) = run_at(&mut l.dp, Hook::TcIngress, &err);
+    let p = parse(&o);
+    assert_eq!((p.src.to_string().as_str(), p.dst.to_string().as_str()), ("10.244.1.1", "198.18.0.9"));
+    let q = p.icmp.unwrap();
+    assert_eq!((q.2.to_string().as_str(), q.4, q.3.to_string().as_str(), q.5), ("198.18.0.9", 51000, "10.244.1.1", 8080));
+    assert!(p.ip_csum_ok && p.l4_csum_ok && p.quote_ip_csum_ok, "{p:?}");
+    let (_, o) = out(&mut l.dp, &o);
+    let p = parse(&o);
+    assert_eq!((p.src.to_string().as_str(), p.dst.to_string().as_str()), (NODE_IP, "198.18.0.9"));
+    let q = p.icmp.unwrap();
+    assert_eq!((q.2.to_string().as_str(), q.4, q.3.to_string().as_str(), q.5), ("198.18.0.9", 51000, NODE_IP, 30080));
+    assert!(p.ip_csum_ok && p.l4_csum_ok && p.quote_ip_csum_ok, "{p:?}");
+    assert_eq!(counter_of(&l, counter::ICMP_ERROR_NAT), 4);
+
+    // About no flow: untouched.
+    let stray = icmp_error("10.244.1.1", "10.244.0.50", 3, 3, &Frame::udp("10.244.0.50", 1, "10.244.1.1", 2, b""), 8);
+    for hook in [Hook::TcIngress, Hook::TcEgress, Hook::Xdp] {
+        assert_eq!(run_at(&mut l.dp, hook, &stray).1, stray);
+    }
+}
+
+#[test]
+fn a_syn_flood_evicts_only_embryonic_flows() {
+    let mut l = load("flood");
+    // Two assured flows, one of them masqueraded (four entries).
+    let a = handshake(&mut l, "10.244.0.60", 54000, "10.96.0.10", 80);
+    let (_, o) = run(&mut l.dp, true, &Frame::tcp("198.18.0.60", 54001, NODE_IP, 30080, SYN).bytes());
+    let (_, o) = out(&mut l.dp, &o);
+    let m = parse(&o);
+    let (_, o) = tc(&mut l.dp, &Frame::tcp("10.244.1.1", 8080, NODE_IP, m.sport, SYN | ACK));
+    out(&mut l.dp, &o);
+    run(&mut l.dp, true, &Frame::tcp("198.18.0.60", 54001, NODE_IP, 30080, ACK).bytes());
+    let assured = l.conntrack(Table::Assured);
+    assert_eq!(assured.len(), 6);
+    // Spoofed SYNs, more than the embryonic table holds (16,384 in the fixtures), each from
+    // another source: none completes a handshake.
+    for i in 0..20_000u32 {
+        let src = std::net::Ipv4Addr::from(0x0af4_8000u32 + i);
+        let syn = Frame { src, ..Frame::tcp("0.0.0.0", 10_000 + (i % 50_000) as u16, "10.96.0.10", 80, SYN) };
+        run(&mut l.dp, false, &syn.bytes());
+    }
+    assert!(counter_of(&l, counter::NEW_FLOW) >= 20_000);
+    assert_eq!(l.conntrack(Table::Assured), assured, "the flood touched the assured table");
+    // The held flows still answer, forward and reply.
+    let (_, o) = tc(&mut l.dp, &Frame::tcp("10.244.0.60", 54000, "10.96.0.10", 80, ACK));
+    assert_eq!(parse(&o).dst, a.dst);
+    let (_, o) = out(&mut l.dp, &Frame::tcp(&a.dst.to_string(), 8080, "10.244.0.60", 54000, ACK).bytes());
+    assert_eq!(parse(&o).src.to_string(), "10.96.0.10");
+    let (_, o) = tc(&mut l.dp, &Frame::tcp("10.244.1.1", 8080, NODE_IP, m.sport, ACK));
+    assert_eq!(parse(&o).dst.to_string(), "198.18.0.60");
+}
+
+#[test]
+fn a_flow_picked_up_mid_stream_becomes_assured_at_its_next_packet() {
+    let mut l = load("pickup");
+    // An ACK of a connection this node never saw open (its maps were lost, or it was someone
+    // else's): a new flow, but no handshake to wait for.
+    let (_, o) = tc(&mut l.dp, &Frame::tcp("10.244.0.70", 55000, "10.96.0.10", 80, ACK));
+    let first = parse(&o).dst;
+    assert!(!assured_has(&l, "10.244.0.70", 55000));
+    let (_, o) = tc(&mut l.dp, &Frame::tcp("10.244.0.70", 55000, "10.96.0.10", 80, ACK));
+    assert_eq!(parse(&o).dst, first);
+    assert!(assured_has(&l, "10.244.0.70", 55000));
 }

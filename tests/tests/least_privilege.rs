@@ -46,7 +46,7 @@ fn agent_runs_with_bpf_net_admin_perfmon_only() {
         .arg(root.join("bpf/kpr"))
         .args(["run", "--manifests"])
         .arg(&m)
-        .args(["--uplink", "up0", "--pod-iface-prefix", "h", "--node-name", "node-a", "--cluster-cidr", "10.244.0.0/16"])
+        .args(["--uplink", "up0", "--pod-iface-prefix", lab.spec.cni.prefix(), "--node-name", "node-a", "--cluster-cidr", "10.244.0.0/16"])
         .arg("--cgroup")
         .arg(&lab.cgroup)
         .args(["--healthz-bind-address", "127.0.0.1:10256", "--metrics-bind-address", ""]);

@@ -28,12 +28,14 @@ fn desired(n: u32) -> DesiredState {
     kpr_tests::bench::clusterips(n, 3, vip, 0x0af4_0002, 60_000)
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum Prog {
     Tc,
+    TcEgress,
     Xdp,
     /// The fast path with its flow cache off: every established packet probes conntrack.
     TcNoCache,
+    TcEgressNoCache,
     XdpNoCache,
     TcPass,
     XdpPass,
@@ -44,14 +46,28 @@ enum Prog {
 impl Prog {
     fn name(self) -> &'static str {
         match self {
-            Prog::Tc => "tc fast path",
-            Prog::Xdp => "xdp fast path",
-            Prog::TcNoCache => "tc, no flow cache",
-            Prog::XdpNoCache => "xdp, no flow cache",
+            Prog::Tc => "tc ingress",
+            Prog::TcEgress => "tc egress",
+            Prog::Xdp => "xdp ingress",
+            Prog::TcNoCache => "tc in, no cache",
+            Prog::TcEgressNoCache => "tc eg, no cache",
+            Prog::XdpNoCache => "xdp in, no cache",
             Prog::TcPass => "tc pass (floor)",
             Prog::XdpPass => "xdp pass (floor)",
             Prog::TcIpset => "tc ipset (ipvs)",
         }
+    }
+    fn fast_path(self) -> bool {
+        !matches!(self, Prog::TcPass | Prog::XdpPass | Prog::TcIpset)
+    }
+    fn egress(self) -> bool {
+        matches!(self, Prog::TcEgress | Prog::TcEgressNoCache)
+    }
+    fn no_cache(self) -> bool {
+        matches!(self, Prog::TcNoCache | Prog::TcEgressNoCache | Prog::XdpNoCache)
+    }
+    fn tc(self) -> bool {
+        !matches!(self, Prog::Xdp | Prog::XdpNoCache | Prog::XdpPass)
     }
 }
 
@@ -61,6 +77,7 @@ fn run(dp: &mut Datapath, p: Prog, frame: &[u8], repeat: u32) -> (f64, Vec<u8>) 
     let opts = TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), repeat, ..Default::default() };
     let r = match p {
         Prog::Tc | Prog::TcNoCache => dp.classifier(prog_names::TC_INGRESS).unwrap().test_run(opts),
+        Prog::TcEgress | Prog::TcEgressNoCache => dp.classifier(prog_names::TC_EGRESS).unwrap().test_run(opts),
         Prog::TcPass => dp.classifier(prog_names::TC_PASS).unwrap().test_run(opts),
         Prog::TcIpset => dp.classifier(prog_names::TC_IPSET).unwrap().test_run(opts),
         Prog::Xdp | Prog::XdpNoCache => dp.xdp(prog_names::XDP_INGRESS).unwrap().test_run(opts),
@@ -79,36 +96,24 @@ fn tcp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, flags: u8) -> Vec<u
     Frame { src, dst, ..Frame::tcp("0.0.0.0", sport, "0.0.0.0", dport, flags) }.bytes()
 }
 
-/// BPF_PROG_TEST_RUN runs the program `repeat` times on one buffer, so from the second run on
-/// it sees the packet the first one rewrote. To time a conntrack hit on every repetition, each
-/// measured flow gets a mirror entry keyed by its rewritten tuple that rewrites it back: the
-/// packet alternates between the two tuples, and every repetition is a hit with a full NAT
-/// rewrite (address and port, L3 and L4 checksums).
-struct PingPong {
-    /// client -> VIP, a forward hit (DNAT) on every repetition.
-    forward: Vec<u8>,
-    /// backend -> client, a reply hit (reverse NAT) on every repetition.
-    reply: Vec<u8>,
+/// The (src, sport, dst, dport) of a frame.
+fn tuple(f: &[u8]) -> (Ipv4Addr, u16, Ipv4Addr, u16) {
+    let p = kpr_tests::packet::parse(f);
+    (p.src, p.sport, p.dst, p.dport)
 }
 
-fn ping_pong(ct: &mut AyaHashMap<MapData, CtKey, CtValue>, client: (Ipv4Addr, u16), vip: (Ipv4Addr, u16)) -> PingPong {
-    let is = |a: u32, ip: Ipv4Addr| addr(a) == ip;
-    let entries: Vec<(CtKey, CtValue)> = ct.iter().map(|e| e.unwrap()).collect();
-    let (fk, fv) = *entries
-        .iter()
-        .find(|(k, v)| !v.is_reply() && is(k.saddr, client.0) && u16::from_be(k.sport) == client.1 && is(k.daddr, vip.0))
-        .expect("the primed flow's forward entry");
-    let rk = CtKey { saddr: fv.new_daddr, daddr: fv.new_saddr, sport: fv.new_dport, dport: fv.new_sport, ..fk };
-    let rv = ct.get(&rk, 0).expect("the primed flow's reply entry");
-    // (client -> backend) rewrites back to (client -> VIP); (VIP -> client) back to (backend -> client).
-    let fwd_mirror = CtKey { daddr: fv.new_daddr, dport: fv.new_dport, ..fk };
-    let fwd_mirror_v = CtValue { new_daddr: fk.daddr, new_dport: fk.dport, ..fv };
-    let rev_mirror = CtKey { saddr: rv.new_saddr, sport: rv.new_sport, ..rk };
-    let rev_mirror_v = CtValue { new_saddr: rk.saddr, new_sport: rk.sport, ..rv };
-    ct.insert(fwd_mirror, fwd_mirror_v, 0).expect("insert the forward mirror");
-    ct.insert(rev_mirror, rev_mirror_v, 0).expect("insert the reply mirror");
-    let backend = (addr(fv.new_daddr), u16::from_be(fv.new_dport));
-    PingPong { forward: tcp(client.0, client.1, vip.0, vip.1, ACK), reply: tcp(backend.0, backend.1, client.0, client.1, ACK) }
+/// BPF_PROG_TEST_RUN runs the program `repeat` times on one buffer, so from the second run on
+/// it sees the packet the first one rewrote. To time a conntrack hit on every repetition, the
+/// measured entry gets a mirror keyed by its rewritten tuple (same hook, same role) that
+/// rewrites it back: the packet alternates between the two tuples, and every repetition is a
+/// hit with a full NAT rewrite (address and port, L3 and L4 checksums). Returns the frame that
+/// hits `key`.
+fn ping_pong(ct: &mut AyaHashMap<MapData, CtKey, CtValue>, key: CtKey) -> Vec<u8> {
+    let v = ct.get(&key, 0).expect("the measured entry is assured");
+    let mirror = CtKey { saddr: v.new_saddr, daddr: v.new_daddr, sport: v.new_sport, dport: v.new_dport, ..key };
+    let back = CtValue { new_saddr: key.saddr, new_daddr: key.daddr, new_sport: key.sport, new_dport: key.dport, ..v };
+    ct.insert(mirror, back, 0).expect("insert the mirror");
+    tcp(addr(key.saddr), u16::from_be(key.sport), addr(key.daddr), u16::from_be(key.dport), ACK)
 }
 
 /// Fails the run when a figure did not measure what its column says.
@@ -117,6 +122,18 @@ fn check(what: &str, got: u64, want: u64) {
         eprintln!("kpr-bench: {what}: counted {got} packets, expected {want}; the figure would be wrong");
         std::process::exit(1);
     }
+}
+
+/// A flow through `first` (the ingress program the client's packets meet), with its handshake
+/// completed through the programs themselves: its entries are assured.
+fn assured_flow(dp: &mut Datapath, first: Prog, syn: Vec<u8>) {
+    let (_, fwd) = run(dp, first, &syn, 1);
+    let (_, left) = run(dp, Prog::TcEgress, &fwd, 1);
+    let (s, sp, d, dp_) = tuple(&left);
+    let (_, back) = run(dp, Prog::Tc, &tcp(d, dp_, s, sp, SYN | ACK), 1);
+    run(dp, Prog::TcEgress, &back, 1);
+    let (s, sp, d, dp_) = tuple(&syn);
+    run(dp, first, &tcp(s, sp, d, dp_, ACK), 1);
 }
 
 fn main() {
@@ -133,7 +150,7 @@ fn main() {
     let cpu = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|c| c.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())).unwrap_or_default();
     let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
     println!("machine: Linux {} | {cpu} | {ncpu} CPUs", kernel.trim());
-    println!("method: BPF_PROG_TEST_RUN, 54-byte TCP frames, median of {runs} runs of {repeat} repetitions: forward = a hit on an established flow (DNAT), reply = a hit on its reverse NAT, other = a packet of no service and no flow; new = {new_flows} distinct SYNs, 1 repetition each (mean). The fast path answers repeated hits from its per-CPU flow cache; the 'no flow cache' rows probe conntrack for every packet");
+    println!("method: BPF_PROG_TEST_RUN, 54-byte TCP frames, median of {runs} runs of {repeat} repetitions: forward = a hit on an established flow's forward entry (ingress: DNAT; egress: masquerade), reply = on a reply entry (ingress: reverse masquerade; egress: reverse DNAT), other = a packet of no service and no flow; new = {new_flows} distinct SYNs, 1 repetition each (mean). The fast path answers repeated hits from its per-CPU flow cache; the 'no cache' rows probe conntrack for every packet");
 
     let pins = PinDir::new("bench");
     let max = *sizes.iter().max().unwrap();
@@ -143,6 +160,7 @@ fn main() {
         backends: 65_536,
         slots: (6 * max + 64).max(4096),
         conntrack: 1_048_576,
+        conntrack_new: 262_144,
     };
     let mut dp = Datapath::load(pins.path(), caps).expect("load");
     dp.load_ipset().expect("load the IPVS-mode set matching");
@@ -154,9 +172,13 @@ fn main() {
     let mut ct: AyaHashMap<MapData, CtKey, CtValue> =
         proxy_agent::kernel::open_typed(pins.path(), map_names::CONNTRACK).expect("open conntrack");
     let counters = |maps: &KernelMaps| proxy_agent::maps::DatapathMaps::counters(maps).expect("counters");
-    let client = ("10.244.200.1".parse::<Ipv4Addr>().unwrap(), 999u16);
+    // A pod (not masqueraded) and a client outside the cluster CIDR (masqueraded): between them
+    // every entry kind of a flow is measured: DNAT at ingress, reverse SNAT at ingress, SNAT at
+    // egress, reverse DNAT at egress.
+    let pod = ("10.244.200.1".parse::<Ipv4Addr>().unwrap(), 999u16);
+    let outside = ("198.18.200.1".parse::<Ipv4Addr>().unwrap(), 998u16);
     // Pod-to-pod traffic: no service, no flow; what most packets on a node are.
-    let other = tcp(client.0, client.1, "10.244.250.250".parse().unwrap(), 8080, ACK);
+    let other = tcp(pod.0, pod.1, "10.244.250.250".parse().unwrap(), 8080, ACK);
 
     let mut results: Vec<BTreeMap<String, serde_json::Value>> = Vec::new();
     println!(
@@ -178,13 +200,25 @@ fn main() {
             std::net::IpAddr::V4(a) => a,
             _ => unreachable!(),
         };
-        run(&mut dp, Prog::Tc, &tcp(client.0, client.1, target, 80, SYN), 1);
-        let flows = ping_pong(&mut ct, client, (target, 80));
+        assured_flow(&mut dp, Prog::Tc, tcp(pod.0, pod.1, target, 80, SYN));
+        assured_flow(&mut dp, Prog::Xdp, tcp(outside.0, outside.1, target, 80, SYN));
+        let entries = proxy_agent::conntrack::assemble(&ct.iter().map(|e| e.unwrap()).collect::<Vec<_>>());
+        let flow_of = |c: (Ipv4Addr, u16)| {
+            entries
+                .iter()
+                .find(|f| f.forward.is_some_and(|(k, _)| addr(k.saddr) == c.0 && u16::from_be(k.sport) == c.1))
+                .cloned()
+                .expect("the primed flow is assured")
+        };
+        let (pf, of) = (flow_of(pod), flow_of(outside));
+        // Ingress: DNAT (the pod's flow) and reverse SNAT (the outside client's); egress: SNAT
+        // (the outside client's) and reverse DNAT (the pod's).
+        let frames_in = (ping_pong(&mut ct, pf.forward.unwrap().0), ping_pong(&mut ct, of.reverse_snat.expect("reverse SNAT").0));
+        let frames_out = (ping_pong(&mut ct, of.snat.expect("SNAT").0), ping_pong(&mut ct, pf.reverse_dnat.unwrap().0));
         let mut floor: BTreeMap<bool, [f64; 4]> = BTreeMap::new();
-        for p in [Prog::TcPass, Prog::XdpPass, Prog::Tc, Prog::Xdp, Prog::TcNoCache, Prog::XdpNoCache, Prog::TcIpset] {
-            let lb = matches!(p, Prog::Tc | Prog::Xdp | Prog::TcNoCache | Prog::XdpNoCache);
-            let no_cache = matches!(p, Prog::TcNoCache | Prog::XdpNoCache);
-            let flags = if no_cache { cfg.flags | CFG_F_NO_FLOW_CACHE } else { cfg.flags };
+        for p in [Prog::TcPass, Prog::XdpPass, Prog::Tc, Prog::TcEgress, Prog::Xdp, Prog::TcNoCache, Prog::TcEgressNoCache, Prog::XdpNoCache, Prog::TcIpset] {
+            let lb = p.fast_path();
+            let flags = if p.no_cache() { cfg.flags | CFG_F_NO_FLOW_CACHE } else { cfg.flags };
             proxy_agent::maps::DatapathMaps::set_config(&mut maps, DatapathConfig { flags, ..cfg }).expect("config");
             let mut timed = |frame: &[u8], counter: Option<u32>| {
                 let before = counters(&maps);
@@ -205,7 +239,7 @@ fn main() {
                     let total = u64::from(repeat) * runs as u64;
                     let delta = |c: u32| after[c as usize] - before[c as usize];
                     // Without the cache every hit probes conntrack.
-                    if no_cache {
+                    if p.no_cache() {
                         let want = if counter.is_some() { total } else { 0 };
                         check(&format!("{} {}", p.name(), counter::NAMES[counter::FLOW_CACHE_MISS as usize]), delta(counter::FLOW_CACHE_MISS), want);
                     }
@@ -216,22 +250,28 @@ fn main() {
                 }
                 t
             };
-            let fwd = timed(&flows.forward, Some(counter::ESTABLISHED));
-            let rev = timed(&flows.reply, Some(counter::REVERSE_NAT));
+            let (fwd_frame, rev_frame) = if p.egress() { &frames_out } else { &frames_in };
+            let fwd = timed(fwd_frame, Some(counter::ESTABLISHED));
+            let rev = timed(rev_frame, Some(counter::REVERSE_NAT));
             let oth = timed(&other, None);
-            let mut total = 0.0;
-            for _ in 0..new_flows {
-                flow_port = if flow_port == u16::MAX { 1024 } else { flow_port + 1 };
-                let src = if flow_port == 1024 { "10.244.201.1" } else { "10.244.200.2" };
-                total += run(&mut dp, p, &Frame::tcp(src, flow_port, &target.to_string(), 80, SYN).bytes(), 1).0;
-            }
-            let newf = total / f64::from(new_flows);
-            let is_tc = matches!(p, Prog::Tc | Prog::TcNoCache | Prog::TcPass | Prog::TcIpset);
+            // A new flow's first packet; egress creates none (its first packet there completes
+            // a masquerade, measured in the forward column's first repetition only).
+            let newf = if p.egress() {
+                f64::NAN
+            } else {
+                let mut total = 0.0;
+                for _ in 0..new_flows {
+                    flow_port = if flow_port == u16::MAX { 1024 } else { flow_port + 1 };
+                    let src = if flow_port == 1024 { "10.244.201.1" } else { "10.244.200.2" };
+                    total += run(&mut dp, p, &Frame::tcp(src, flow_port, &target.to_string(), 80, SYN).bytes(), 1).0;
+                }
+                total / f64::from(new_flows)
+            };
             let fig = [fwd, rev, oth, newf];
             if matches!(p, Prog::TcPass | Prog::XdpPass) {
-                floor.insert(is_tc, fig);
+                floor.insert(p.tc(), fig);
             }
-            let x: Vec<f64> = fig.iter().zip(floor[&is_tc]).map(|(a, b)| a / b).collect();
+            let x: Vec<f64> = fig.iter().zip(floor[&p.tc()]).map(|(a, b)| a / b).collect();
             println!(
                 "{n:>9} {:<18} {fwd:>10.1} {:>7.2} {rev:>10.1} {:>7.2} {oth:>10.1} {:>7.2} {newf:>10.1} {:>7.2}",
                 p.name(), x[0], x[1], x[2], x[3]
@@ -241,21 +281,26 @@ fn main() {
             row.insert("services".into(), n.into());
             row.insert("program".into(), p.name().into());
             for (i, name) in ["established_forward", "established_reply", "no_service", "new_flow"].iter().enumerate() {
-                row.insert(format!("{name}_ns"), fig[i].into());
-                row.insert(format!("{name}_x_floor"), x[i].into());
+                if fig[i].is_finite() {
+                    row.insert(format!("{name}_ns"), fig[i].into());
+                    row.insert(format!("{name}_x_floor"), x[i].into());
+                }
             }
             results.push(row);
         }
         // Flows of this size must not help the next one.
         proxy_agent::maps::DatapathMaps::set_config(&mut maps, cfg).expect("config");
-        for (k, _) in proxy_agent::maps::DatapathMaps::conntrack(&maps).unwrap() {
-            let _ = proxy_agent::maps::DatapathMaps::del_conntrack(&mut maps, k);
+        let tables = proxy_agent::maps::DatapathMaps::conntrack_mut(&mut maps);
+        for table in proxy_agent::conntrack::Table::ALL {
+            for (k, v) in tables.entries(table).expect("read conntrack") {
+                let _ = tables.delete_if(table, &k, &v);
+            }
         }
-        proxy_agent::maps::DatapathMaps::invalidate_flow_cache(&mut maps).expect("invalidate the flow cache");
+        tables.invalidate_flow_cache().expect("invalidate the flow cache");
     }
     // Flatness: each program's established-flow cost at the largest size vs the smallest.
     let (lo, hi) = (sizes[0], max);
-    for p in ["tc fast path", "xdp fast path", "tc, no flow cache", "xdp, no flow cache", "tc ipset (ipvs)"] {
+    for p in [Prog::Tc, Prog::TcEgress, Prog::Xdp, Prog::TcNoCache, Prog::TcEgressNoCache, Prog::XdpNoCache, Prog::TcIpset].map(Prog::name) {
         let get = |n: u32| results.iter().find(|r| r["services"] == n && r["program"] == p).map(|r| r["established_forward_ns"].as_f64().unwrap());
         if let (Some(a), Some(b)) = (get(lo), get(hi)) {
             println!("{p}: established-flow (forward) cost at {hi} services is {:.2}x that at {lo}", b / a);

@@ -96,7 +96,7 @@ fn control_plane(n: u32) -> Cp {
 
     // The BPF maps, same services.
     let pins = PinDir::new("vmbench");
-    let caps = Capacities { services: 2 * n + 16, frontends: 2 * n + 16, backends: (10 * n + 64).max(65_536), slots: 20 * n + 64, conntrack: 65_536 };
+    let caps = Capacities { services: 2 * n + 16, frontends: 2 * n + 16, backends: (10 * n + 64).max(65_536), slots: 20 * n + 64, conntrack: 65_536, conntrack_new: 16_384 };
     let _dp = Datapath::load(pins.path(), caps).expect("load");
     let mut maps = KernelMaps::open(pins.path()).expect("maps");
     let mut bsync = Syncer::new(caps.services, 16);

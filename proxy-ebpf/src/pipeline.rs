@@ -1,0 +1,190 @@
+//! The load balancer's packet pipeline, written once for every hook (see pkt::Pkt).
+//!
+//! - Ingress (XDP on uplinks, TC ingress on pod and tunnel interfaces), before netfilter: a
+//!   tracked packet gets its forward (DNAT) or reverse-SNAT rewrite; a packet to a service
+//!   starts a flow (policy, backend choice, DNAT); the rest passes untouched.
+//! - Egress (TC egress on the same interfaces), after netfilter: a tracked packet gets its SNAT
+//!   or reverse-DNAT rewrite; nothing else is looked up.
+//!
+//! So between the two, netfilter sees client <-> backend in both directions, as under
+//! kube-proxy, and conntrack state rules (ctstate INVALID drops, CNI policy chains) hold.
+use aya_ebpf::helpers::bpf_jiffies64;
+use proxy_common::{
+    counter, DatapathConfig, ServiceValue, SourceRangeKey, CFG_F_MASQUERADE_ALL, CFG_F_NO_FLOW_CACHE, CtKey,
+    PROTO_TCP, PROTO_UDP, SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT, SVC_F_PRESERVE_SOURCE,
+    SVC_F_SOURCE_RANGES,
+};
+use aya_ebpf::maps::lpm_trie::Key;
+
+use crate::{
+    conntrack::{self, Lookup, Tracked},
+    counters::{self, bump},
+    flowcache, icmp, lb,
+    maps::{KPR_CFG_V2, KPR_SRCRNG_V1},
+    nat,
+    parse::{self, Flow, Parsed},
+    pkt::{Pkt, Verdict},
+    reject,
+    rewrite::Rewrite,
+};
+
+#[inline(always)]
+pub(crate) fn in_cluster_cidr(addr: u32, cfg: &DatapathConfig) -> bool {
+    let len = cfg.cluster_cidr_len;
+    if len == 0 || len > 32 {
+        return false;
+    }
+    let mask = (u32::MAX << (32 - len)).to_be();
+    addr & mask == cfg.cluster_cidr[0] & mask
+}
+
+#[inline(always)]
+fn source_allowed(f: &Flow, service_id: u32) -> bool {
+    let key = Key::new(64, SourceRangeKey { service_id_be: service_id.to_be(), addr: [f.saddr, 0, 0, 0] });
+    KPR_SRCRNG_V1.get(&key).is_some()
+}
+
+/// The packet's TCP/UDP flow; anything else returns from the hook here: ICMP errors are
+/// translated, other packets pass (counted where malformed or a fragment). A macro, not a
+/// function returning the Flow: through a returned enum the verifier loses the offsets' bounds.
+macro_rules! flow_or_return {
+    ($p:expr, $dir:expr) => {
+        match parse::parse($p) {
+            Parsed::Flow(f) => f,
+            Parsed::IcmpError(e) => return icmp::translate($p, &e, $dir),
+            Parsed::Other => return Verdict::Pass,
+            Parsed::Malformed => {
+                bump(counter::MALFORMED);
+                return Verdict::Pass;
+            }
+            Parsed::Fragment => {
+                bump(counter::FRAGMENT);
+                return Verdict::Pass;
+            }
+        }
+    };
+}
+
+#[inline(always)]
+pub fn ingress<P: Pkt>(p: &mut P, scope: u8) -> Verdict {
+    let f = flow_or_return!(p, conntrack::INGRESS);
+    let Some(cfg) = KPR_CFG_V2.get(0) else {
+        return Verdict::Pass;
+    };
+    let key = conntrack::key(&f, conntrack::INGRESS);
+    let now = match tracked(p, &f, &key, cfg) {
+        Ok(v) => return v,
+        Err(now) => now,
+    };
+    let Some(svc) = lb::lookup_service(&f, scope) else {
+        return Verdict::Pass;
+    };
+    // The handshake's last ACK (or data) of a flow still in the embryonic table.
+    if f.proto == PROTO_TCP && !f.is_tcp_control() {
+        if let Some(rw) = conntrack::embryonic_forward(&f, &key, cfg, now) {
+            return rewrite(p, &f, &rw);
+        }
+    }
+    new_flow(p, &f, &svc, cfg, now)
+}
+
+#[inline(always)]
+pub fn egress<P: Pkt>(p: &mut P) -> Verdict {
+    let f = flow_or_return!(p, conntrack::EGRESS);
+    let Some(cfg) = KPR_CFG_V2.get(0) else {
+        return Verdict::Pass;
+    };
+    let key = conntrack::key(&f, conntrack::EGRESS);
+    tracked(p, &f, &key, cfg).unwrap_or(Verdict::Pass)
+}
+
+/// A tracked packet's verdict (rewritten), or Err(now) for a packet no flow knows.
+#[inline(always)]
+fn tracked<P: Pkt>(p: &mut P, f: &Flow, key: &CtKey, cfg: &DatapathConfig) -> Result<Verdict, u64> {
+    let jiffies = unsafe { bpf_jiffies64() };
+    let cached = cfg.flags & CFG_F_NO_FLOW_CACHE == 0;
+    let generation = flowcache::generation();
+    if cached && !f.is_tcp_control() {
+        if let Some(rw) = flowcache::lookup(key, generation, jiffies) {
+            bump(if rw.reply() { counter::REVERSE_NAT } else { counter::ESTABLISHED });
+            return Ok(rewrite(p, f, &rw));
+        }
+    }
+    let mut l = Lookup { now: conntrack::now_ns(jiffies), ifindex: p.ifindex(), rewrite: Rewrite::default() };
+    match conntrack::track(f, key, cfg, &mut l) {
+        Tracked::No => Err(l.now),
+        Tracked::Drop => {
+            bump(counter::FLOW_CACHE_MISS);
+            Ok(Verdict::Drop)
+        }
+        t => {
+            bump(counter::FLOW_CACHE_MISS);
+            // Embryonic flows are never cached: the handshake's last packet must reach them.
+            if cached && t == Tracked::Assured {
+                flowcache::fill(key, &l.rewrite, generation, jiffies);
+            }
+            Ok(rewrite(p, f, &l.rewrite))
+        }
+    }
+}
+
+#[inline(always)]
+fn rewrite<P: Pkt>(p: &mut P, f: &Flow, rw: &Rewrite) -> Verdict {
+    match nat::rewrite(p, f, rw) {
+        Some(()) => Verdict::Pass,
+        None => Verdict::Drop,
+    }
+}
+
+/// A packet to a service that no flow knows: policy, backend choice, conntrack, DNAT.
+/// A BPF subprogram of its own, so its stack does not add to the established-flow path's.
+#[inline(never)]
+fn new_flow<P: Pkt>(p: &mut P, f: &Flow, svc: &ServiceValue, cfg: &DatapathConfig, now: u64) -> Verdict {
+    if svc.flags & SVC_F_SOURCE_RANGES != 0 && !source_allowed(f, svc.service_id) {
+        bump(counter::DROP_SOURCE_RANGE);
+        return Verdict::Drop;
+    }
+    if svc.backend_count == 0 {
+        // kube-proxy's verdicts: a traffic policy Local frontend with endpoints elsewhere only
+        // drops; a service with no endpoint at all rejects.
+        if svc.flags & SVC_F_NO_LOCAL_ENDPOINT != 0 {
+            bump(counter::DROP_NO_LOCAL_ENDPOINT);
+            return Verdict::Drop;
+        }
+        bump(counter::REJECT_NO_BACKEND);
+        return reject::icmp_port_unreachable(p, f).unwrap_or_else(|| {
+            bump(counter::REJECT_FAILED);
+            Verdict::Drop
+        });
+    }
+    let Some((backend_id, be)) = lb::select_backend(svc, f, now) else {
+        bump(counter::MISS_BACKEND);
+        return Verdict::Drop;
+    };
+
+    // Masquerade exactly where kube-proxy would: hairpin, external traffic policy Cluster,
+    // masqueradeAll, and clients outside the cluster CIDR (unless the source is preserved).
+    let hairpin = be.addr[0] == f.saddr;
+    let off_cluster = cfg.cluster_cidr_len != 0
+        && !in_cluster_cidr(f.saddr, cfg)
+        && svc.flags & SVC_F_PRESERVE_SOURCE == 0;
+    let masq = hairpin
+        || svc.flags & SVC_F_MASQ != 0
+        || cfg.flags & CFG_F_MASQUERADE_ALL != 0
+        || off_cluster;
+    let Some(port) = conntrack::pick_port(f, &be, cfg) else {
+        return Verdict::Drop;
+    };
+    let Some(rw) = conntrack::create(f, now, backend_id, svc.service_id, &be, port, masq) else {
+        return Verdict::Drop;
+    };
+    if masq {
+        bump(counter::SNAT);
+    }
+    bump(counter::NEW_FLOW);
+    counters::backend_new(backend_id);
+    if f.proto == PROTO_UDP && cfg.flags & CFG_F_NO_FLOW_CACHE == 0 {
+        flowcache::fill(&conntrack::key(f, conntrack::INGRESS), &rw, flowcache::generation(), unsafe { bpf_jiffies64() });
+    }
+    rewrite(p, f, &rw)
+}
