@@ -299,8 +299,10 @@ impl Datapath {
 /// Every TC program kpr attaches (what a cleanup removes from pre-TCX kernels' filters).
 const TC_PROGRAMS: [&str; 3] = [prog_names::TC_INGRESS, prog_names::TC_EGRESS, prog_names::TC_IPSET];
 
+/// bpffs refuses '.' in names, and interface names may hold one (flannel.1); ':' never
+/// appears in an interface name, so it stands for the dot.
 pub fn link_path(pin_dir: &Path, iface: &str, hook: Hook) -> PathBuf {
-    pin_dir.join("links").join(format!("{}_{}", hook.tag(), iface))
+    pin_dir.join("links").join(format!("{}_{}", hook.tag(), iface.replace('.', ":")))
 }
 
 /// Interfaces with a pinned link, and the hook.
@@ -308,7 +310,7 @@ pub fn attached_links(pin_dir: &Path) -> Vec<(String, Hook)> {
     let mut out = Vec::new();
     let Ok(rd) = std::fs::read_dir(pin_dir.join("links")) else { return out };
     for e in rd.flatten() {
-        let name = e.file_name().to_string_lossy().to_string();
+        let name = e.file_name().to_string_lossy().replace(':', ".");
         if let Some(i) = name.strip_prefix("tc_ingress_") {
             out.push((i.to_string(), Hook::TcIngress));
         } else if let Some(i) = name.strip_prefix("tc_egress_") {

@@ -9,7 +9,10 @@ use std::{
 
 use ipnet::IpNet;
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
-use proxy_common::{limits::MAX_BACKENDS_PER_SERVICE, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_F_MASQ, SVC_F_PRESERVE_SOURCE, SVC_F_SOURCE_RANGES};
+use proxy_common::{
+    limits::MAX_BACKENDS_PER_SERVICE, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT,
+    SVC_F_PRESERVE_SOURCE, SVC_F_SOURCE_RANGES,
+};
 
 use crate::manifests::{ObjectError, Objects};
 
@@ -516,9 +519,13 @@ fn service_frontends(
             ipvs.forward = IpvsForward::Nat;
         }
 
+        // kube-proxy's verdicts without endpoints: a service with none at all rejects; a traffic
+        // policy Local frontend whose endpoints are all on other nodes drops.
+        let no_local = if cluster_backends.is_empty() { 0 } else { SVC_F_NO_LOCAL_ENDPOINT };
         let mut add = |ip: IpAddr, p: u16, scope: u8, kind: FrontendKind, flags: u8, backends: &Vec<BackendKey>, ranges: &[IpNet]| {
             let key = FrontendKey { ip, port: p, proto, scope };
             let flags = if ranges.is_empty() { flags } else { flags | SVC_F_SOURCE_RANGES };
+            let flags = if backends.is_empty() { flags | no_local } else { flags };
             out.frontends.insert(
                 key,
                 Frontend {
@@ -607,6 +614,9 @@ impl DesiredState {
             }
             if f.flags & SVC_F_SOURCE_RANGES != 0 {
                 flags.push("source-ranges");
+            }
+            if f.flags & SVC_F_NO_LOCAL_ENDPOINT != 0 {
+                flags.push("no-local-endpoint");
             }
             let flags = if flags.is_empty() { "-".to_string() } else { flags.join(",") };
             let _ = writeln!(

@@ -6,7 +6,7 @@ use proxy_common::{
     counter,
     user::{port_host, proto_name, v4_addr, words_addr},
     CT_F_SNAT_PENDING, SCOPE_EXTERNAL, SCHED_MAGLEV, SCHED_ROUND_ROBIN,
-    SVC_F_MASQ, SVC_F_PRESERVE_SOURCE, SVC_F_SOURCE_RANGES,
+    SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT, SVC_F_PRESERVE_SOURCE, SVC_F_SOURCE_RANGES,
 };
 use serde::Serialize;
 
@@ -46,7 +46,7 @@ pub fn services(maps: &dyn DatapathMaps) -> Result<Vec<ServiceRow>, MapError> {
             })
             .collect();
         let mut flags = Vec::new();
-        for (bit, name) in [(SVC_F_MASQ, "masq"), (SVC_F_PRESERVE_SOURCE, "preserve-source"), (SVC_F_SOURCE_RANGES, "source-ranges")] {
+        for (bit, name) in [(SVC_F_MASQ, "masq"), (SVC_F_PRESERVE_SOURCE, "preserve-source"), (SVC_F_SOURCE_RANGES, "source-ranges"), (SVC_F_NO_LOCAL_ENDPOINT, "no-local-endpoint")] {
             if v.flags & bit != 0 {
                 flags.push(name.to_string());
             }
@@ -133,7 +133,7 @@ pub fn render_services(rows: &[ServiceRow]) -> String {
         let aff = if r.affinity_timeout_s > 0 { format!(" affinity={}s", r.affinity_timeout_s) } else { String::new() };
         s += &format!("{:<22} {:<4} {:<8} id={:<6} {}{aff}{flags}\n", r.frontend, r.proto, r.scope, r.service_id, r.scheduler);
         if r.backends.is_empty() {
-            s += "    (no endpoints: rejected)\n";
+            s += if r.flags.iter().any(|f| f == "no-local-endpoint") { "    (no local endpoint: dropped)\n" } else { "    (no endpoints: rejected)\n" };
         }
         for b in &r.backends {
             s += &format!("    -> {b}\n");

@@ -69,7 +69,8 @@ fn rewrite<P: Pkt>(p: &mut P, e: &IcmpError, quote: (u32, u16, u32, u16), outer:
     }
     let ports = p.ptr::<[u16; 2]>(INNER_L4_OFF)?;
     unsafe { *ports = [in_sport, in_dport] };
-    if let Some(c) = e.inner_csum {
+    let c = e.inner_csum;
+    if c.off != 0 {
         let field = p.ptr::<u16>(c.off)?;
         unsafe {
             let old = *field;

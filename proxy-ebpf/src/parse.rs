@@ -62,8 +62,10 @@ pub struct IcmpError {
     pub inner_sport: u16,
     pub inner_dport: u16,
     pub inner_proto: u8,
-    /// The quoted L4 checksum, when the quote holds it (UDP's always; TCP's from 18 bytes on).
-    pub inner_csum: Option<L4Csum>,
+    /// The quoted L4 checksum, when the quote holds it (UDP's always; TCP's from 18 bytes on);
+    /// offset 0 when it does not. (Not an Option: Rust's enum layout is not valid BTF, and the
+    /// object's BTF must load.)
+    pub inner_csum: L4Csum,
 }
 
 pub enum Parsed {
@@ -177,11 +179,11 @@ fn parse_icmp_error<P: Pkt>(p: &P, outer: &[u16; 10], ihl_bytes: usize) -> Parse
         return Parsed::Other;
     }
     let inner_csum = if proto == PROTO_UDP {
-        Some(L4Csum { off: INNER_L4_OFF + 6, udp: true })
+        L4Csum { off: INNER_L4_OFF + 6, udp: true }
     } else if p.load::<u16>(INNER_L4_OFF + 16).is_some() {
-        Some(L4Csum { off: INNER_L4_OFF + 16, udp: false })
+        L4Csum { off: INNER_L4_OFF + 16, udp: false }
     } else {
-        None
+        L4Csum { off: 0, udp: false }
     };
     Parsed::IcmpError(IcmpError {
         saddr: u32::from(outer[6]) | (u32::from(outer[7]) << 16),

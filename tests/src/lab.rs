@@ -297,6 +297,23 @@ impl Lab {
         lab
     }
 
+    /// Starts another server in a backend pod, answering with the pod's name, and waits for it.
+    pub fn serve(&self, role: &str, tcp: u16, udp: u16) {
+        Command::new("ip")
+            .args(["netns", "exec", &self.ns(role)])
+            .arg(&self.peer)
+            .args(["serve", role, &tcp.to_string(), &udp.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start server");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !sh(&format!("ip netns exec {} sh -c 'cat /proc/net/tcp' | grep -q ':{tcp:04X} 00000000:0000 0A'", self.ns(role))).status.success() {
+            assert!(Instant::now() < deadline, "server {role}:{tcp} did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// Loads rules with the lab's iptables front end (`iptables-restore --noflush` syntax).
     pub fn iptables_restore(&self, ns: &str, rules: &str) {
         let bin = format!("{}-restore", self.spec.iptables.bin());

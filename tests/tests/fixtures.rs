@@ -661,3 +661,16 @@ fn a_flow_picked_up_mid_stream_becomes_assured_at_its_next_packet() {
     assert_eq!(parse(&o).dst, first);
     assert!(assured_has(&l, "10.244.0.70", 55000));
 }
+
+#[test]
+fn the_objects_btf_loads_so_programs_carry_func_info() {
+    // A type the kernel's BTF checker refuses (Rust's Option layout, say) makes aya load the
+    // programs without BTF: no source lines in verifier logs, no func info for bpftool.
+    let mut l = load("btf");
+    for name in [prog_names::TC_INGRESS, prog_names::TC_EGRESS] {
+        let info = l.dp.classifier(name).unwrap().info().unwrap();
+        assert!(info.btf_id().is_some(), "{name} was loaded without the object's BTF");
+    }
+    let info = l.dp.xdp(prog_names::XDP_INGRESS).unwrap().info().unwrap();
+    assert!(info.btf_id().is_some(), "the XDP program was loaded without the object's BTF");
+}

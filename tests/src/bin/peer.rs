@@ -1,13 +1,19 @@
 //! kpr-lab-peer: the TCP/UDP servers and clients of the namespace lab and the end-to-end tests.
 //! Every loop is bounded by a count and a deadline.
 //!
-//!   serve  NAME TCP_PORT UDP_PORT          answer every request with NAME
+//!   serve  NAME TCP_PORT UDP_PORT          answer every request with NAME ("who": NAME and the
+//!                                          client address it sees; "up N" + N bytes: NAME once read;
+//!                                          "down N": N bytes, then NAME)
 //!   burst  IP:PORT tcp|udp COUNT           COUNT short connections; prints JSON {name: count, "errors": n}
 //!   hold   IP:PORT SECONDS                 one TCP connection, a request every 50 ms; prints JSON
 //!   stream IP:PORT SECONDS                 new TCP connections back to back for SECONDS; prints JSON
 //!   rate   IP:PORT SECONDS                 back-to-back short TCP connections; prints JSON with the
 //!                                          rate and the latency percentiles (µs) of a connection
 //!   get    IP:PORT PATH [BODY]             one HTTP/1.0 GET (PUT with a body); prints the status line, then the body
+//!   who    IP:PORT                         one TCP request "who"; prints JSON {name, seen}: whom the backend saw
+//!   bulk   IP:PORT BYTES                   one TCP connection: BYTES up, then BYTES down; prints JSON
+//!   udpc   IP:PORT COUNT                   COUNT requests on one connected UDP socket (ICMP errors
+//!                                          surface as errors, e.g. "Connection refused"); prints JSON
 use std::{
     collections::BTreeMap,
     io::{BufRead, BufReader, Read, Write},
@@ -32,12 +38,31 @@ fn serve(name: String, tcp: u16, udp: u16) {
         let name = name.clone();
         std::thread::spawn(move || {
             let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
+            let peer = conn.peer_addr().map(|a| a.ip().to_string()).unwrap_or_default();
             let mut r = BufReader::new(conn.try_clone().unwrap());
             let mut w = conn;
             let mut line = String::new();
             // One answer per request line, until the client closes.
             while r.read_line(&mut line).map(|n| n > 0).unwrap_or(false) {
-                if w.write_all(format!("{name}\n").as_bytes()).is_err() {
+                let answer = match line.trim().split_once(' ') {
+                    _ if line.trim() == "who" => format!("{name} {peer}\n"),
+                    Some(("up", n)) => {
+                        let n: u64 = n.parse().unwrap_or(0).min(1 << 30);
+                        if std::io::copy(&mut (&mut r).take(n), &mut std::io::sink()).map(|got| got != n).unwrap_or(true) {
+                            break;
+                        }
+                        format!("{name}\n")
+                    }
+                    Some(("down", n)) => {
+                        let n: usize = n.parse().unwrap_or(0).min(1 << 30);
+                        if w.write_all(&vec![b'x'; n]).is_err() {
+                            break;
+                        }
+                        format!("{name}\n")
+                    }
+                    _ => format!("{name}\n"),
+                };
+                if w.write_all(answer.as_bytes()).is_err() {
                     break;
                 }
                 line.clear();
@@ -205,6 +230,81 @@ fn main() {
             let (head, body) = resp.split_once("\r\n\r\n").unwrap_or((&resp, ""));
             println!("{}", head.lines().next().unwrap_or(""));
             print!("{body}");
+        }
+        "who" => {
+            let target: SocketAddr = arg(1).parse().unwrap();
+            let r = (|| -> Result<String, String> {
+                let mut s = TcpStream::connect_timeout(&target, Duration::from_secs(5)).map_err(|e| e.to_string())?;
+                s.set_read_timeout(Some(Duration::from_secs(5))).ok();
+                s.write_all(b"who\n").map_err(|e| e.to_string())?;
+                let mut line = String::new();
+                BufReader::new(s).read_line(&mut line).map_err(|e| e.to_string())?;
+                Ok(line.trim().to_string())
+            })();
+            let v = match r {
+                Ok(l) => {
+                    let (name, seen) = l.split_once(' ').unwrap_or((&l, ""));
+                    serde_json::json!({"name": name, "seen": seen, "errors": 0})
+                }
+                Err(e) => serde_json::json!({"errors": 1, "first_error": e}),
+            };
+            println!("{v}");
+        }
+        "bulk" => {
+            let target: SocketAddr = arg(1).parse().unwrap();
+            let n: usize = arg(2).parse::<usize>().unwrap().min(64 << 20);
+            let start = Instant::now();
+            let mut t = Tally::default();
+            let r = (|| -> Result<String, String> {
+                let mut s = TcpStream::connect_timeout(&target, Duration::from_secs(5)).map_err(|e| e.to_string())?;
+                // A path MTU black hole stalls a transfer: fail after a while instead.
+                s.set_read_timeout(Some(Duration::from_secs(10))).ok();
+                s.set_write_timeout(Some(Duration::from_secs(10))).ok();
+                s.write_all(format!("up {n}\n").as_bytes()).map_err(|e| e.to_string())?;
+                s.write_all(&vec![b'u'; n]).map_err(|e| format!("upload: {e}"))?;
+                let mut r = BufReader::new(s.try_clone().map_err(|e| e.to_string())?);
+                let mut line = String::new();
+                r.read_line(&mut line).map_err(|e| format!("upload acknowledgement: {e}"))?;
+                s.write_all(format!("down {n}\n").as_bytes()).map_err(|e| e.to_string())?;
+                let mut got = 0usize;
+                let mut buf = vec![0u8; 65536];
+                while got < n {
+                    let k = r.read(&mut buf[..(n - got).min(65536)]).map_err(|e| format!("download after {got} bytes: {e}"))?;
+                    if k == 0 {
+                        return Err(format!("closed after {got} of {n} bytes"));
+                    }
+                    got += k;
+                }
+                line.clear();
+                r.read_line(&mut line).map_err(|e| e.to_string())?;
+                Ok(line.trim().to_string())
+            })();
+            t.add(r);
+            let mut m: BTreeMap<String, serde_json::Value> = t.counts.iter().map(|(k, v)| (k.clone(), (*v).into())).collect();
+            m.insert("errors".into(), t.errors.into());
+            m.insert("bytes".into(), if t.errors == 0 { (2 * n).into() } else { 0.into() });
+            m.insert("seconds".into(), start.elapsed().as_secs_f64().into());
+            if let Some(e) = t.first_error {
+                m.insert("first_error".into(), e.into());
+            }
+            println!("{}", serde_json::to_string(&m).unwrap());
+        }
+        "udpc" => {
+            let target: SocketAddr = arg(1).parse().unwrap();
+            let count: u64 = arg(2).parse::<u64>().unwrap().min(10_000);
+            let mut t = Tally::default();
+            match UdpSocket::bind("0.0.0.0:0").and_then(|s| s.connect(target).map(|_| s)) {
+                Ok(s) => {
+                    s.set_read_timeout(Some(Duration::from_millis(1500))).ok();
+                    for _ in 0..count {
+                        let mut buf = [0u8; 256];
+                        let r = s.send(b"hi").and_then(|_| s.recv(&mut buf)).map(|n| String::from_utf8_lossy(&buf[..n]).to_string());
+                        t.add(r.map_err(|e| e.to_string()));
+                    }
+                }
+                Err(e) => t.fail(e.to_string()),
+            }
+            t.report();
         }
         other => panic!("unknown command {other:?}; see the file header for usage"),
     }

@@ -1,0 +1,233 @@
+//! End to end on realistic nodes: two nodes in each CNI shape (Calico-like routed pods,
+//! Flannel-like VXLAN), kube-proxy's netfilter rules on every node, kpr on every node; a
+//! netfilter matrix on one node; ICMP errors from backends and path MTU discovery through the
+//! tunnel. Real TCP and UDP, zero failed connections where traffic should pass.
+use std::path::PathBuf;
+
+use kpr_tests::lab::{errors, per_backend, Cni, Iptables, Lab, LabSpec, NODE_B_IP, NODE_IP};
+
+/// A Service and its EndpointSlice: (address, node) endpoints, each on `target`.
+fn service(name: &str, vip: &str, port: u16, target: u16, proto: &str, eps: &[(&str, &str)], extra_spec: &str) -> String {
+    let eps: String = eps.iter().map(|(a, n)| format!("- {{addresses: [\"{a}\"], conditions: {{ready: true}}, nodeName: {n}}}\n")).collect();
+    let eps = if eps.is_empty() { " []\n".to_string() } else { format!("\n{eps}") };
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: e2e}}\nspec:\n  clusterIP: {vip}\n{extra_spec}  ports:\n  - {{name: p, port: {port}, targetPort: {target}, protocol: {proto}}}\n---\n\
+         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, namespace: e2e, labels: {{kubernetes.io/service-name: {name}}}}}\naddressType: IPv4\nports: [{{name: p, port: {target}, protocol: {proto}}}]\nendpoints:{eps}---\n"
+    )
+}
+
+const B1: &str = "10.244.1.2";
+const B2: &str = "10.244.2.2";
+const B3: &str = "10.244.3.2";
+const B4: &str = "10.244.17.2";
+
+/// The services every test here uses. NodePorts are on every node's address.
+fn manifests(dir: &PathBuf) {
+    let mut y = String::new();
+    let a = |ip| (ip, "node-a");
+    // On node A's three backends; NodePort 30080.
+    y += &service("web", "10.96.0.10", 80, 8080, "TCP", &[a(B1), a(B2), a(B3)], "  type: NodePort\n")
+        .replace("protocol: TCP}", "protocol: TCP, nodePort: 30080}");
+    y += &service("dns", "10.96.0.53", 53, 5353, "UDP", &[a(B1), a(B2), a(B3)], "");
+    // Hairpin (b1's only backend is itself) and the policy target (b2 alone).
+    y += &service("only-b1", "10.96.0.21", 80, 8080, "TCP", &[a(B1)], "");
+    // b2's second server (port 9090, started by the policy test) behind its own service.
+    y += &service("only-b2", "10.96.0.22", 80, 9090, "TCP", &[a(B2)], "");
+    // On node B's backend, NodePort 30090 on both nodes.
+    y += &service("far", "10.96.1.10", 80, 8080, "TCP", &[(B4, "node-b")], "  type: NodePort\n")
+        .replace("protocol: TCP}", "protocol: TCP, nodePort: 30090}");
+    // externalTrafficPolicy Local with its endpoint on node A only.
+    y += &service("local", "10.96.1.12", 80, 8080, "TCP", &[a(B1)], "  type: NodePort\n  externalTrafficPolicy: Local\n")
+        .replace("protocol: TCP}", "protocol: TCP, nodePort: 30091}");
+    // A UDP port nothing listens on, and a TCP port whose backend answers host unreachable.
+    y += &service("udp-dead", "10.96.1.53", 53, 5999, "UDP", &[(B4, "node-b")], "");
+    y += &service("hostun", "10.96.1.11", 80, 8081, "TCP", &[(B4, "node-b")], "");
+    y += &service("gone", "10.96.0.99", 80, 8080, "TCP", &[], "");
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("services.yaml"), y).unwrap();
+}
+
+fn lab(prefix: &str, spec: LabSpec) -> Lab {
+    let dir = std::env::temp_dir().join(format!("kpr-cluster-{prefix}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    manifests(&dir);
+    let mut lab = Lab::build_with(prefix, &dir, spec);
+    lab.start_agents();
+    lab.wait_backends("10.96.0.10:80", 3);
+    lab.wait_backends("10.96.1.10:80", 1);
+    lab
+}
+
+fn ok(v: &serde_json::Value, what: &str, n: u64) {
+    assert_eq!(errors(v), 0, "{what}: {v}");
+    let total: u64 = per_backend(v).iter().map(|(_, c)| c).sum();
+    assert_eq!(total, n, "{what}: {v}");
+}
+
+/// Cross-node traffic in one CNI shape, with kube-proxy's INVALID drop on both nodes.
+fn two_nodes(prefix: &str, cni: Cni) {
+    let lab = lab(prefix, LabSpec { nodes: 2, cni, ..LabSpec::default() });
+    // A pod on node A to a backend on node B, and back: the replies cross the other node's
+    // uplink or the tunnel, and node A reverses the DNAT on the way to the pod.
+    let v = lab.peer("pod", &["burst", "10.96.1.10:80", "tcp", "100"]);
+    ok(&v, "pod on A -> ClusterIP -> backend on B", 100);
+    assert_eq!(per_backend(&v), vec![("b4".to_string(), 100)]);
+    // A pod on node B to backends on node A.
+    let v = lab.peer("pod2", &["burst", "10.96.0.10:80", "tcp", "90"]);
+    ok(&v, "pod on B -> ClusterIP -> backends on A", 90);
+    let v = lab.peer("pod2", &["burst", "10.96.0.53:53", "udp", "30"]);
+    ok(&v, "pod on B -> UDP ClusterIP -> A", 30);
+    // Outside -> NodePort on node A -> backend on node B: masqueraded on A, so the reply comes
+    // back to A (through the tunnel with VXLAN: the masquerade takes flannel.1's address).
+    let v = lab.peer("cl", &["burst", &format!("{NODE_IP}:30090"), "tcp", "100"]);
+    ok(&v, "outside -> NodePort on A -> backend on B", 100);
+    let who = lab.peer("cl", &["who", &format!("{NODE_IP}:30090")]);
+    let want_src = if cni == Cni::Vxlan { "10.244.0.0" } else { NODE_IP };
+    assert_eq!((who["name"].as_str(), who["seen"].as_str()), (Some("b4"), Some(want_src)), "masquerade address: {who}");
+    // And to node B's NodePort, whose backend is local there.
+    let v = lab.peer("cl", &["burst", &format!("{NODE_B_IP}:30090"), "tcp", "50"]);
+    ok(&v, "outside -> NodePort on B -> local backend", 50);
+    // externalTrafficPolicy Local: node A serves with the client's address kept; node B has no
+    // local endpoint and drops (kube-proxy's "has no local endpoints" verdict).
+    let who = lab.peer("cl", &["who", &format!("{NODE_IP}:30091")]);
+    assert_eq!((who["name"].as_str(), who["seen"].as_str()), (Some("b1"), Some("198.18.0.2")), "ETP Local keeps the client address: {who}");
+    let v = lab.peer("cl", &["burst", &format!("{NODE_B_IP}:30091"), "tcp", "1"]);
+    assert_eq!(errors(&v), 1, "ETP Local without a local endpoint must not be served: {v}");
+    assert!(v["first_error"].as_str().unwrap().contains("timed out"), "dropped, not rejected: {v}");
+    // A pod on node B reaches the same service through the ClusterIP (cluster-wide).
+    let v = lab.peer("pod2", &["burst", "10.96.1.12:80", "tcp", "10"]);
+    ok(&v, "pod on B -> ETP Local service's ClusterIP", 10);
+    // No endpoints: rejected on node B too.
+    let v = lab.peer("pod2", &["burst", "10.96.0.99:80", "tcp", "2"]);
+    assert!(v["first_error"].as_str().unwrap_or("").contains("refused"), "{v}");
+
+    // ICMP errors from a backend on the other node, about translated flows, reach the client
+    // translated: a UDP port nothing listens on is refused at once...
+    let v = lab.peer("pod", &["udpc", "10.96.1.53:53", "3"]);
+    assert_eq!(errors(&v), 3, "{v}");
+    assert!(v["first_error"].as_str().unwrap().contains("refused"), "port unreachable must surface as ECONNREFUSED: {v}");
+    // ...and a backend answering host unreachable fails the connect at once.
+    kpr_tests::must(&format!("ip netns exec {} iptables -A INPUT -p tcp --dport 8081 -j REJECT --reject-with icmp-host-unreachable", lab.ns("b4")));
+    let t = std::time::Instant::now();
+    let v = lab.peer("pod", &["burst", "10.96.1.11:80", "tcp", "2"]);
+    assert_eq!(errors(&v), 2, "{v}");
+    assert!(v["first_error"].as_str().unwrap().contains("No route to host"), "host unreachable: {v}");
+    assert!(t.elapsed() < std::time::Duration::from_secs(4), "the error must arrive, not a timeout");
+    let counters = lab.cli(&["status"]);
+    assert!(counters.lines().any(|l| l.starts_with("icmp_error_nat") && !l.ends_with(" 0")), "{counters}");
+}
+
+#[test]
+fn two_nodes_routed_calico_like() {
+    two_nodes("kpc1", Cni::Routed);
+}
+
+#[test]
+fn two_nodes_vxlan_flannel_like() {
+    two_nodes("kpc2", Cni::Vxlan);
+}
+
+/// Path MTU discovery through a 1450-byte VXLAN tunnel from pods whose own links are 1500
+/// bytes: uploads make node A send "fragmentation needed" about the DNATed packet, which only
+/// helps the client translated back; downloads make node B send it to the backend.
+#[test]
+fn path_mtu_discovery_through_the_tunnel() {
+    let lab = lab("kpc3", LabSpec { nodes: 2, cni: Cni::Vxlan, ..LabSpec::default() });
+    for (role, target) in [("pod", "10.96.1.10:80"), ("pod2", "10.96.0.21:80")] {
+        let v = lab.peer(role, &["bulk", target, "2000000"]);
+        assert_eq!(errors(&v), 0, "{role} -> {target}: {v}");
+        assert_eq!(v["bytes"].as_u64(), Some(4_000_000), "{v}");
+    }
+    // The client learnt the tunnel's MTU for the VIP.
+    let route = kpr_tests::must(&format!("ip -n {} route get 10.96.1.10", lab.ns("pod")));
+    assert!(route.contains("mtu 1450"), "{route}");
+}
+
+/// The matrix: each cell a fresh node with its own netfilter rules, the same traffic, no
+/// failed connection.
+fn matrix_cell(prefix: &str, spec: LabSpec, setup: impl FnOnce(&Lab)) -> Lab {
+    let dir = std::env::temp_dir().join(format!("kpr-cluster-{prefix}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    manifests(&dir);
+    let mut lab = Lab::build_with(prefix, &dir, spec);
+    setup(&lab);
+    lab.start_agent();
+    lab.wait_backends("10.96.0.10:80", 3);
+    let cases: [(&str, &str, &str, &str, u64); 6] = [
+        ("pod -> ClusterIP", "pod", "10.96.0.10:80", "tcp", 60),
+        ("outside -> NodePort (masquerade)", "cl", "198.18.0.1:30080", "tcp", 60),
+        ("outside -> ClusterIP (off-cluster masquerade)", "cl", "10.96.0.10:80", "tcp", 30),
+        ("hairpin", "b1", "10.96.0.21:80", "tcp", 30),
+        ("node process -> ClusterIP", "host", "10.96.0.10:80", "tcp", 60),
+        ("pod -> UDP ClusterIP", "pod", "10.96.0.53:53", "udp", 30),
+    ];
+    for (what, from, target, proto, n) in cases {
+        let v = lab.peer(from, &["burst", target, proto, &n.to_string()]);
+        ok(&v, &format!("{prefix}: {what}"), n);
+    }
+    lab
+}
+
+#[test]
+fn netfilter_matrix_no_rules() {
+    matrix_cell("kpm1", LabSpec::default(), |lab| lab.flush_netfilter(&lab.ns("node")));
+}
+
+#[test]
+fn netfilter_matrix_kube_proxy_invalid_drop_nft_and_legacy() {
+    for (prefix, iptables) in [("kpm2", Iptables::Nft), ("kpm3", Iptables::Legacy)] {
+        let lab = matrix_cell(prefix, LabSpec { iptables, ..LabSpec::default() }, |_| {});
+        let rules = lab.iptables(&lab.ns("node"), "-S KUBE-FORWARD");
+        assert!(rules.contains("--ctstate INVALID -j DROP"), "{rules}");
+        // The rule saw the traffic and dropped none of it (its counter stays at zero).
+        let counts = lab.iptables(&lab.ns("node"), "-L KUBE-FORWARD -v -n -x");
+        let invalid = counts.lines().find(|l| l.contains("INVALID")).unwrap();
+        assert_eq!(invalid.split_whitespace().next(), Some("0"), "INVALID drops: {counts}");
+    }
+}
+
+#[test]
+fn netfilter_matrix_calico_like_policy_chain() {
+    let lab = matrix_cell("kpm4", LabSpec::default(), |lab| {
+        // A CNI's workload chain: established first, INVALID dropped, then the policy for b2's
+        // port 9090: only the pod may reach it.
+        lab.iptables_restore(
+            &lab.ns("node"),
+            "*filter\n:cali-FORWARD - [0:0]\n:cali-tw-b2 - [0:0]\n-I FORWARD 1 -j cali-FORWARD\n\
+             -A cali-FORWARD -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT\n\
+             -A cali-FORWARD -m conntrack --ctstate INVALID -j DROP\n\
+             -A cali-FORWARD -d 10.244.2.2/32 -p tcp --dport 9090 -j cali-tw-b2\n\
+             -A cali-tw-b2 -s 10.244.9.2/32 -j ACCEPT\n\
+             -A cali-tw-b2 -j DROP\nCOMMIT\n",
+        );
+        lab.serve("b2", 9090, 9091);
+    });
+    // Through the ClusterIP, the policy still sees the real client: the pod passes, the
+    // outside client (denied) does not, though the masquerade would hide its address.
+    let v = lab.peer("pod", &["burst", "10.96.0.22:80", "tcp", "20"]);
+    ok(&v, "allowed source through a ClusterIP", 20);
+    let v = lab.peer("cl", &["burst", "10.96.0.22:80", "tcp", "1"]);
+    assert_eq!(errors(&v), 1, "the denied source stays denied: {v}");
+    assert!(v["first_error"].as_str().unwrap().contains("timed out"), "{v}");
+}
+
+#[test]
+fn netfilter_matrix_kube_proxy_rules_still_loaded_no_double_masquerade() {
+    use kpr_tests::iptables::{render, Svc};
+    let svc = |name: &str, vip: &str, bes: &[&str]| Svc { name: format!("e2e/{name}:p"), vip: vip.into(), port: 80, backends: bes.iter().map(|b| (b.to_string(), 8080)).collect() };
+    let rules = render(&[svc("web", "10.96.0.10", &[B1, B2, B3]), svc("only-b1", "10.96.0.21", &[B1])], "10.244.0.0/16");
+    let lab = matrix_cell("kpm5", LabSpec::default(), |lab| {
+        // kube-proxy's whole nat table, as during a migration before its cleanup; its
+        // KUBE-MARK-MASQ marks and KUBE-POSTROUTING would masquerade again what kpr did.
+        let nat = rules.replace("*nat\n", "*nat\n").to_string();
+        lab.iptables_restore(&lab.ns("node"), &nat);
+    });
+    let who = lab.peer("cl", &["who", "198.18.0.1:30080"]);
+    assert_eq!(who["seen"].as_str(), Some(NODE_IP), "{who}");
+    let nat = lab.iptables(&lab.ns("node"), "-t nat -L KUBE-POSTROUTING -v -n -x");
+    let masq = nat.lines().find(|l| l.contains("MASQUERADE")).unwrap_or_else(|| panic!("{nat}"));
+    assert_eq!(masq.split_whitespace().next(), Some("0"), "kube-proxy's MASQUERADE saw kpr's traffic: {nat}");
+    let dnat = lab.iptables(&lab.ns("node"), "-t nat -L KUBE-SERVICES -v -n -x");
+    assert!(dnat.lines().filter(|l| l.contains("KUBE-SVC")).all(|l| l.split_whitespace().next() == Some("0")), "kube-proxy's DNAT saw a VIP: {dnat}");
+}
+
