@@ -2,10 +2,10 @@
 //! Services, sends traffic from a pod and from outside the node, and shows where it went.
 //! Everything is removed at the end (also on Ctrl-C or a failure).
 //!
-//!   kpr-lab [--manifests DIR] [--connections N] [--keep SECONDS]
+//!   kpr-lab [--manifests DIR] [--connections N] [--keep SECONDS] [--nodes 1|2] [--cni routed|vxlan]
 use std::{path::PathBuf, sync::atomic::{AtomicBool, Ordering}, time::Duration};
 
-use kpr_tests::lab::{errors, per_backend, Lab, NODE_IP};
+use kpr_tests::lab::{errors, per_backend, Cni, Lab, LabSpec, NODE_IP};
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
@@ -19,20 +19,31 @@ fn main() {
     let manifests = opt("--manifests").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("deploy/examples"));
     let n: u64 = opt("--connections").map(|s| s.parse().expect("--connections N")).unwrap_or(300);
     let keep: u64 = opt("--keep").map(|s| s.parse().expect("--keep SECONDS")).unwrap_or(0);
+    let nodes: usize = opt("--nodes").map(|s| s.parse().expect("--nodes 1|2")).unwrap_or(2);
+    let cni = match opt("--cni").as_deref() {
+        None | Some("routed") => Cni::Routed,
+        Some("vxlan") => Cni::Vxlan,
+        Some(other) => panic!("--cni {other}: routed or vxlan"),
+    };
     unsafe {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
     }
     let manifests = std::fs::canonicalize(&manifests).unwrap_or_else(|e| panic!("{}: {e}", manifests.display()));
-    println!("==> building the lab: namespaces kpr-lab-{{cl,node,pod,b1,b2,b3}}");
-    let mut lab = Lab::build("kpr-lab", &manifests);
-    println!("==> starting kpr in kpr-lab-node on {} (log: {})", manifests.display(), lab.agent_log.display());
-    let _ = std::fs::remove_file(&lab.agent_log);
-    lab.start_agent();
+    let spec = LabSpec { nodes: nodes.clamp(1, 2), cni, ..LabSpec::default() };
+    let shape = if cni == Cni::Vxlan { "Flannel-like VXLAN overlay" } else { "Calico-like routed pods" };
+    println!("==> building the lab: {} node(s), {shape}, kube-proxy's netfilter rules on each", spec.nodes);
+    println!("    node-a (kpr-lab-node): pods pod, b1, b2, b3; node-b (kpr-lab-nodeb): b4, pod2; outside client kpr-lab-cl");
+    let mut lab = Lab::build_with("kpr-lab", &manifests, spec);
+    for n in &lab.nodes {
+        let _ = std::fs::remove_file(&n.agent_log);
+    }
+    println!("==> starting kpr on every node on {} (logs: {})", manifests.display(), lab.nodes.iter().map(|n| n.agent_log.display().to_string()).collect::<Vec<_>>().join(", "));
+    lab.start_agents();
     lab.wait_backends("10.96.0.10:80", 3);
     println!("\n==> kpr services (what the kernel maps hold)\n{}", lab.cli(&["services"]));
 
-    let runs: Vec<(&str, &str, String, &str, u64)> = vec![
+    let mut runs: Vec<(&str, &str, String, &str, u64)> = vec![
         ("pod -> ClusterIP web (random)", "pod", "10.96.0.10:80".into(), "tcp", n),
         ("pod -> ClusterIP web-rr (round-robin)", "pod", "10.96.0.11:80".into(), "tcp", n),
         ("pod -> ClusterIP sticky (ClientIP affinity)", "pod", "10.96.0.12:80".into(), "tcp", n / 5),
@@ -42,8 +53,13 @@ fn main() {
         ("outside -> LoadBalancer shop", "cl", "203.0.113.10:80".into(), "tcp", n / 5),
         ("pod -> ClusterIP gone (no endpoints)", "pod", "10.96.0.99:80".into(), "tcp", 3),
     ];
+    if lab.nodes.len() == 2 {
+        runs.insert(runs.len() - 1, ("pod -> ClusterIP far (pod on node-b)", "pod", "10.96.0.30:80".into(), "tcp", n / 3));
+        runs.insert(runs.len() - 1, ("outside -> NodePort far on node-a (to node-b)", "cl", format!("{NODE_IP}:30090"), "tcp", n / 3));
+        runs.insert(runs.len() - 1, ("pod on node-b -> ClusterIP web", "pod2", "10.96.0.10:80".into(), "tcp", n));
+    }
     println!("==> traffic ({n} connections per main run)");
-    println!("{:<48} {:>6} {:>6} {:>6} {:>7}", "", "b1", "b2", "b3", "failed");
+    println!("{:<48} {:>6} {:>6} {:>6} {:>6} {:>7}", "", "b1", "b2", "b3", "b4", "failed");
     for (what, from, target, proto, count) in &runs {
         if INTERRUPTED.load(Ordering::Relaxed) {
             break;
@@ -53,7 +69,7 @@ fn main() {
         let cell = |b: &str| pb.get(b).map(|n| n.to_string()).unwrap_or_else(|| "-".into());
         let err = errors(&v);
         let note = v["first_error"].as_str().map(|e| format!("  ({e})")).unwrap_or_default();
-        println!("{what:<48} {:>6} {:>6} {:>6} {err:>7}{note}", cell("b1"), cell("b2"), cell("b3"));
+        println!("{what:<48} {:>6} {:>6} {:>6} {:>6} {err:>7}{note}", cell("b1"), cell("b2"), cell("b3"), cell("b4"));
     }
     println!("\n==> kpr status (per-CPU counters of the data path)\n{}", lab.cli(&["status"]));
     let ct = lab.cli(&["conntrack"]);

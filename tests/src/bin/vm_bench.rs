@@ -24,12 +24,13 @@ use std::{
 use kpr_tests::{
     bench::{bpf_map_memlock, clusterip_manifests, clusterips, median, set_clusterip},
     datapath_config,
-    lab::{Lab, NODE_IP},
+    lab::{Cni, Lab, LabSpec, NODE_IP},
     must, sh, PinDir,
 };
 use proxy_agent::{
+    ctnetlink::FakeConntrack,
     ipvs::{Ipvs, NetlinkIpvs, ServiceId},
-    ipvs_sync::{desired_virtual_servers, FakeConntrack, IpvsSettings, IpvsSyncer},
+    ipvs_sync::{desired_virtual_servers, IpvsSettings, IpvsSyncer},
     kernel::{Capacities, Datapath, KernelMaps},
     model::{self, BackendKey, DesiredState, FrontendKey, NodeInfo, Proto},
     rtnl::{Links, NetlinkLinks, IPVS_DUMMY},
@@ -199,7 +200,7 @@ fn cleanup(lab: &mut Lab) {
 fn traffic(sizes: &[u32], secs: f64, runs: usize) -> Vec<Traffic> {
     let dir = std::env::temp_dir().join(format!("kpr-vm-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let mut lab = Lab::build("kvb", &dir);
+    let mut lab = Lab::build_with("kvb", &dir, LabSpec { cni: Cni::Ptp, ..LabSpec::default() });
     // The backends cannot answer the client unless its connections are masqueraded (they
     // reach the node, not the client network): every side pays for the marking it does.
     for i in 1..=3 {

@@ -12,7 +12,7 @@ use std::{
 
 use anyhow::{ensure, Context, Result};
 use kpr_tests::{
-    lab::{errors, per_backend, Lab, NODE_IP},
+    lab::{errors, per_backend, Cni, Lab, LabSpec, NODE_IP},
     must, sh,
 };
 use proxy_agent::ipvs::{flags, DestConfig, FwdMethod, Ipvs, NetlinkIpvs, ServiceConfig, ServiceId, Timeouts, TunType};
@@ -479,7 +479,7 @@ fn main() {
     }
     if wanted("lab") {
         let setup = (|| -> Result<Lab> {
-            let mut lab = Lab::build(PREFIX, &manifests_copy()?);
+            let mut lab = Lab::build_with(PREFIX, &manifests_copy()?, LabSpec { cni: Cni::Ptp, ..LabSpec::default() });
             lab.agent_args = vec!["--mode".into(), "ipvs".into()];
             lab.start_agent();
             Ok(lab)
