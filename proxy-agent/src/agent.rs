@@ -29,7 +29,7 @@ use crate::{
     maps::DatapathMaps,
     model::{self, ModelConfig, NodeInfo, Scheduler},
     netif,
-    sync::Syncer,
+    sync::{RemovedBackend, Syncer},
     sysctl::{ProcSysctls, Sysctls, FAST_PATH_SYSCTLS},
 };
 
@@ -105,6 +105,14 @@ fn set_sysctls(list: &[(&str, &str)]) {
             warn!(error = %e, "cannot set {k}={v}: set it on the host (the DaemonSet's init container does)");
         }
     }
+}
+
+/// The node's network namespace cookie, for connect-time balancing of its own processes only.
+fn host_netns_cookie() -> u64 {
+    netif::netns_cookie().unwrap_or_else(|| {
+        warn!("the kernel has no SO_NETNS_COOKIE (Linux < 5.14): connect-time balancing applies to pods' sockets too, with the node's address for their affinity and source ranges");
+        0
+    })
 }
 
 /// The masquerade port range for this node (its namespace's ephemeral range decides).
@@ -285,9 +293,11 @@ pub struct Agent {
     pub mode: Mode,
     ipvs: Option<IpvsPlane>,
     /// The conntrack collector's inbox: (service id, backend id) pairs whose flows go at once.
-    gc: Option<std::sync::mpsc::Sender<BTreeSet<(u32, u32)>>>,
+    gc: Option<std::sync::mpsc::Sender<BTreeSet<RemovedBackend>>>,
     /// Masquerade source ports (see sysctl::snat_port_range).
     snat_ports: (u16, u16),
+    /// This namespace's cookie: connect-time balancing is for its sockets only.
+    host_netns_cookie: u64,
 }
 
 impl Agent {
@@ -319,7 +329,7 @@ impl Agent {
         let maps = KernelMaps::open(&cfg.pin_dir)?;
         let stats = Arc::new(std::sync::Mutex::new(Stats::new(cfg.sync_period * 2)));
         stats.lock().unwrap().mode = mode.name();
-        Ok(Self { cfg, dp, maps, syncer: Syncer::default(), attached: BTreeSet::new(), iface_addrs: Default::default(), stats, health_checks: None, last_desired: None, last_node_version: None, events: None, reported: BTreeSet::new(), mode, ipvs, gc: None, snat_ports: masquerade_ports() })
+        Ok(Self { cfg, dp, maps, syncer: Syncer::default(), attached: BTreeSet::new(), iface_addrs: Default::default(), stats, health_checks: None, last_desired: None, last_node_version: None, events: None, reported: BTreeSet::new(), mode, ipvs, gc: None, snat_ports: masquerade_ports(), host_netns_cookie: host_netns_cookie() })
     }
 
     /// IPVS mode's one-time setup: the netlink handles, the proxier's sysctls, the timeouts.
@@ -360,8 +370,8 @@ impl Agent {
         let only: Option<BTreeSet<crate::ipvs::ServiceId>> = touched.map(|t| {
             t.iter().map(|k| crate::ipvs::ServiceId::Addr { proto: k.proto.number(), addr: k.ip, port: k.port }).collect()
         });
-        let mut noct = ipvs_sync::FakeConntrack::default();
-        let ct: &mut dyn ipvs_sync::ConntrackFlusher = match &mut plane.ct {
+        let mut noct = crate::ctnetlink::FakeConntrack::default();
+        let ct: &mut dyn crate::ctnetlink::ConntrackFlusher = match &mut plane.ct {
             Some(c) => c,
             None => &mut noct,
         };
@@ -389,7 +399,7 @@ impl Agent {
             writes: st.writes + st.addresses_bound + set_writes,
             deletes: st.deletes + st.addresses_unbound + set_deletes,
             errors: st.errors,
-            removed_udp: Default::default(),
+            removed: Default::default(),
         })
     }
 
@@ -434,6 +444,7 @@ impl Agent {
             snat_port_min,
             snat_port_max,
             _pad: 0,
+            host_netns_cookie: self.host_netns_cookie,
         })
     }
 
@@ -603,8 +614,8 @@ impl Agent {
         for e in &st.errors {
             warn!(error = %e, "frontend not programmed");
         }
-        if let (Some(gc), false) = (&self.gc, st.removed_udp.is_empty()) {
-            let _ = gc.send(st.removed_udp.clone());
+        if let (Some(gc), false) = (&self.gc, st.removed.is_empty()) {
+            let _ = gc.send(st.removed.clone());
         }
         if let Some(hc) = &mut self.health_checks {
             for e in hc.update(&desired.health_checks) {
@@ -662,13 +673,13 @@ impl Agent {
         r.map(|_| generation)
     }
 
-    /// The conntrack collector's thread (eBPF mode): one bounded round every GC_INTERVAL, and
-    /// at once the flows of UDP backends that left their service (sent by the syncs).
-    fn start_gc(&self) -> Option<std::sync::mpsc::Sender<BTreeSet<(u32, u32)>>> {
+    /// The conntrack collector's thread (eBPF mode): one bounded round every GC_INTERVAL, and at
+    /// once the cleanup of UDP endpoints that left their service (sent by the syncs).
+    fn start_gc(&self) -> Option<std::sync::mpsc::Sender<BTreeSet<RemovedBackend>>> {
         if self.mode == Mode::Ipvs {
             return None;
         }
-        let (tx, rx) = std::sync::mpsc::channel::<BTreeSet<(u32, u32)>>();
+        let (tx, rx) = std::sync::mpsc::channel::<BTreeSet<RemovedBackend>>();
         let pin_dir = self.cfg.pin_dir.clone();
         let timeouts = crate::conntrack::Timeouts {
             tcp: self.cfg.ct_tcp_timeout_s,
@@ -678,19 +689,34 @@ impl Agent {
         };
         let stats = self.stats.clone();
         let spawned = std::thread::Builder::new().name("kpr-gc".into()).spawn(move || {
-            let mut tables = match kernel::KernelConntrack::open(&pin_dir) {
-                Ok(t) => t,
-                Err(e) => return error!(error = %e, "conntrack collector cannot open its maps; idle flows are not collected"),
+            let (mut tables, balanced) = match (kernel::KernelConntrack::open(&pin_dir), kernel::KernelSockRev::open(&pin_dir)) {
+                (Ok(t), Ok(b)) => (t, b),
+                (Err(e), _) | (_, Err(e)) => return error!(error = %e, "conntrack collector cannot open its maps; idle flows are not collected"),
             };
+            let mut kernel_ct = NetlinkConntrack::connect().map_err(|e| warn!(error = %e, "no ctnetlink: kernel conntrack entries of removed UDP endpoints are left to time out")).ok();
+            let mut sockets = crate::sockdiag::NetlinkSockets::connect()
+                .map_err(|e| warn!(error = %e, "no sock_diag: the node's UDP sockets connected to removed endpoints are not ended"))
+                .ok();
             let mut affinity = crate::affinity_gc::AffinityGc::new(&pin_dir);
             let mut gc = crate::conntrack::Gc::new(timeouts, GC_BATCH);
             let mut last_affinity = Instant::now();
             while !STOP.load(Ordering::Relaxed) {
                 match rx.recv_timeout(GC_INTERVAL) {
-                    Ok(pairs) => match gc.purge(&mut tables, &pairs) {
-                        Ok(st) => info!(flows = st.flows, entries = st.entries, "deleted the flows of UDP backends that left their service"),
-                        Err(e) => warn!(error = %e, "deleting the flows of removed UDP backends failed"),
-                    },
+                    Ok(removed) => {
+                        let handles = crate::endpoint_cleanup::Handles {
+                            tables: &mut tables,
+                            affinity: &mut affinity,
+                            kernel_conntrack: kernel_ct.as_mut().map(|c| c as &mut dyn crate::ctnetlink::ConntrackFlusher),
+                            sockets: sockets.as_mut().map(|s| s as &mut dyn crate::sockdiag::Sockets),
+                            balanced: &balanced,
+                        };
+                        let r = crate::endpoint_cleanup::endpoints_removed(&removed, &mut gc, handles);
+                        info!(endpoints = removed.len(), flows = r.flows, kernel_entries = r.kernel_entries, sockets = r.sockets, affinity = r.affinity, "cleared what held clients to endpoints that left their service");
+                        for e in r.errors {
+                            warn!(error = %e, "removed endpoint cleanup");
+                        }
+                        stats.lock().unwrap().gc_flows_total += r.flows as u64;
+                    }
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
                     Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
                 }
@@ -699,8 +725,7 @@ impl Agent {
                         if st.flows > 0 {
                             tracing::debug!(read = st.read, flows = st.flows, entries = st.entries, kept = st.kept, "collected idle flows");
                         }
-                        let mut s = stats.lock().unwrap();
-                        s.gc_flows_total += st.flows as u64;
+                        stats.lock().unwrap().gc_flows_total += st.flows as u64;
                     }
                     Err(e) => warn!(error = %e, "conntrack gc round failed"),
                 }

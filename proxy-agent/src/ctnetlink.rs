@@ -1,5 +1,7 @@
-//! Deletes netfilter conntrack entries over ctnetlink (neli): what IPVS mode does when a UDP
-//! real server goes, so clients are not kept on a dead backend by a stale entry.
+//! Deletes netfilter conntrack entries over ctnetlink (neli), as kube-proxy does when a UDP
+//! endpoint goes: entries whose original destination is the service address and whose reply
+//! comes from the endpoint, so no client is kept on a dead backend by a stale NAT entry (IPVS
+//! mode; in eBPF mode the entries kube-proxy's rules left during a migration).
 use std::net::IpAddr;
 
 use neli::{
@@ -12,9 +14,37 @@ use neli::{
 
 use crate::{
     ipvs::wire::attrs,
-    ipvs_sync::ConntrackFlusher,
     nlsock::{exchange, NlError},
 };
+
+/// (protocol, service address, service port, endpoint address, endpoint port).
+pub type NatTuple = (u8, IpAddr, u16, IpAddr, u16);
+
+pub trait ConntrackFlusher {
+    /// Entries whose original destination is `vip:port` and whose reply source is
+    /// `backend:backend_port`; returns how many went.
+    fn flush(&mut self, proto: u8, vip: IpAddr, port: u16, backend: IpAddr, backend_port: u16) -> Result<usize, String>;
+    /// The same for several; implementations may read the table once.
+    fn flush_all(&mut self, tuples: &[NatTuple]) -> Result<usize, String> {
+        let mut n = 0;
+        for (proto, vip, port, backend, backend_port) in tuples {
+            n += self.flush(*proto, *vip, *port, *backend, *backend_port)?;
+        }
+        Ok(n)
+    }
+}
+
+#[derive(Default, Debug)]
+pub struct FakeConntrack {
+    pub flushed: Vec<NatTuple>,
+}
+
+impl ConntrackFlusher for FakeConntrack {
+    fn flush(&mut self, proto: u8, vip: IpAddr, port: u16, backend: IpAddr, backend_port: u16) -> Result<usize, String> {
+        self.flushed.push((proto, vip, port, backend, backend_port));
+        Ok(0)
+    }
+}
 
 const NFNL_SUBSYS_CTNETLINK: u16 = 1;
 const IPCTNL_MSG_CT_GET: u16 = 1;
@@ -153,22 +183,27 @@ fn nfgenmsg() -> Vec<u8> {
 impl NetlinkConntrack {
     /// Entries from a client to `vip:port` that `backend:backend_port` answers.
     pub fn count(&mut self, proto: u8, vip: IpAddr, port: u16, backend: IpAddr, backend_port: u16) -> Result<usize, String> {
-        Ok(self.matching(proto, vip, port, backend, backend_port)?.len())
+        Ok(self.matching(&[(proto, vip, port, backend, backend_port)])?.len())
     }
 
-    fn matching(&mut self, proto: u8, vip: IpAddr, port: u16, backend: IpAddr, backend_port: u16) -> Result<Vec<Vec<u8>>, String> {
-        Ok(self
-            .dump()?
-            .into_iter()
-            .filter(|(_, o, r)| o.proto == proto && o.dst == Some(vip) && o.dport == port && r.src == Some(backend) && r.sport == backend_port)
-            .map(|(raw, _, _)| raw)
-            .collect())
+    /// The raw original tuples of the entries any of `tuples` names.
+    fn matching(&mut self, tuples: &[NatTuple]) -> Result<Vec<Vec<u8>>, String> {
+        let named = |o: &Tuple, r: &Tuple| {
+            tuples.iter().any(|(proto, vip, port, be, be_port)| o.proto == *proto && o.dst == Some(*vip) && o.dport == *port && r.src == Some(*be) && r.sport == *be_port)
+        };
+        Ok(self.dump()?.into_iter().filter(|(_, o, r)| named(o, r)).map(|(raw, _, _)| raw).collect())
     }
 }
 
 impl ConntrackFlusher for NetlinkConntrack {
     fn flush(&mut self, proto: u8, vip: IpAddr, port: u16, backend: IpAddr, backend_port: u16) -> Result<usize, String> {
-        let doomed = self.matching(proto, vip, port, backend, backend_port)?;
+        self.flush_all(&[(proto, vip, port, backend, backend_port)])
+    }
+    fn flush_all(&mut self, tuples: &[NatTuple]) -> Result<usize, String> {
+        if tuples.is_empty() {
+            return Ok(0);
+        }
+        let doomed = self.matching(tuples)?;
         for raw in &doomed {
             self.delete(raw)?;
         }

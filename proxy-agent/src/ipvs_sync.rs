@@ -13,6 +13,7 @@ use ipnet::IpNet;
 use proxy_common::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
 use crate::{
+    ctnetlink::ConntrackFlusher,
     ipvs::{flags, DestConfig, FwdMethod, Ipvs, IpvsError, ServiceConfig, ServiceId},
     model::{DesiredState, FrontendKind, IpvsForward, Proto},
     rtnl::{LinkError, Links, IPVS_DUMMY},
@@ -49,24 +50,6 @@ pub struct VirtualServer {
 }
 
 /// Removes connection-tracking entries of a removed UDP/SCTP destination.
-pub trait ConntrackFlusher {
-    /// Entries whose original destination is `vip:port` and whose reply source is
-    /// `backend:backend_port`; returns how many went.
-    fn flush(&mut self, proto: u8, vip: IpAddr, port: u16, backend: IpAddr, backend_port: u16) -> Result<usize, String>;
-}
-
-#[derive(Default, Debug)]
-pub struct FakeConntrack {
-    pub flushed: Vec<(u8, IpAddr, u16, IpAddr, u16)>,
-}
-
-impl ConntrackFlusher for FakeConntrack {
-    fn flush(&mut self, proto: u8, vip: IpAddr, port: u16, backend: IpAddr, backend_port: u16) -> Result<usize, String> {
-        self.flushed.push((proto, vip, port, backend, backend_port));
-        Ok(0)
-    }
-}
-
 fn proto_number(p: Proto) -> u8 {
     p.number()
 }
@@ -334,6 +317,7 @@ impl IpvsSyncer {
 mod tests {
     use super::*;
     use crate::{
+        ctnetlink::FakeConntrack,
         ipvs::FakeIpvs,
         model::{BackendKey, Frontend, FrontendKey, IpvsOptions, Scheduler},
         rtnl::FakeLinks,

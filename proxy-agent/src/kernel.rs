@@ -426,6 +426,33 @@ impl KernelConntrack {
     }
 }
 
+/// KPR_SOCK_REV_V1: which sockets connect-time balancing sent where.
+pub struct KernelSockRev(HashMap<MapData, proxy_common::SockRevKey, proxy_common::SockRevValue>);
+
+impl KernelSockRev {
+    pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
+        Ok(Self(open_typed(pin_dir, map_names::SOCK_REV)?))
+    }
+}
+
+impl crate::endpoint_cleanup::BalancedSockets for KernelSockRev {
+    fn cookies_to(&self, addr: std::net::Ipv4Addr, port: u16) -> Result<std::collections::BTreeSet<u64>, MapError> {
+        let fd = aya::maps::IterableMap::map(&self.0).fd();
+        let (want_addr, want_port) = (u32::from_ne_bytes(addr.octets()), port.to_be());
+        let mut out = std::collections::BTreeSet::new();
+        let mut cursor = None;
+        loop {
+            let (batch, next): (Vec<(proxy_common::SockRevKey, proxy_common::SockRevValue)>, _) =
+                crate::bpf_batch::lookup_batch(fd, cursor, 4096).map_err(|source| MapError::Op { map: map_names::SOCK_REV, op: "lookup batch", source })?;
+            out.extend(batch.iter().filter(|(k, _)| k.addr[0] == want_addr && k.port == want_port).map(|(k, _)| k.cookie));
+            match next {
+                Some(c) => cursor = Some(c),
+                None => return Ok(out),
+            }
+        }
+    }
+}
+
 impl ConntrackTables for KernelConntrack {
     fn read_batch(&self, table: Table, cursor: Option<u32>, max: usize) -> Result<(Vec<(CtKey, CtValue)>, Option<u32>), MapError> {
         let fd = aya::maps::IterableMap::map(self.map(table)).fd();

@@ -163,6 +163,12 @@ struct RunArgs {
     /// Sync once and exit (programs and maps stay).
     #[arg(long)]
     once: bool,
+    /// Assured flows the conntrack map holds (LRU) [default: 524288].
+    #[arg(long)]
+    max_conntrack: Option<u32>,
+    /// TCP flows before their handshake completes (their own LRU) [default: 131072].
+    #[arg(long)]
+    max_conntrack_embryonic: Option<u32>,
 }
 
 fn init_logs(format: LogFormat) {
@@ -237,6 +243,11 @@ fn main() -> Result<()> {
                 mode: mode_flag.unwrap_or_default(),
                 ipvs: proxy_agent::agent::IpvsModeConfig { strict_arp: a.strict_arp, ..Default::default() },
                 once: a.once,
+                capacities: kernel::Capacities {
+                    conntrack: a.max_conntrack.unwrap_or(proxy_common::limits::MAX_CONNTRACK),
+                    conntrack_new: a.max_conntrack_embryonic.unwrap_or(proxy_common::limits::MAX_CONNTRACK_NEW),
+                    ..Default::default()
+                },
                 ..AgentConfig::default()
             };
             let mut cfg = cfg;

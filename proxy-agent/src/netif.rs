@@ -62,3 +62,20 @@ pub fn enter_netns(name: &str) -> std::io::Result<()> {
     }
     Ok(())
 }
+
+/// The cookie of the calling thread's network namespace (SO_NETNS_COOKIE, Linux 5.14+); None
+/// where the kernel has no such option.
+pub fn netns_cookie() -> Option<u64> {
+    const SO_NETNS_COOKIE: libc::c_int = 71;
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return None;
+        }
+        let mut cookie: u64 = 0;
+        let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+        let rc = libc::getsockopt(fd, libc::SOL_SOCKET, SO_NETNS_COOKIE, (&mut cookie as *mut u64).cast(), &mut len);
+        libc::close(fd);
+        (rc == 0 && cookie != 0).then_some(cookie)
+    }
+}

@@ -5,8 +5,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use proxy_common::{
     limits::{MAGLEV_ROWS, MAX_SERVICES},
-    Backend, DatapathConfig, ServiceKey, ServiceValue, SlotKey, SourceRangeKey, PROTO_UDP,
-    SCHED_MAGLEV, SCHED_RANDOM,
+    Backend, DatapathConfig, ServiceKey, ServiceValue, SlotKey, SourceRangeKey, SCHED_MAGLEV,
+    SCHED_RANDOM,
 };
 
 use crate::{
@@ -29,9 +29,18 @@ pub struct SyncStats {
     pub deletes: usize,
     /// Per-frontend failures; the other frontends were still programmed.
     pub errors: Vec<String>,
-    /// (service id, backend id) of UDP backends that left their frontend: their flows are
-    /// deleted at once (a UDP client has no handshake that would move it elsewhere).
-    pub removed_udp: BTreeSet<(u32, u32)>,
+    /// Backends that left a frontend: their sessionAffinity entries go at once, and a UDP
+    /// frontend's flows are ended (a UDP client has no handshake that would move it elsewhere).
+    pub removed: BTreeSet<RemovedBackend>,
+}
+
+/// A backend that left a frontend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct RemovedBackend {
+    pub service_id: u32,
+    pub backend_id: u32,
+    pub frontend: ServiceKey,
+    pub backend: Backend,
 }
 
 /// The backends a frontend had (its slots up to its count).
@@ -42,9 +51,11 @@ fn current_ids(m: &Mirror, key: &ServiceKey) -> Vec<u32> {
     }
 }
 
-fn note_removed_udp(st: &mut SyncStats, key: &ServiceKey, service_id: u32, old: &[u32], new: &[u32]) {
-    if key.proto == PROTO_UDP {
-        st.removed_udp.extend(old.iter().filter(|id| !new.contains(id)).map(|id| (service_id, *id)));
+fn note_removed(st: &mut SyncStats, m: &Mirror, key: &ServiceKey, service_id: u32, old: &[u32], new: &[u32]) {
+    for id in old.iter().filter(|id| !new.contains(id)) {
+        if let Some(backend) = m.backends.get(id) {
+            st.removed.insert(RemovedBackend { service_id, backend_id: *id, frontend: *key, backend: *backend });
+        }
     }
 }
 
@@ -52,6 +63,9 @@ pub struct Syncer {
     backend_ids: HashMap<Backend, u32>,
     next_backend_id: u32,
     service_ids: HashMap<ServiceKey, u32>,
+    /// Service id -> its ServiceValue::generation; a new one each time an id is given out.
+    generations: HashMap<u32, u16>,
+    next_generation: u16,
     free_service_ids: BTreeSet<u32>,
     next_service_id: u32,
     max_services: u32,
@@ -82,6 +96,8 @@ impl Syncer {
             backend_ids: HashMap::new(),
             next_backend_id: 1,
             service_ids: HashMap::new(),
+            generations: HashMap::new(),
+            next_generation: 1,
             free_service_ids: BTreeSet::new(),
             next_service_id: 1,
             max_services,
@@ -103,6 +119,8 @@ impl Syncer {
         let mut used = BTreeSet::new();
         for (k, v) in services {
             self.service_ids.insert(*k, v.service_id);
+            self.generations.insert(v.service_id, v.generation);
+            self.note_generation(v.generation);
             used.insert(v.service_id);
             if v.scheduler == SCHED_MAGLEV {
                 self.maglev_rows.insert(v.service_id, v.maglev_row);
@@ -113,6 +131,13 @@ impl Syncer {
         self.next_service_id = max + 1;
         self.free_service_ids = (1..=max).filter(|i| !used.contains(i)).collect();
         self.seeded = true;
+    }
+
+    /// Generations handed out from now on are newer than `g` (wrapping, never 0).
+    fn note_generation(&mut self, g: u16) {
+        if g.wrapping_sub(self.next_generation) < u16::MAX / 2 {
+            self.next_generation = g.wrapping_add(1).max(1);
+        }
     }
 
     fn alloc_service_id(&mut self, key: ServiceKey) -> Option<u32> {
@@ -128,6 +153,8 @@ impl Syncer {
             None => return None,
         };
         self.service_ids.insert(key, id);
+        self.generations.insert(id, self.next_generation);
+        self.next_generation = self.next_generation.wrapping_add(1).max(1);
         Some(id)
     }
 
@@ -216,7 +243,7 @@ impl Syncer {
         let stale: Vec<(ServiceKey, ServiceValue)> = m.services.iter().filter(|(k, _)| !wanted.contains(k)).map(|(k, v)| (*k, *v)).collect();
         for (key, v) in stale {
             let old = current_ids(&m, &key);
-            note_removed_udp(&mut st, &key, v.service_id, &old, &[]);
+            note_removed(&mut st, &m, &key, v.service_id, &old, &[]);
             maps.del_service(key)?;
             m.services.remove(&key);
             st.deletes += 1;
@@ -254,6 +281,7 @@ impl Syncer {
         // data path already ignores affinity to a backend that no longer exists).
         if full {
             for (k, v) in maps.affinity()? {
+                self.note_generation(v.generation);
                 let keep = m.slots.get(&k.service_id).is_some_and(|slots| slots.values().any(|id| *id == v.backend_id));
                 if !keep {
                     maps.del_affinity(k)?;
@@ -317,7 +345,7 @@ impl Syncer {
             }
         }
         let old = current_ids(m, &key);
-        note_removed_udp(st, &key, service_id, &old, &ids);
+        note_removed(st, m, &key, service_id, &old, &ids);
         // Make before break: new slots, then the count, then the slots past the count.
         let slots = m.slots.entry(service_id).or_default();
         for (i, id) in ids.iter().enumerate() {
@@ -335,7 +363,7 @@ impl Syncer {
             maglev_row,
             scheduler,
             flags: f.flags,
-            _pad: [0; 2],
+            generation: self.generations.get(&service_id).copied().unwrap_or(0),
         };
         if m.services.get(&key) != Some(&value) {
             maps.put_service(key, value)?;
@@ -419,7 +447,7 @@ impl Syncer {
                 None => {
                     if let Some(v) = old {
                         let old_ids = current_ids(&m, &key);
-                        note_removed_udp(&mut st, &key, v.service_id, &old_ids, &[]);
+                        note_removed(&mut st, &m, &key, v.service_id, &old_ids, &[]);
                         maps.del_service(key)?;
                         m.services.remove(&key);
                         st.deletes += 1;

@@ -259,7 +259,9 @@ pub struct ServiceValue {
     pub maglev_row: u32,
     pub scheduler: u8,
     pub flags: u8,
-    pub _pad: [u8; 2],
+    /// Changes whenever `service_id` is given to another frontend: sessionAffinity entries of
+    /// an earlier owner of the id (AffinityValue::generation) are void.
+    pub generation: u16,
 }
 const _: () = assert!(core::mem::size_of::<ServiceValue>() == 20);
 
@@ -468,7 +470,10 @@ const _: () = assert!(core::mem::size_of::<AffinityKey>() == 20);
 pub struct AffinityValue {
     pub last_used_ns: u64,
     pub backend_id: u32,
-    pub _pad: u32,
+    /// ServiceValue::generation when remembered: another generation's entry is void. (A backend
+    /// that left the service but serves another is purged by the agent at once.)
+    pub generation: u16,
+    pub _pad: u16,
 }
 const _: () = assert!(core::mem::size_of::<AffinityValue>() == 16);
 
@@ -503,8 +508,12 @@ pub struct DatapathConfig {
     pub snat_port_min: u16,
     pub snat_port_max: u16,
     pub _pad: u32,
+    /// The host network namespace's cookie: connect-time balancing applies to its sockets only
+    /// (pods' packets are balanced per packet at their interface, with their own address for
+    /// affinity and source ranges). 0: every namespace.
+    pub host_netns_cookie: u64,
 }
-const _: () = assert!(core::mem::size_of::<DatapathConfig>() == 56);
+const _: () = assert!(core::mem::size_of::<DatapathConfig>() == 64);
 
 /// Defines the counters once: their index constants, their names and how many there are.
 macro_rules! counters {

@@ -67,7 +67,8 @@ pub fn select_backend(svc: &ServiceValue, f: &Flow, now: u64) -> Option<(u32, Ba
         if let Some(a) = KPR_AFF_V1.get_ptr_mut(&aff_key) {
             let a = unsafe { &mut *a };
             // Saturating: another CPU's stamp may be a little ahead of our clock reading.
-            if now.saturating_sub(a.last_used_ns) <= affinity_ns {
+            // Another generation: the service id's earlier owner remembered it.
+            if now.saturating_sub(a.last_used_ns) <= affinity_ns && a.generation == svc.generation {
                 if let Some(be) = unsafe { KPR_BE_V2.get(&a.backend_id) } {
                     if now > a.last_used_ns {
                         a.last_used_ns = now;
@@ -81,7 +82,7 @@ pub fn select_backend(svc: &ServiceValue, f: &Flow, now: u64) -> Option<(u32, Ba
     let id = schedule(svc, f)?;
     let be = *unsafe { KPR_BE_V2.get(&id) }?;
     if affinity_ns != 0 {
-        let v = AffinityValue { last_used_ns: now, backend_id: id, _pad: 0 };
+        let v = AffinityValue { last_used_ns: now, backend_id: id, generation: svc.generation, _pad: 0 };
         let _ = KPR_AFF_V1.insert(&aff_key, &v, 0);
     }
     Some((id, be))

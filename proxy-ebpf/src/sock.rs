@@ -1,14 +1,27 @@
 //! Connect-time balancing for the node's own processes (cgroup sock_addr hooks, as Cilium's
-//! socket LB): their packets never cross a TC ingress hook, so the socket is pointed at the
-//! backend instead. connect4 covers TCP and connected UDP, sendmsg4 unconnected UDP;
-//! recvmsg4 and getpeername4 show the service address back to the application.
-use aya_ebpf::{helpers::bpf_get_socket_cookie, programs::SockAddrContext};
-use proxy_common::{counter, SockRevKey, SockRevValue, PROTO_TCP, PROTO_UDP, SCOPE_INTERNAL};
+//! socket LB in its host-namespace-only mode): their packets never cross a TC ingress hook, so
+//! the socket is pointed at the backend instead. connect4 covers TCP and connected UDP,
+//! sendmsg4 unconnected UDP; recvmsg4 and getpeername4 show the service address back to the
+//! application.
+//!
+//! Only sockets of the host's network namespace: the DaemonSet attaches to the cgroup root, so
+//! pods' processes run these hooks too, but a pod's packets cross its interface's TC hook,
+//! where the Service's semantics hold per pod (ClientIP affinity keyed by the pod's address,
+//! loadBalancerSourceRanges, traffic policies). Here, the node is the client.
+use aya_ebpf::{
+    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie},
+    maps::lpm_trie::Key,
+    programs::SockAddrContext,
+};
+use proxy_common::{
+    counter, DatapathConfig, SockRevKey, SockRevValue, SourceRangeKey, PROTO_TCP, PROTO_UDP,
+    SCOPE_INTERNAL, SVC_F_NO_LOCAL_ENDPOINT, SVC_F_SOURCE_RANGES,
+};
 
 use crate::{
     counters::bump,
     lb,
-    maps::{KPR_CFG_V2, KPR_SOCK_REV_V1},
+    maps::{KPR_CFG_V2, KPR_SOCK_REV_V1, KPR_SRCRNG_V1},
     parse::Flow,
     pkt::L4Csum,
 };
@@ -18,13 +31,12 @@ const ALLOW: i32 = 1;
 const DENY: i32 = 0;
 
 #[inline(always)]
-fn flow_of(ctx: &SockAddrContext, cookie: u64) -> Option<Flow> {
+fn flow_of(ctx: &SockAddrContext, cookie: u64, cfg: &DatapathConfig) -> Option<Flow> {
     let sa = unsafe { &*ctx.sock_addr };
     let proto = sa.protocol as u8;
     if proto != PROTO_TCP && proto != PROTO_UDP {
         return None;
     }
-    let cfg = KPR_CFG_V2.get(0)?;
     Some(Flow {
         l4_off: 0,
         ihl_bytes: 0,
@@ -43,11 +55,23 @@ fn flow_of(ctx: &SockAddrContext, cookie: u64) -> Option<Flow> {
 /// Points the socket at a backend. Returns DENY when the service has no endpoints.
 #[inline(always)]
 pub fn balance(ctx: &SockAddrContext) -> i32 {
+    let Some(cfg) = KPR_CFG_V2.get(0) else { return ALLOW };
+    // A pod's socket: its packets are balanced at its interface.
+    if cfg.host_netns_cookie != 0 && unsafe { bpf_get_netns_cookie(ctx.sock_addr as *mut _) } != cfg.host_netns_cookie {
+        return ALLOW;
+    }
     let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr as *mut _) };
-    let Some(f) = flow_of(ctx, cookie) else { return ALLOW };
+    let Some(f) = flow_of(ctx, cookie, cfg) else { return ALLOW };
     let Some(svc) = lb::lookup_service(&f, SCOPE_INTERNAL) else { return ALLOW };
+    if svc.flags & SVC_F_SOURCE_RANGES != 0 {
+        let key = Key::new(64, SourceRangeKey { service_id_be: svc.service_id.to_be(), addr: [f.saddr, 0, 0, 0] });
+        if KPR_SRCRNG_V1.get(&key).is_none() {
+            bump(counter::DROP_SOURCE_RANGE);
+            return DENY;
+        }
+    }
     if svc.backend_count == 0 {
-        bump(counter::REJECT_NO_BACKEND);
+        bump(if svc.flags & SVC_F_NO_LOCAL_ENDPOINT != 0 { counter::DROP_NO_LOCAL_ENDPOINT } else { counter::REJECT_NO_BACKEND });
         return DENY;
     }
     let now = unsafe { aya_ebpf::helpers::bpf_ktime_get_coarse_ns() };

@@ -468,7 +468,23 @@ impl Lab {
         self.peer_cmd(role, args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
     }
 
-    fn peer_cmd(&self, role: &str, args: &[&str]) -> Command {
+    /// Like `peer`, but the process also joins node A's cgroup (where the connect-time programs
+    /// are attached), as a pod's processes sit under the cgroup root on a real node.
+    pub fn peer_in_cgroup(&self, role: &str, args: &[&str]) -> serde_json::Value {
+        let o = Command::new("sh")
+            .args(["-c", "echo $$ > \"$0/cgroup.procs\" && exec ip netns exec \"$@\""])
+            .arg(&self.cgroup)
+            .arg(self.ns(role))
+            .arg(&self.peer)
+            .args(args)
+            .output()
+            .unwrap();
+        let out = String::from_utf8_lossy(&o.stdout);
+        serde_json::from_str(out.lines().last().unwrap_or("")).unwrap_or_else(|_| panic!("peer {args:?} in {role} (cgroup): {out} {}", String::from_utf8_lossy(&o.stderr)))
+    }
+
+    /// The command running kpr-lab-peer in a lab namespace ("host": node A's processes).
+    pub fn peer_cmd(&self, role: &str, args: &[&str]) -> Command {
         let mut c;
         if role == "host" {
             // Join the cgroup before `ip netns exec`, which remounts /sys and hides it.

@@ -179,6 +179,7 @@ pub fn datapath_config(snat: &str, cluster_cidr: Option<(&str, u32)>) -> Datapat
         snat_port_min: 0,
         snat_port_max: 0,
         _pad: 0,
+        host_netns_cookie: 0,
     }
 }
 

@@ -14,6 +14,14 @@
 //!   bulk   IP:PORT BYTES                   one TCP connection: BYTES up, then BYTES down; prints JSON
 //!   udpc   IP:PORT COUNT                   COUNT requests on one connected UDP socket (ICMP errors
 //!                                          surface as errors, e.g. "Connection refused"); prints JSON
+//!   udpc-hold IP:PORT SECONDS              a connected UDP socket, a request every 50 ms; prints
+//!                                          "MS NAME" per answer, "MS error E" per failure (then
+//!                                          reconnects), finally JSON
+//!   hold-many IP:PORT N                    N TCP connections, one request each; prints "ready"; half
+//!                                          of them stay busy, half idle; on a stdin line, one more
+//!                                          request on each: JSON {same, moved, errors}
+//!   synflood IP:PORT COUNT                 COUNT TCP SYNs from random spoofed sources in
+//!                                          10.244.128.0/17 (raw socket); prints JSON
 use std::{
     collections::BTreeMap,
     io::{BufRead, BufReader, Read, Write},
@@ -306,6 +314,171 @@ fn main() {
             }
             t.report();
         }
+        "udpc-hold" => {
+            let target: SocketAddr = arg(1).parse().unwrap();
+            let secs: f64 = arg(2).parse::<f64>().unwrap().min(120.0);
+            let start = Instant::now();
+            let mut t = Tally::default();
+            let connect = || UdpSocket::bind("0.0.0.0:0").and_then(|s| s.connect(target).and_then(|_| s.set_read_timeout(Some(Duration::from_millis(500))).map(|_| s)));
+            let mut sock = connect().expect("udp socket");
+            while start.elapsed().as_secs_f64() < secs {
+                let mut buf = [0u8; 256];
+                let ms = start.elapsed().as_millis();
+                match sock.send(b"hi").and_then(|_| sock.recv(&mut buf)) {
+                    Ok(n) => {
+                        let name = String::from_utf8_lossy(&buf[..n]).to_string();
+                        println!("{ms} {name}");
+                        t.add(Ok(name));
+                    }
+                    Err(e) => {
+                        println!("{ms} error {e}");
+                        t.fail(e.to_string());
+                        // What a resolver does when its socket fails: a new one.
+                        if e.kind() != std::io::ErrorKind::WouldBlock && e.kind() != std::io::ErrorKind::TimedOut {
+                            sock = connect().expect("udp socket");
+                        }
+                    }
+                }
+                let _ = std::io::stdout().flush();
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            t.report();
+        }
+        "hold-many" => {
+            let target: SocketAddr = arg(1).parse().unwrap();
+            let n: usize = arg(2).parse::<usize>().unwrap().min(1000);
+            let ask = |s: &mut TcpStream| -> Result<String, String> {
+                s.write_all(b"hi\n").map_err(|e| e.to_string())?;
+                let mut r = BufReader::new(s.try_clone().map_err(|e| e.to_string())?);
+                let mut line = String::new();
+                match r.read_line(&mut line) {
+                    Ok(0) => Err("closed".into()),
+                    Ok(_) => Ok(line.trim().to_string()),
+                    Err(e) => Err(e.to_string()),
+                }
+            };
+            let mut conns: Vec<(TcpStream, String)> = Vec::new();
+            for _ in 0..n {
+                let mut s = TcpStream::connect_timeout(&target, Duration::from_secs(5)).expect("connect");
+                s.set_read_timeout(Some(Duration::from_secs(5))).ok();
+                let name = ask(&mut s).expect("first request");
+                conns.push((s, name));
+            }
+            println!("ready");
+            let _ = std::io::stdout().flush();
+            // Half stay busy until the check, half idle.
+            let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let busy: Vec<(TcpStream, String)> = conns.drain(..n / 2).collect();
+            let worker = {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    let mut busy = busy;
+                    let mut failed = vec![false; busy.len()];
+                    let deadline = Instant::now() + Duration::from_secs(300);
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) && Instant::now() < deadline {
+                        for (i, (s, want)) in busy.iter_mut().enumerate() {
+                            if !failed[i] && ask(s).as_deref() != Ok(want.as_str()) {
+                                failed[i] = true;
+                            }
+                        }
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                    (busy, failed)
+                })
+            };
+            let mut line = String::new();
+            let _ = std::io::stdin().read_line(&mut line);
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            let (busy, busy_failed) = worker.join().unwrap();
+            let (mut same, mut moved, mut errors) = (0u64, 0u64, 0u64);
+            let mut first_error = None;
+            let held = busy.into_iter().zip(busy_failed).map(|((s, want), failed)| (s, want, failed)).chain(conns.into_iter().map(|(s, want)| (s, want, false)));
+            for (mut s, want, failed_while_busy) in held {
+                match ask(&mut s) {
+                    _ if failed_while_busy => {
+                        errors += 1;
+                        first_error.get_or_insert("a busy connection failed during the hold".to_string());
+                    }
+                    Ok(got) if got == want => same += 1,
+                    Ok(_) => moved += 1,
+                    Err(e) => {
+                        errors += 1;
+                        first_error.get_or_insert(e);
+                    }
+                }
+            }
+            println!("{}", serde_json::json!({"same": same, "moved": moved, "errors": errors, "first_error": first_error}));
+        }
+        "synflood" => {
+            let target: SocketAddr = arg(1).parse().unwrap();
+            let count: u64 = arg(2).parse::<u64>().unwrap().min(20_000_000);
+            let SocketAddr::V4(t4) = target else { panic!("IPv4 only") };
+            let sent = synflood(*t4.ip(), t4.port(), count);
+            println!("{}", serde_json::json!({"sent": sent}));
+        }
         other => panic!("unknown command {other:?}; see the file header for usage"),
     }
+}
+
+/// Raw TCP SYNs with spoofed sources (IP_HDRINCL); bounded by `count` and 120 s.
+fn synflood(dst: std::net::Ipv4Addr, dport: u16, count: u64) -> u64 {
+    fn csum(data: &[u8], mut sum: u32) -> u16 {
+        for c in data.chunks(2) {
+            sum += u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]));
+        }
+        while sum >> 16 != 0 {
+            sum = (sum & 0xffff) + (sum >> 16);
+        }
+        !(sum as u16)
+    }
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW) };
+    assert!(fd >= 0, "raw socket: {}", std::io::Error::last_os_error());
+    let mut addr: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+    addr.sin_family = libc::AF_INET as u16;
+    addr.sin_addr.s_addr = u32::from_ne_bytes(dst.octets());
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut sent = 0;
+    while sent < count && (sent % 4096 != 0 || Instant::now() < deadline) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let src = std::net::Ipv4Addr::from(0x0af4_8000u32 | (x as u32 & 0x7fff));
+        let sport = 1024 + ((x >> 32) as u16 % 60_000);
+        let mut pkt = [0u8; 40];
+        pkt[0] = 0x45;
+        pkt[2..4].copy_from_slice(&40u16.to_be_bytes());
+        pkt[8] = 64;
+        pkt[9] = 6;
+        pkt[12..16].copy_from_slice(&src.octets());
+        pkt[16..20].copy_from_slice(&dst.octets());
+        let c = csum(&pkt[..20], 0);
+        pkt[10..12].copy_from_slice(&c.to_be_bytes());
+        let tcp = &mut pkt[20..];
+        tcp[0..2].copy_from_slice(&sport.to_be_bytes());
+        tcp[2..4].copy_from_slice(&dport.to_be_bytes());
+        tcp[4..8].copy_from_slice(&(x as u32).to_be_bytes());
+        tcp[12] = 5 << 4;
+        tcp[13] = 0x02;
+        tcp[14..16].copy_from_slice(&64240u16.to_be_bytes());
+        let mut pseudo = Vec::with_capacity(32);
+        pseudo.extend_from_slice(&src.octets());
+        pseudo.extend_from_slice(&dst.octets());
+        pseudo.extend_from_slice(&[0, 6, 0, 20]);
+        pseudo.extend_from_slice(tcp);
+        let c = csum(&pseudo, 0);
+        pkt[36..38].copy_from_slice(&c.to_be_bytes());
+        let rc = unsafe { libc::sendto(fd, pkt.as_ptr().cast(), pkt.len(), 0, (&addr as *const libc::sockaddr_in).cast(), std::mem::size_of::<libc::sockaddr_in>() as u32) };
+        if rc < 0 {
+            // ENOBUFS under load: back off a little, bounded by the deadline.
+            std::thread::sleep(Duration::from_micros(50));
+            if Instant::now() > deadline {
+                break;
+            }
+            continue;
+        }
+        sent += 1;
+    }
+    unsafe { libc::close(fd) };
+    sent
 }

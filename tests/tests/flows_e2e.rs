@@ -1,0 +1,190 @@
+//! Flows follow their endpoints, end to end: UDP clients leave a removed endpoint at once (pods
+//! through the data path's conntrack, the node's own processes through their sockets),
+//! connect-time balancing is for the host's sockets only, kube-proxy's verdicts, and assured
+//! flows survive a SYN flood several times the conntrack's size.
+use std::{
+    io::{BufRead, BufReader, Write},
+    path::PathBuf,
+    process::Stdio,
+    time::{Duration, Instant},
+};
+
+use kpr_tests::lab::{errors, per_backend, Lab, CLIENT_IP};
+
+fn service(name: &str, vip: &str, port: u16, target: u16, proto: &str, eps: &[(&str, &str)], extra_spec: &str, annotations: &str) -> String {
+    let eps: String = eps.iter().map(|(a, n)| format!("- {{addresses: [\"{a}\"], conditions: {{ready: true}}, nodeName: {n}}}\n")).collect();
+    let eps = if eps.is_empty() { " []\n".to_string() } else { format!("\n{eps}") };
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: fl{annotations}}}\nspec:\n  clusterIP: {vip}\n{extra_spec}  ports:\n  - {{name: p, port: {port}, targetPort: {target}, protocol: {proto}}}\n---\n\
+         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, namespace: fl, labels: {{kubernetes.io/service-name: {name}}}}}\naddressType: IPv4\nports: [{{name: p, port: {target}, protocol: {proto}}}]\nendpoints:{eps}---\n"
+    )
+}
+
+const A: &str = "node-a";
+
+const ALL: [&str; 3] = ["10.244.1.2", "10.244.2.2", "10.244.3.2"];
+
+fn write_services(dir: &PathBuf, dns_backends: &[&str]) {
+    write_services_with(dir, dns_backends, &ALL[..2]);
+}
+
+fn write_services_with(dir: &PathBuf, dns_backends: &[&str], web_backends: &[&str]) {
+    let dns: Vec<(&str, &str)> = dns_backends.iter().map(|b| (*b, A)).collect();
+    let web: Vec<(&str, &str)> = web_backends.iter().map(|b| (*b, A)).collect();
+    let mut y = String::new();
+    y += &service("dns", "10.96.0.53", 53, 5353, "UDP", &dns, "", "");
+    y += &service("web", "10.96.0.10", 80, 8080, "TCP", &web, "", "");
+    y += &service("sticky", "10.96.0.12", 80, 8080, "TCP", &[("10.244.1.2", A), ("10.244.2.2", A), ("10.244.3.2", A)], "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\n", "");
+    y += "apiVersion: v1\nkind: Service\nmetadata: {name: shop, namespace: fl}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.20\n  loadBalancerSourceRanges: [\"198.18.0.0/24\"]\n  ports: [{name: p, port: 80, targetPort: 8080, nodePort: 30081, protocol: TCP}]\nstatus: {loadBalancer: {ingress: [{ip: 203.0.113.10}]}}\n---\n";
+    y += "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: shop-1, namespace: fl, labels: {kubernetes.io/service-name: shop}}\naddressType: IPv4\nports: [{name: p, port: 8080, protocol: TCP}]\nendpoints:\n- {addresses: [\"10.244.2.2\"], conditions: {ready: true}, nodeName: node-a}\n---\n";
+    // internalTrafficPolicy Local whose only endpoint is on another node: dropped here.
+    y += &service("itp", "10.96.0.40", 80, 8080, "TCP", &[("10.244.17.2", "node-b")], "  internalTrafficPolicy: Local\n", "");
+    std::fs::create_dir_all(dir).unwrap();
+    let tmp = dir.join(".services.tmp");
+    std::fs::write(&tmp, y).unwrap();
+    std::fs::rename(tmp, dir.join("services.yaml")).unwrap();
+}
+
+fn lab(prefix: &str, extra_args: &[&str]) -> (Lab, PathBuf) {
+    let dir = std::env::temp_dir().join(format!("kpr-flows-{prefix}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    write_services(&dir, &ALL);
+    let mut lab = Lab::build(prefix, &dir);
+    lab.agent_args = extra_args.iter().map(|s| s.to_string()).collect();
+    lab.start_agent();
+    lab.wait_backends("10.96.0.53:53", 3);
+    (lab, dir)
+}
+
+/// Follows a `udpc-hold` run: the backend answering first, then (after `remove` took it out of
+/// the service) every answer and error after the removal.
+fn udp_client_across_removal(lab: &Lab, role: &str, dir: &PathBuf) -> (String, Vec<String>, u64) {
+    let mut child = lab.peer_bg(role, &["udpc-hold", "10.96.0.53:53", "6"]);
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = loop {
+        let l = lines.next().expect("an answer").unwrap();
+        if let Some((_, name)) = l.split_once(' ').filter(|(_, n)| !n.starts_with("error")) {
+            break name.to_string();
+        }
+    };
+    // b1 is 10.244.1.2, b2 10.244.2.2, ...
+    let others: Vec<&str> = ALL.into_iter().filter(|ip| ip.split('.').nth(2) != Some(&first[1..])).collect();
+    write_services(dir, &others);
+    lab.wait_backends("10.96.0.53:53", 2);
+    // The cleanup runs right after the sync that removed the endpoint: give it a moment.
+    let removed_at = Instant::now() + Duration::from_millis(300);
+    let mut after = Vec::new();
+    let mut errs = 0;
+    for l in lines {
+        let l = l.unwrap();
+        if l.starts_with('{') {
+            break;
+        }
+        if Instant::now() < removed_at {
+            continue;
+        }
+        match l.split_once(' ') {
+            Some((_, e)) if e.starts_with("error") => errs += 1,
+            Some((_, name)) => after.push(name.to_string()),
+            None => {}
+        }
+    }
+    let _ = child.wait();
+    (first, after, errs)
+}
+
+#[test]
+fn udp_clients_leave_a_removed_endpoint_at_once() {
+    let (lab, dir) = lab("kpf1", &[]);
+    // A pod's connected UDP socket: its datagrams cross the pod's interface, and the data
+    // path's flow to the removed endpoint is deleted at once.
+    let (first, after, errs) = udp_client_across_removal(&lab, "pod", &dir);
+    assert!(!after.is_empty(), "the client kept getting answers");
+    assert!(after.iter().all(|n| *n != first), "answers from the removed endpoint {first} after its removal: {after:?}");
+    assert_eq!(errs, 0, "a pod's socket is connected to the VIP: nothing to tell it");
+    // The node's own process: connect-time balancing connected its socket to the endpoint
+    // itself, so the socket is ended (ECONNABORTED) and the client reconnects elsewhere.
+    write_services(&dir, &ALL);
+    lab.wait_backends("10.96.0.53:53", 3);
+    let (first, after, errs) = udp_client_across_removal(&lab, "host", &dir);
+    assert!(!after.is_empty(), "the node's client reconnected");
+    assert!(after.iter().all(|n| *n != first), "answers from the removed endpoint {first} to a node process: {after:?}");
+    assert!(errs <= 2, "one error per ended socket: {errs}");
+    let log = lab.agent_log();
+    assert!(log.contains("sockets=1"), "the node process's socket was ended: {log}");
+}
+
+#[test]
+fn tcp_flows_of_a_removed_endpoint_run_on() {
+    // kube-proxy leaves established TCP connections to a removed endpoint alone (the pod may be
+    // terminating gracefully): so does kpr.
+    let (lab, dir) = lab("kpf2", &[]);
+    let held = lab.peer_bg("pod", &["hold", "10.96.0.10:80", "4"]);
+    std::thread::sleep(Duration::from_millis(600));
+    write_services_with(&dir, &ALL, &[]);
+    lab.wait_for("web without endpoints", |v| v.as_array().is_some_and(|a| a.iter().any(|r| r["frontend"] == "10.96.0.10:80" && r["backends"].as_array().is_some_and(|b| b.is_empty()))));
+    let h = Lab::finish(held);
+    assert_eq!(errors(&h), 0, "{h}");
+    assert!(per_backend(&h).iter().map(|(_, n)| n).sum::<u64>() > 30, "{h}");
+}
+
+#[test]
+fn connect_time_balancing_is_for_the_hosts_sockets_only() {
+    // Pods' processes run in cgroups under the root the programs are attached to, as on a real
+    // node: a pod's connect() is left alone and its packets are balanced at its interface, with
+    // the pod's own address for affinity and source ranges.
+    let (lab, _dir) = lab("kpf3", &[]);
+    let v = lab.peer_in_cgroup("pod", &["burst", "10.96.0.12:80", "tcp", "20"]);
+    assert_eq!((errors(&v), per_backend(&v).len()), (0, 1), "affinity pins the pod: {v}");
+    let flows = lab.cli(&["conntrack"]);
+    assert!(flows.contains("10.244.9.2:") && flows.contains("10.96.0.12:80"), "the pod's flows cross its interface: {flows}");
+    // loadBalancerSourceRanges (198.18.0.0/24) with the pod's address: denied...
+    let v = lab.peer_in_cgroup("pod", &["burst", "203.0.113.10:80", "tcp", "1"]);
+    assert_eq!(errors(&v), 1, "a pod outside the source ranges reaches the LB IP: {v}");
+    // ...and with the node's (198.18.0.1): allowed, balanced at connect time.
+    let v = lab.peer("host", &["burst", "203.0.113.10:80", "tcp", "10"]);
+    assert_eq!((errors(&v), per_backend(&v)), (0, vec![("b2".to_string(), 10)]), "{v}");
+    // The client outside too, by its own address.
+    let who = lab.peer("cl", &["who", "203.0.113.10:80"]);
+    assert_eq!(who["name"], "b2", "{who}");
+    let _ = CLIENT_IP;
+}
+
+#[test]
+fn kube_proxys_verdicts_without_endpoints() {
+    let (lab, _dir) = lab("kpf4", &[]);
+    // internalTrafficPolicy Local, endpoints only on another node: dropped, not rejected.
+    let t = Instant::now();
+    let v = lab.peer("pod", &["burst", "10.96.0.40:80", "tcp", "1"]);
+    assert!(v["first_error"].as_str().unwrap_or("").contains("timed out"), "{v}");
+    assert!(t.elapsed() >= Duration::from_secs(4));
+    let status = lab.cli(&["status"]);
+    assert!(status.lines().any(|l| l.starts_with("drop_no_local_endpoint") && !l.ends_with(" 0")), "{status}");
+    let services = lab.cli(&["services"]);
+    assert!(services.contains("no local endpoint: dropped"), "{services}");
+}
+
+#[test]
+fn assured_flows_survive_a_syn_flood_several_times_the_conntrack() {
+    // A small conntrack (16,384 assured, 4,096 embryonic) and a flood of 100,000 spoofed SYNs
+    // from the pod's interface towards a two-endpoint ClusterIP: 5x the tables together. No
+    // masquerade on this path, so the SNAT port space does not cap the flood.
+    let (lab, _dir) = lab("kpf5", &["--max-conntrack", "16384", "--max-conntrack-embryonic", "4096"]);
+    let mut held = lab.peer_cmd("pod", &["hold-many", "10.96.0.10:80", "100"]).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    let mut out = BufReader::new(held.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "ready");
+    let flood = lab.peer("pod", &["synflood", "10.96.0.10:80", "100000"]);
+    assert!(flood["sent"].as_u64().unwrap() >= 90_000, "{flood}");
+    let status = lab.cli(&["status"]);
+    let new_flows: u64 = status.lines().find(|l| l.starts_with("new_flow")).and_then(|l| l.split_whitespace().nth(1)).unwrap().parse().unwrap();
+    assert!(new_flows >= 80_000, "the flood must have made new flows: {status}");
+    held.stdin.take().unwrap().write_all(b"check\n").unwrap();
+    line.clear();
+    out.read_line(&mut line).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+    println!("held connections after the flood: {v}");
+    assert_eq!((v["same"].as_u64(), v["moved"].as_u64(), v["errors"].as_u64()), (Some(100), Some(0), Some(0)), "{v}");
+    let _ = held.wait();
+}
