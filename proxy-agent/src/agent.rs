@@ -35,6 +35,9 @@ use crate::{
 
 pub static STOP: AtomicBool = AtomicBool::new(false);
 
+/// A failed sync is retried after this, doubling up to syncPeriod.
+const RETRY_MIN: Duration = Duration::from_secs(1);
+
 /// The conntrack collector reads at most this many entries of each table per round...
 const GC_BATCH: usize = 16_384;
 /// ...every this often: a full pass over 524,288 entries takes about 8 s.
@@ -71,6 +74,43 @@ impl std::str::FromStr for Mode {
             "ipvs" => Ok(Mode::Ipvs),
             "auto" => Ok(Mode::Auto),
             other => Err(format!("unknown mode {other:?} (expected ebpf, ipvs or auto)")),
+        }
+    }
+}
+
+/// kube-proxy's detectLocalMode: what makes a client local.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub enum DetectLocal {
+    /// Its address is in the cluster CIDR (clusterCIDR, --cluster-cidr).
+    #[default]
+    ClusterCidr,
+    /// Its address is in this node's pod CIDR (the Node's spec.podCIDRs).
+    NodeCidr,
+    /// Its packet came from a port of this bridge (detectLocal.bridgeInterface).
+    BridgeInterface(String),
+    /// Its packet came in on an interface whose name starts so (detectLocal.interfaceNamePrefix).
+    InterfaceNamePrefix(String),
+}
+
+impl DetectLocal {
+    /// Whether traffic arriving on `iface` (a port of bridge `master`) is local.
+    pub fn is_local(&self, iface: &str, master: Option<&str>) -> bool {
+        match self {
+            DetectLocal::BridgeInterface(br) => iface == br || master == Some(br.as_str()),
+            DetectLocal::InterfaceNamePrefix(p) => iface.starts_with(p.as_str()),
+            DetectLocal::ClusterCidr | DetectLocal::NodeCidr => false,
+        }
+    }
+
+    /// From kube-proxy's detectLocalMode and detectLocal fields.
+    pub fn from_config(mode: &str, bridge: Option<&str>, prefix: Option<&str>) -> Result<Self, String> {
+        let need = |v: Option<&str>, field: &str| v.filter(|s| !s.is_empty()).map(str::to_string).ok_or(format!("detectLocalMode {mode} needs {field}"));
+        match mode {
+            "" | "ClusterCIDR" => Ok(DetectLocal::ClusterCidr),
+            "NodeCIDR" => Ok(DetectLocal::NodeCidr),
+            "BridgeInterface" => Ok(DetectLocal::BridgeInterface(need(bridge, "detectLocal.bridgeInterface")?)),
+            "InterfaceNamePrefix" => Ok(DetectLocal::InterfaceNamePrefix(need(prefix, "detectLocal.interfaceNamePrefix")?)),
+            other => Err(format!("unknown detectLocalMode {other:?} (ClusterCIDR, NodeCIDR, BridgeInterface, InterfaceNamePrefix)")),
         }
     }
 }
@@ -201,6 +241,9 @@ pub struct AgentConfig {
     /// Default: the first NodePort address.
     pub snat_ip: Option<IpAddr>,
     pub cluster_cidr: Option<IpNet>,
+    /// How a local client (a pod of this node, never masqueraded for being off-cluster) is
+    /// told from one outside the cluster (kube-proxy's detectLocalMode).
+    pub detect_local: DetectLocal,
     pub masquerade_all: bool,
     pub scheduler: Scheduler,
     pub xdp_mode: XdpMode,
@@ -235,6 +278,7 @@ impl Default for AgentConfig {
             nodeport_addresses: Vec::new(),
             snat_ip: None,
             cluster_cidr: None,
+            detect_local: DetectLocal::default(),
             masquerade_all: false,
             scheduler: Scheduler::Random,
             xdp_mode: XdpMode::Default,
@@ -278,8 +322,10 @@ pub struct Agent {
     maps: KernelMaps,
     syncer: Syncer,
     attached: BTreeSet<(String, Hook)>,
-    /// What KPR_IFADDR_V1 holds (interface index -> masquerade address).
-    iface_addrs: std::collections::BTreeMap<u32, std::net::Ipv4Addr>,
+    /// What KPR_IFACE_V1 holds.
+    ifaces: std::collections::BTreeMap<u32, proxy_common::IfaceInfo>,
+    /// The Node's IPv4 pod CIDR (detectLocalMode NodeCIDR).
+    node_pod_cidr: Option<IpNet>,
     pub stats: SharedStats,
     /// healthCheckNodePort servers (need a tokio runtime; None in tools and tests without one).
     pub health_checks: Option<crate::healthcheck::HealthChecks>,
@@ -322,14 +368,19 @@ impl Agent {
         };
         info!(mode = mode.name(), requested = cfg.mode.name(), "data plane mode");
         let ipvs = if mode == Mode::Ipvs { Some(Self::start_ipvs(&cfg, &mut dp)?) } else { None };
-        if let (Some(cg), Mode::Ebpf) = (&cfg.cgroup, mode) {
-            dp.attach_cgroup(cg)?;
-            info!(cgroup = %cg.display(), "connect-time balancing attached");
+        if let Some(cg) = &cfg.cgroup {
+            if mode == Mode::Ipvs {
+                dp.attach_cgroup(cg, &proxy_common::prog_names::SOCK_IPVS)?;
+                info!(cgroup = %cg.display(), "node connections to LB IPs outside their source ranges refused at connect time");
+            } else {
+                dp.attach_cgroup(cg, &proxy_common::prog_names::SOCK)?;
+                info!(cgroup = %cg.display(), "connect-time balancing attached");
+            }
         }
         let maps = KernelMaps::open(&cfg.pin_dir)?;
         let stats = Arc::new(std::sync::Mutex::new(Stats::new(cfg.sync_period * 2)));
         stats.lock().unwrap().mode = mode.name();
-        Ok(Self { cfg, dp, maps, syncer: Syncer::default(), attached: BTreeSet::new(), iface_addrs: Default::default(), stats, health_checks: None, last_desired: None, last_node_version: None, events: None, reported: BTreeSet::new(), mode, ipvs, gc: None, snat_ports: masquerade_ports(), host_netns_cookie: host_netns_cookie() })
+        Ok(Self { cfg, dp, maps, syncer: Syncer::default(), attached: BTreeSet::new(), ifaces: Default::default(), node_pod_cidr: None, stats, health_checks: None, last_desired: None, last_node_version: None, events: None, reported: BTreeSet::new(), mode, ipvs, gc: None, snat_ports: masquerade_ports(), host_netns_cookie: host_netns_cookie() })
     }
 
     /// IPVS mode's one-time setup: the netlink handles, the proxier's sysctls, the timeouts.
@@ -429,16 +480,22 @@ impl Agent {
         if snat.is_none() && self.mode != Mode::Ipvs {
             return Err(AgentError::NoNodeAddress);
         }
-        let (cidr, len) = match self.cfg.cluster_cidr {
+        let local_cidr = match self.cfg.detect_local {
+            DetectLocal::ClusterCidr => self.cfg.cluster_cidr,
+            DetectLocal::NodeCidr => self.node_pod_cidr,
+            DetectLocal::BridgeInterface(_) | DetectLocal::InterfaceNamePrefix(_) => None,
+        };
+        let (cidr, len) = match local_cidr {
             Some(net) => (addr_words(net.network()), u32::from(net.prefix_len())),
             None => ([0; 4], 0),
         };
+        let by_iface = matches!(self.cfg.detect_local, DetectLocal::BridgeInterface(_) | DetectLocal::InterfaceNamePrefix(_));
         let (snat_port_min, snat_port_max) = self.snat_ports;
         Ok(DatapathConfig {
             snat_addr: snat.map(addr_words).unwrap_or_default(),
             cluster_cidr: cidr,
             cluster_cidr_len: len,
-            flags: if self.cfg.masquerade_all { CFG_F_MASQUERADE_ALL } else { 0 },
+            flags: if self.cfg.masquerade_all { CFG_F_MASQUERADE_ALL } else { 0 } | if by_iface { proxy_common::CFG_F_LOCAL_BY_IFACE } else { 0 },
             ct_tcp_timeout_s: self.cfg.ct_tcp_timeout_s,
             ct_udp_timeout_s: self.cfg.ct_udp_timeout_s,
             snat_port_min,
@@ -497,25 +554,37 @@ impl Agent {
                 self.attached.retain(|(i, _)| i != &iface);
             }
         }
-        if self.mode != Mode::Ipvs {
-            // Masquerade uses the address of the interface a flow leaves by, as MASQUERADE does
-            // (a tunnel device's own address, so the remote node routes replies back through
-            // the tunnel); interfaces without one use the node's SNAT address.
-            let mut addrs = std::collections::BTreeMap::new();
-            for (iface, hook) in &wanted {
-                if *hook != Hook::TcEgress {
-                    continue;
-                }
-                let index = netif::index(iface);
-                if let (Some(index), Some(IpAddr::V4(a))) = (index, netif::ipv4_addresses(iface).first().copied()) {
-                    addrs.insert(index, a);
+        // What the programs need to know of each interface they run on.
+        let mut ifaces = std::collections::BTreeMap::new();
+        let masters = match &self.cfg.detect_local {
+            DetectLocal::BridgeInterface(_) => crate::rtnl::NetlinkLinks::connect().and_then(|mut l| l.masters()).unwrap_or_else(|e| {
+                warn!(error = %e, "cannot read the interfaces' bridges: detectLocalMode BridgeInterface sees no local pods");
+                Default::default()
+            }),
+            _ => Default::default(),
+        };
+        for (iface, _) in &wanted {
+            let Some(index) = netif::index(iface) else { continue };
+            let mut info = proxy_common::IfaceInfo::default();
+            // Masquerade uses the address of the interface a flow leaves by, as MASQUERADE
+            // does (a tunnel device's own address, so the remote node routes replies back
+            // through the tunnel); interfaces without one use the node's SNAT address.
+            if self.mode != Mode::Ipvs {
+                if let Some(IpAddr::V4(a)) = netif::ipv4_addresses(iface).first() {
+                    info.snat_addr = u32::from_ne_bytes(a.octets());
                 }
             }
-            if addrs != self.iface_addrs {
-                match self.maps.set_iface_addrs(&addrs) {
-                    Ok(()) => self.iface_addrs = addrs,
-                    Err(e) => warn!(error = %e, "interface masquerade addresses"),
-                }
+            if self.cfg.detect_local.is_local(iface, masters.get(iface).map(String::as_str)) {
+                info.flags |= proxy_common::IFACE_F_LOCAL;
+            }
+            if info != proxy_common::IfaceInfo::default() {
+                ifaces.insert(index, info);
+            }
+        }
+        if ifaces != self.ifaces {
+            match self.maps.set_ifaces(&ifaces) {
+                Ok(()) => self.ifaces = ifaces,
+                Err(e) => warn!(error = %e, "interface information for the data path"),
             }
         }
         if attached_any && self.mode == Mode::Ebpf {
@@ -652,6 +721,12 @@ impl Agent {
         let full = periodic || self.last_desired.is_none() || node_version != self.last_node_version;
         let changed = st.take_changed_services();
         let info = self.node_info(st.node.as_ref());
+        self.node_pod_cidr = st
+            .node
+            .as_ref()
+            .and_then(|n| n.spec.as_ref())
+            .and_then(|s| s.pod_cidrs.clone().or_else(|| s.pod_cidr.clone().map(|c| vec![c])))
+            .and_then(|cidrs| cidrs.iter().filter_map(|c| c.parse::<IpNet>().ok()).find(|n| n.addr().is_ipv4()));
         let cfg = ModelConfig { default_scheduler: self.cfg.scheduler };
         let mut touched = None;
         let mut desired = match self.last_desired.take() {
@@ -668,7 +743,9 @@ impl Agent {
         drop(st);
         let r = self.program(&desired, &info.nodeport_addresses, touched.as_ref(), 0, &triggers, start);
         desired.errors.clear();
-        self.last_desired = Some(desired);
+        // The changes were taken from the trackers: after a failure only a full sync knows
+        // what is still to be written.
+        self.last_desired = r.is_ok().then_some(desired);
         self.last_node_version = node_version;
         r.map(|_| generation)
     }
@@ -755,6 +832,7 @@ impl Agent {
         let mut last_attach = Instant::now() - Duration::from_secs(10);
         let mut dirty = true;
         let mut logged_waiting = false;
+        let (mut retry_at, mut retry_backoff): (Option<Instant>, Duration) = (None, RETRY_MIN);
         while !STOP.load(Ordering::Relaxed) {
             if last_attach.elapsed() >= Duration::from_secs(1) {
                 self.attach_interfaces();
@@ -806,7 +884,8 @@ impl Agent {
             // Draining IPVS destinations are re-checked every few seconds, not every syncPeriod.
             let draining = self.stats.lock().unwrap().ipvs_terminating > 0 && last_full.elapsed() >= Duration::from_secs(2);
             let periodic = last_full.elapsed() >= self.cfg.sync_period || draining;
-            if (dirty && limiter.try_take(Instant::now())) || periodic {
+            let may_retry = retry_at.is_none_or(|t| Instant::now() >= t);
+            if may_retry && ((dirty && limiter.try_take(Instant::now())) || periodic) {
                 let ok = match &source {
                     Source::Dir(_) => self.sync_once().map(|_| ()),
                     Source::Kube(shared) => self.sync_kube(shared, periodic).map(|g| {
@@ -821,9 +900,21 @@ impl Agent {
                         if periodic || matches!(source, Source::Dir(_)) {
                             last_full = Instant::now();
                         }
-                        self.stats.lock().unwrap().pending_since = None;
+                        retry_backoff = RETRY_MIN;
+                        retry_at = None;
+                        let mut stats = self.stats.lock().unwrap();
+                        stats.pending_since = None;
+                        stats.failing_since = None;
                     }
-                    Err(e) => error!(error = %e, "sync failed; retrying"),
+                    Err(e) => {
+                        // Retried, with a back-off up to syncPeriod, not in a busy loop; a failed
+                        // sync keeps the change pending (health says so after its timeout).
+                        error!(error = %e, retry_in_s = retry_backoff.as_secs_f64(), "sync failed; retrying");
+                        dirty = true;
+                        retry_at = Some(Instant::now() + retry_backoff);
+                        retry_backoff = (retry_backoff * 2).min(self.cfg.sync_period.max(RETRY_MIN));
+                        self.stats.lock().unwrap().failing_since.get_or_insert_with(Instant::now);
+                    }
                 }
                 if self.cfg.once {
                     return;
@@ -837,6 +928,19 @@ impl Agent {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn detect_local_modes_parse_and_match_interfaces() {
+        assert_eq!(DetectLocal::from_config("", None, None), Ok(DetectLocal::ClusterCidr));
+        assert_eq!(DetectLocal::from_config("NodeCIDR", None, None), Ok(DetectLocal::NodeCidr));
+        assert!(DetectLocal::from_config("BridgeInterface", None, None).unwrap_err().contains("detectLocal.bridgeInterface"));
+        assert!(DetectLocal::from_config("Sideways", None, None).is_err());
+        let br = DetectLocal::from_config("BridgeInterface", Some("cni0"), None).unwrap();
+        assert!(br.is_local("veth1234", Some("cni0")) && !br.is_local("flannel.1", None) && !br.is_local("veth9", Some("docker0")));
+        let pre = DetectLocal::from_config("InterfaceNamePrefix", None, Some("cali")).unwrap();
+        assert!(pre.is_local("cali12ab", None) && !pre.is_local("eth0", None));
+        assert!(!DetectLocal::ClusterCidr.is_local("cali12ab", None), "by address, not interface");
+    }
 
     #[test]
     fn limiter_allows_a_burst_then_one_per_interval() {

@@ -28,6 +28,10 @@ pub struct KubeProxyConfig {
     pub hostname_override: Option<String>,
     pub healthz_bind_address: Option<String>,
     pub metrics_bind_address: Option<String>,
+    /// detectLocalMode, detectLocal.bridgeInterface, detectLocal.interfaceNamePrefix.
+    pub detect_local_mode: Option<String>,
+    pub detect_local_bridge: Option<String>,
+    pub detect_local_prefix: Option<String>,
     pub ipvs: IpvsConfig,
     pub warnings: Vec<String>,
 }
@@ -99,8 +103,8 @@ const KNOWN_IPVS: &[&str] = &[
 /// Fields kube-proxy uses that mean nothing to kpr's data plane: accepted, noted once.
 const IGNORED: &[&str] = &[
     "bindAddress", "bindAddressHardFail", "clientConnection", "configSyncPeriod", "conntrack",
-    "detectLocalMode", "detectLocal", "enableProfiling", "featureGates", "logging", "nftables",
-    "oomScoreAdj", "portRange", "showHiddenMetricsForVersion", "winkernel",
+    "enableProfiling", "featureGates", "logging", "nftables", "oomScoreAdj", "portRange",
+    "showHiddenMetricsForVersion", "winkernel",
 ];
 
 pub fn parse(file: &str, text: &str) -> Result<KubeProxyConfig, ConfigError> {
@@ -209,6 +213,13 @@ pub fn parse(file: &str, text: &str) -> Result<KubeProxyConfig, ConfigError> {
         }
     }
     c.hostname_override = string("hostnameOverride", v.get("hostnameOverride"))?.filter(|s| !s.is_empty());
+    c.detect_local_mode = string("detectLocalMode", v.get("detectLocalMode"))?.filter(|s| !s.is_empty());
+    let dl = v.get("detectLocal");
+    c.detect_local_bridge = string("detectLocal.bridgeInterface", dl.and_then(|d| d.get("bridgeInterface")))?.filter(|s| !s.is_empty());
+    c.detect_local_prefix = string("detectLocal.interfaceNamePrefix", dl.and_then(|d| d.get("interfaceNamePrefix")))?.filter(|s| !s.is_empty());
+    if let Some(m) = &c.detect_local_mode {
+        crate::agent::DetectLocal::from_config(m, c.detect_local_bridge.as_deref(), c.detect_local_prefix.as_deref()).map_err(|e| err("detectLocalMode", e))?;
+    }
     c.healthz_bind_address = host_port("healthzBindAddress", v.get("healthzBindAddress"))?;
     c.metrics_bind_address = host_port("metricsBindAddress", v.get("metricsBindAddress"))?;
     if let Some(ipvs) = v.get("ipvs") {

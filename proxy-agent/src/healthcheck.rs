@@ -1,6 +1,7 @@
 //! healthCheckNodePort servers for externalTrafficPolicy Local services, answering as
-//! kube-proxy's do: 200 with the local endpoint count when there are local endpoints, 503 when
-//! there are none, so external load balancers only send to nodes that have the pods.
+//! kube-proxy's do: 200 with the local endpoint count when there are local endpoints and the
+//! agent is healthy (its syncs keep up), 503 otherwise, so external load balancers only send to
+//! nodes that have the pods and a working proxy.
 use std::{
     collections::{BTreeMap, HashMap},
     sync::{Arc, Mutex},
@@ -10,28 +11,32 @@ use axum::{extract::State, http::StatusCode, response::IntoResponse, routing::ge
 use tokio::{runtime::Handle, task::JoinHandle};
 
 type Table = Arc<Mutex<BTreeMap<u16, (String, String, usize)>>>;
+/// Whether the agent is healthy now (metrics::Stats::healthy).
+pub type Healthy = Arc<dyn Fn() -> bool + Send + Sync>;
 
 pub struct HealthChecks {
     handle: Handle,
     table: Table,
+    healthy: Healthy,
     servers: HashMap<u16, JoinHandle<()>>,
 }
 
-async fn answer(State((table, port)): State<(Table, u16)>) -> impl IntoResponse {
+async fn answer(State((table, healthy, port)): State<(Table, Healthy, u16)>) -> impl IntoResponse {
     let entry = table.lock().unwrap().get(&port).cloned();
     let (ns, name, n) = entry.unwrap_or_default();
+    let proxy_healthy = healthy();
     let body = serde_json::json!({
         "service": {"namespace": ns, "name": name},
         "localEndpoints": n,
-        "serviceProxyHealthy": true,
+        "serviceProxyHealthy": proxy_healthy,
     });
-    let code = if n > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let code = if n > 0 && proxy_healthy { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     (code, [("content-type", "application/json"), ("x-content-type-options", "nosniff")], body.to_string())
 }
 
 impl HealthChecks {
-    pub fn new(handle: Handle) -> Self {
-        Self { handle, table: Arc::default(), servers: HashMap::new() }
+    pub fn new(handle: Handle, healthy: Healthy) -> Self {
+        Self { handle, table: Arc::default(), healthy, servers: HashMap::new() }
     }
 
     pub fn ports(&self) -> Vec<u16> {
@@ -62,7 +67,7 @@ impl HealthChecks {
                     continue;
                 }
             };
-            let app = Router::new().fallback(get(answer)).with_state((self.table.clone(), *port));
+            let app = Router::new().fallback(get(answer)).with_state((self.table.clone(), self.healthy.clone(), *port));
             let _guard = self.handle.enter();
             let Ok(listener) = tokio::net::TcpListener::from_std(listener) else { continue };
             self.servers.insert(*port, self.handle.spawn(async move {

@@ -95,7 +95,13 @@ pub fn desired_virtual_servers(desired: &DesiredState, settings: &IpvsSettings) 
                     pe_name: None,
                 },
                 dests,
-                bind: fe.kind != FrontendKind::NodePort,
+                // kube-proxy's shouldBind: an ExternalIP or LB IP that is a node address is the
+                // node's already; binding it on kube-ipvs0 too would take it over.
+                bind: match fe.kind {
+                    FrontendKind::NodePort => false,
+                    FrontendKind::ExternalIp | FrontendKind::LoadBalancer => !settings.node_addresses.contains(&key.ip),
+                    FrontendKind::ClusterIp => true,
+                },
                 service: fe.service.clone(),
             },
         );
@@ -154,13 +160,16 @@ impl IpvsSyncer {
         IpvsSyncer { settings, link_cache: None }
     }
 
-    /// Is this kernel virtual server one the agent manages (and may delete)?
+    /// Is this kernel virtual server one the agent manages (and may delete)? Those on addresses
+    /// it binds on kube-ipvs0, and those on the node's addresses (NodePorts, and ExternalIPs or
+    /// LB IPs that are node addresses); never those in ipvs.excludeCIDRs. (kube-proxy claims
+    /// every virtual server outside excludeCIDRs.)
     fn owned(&self, id: &ServiceId, bound: &BTreeSet<IpAddr>) -> bool {
-        let ServiceId::Addr { addr, port, .. } = id else { return false };
+        let ServiceId::Addr { addr, .. } = id else { return false };
         if self.settings.exclude_cidrs.iter().any(|c| c.contains(addr)) {
             return false;
         }
-        bound.contains(addr) || (self.settings.node_addresses.contains(addr) && self.settings.node_port_range.contains(port))
+        bound.contains(addr) || self.settings.node_addresses.contains(addr)
     }
 
     /// Syncs the kernel to `desired`. `only`: the virtual servers that may have changed (an
@@ -465,6 +474,22 @@ mod tests {
     }
 
     #[test]
+    fn external_ips_on_node_addresses_are_not_bound_but_are_ours() {
+        let mut w = World::new();
+        w.syncer.settings.node_addresses = vec!["198.18.0.1".parse().unwrap()];
+        let d = state(vec![
+            ("198.18.0.1", 80, Proto::Tcp, fe(FrontendKind::ExternalIp, &[("10.244.1.2", 80)], Proto::Tcp)),
+            ("192.0.2.50", 80, Proto::Tcp, fe(FrontendKind::LoadBalancer, &[("10.244.1.2", 80)], Proto::Tcp)),
+        ]);
+        w.sync(&d);
+        assert_eq!(w.bound(), vec!["192.0.2.50"], "a node address is not bound on kube-ipvs0");
+        assert!(w.ipvs.services.contains_key(&tcp("198.18.0.1", 80)));
+        // The service goes: its virtual server on the node address goes too.
+        w.sync(&DesiredState::default());
+        assert!(w.ipvs.services.is_empty(), "{:?}", w.ipvs.services.keys().collect::<Vec<_>>());
+    }
+
+    #[test]
     fn annotations_and_affinity_reach_the_kernel() {
         let mut w = World::new();
         let mut f = fe(FrontendKind::LoadBalancer, &[("10.244.1.2", 80), ("10.244.2.2", 80)], Proto::Tcp);
@@ -488,8 +513,8 @@ mod tests {
 }
 
 /// `kpr cleanup` in IPVS mode: deletes the virtual servers the agent owns (on kube-ipvs0's
-/// addresses, or node-port-range ports on `node_addresses`), then kube-ipvs0 itself. Other
-/// virtual servers stay. Returns what went.
+/// addresses or on `node_addresses`), then kube-ipvs0 itself. Other virtual servers stay.
+/// Returns what went.
 pub fn cleanup(ipvs: &mut dyn Ipvs, links: &mut dyn Links, node_addresses: &[IpAddr]) -> Result<Vec<String>, IpvsSyncError> {
     let mut done = Vec::new();
     let bound = match links.link_index(IPVS_DUMMY)? {

@@ -157,6 +157,9 @@ impl Datapath {
         // The rule holds the program it was created with; a new pin serves the next rule.
         let _ = std::fs::remove_file(&path);
         prog.pin(&path).map_err(|e| KernelError::Attach { iface: path.display().to_string(), what: "pin loop-back match", err: e.to_string() })?;
+        for name in prog_names::SOCK_IPVS {
+            self.sock_addr(name)?.load().map_err(|err| KernelError::Program { name, err })?;
+        }
         Ok(path)
     }
 
@@ -178,14 +181,15 @@ impl Datapath {
         self.program(name)
     }
 
-    /// Attaches the connect-time programs to a cgroup (v2) and pins their links. A link pinned
-    /// by an earlier agent is replaced after the new one is attached: for a moment both run,
-    /// which is harmless (the second sees a backend address, not a service).
-    pub fn attach_cgroup(&mut self, cgroup: &Path) -> Result<(), KernelError> {
+    /// Attaches the connect-time programs `names` (prog_names::SOCK, or SOCK_IPVS in IPVS mode)
+    /// to a cgroup (v2) and pins their links. A link pinned by an earlier agent is replaced
+    /// after the new one is attached: for a moment both run, which is harmless (the second sees
+    /// a backend address, not a service).
+    pub fn attach_cgroup(&mut self, cgroup: &Path, names: &[&'static str]) -> Result<(), KernelError> {
         let fail = |what: &'static str, err: String| KernelError::Attach { iface: cgroup.display().to_string(), what, err };
         let fail_sys = |what: &'static str, e: aya::programs::ProgramError| fail(what, format!("{e}: {}", std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default()));
         let dir = std::fs::File::open(cgroup).map_err(|e| fail("open cgroup", e.to_string()))?;
-        for name in prog_names::SOCK {
+        for &name in names {
             let path = self.pin_dir.join("links").join(format!("cgroup_{name}"));
             let prog = self.sock_addr(name)?;
             let id = prog.attach(&dir, CgroupAttachMode::Single).map_err(|e| fail_sys("attach cgroup program", e))?;
@@ -396,7 +400,7 @@ pub struct KernelMaps {
     source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
     config: Array<MapData, DatapathConfig>,
     conntrack: KernelConntrack,
-    iface_addrs: HashMap<MapData, u32, u32>,
+    ifaces: HashMap<MapData, u32, proxy_common::IfaceInfo>,
     affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     counters: PerCpuArray<MapData, u64>,
     backend_new: PerCpuArray<MapData, u64>,
@@ -512,7 +516,7 @@ impl KernelMaps {
             source_ranges: open_typed(pin_dir, map_names::SOURCE_RANGES)?,
             config: open_typed(pin_dir, map_names::CONFIG)?,
             conntrack: KernelConntrack::open(pin_dir)?,
-            iface_addrs: open_typed(pin_dir, map_names::IFACE_ADDR)?,
+            ifaces: open_typed(pin_dir, map_names::IFACES)?,
             affinity: open_typed(pin_dir, map_names::AFFINITY)?,
             counters: open_typed(pin_dir, map_names::COUNTERS)?,
             backend_new: open_typed(pin_dir, map_names::BACKEND_NEW)?,
@@ -608,16 +612,15 @@ impl DatapathMaps for KernelMaps {
     fn conntrack_mut(&mut self) -> &mut dyn ConntrackTables {
         &mut self.conntrack
     }
-    fn set_iface_addrs(&mut self, want: &std::collections::BTreeMap<u32, std::net::Ipv4Addr>) -> Result<(), MapError> {
-        let name = map_names::IFACE_ADDR;
-        let have: Vec<(u32, u32)> = collect(name, self.iface_addrs.iter())?;
+    fn set_ifaces(&mut self, want: &std::collections::BTreeMap<u32, proxy_common::IfaceInfo>) -> Result<(), MapError> {
+        let name = map_names::IFACES;
+        let have: Vec<(u32, proxy_common::IfaceInfo)> = collect(name, self.ifaces.iter())?;
         for (ifindex, _) in have.iter().filter(|(i, _)| !want.contains_key(i)) {
-            del(name, self.iface_addrs.remove(ifindex))?;
+            del(name, self.ifaces.remove(ifindex))?;
         }
-        for (ifindex, addr) in want {
-            let wire = u32::from_ne_bytes(addr.octets());
-            if !have.contains(&(*ifindex, wire)) {
-                self.iface_addrs.insert(*ifindex, wire, 0).map_err(|e| op(name, "update", e))?;
+        for (ifindex, info) in want {
+            if !have.contains(&(*ifindex, *info)) {
+                self.ifaces.insert(*ifindex, *info, 0).map_err(|e| op(name, "update", e))?;
             }
         }
         Ok(())
@@ -674,6 +677,7 @@ mod tests {
         for name in [prog_names::TC_INGRESS, prog_names::TC_EGRESS, prog_names::XDP_INGRESS, prog_names::TC_PASS, prog_names::XDP_PASS]
             .into_iter()
             .chain(prog_names::SOCK)
+            .chain(prog_names::SOCK_IPVS)
         {
             assert!(has(name), "program {name} missing from the eBPF object");
         }

@@ -143,6 +143,17 @@ struct RunArgs {
     /// Pod CIDR; traffic from outside it to a ClusterIP is masqueraded, as kube-proxy does.
     #[arg(long)]
     cluster_cidr: Option<ipnet::IpNet>,
+    /// How a local client is told from one outside the cluster: ClusterCIDR, NodeCIDR (the
+    /// Node's podCIDR), BridgeInterface, InterfaceNamePrefix [default: ClusterCIDR; config
+    /// detectLocalMode].
+    #[arg(long)]
+    detect_local_mode: Option<String>,
+    /// detectLocalMode BridgeInterface: the pods' bridge [config detectLocal.bridgeInterface].
+    #[arg(long)]
+    pod_bridge_interface: Option<String>,
+    /// detectLocalMode InterfaceNamePrefix [config detectLocal.interfaceNamePrefix].
+    #[arg(long)]
+    pod_interface_name_prefix: Option<String>,
     #[arg(long)]
     masquerade_all: bool,
     /// Default scheduler (per Service: annotation kpr.io/scheduler) [default: random].
@@ -214,6 +225,7 @@ fn main() -> Result<()> {
                 p => Some(PathBuf::from(p)),
             };
             let source_dir = a.manifests.clone();
+            let detect_local_flags = (a.detect_local_mode.clone(), a.pod_bridge_interface.clone(), a.pod_interface_name_prefix.clone());
             let kubeconfig = a.kubeconfig.clone();
             let addrs = (a.healthz_bind_address.clone(), a.metrics_bind_address.clone());
             let min_sync = a.min_sync_period;
@@ -256,9 +268,13 @@ fn main() -> Result<()> {
             if let Some(s) = min_sync {
                 cfg.min_sync_period = Duration::from_secs_f64(s);
             }
+            let mut detect_local = detect_local_flags.clone();
             if let Some(path) = &config_file {
                 let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
                 let kp = config::parse(&path.display().to_string(), &text)?;
+                detect_local.0 = detect_local.0.or(kp.detect_local_mode.clone());
+                detect_local.1 = detect_local.1.or(kp.detect_local_bridge.clone());
+                detect_local.2 = detect_local.2.or(kp.detect_local_prefix.clone());
                 // The mode first: what applies (the fast path's scheduler) depends on it.
                 if mode_flag.is_none() {
                     cfg.mode = match kp.mode.as_str() {
@@ -282,6 +298,9 @@ fn main() -> Result<()> {
                     }
                 }
             }
+            cfg.detect_local = proxy_agent::agent::DetectLocal::from_config(detect_local.0.as_deref().unwrap_or(""), detect_local.1.as_deref(), detect_local.2.as_deref())
+                .map_err(anyhow::Error::msg)
+                .context("--detect-local-mode")?;
             let parse_addr = |flag: &str, s: &str| -> Result<Option<std::net::SocketAddr>> {
                 if s.is_empty() {
                     return Ok(None);
@@ -315,7 +334,9 @@ fn main() -> Result<()> {
             let pin_dir = cfg.pin_dir.clone();
             let mut agent = Agent::new(cfg).context("starting the agent")?;
             rt.block_on(metrics::serve(healthz_addr, metrics_sock, agent.stats.clone(), pin_dir))?;
-            agent.health_checks = Some(proxy_agent::healthcheck::HealthChecks::new(rt.handle().clone()));
+            let stats = agent.stats.clone();
+            let healthy: proxy_agent::healthcheck::Healthy = Arc::new(move || stats.lock().unwrap().healthy(std::time::Instant::now()));
+            agent.health_checks = Some(proxy_agent::healthcheck::HealthChecks::new(rt.handle().clone(), healthy));
             agent.events = events;
             agent.attach_interfaces();
             agent.run();

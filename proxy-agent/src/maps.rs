@@ -2,11 +2,9 @@
 //! aya (kernel.rs) and a fake on BTreeMaps for fast deterministic tests.
 use std::collections::BTreeMap;
 
-use std::net::Ipv4Addr;
-
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, DatapathConfig, ServiceKey, ServiceValue, SlotKey,
-    SourceRangeKey,
+    AffinityKey, AffinityValue, Backend, DatapathConfig, IfaceInfo, ServiceKey, ServiceValue,
+    SlotKey, SourceRangeKey,
 };
 
 use crate::conntrack::{ConntrackTables, FakeTables};
@@ -51,9 +49,9 @@ pub trait DatapathMaps {
     fn conntrack(&self) -> &dyn ConntrackTables;
     fn conntrack_mut(&mut self) -> &mut dyn ConntrackTables;
 
-    /// Interface index -> the address masquerade uses for flows leaving through it: written to
-    /// equal `want` exactly.
-    fn set_iface_addrs(&mut self, want: &BTreeMap<u32, Ipv4Addr>) -> Result<(), MapError>;
+    /// Interface index -> what the data path needs to know of it (masquerade address, local
+    /// pods): written to equal `want` exactly.
+    fn set_ifaces(&mut self, want: &BTreeMap<u32, IfaceInfo>) -> Result<(), MapError>;
     fn affinity(&self) -> Result<Vec<(AffinityKey, AffinityValue)>, MapError>;
     fn del_affinity(&mut self, k: AffinityKey) -> Result<(), MapError>;
 
@@ -73,7 +71,7 @@ pub struct FakeMaps {
     pub source_ranges: BTreeMap<(u32, SourceRangeKey), ()>,
     pub config: DatapathConfig,
     pub conntrack: FakeTables,
-    pub iface_addrs: BTreeMap<u32, Ipv4Addr>,
+    pub ifaces: BTreeMap<u32, IfaceInfo>,
     pub affinity: BTreeMap<AffinityKey, AffinityValue>,
     pub writes: usize,
 }
@@ -152,8 +150,8 @@ impl DatapathMaps for FakeMaps {
     fn conntrack_mut(&mut self) -> &mut dyn ConntrackTables {
         &mut self.conntrack
     }
-    fn set_iface_addrs(&mut self, want: &BTreeMap<u32, Ipv4Addr>) -> Result<(), MapError> {
-        self.iface_addrs = want.clone();
+    fn set_ifaces(&mut self, want: &BTreeMap<u32, IfaceInfo>) -> Result<(), MapError> {
+        self.ifaces = want.clone();
         Ok(())
     }
     fn affinity(&self) -> Result<Vec<(AffinityKey, AffinityValue)>, MapError> {

@@ -61,6 +61,8 @@ pub struct Stats {
     pub endpoint_changes_total: u64,
     /// Since when a change has been waiting for a sync (None: nothing pending).
     pub pending_since: Option<Instant>,
+    /// Since when syncs have been failing (None: the last one succeeded).
+    pub failing_since: Option<Instant>,
     /// Unhealthy when a change waits longer than this (kube-proxy: 2 × syncPeriod).
     pub health_timeout: Duration,
     /// False while the node is being deleted (kube-proxy's nodeEligible).
@@ -88,6 +90,7 @@ impl Stats {
             endpoint_changes_pending: 0,
             endpoint_changes_total: 0,
             pending_since: None,
+            failing_since: None,
             health_timeout,
             node_eligible: true,
             rejected_objects: 0,
@@ -97,9 +100,12 @@ impl Stats {
         }
     }
 
-    /// kube-proxy's rule: healthy unless a change has waited longer than the timeout.
+    /// kube-proxy's rule: healthy unless a change has waited longer than the timeout; and
+    /// unhealthy when syncs have failed for longer than it, changes pending or not (a periodic
+    /// sync that cannot repair the kernel state is a broken node too).
     pub fn healthy(&self, now: Instant) -> bool {
-        self.pending_since.is_none_or(|t| now.duration_since(t) < self.health_timeout)
+        let within = |since: Option<Instant>| since.is_none_or(|t| now.duration_since(t) < self.health_timeout);
+        within(self.pending_since) && within(self.failing_since)
     }
 }
 
@@ -302,6 +308,11 @@ mod tests {
         let now = Instant::now();
         assert!(s.healthy(now));
         s.pending_since = Some(now);
+        assert!(s.healthy(now + Duration::from_secs(30)));
+        assert!(!s.healthy(now + Duration::from_secs(61)));
+        // Failing syncs with nothing pending: unhealthy after the same timeout.
+        s.pending_since = None;
+        s.failing_since = Some(now);
         assert!(s.healthy(now + Duration::from_secs(30)));
         assert!(!s.healthy(now + Duration::from_secs(61)));
     }

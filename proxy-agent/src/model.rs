@@ -25,7 +25,6 @@ pub const IPVS_FORWARD_ANNOTATION: &str = "kpr.io/ipvs-forward";
 pub const IPVS_WEIGHTS_ANNOTATION: &str = "kpr.io/ipvs-weights";
 pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
-pub const TOPOLOGY_MODE_ANNOTATION: &str = "service.kubernetes.io/topology-mode";
 pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
 const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10_800;
 
@@ -260,6 +259,27 @@ fn usable(eps: &[&Ep], publish_not_ready: bool) -> Vec<BackendKeyNoProto> {
 
 type BackendKeyNoProto = (IpAddr, u16);
 
+fn to_keys_of(proto: Proto, v: Vec<BackendKeyNoProto>) -> Vec<BackendKey> {
+    v.into_iter().map(|(ip, port)| BackendKey { ip, port, proto }).collect()
+}
+
+/// Topology hints, as kube-proxy applies them (pkg/proxy/topology.go): the EndpointSlice
+/// controller writes zone hints only for Services that ask (trafficDistribution PreferClose,
+/// topology-mode Auto), and they decide alone. They are used when every ready endpoint has some
+/// and at least one names this node's zone: then the ready endpoints hinted for it (or, when
+/// none is ready there, the serving-terminating ones from anywhere). Otherwise every endpoint.
+fn topology_filtered(eps: &[&Ep], node: &NodeInfo, publish_not_ready: bool) -> Vec<BackendKeyNoProto> {
+    let ready: Vec<&&Ep> = eps.iter().filter(|e| e.ready).collect();
+    let applies = node.zone.as_ref().filter(|_| !ready.is_empty() && ready.iter().all(|e| e.zones.as_ref().is_some_and(|z| !z.is_empty()))).filter(|zone| ready.iter().any(|e| e.zones.as_ref().is_some_and(|z| z.contains(zone))));
+    match applies {
+        Some(zone) => {
+            let ours: Vec<&Ep> = ready.iter().map(|e| **e).filter(|e| e.zones.as_ref().is_some_and(|z| z.contains(zone))).collect();
+            usable(&ours, publish_not_ready)
+        }
+        None => usable(eps, publish_not_ready),
+    }
+}
+
 pub fn compute(objects: &Objects, node: &NodeInfo, cfg: &ModelConfig) -> DesiredState {
     compute_filtered(objects, node, cfg, None)
 }
@@ -348,8 +368,6 @@ fn service_frontends(
     let etp_local = spec.external_traffic_policy.as_deref() == Some("Local");
     let itp_local = spec.internal_traffic_policy.as_deref() == Some("Local");
     let publish_not_ready = spec.publish_not_ready_addresses.unwrap_or(false);
-    let topology_aware = spec.traffic_distribution.as_deref() == Some("PreferClose")
-        || svc.metadata.annotations.as_ref().and_then(|a| a.get(TOPOLOGY_MODE_ANNOTATION)).is_some_and(|m| m.eq_ignore_ascii_case("auto"));
 
     let scheduler = match svc.metadata.annotations.as_ref().and_then(|a| a.get(SCHEDULER_ANNOTATION)) {
         None => cfg.default_scheduler,
@@ -390,6 +408,11 @@ fn service_frontends(
     if svc_type == "LoadBalancer" {
         let ingress = svc.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|l| l.ingress.as_ref());
         for (i, ing) in ingress.into_iter().flatten().enumerate() {
+            // KEP-1860: the load balancer proxies this address itself; kube-proxy programs
+            // nothing for it.
+            if ing.ip_mode.as_deref() == Some("Proxy") {
+                continue;
+            }
             if let Some(s) = &ing.ip {
                 match s.parse::<IpAddr>() {
                     Ok(ip) if ip.is_ipv4() => lb_ips.push(ip),
@@ -493,24 +516,10 @@ fn service_frontends(
             err(errors, &object, format!("{field}"), format!("{} endpoints: more than the {MAX_BACKENDS_PER_SERVICE} a service port may have; port skipped", eps.len()));
             continue;
         }
-        let mut all: Vec<&Ep> = eps.iter().collect();
-        // Topology (KEP-2433, trafficDistribution PreferClose): only when every endpoint has a
-        // hint and some hint names this node's zone, as kube-proxy does; otherwise all.
-        if topology_aware {
-            if let Some(zone) = &node.zone {
-                let hinted = all.iter().all(|e| e.zones.is_some());
-                let ours: Vec<&Ep> = all.iter().copied().filter(|e| e.zones.as_ref().is_some_and(|z| z.contains(zone))).collect();
-                if hinted && !ours.is_empty() {
-                    all = ours;
-                }
-            }
-        }
+        let all: Vec<&Ep> = eps.iter().collect();
+        let cluster_backends = to_keys_of(proto, topology_filtered(&all, node, publish_not_ready));
         let local: Vec<&Ep> = eps.iter().filter(|e| e.local).collect();
-        let to_keys = |v: Vec<BackendKeyNoProto>| -> Vec<BackendKey> {
-            v.into_iter().map(|(ip, port)| BackendKey { ip, port, proto }).collect()
-        };
-        let cluster_backends = to_keys(usable(&all, publish_not_ready));
-        let local_backends = to_keys(usable(&local, publish_not_ready));
+        let local_backends = to_keys_of(proto, usable(&local, publish_not_ready));
         let internal_backends = if itp_local { local_backends.clone() } else { cluster_backends.clone() };
         // DR and TUN cannot change the port: the real server sees the service port.
         let mut ipvs = ipvs.clone();
@@ -548,9 +557,11 @@ fn service_frontends(
             (SVC_F_MASQ, &cluster_backends)
         };
         let int_ext_flags = if etp_local { 0 } else { SVC_F_MASQ };
+        // internalTrafficPolicy applies to all ClusterIP traffic, also what a router sends to the
+        // node from outside (kube-proxy's KUBE-SVL chain has no source condition).
         for ip in &cluster_ips {
             add(*ip, svc_port, SCOPE_INTERNAL, FrontendKind::ClusterIp, 0, &internal_backends, &[]);
-            add(*ip, svc_port, SCOPE_EXTERNAL, FrontendKind::ClusterIp, 0, &cluster_backends, &[]);
+            add(*ip, svc_port, SCOPE_EXTERNAL, FrontendKind::ClusterIp, 0, &internal_backends, &[]);
         }
         if matches!(svc_type, "NodePort" | "LoadBalancer") {
             if let Some(np) = port.node_port {

@@ -117,6 +117,23 @@ fn addr_from(family: RtAddrFamily, p: &[u8]) -> Option<IpAddr> {
     }
 }
 
+impl NetlinkLinks {
+    /// Interface name -> the name of the bridge (or other master) it is enslaved to.
+    pub fn masters(&mut self) -> Result<BTreeMap<String, String>, LinkError> {
+        let msg = IfinfomsgBuilder::default().ifi_family(RtAddrFamily::Unspecified).build().map_err(sock_err)?;
+        let links = self.request(Rtm::Getlink, NlmF::DUMP, msg, "list links", "")?;
+        let name_of = |l: &neli::rtnl::Ifinfomsg| l.rtattrs().get_attr_handle().get_attr_payload_as_with_len::<String>(Ifla::Ifname).ok().map(|n| n.trim_end_matches('\0').to_string());
+        let names: BTreeMap<i32, String> = links.iter().filter_map(|l| Some((*l.ifi_index(), name_of(l)?))).collect();
+        Ok(links
+            .iter()
+            .filter_map(|l| {
+                let master = l.rtattrs().get_attr_handle().get_attr_payload_as::<u32>(Ifla::Master).ok()?;
+                Some((name_of(l)?, names.get(&(master as i32))?.clone()))
+            })
+            .collect())
+    }
+}
+
 impl Links for NetlinkLinks {
     fn ensure_dummy(&mut self, name: &str) -> Result<u32, LinkError> {
         if let Some(i) = self.link_index(name)? {

@@ -61,6 +61,11 @@ pub fn compute(desired: &DesiredState, node_addrs: &[IpAddr], bound: &BTreeSet<I
                 add(ipp, sets::LOAD_BALANCER | if local { sets::LOAD_BALANCER_LOCAL } else { 0 });
                 if !fe.source_ranges.is_empty() {
                     add(ipp, sets::LOAD_BALANCER_FW);
+                    // KUBE-IPVS-OUT-FILTER: the node itself may not reach it, unless a range
+                    // holds one of its addresses.
+                    if !node_addrs.iter().any(|a| fe.source_ranges.iter().any(|n| n.contains(a))) {
+                        add(ipp, sets::LOAD_BALANCER_NODE_DENY);
+                    }
                     for net in fe.source_ranges.iter().filter(|n| matches!(n, IpNet::V4(_))) {
                         add(Entry::IpPortNet(SetIpPortNet::new(k.ip, k.port, proto, net.network()), net.prefix_len()), sets::LOAD_BALANCER_SOURCE_CIDR);
                     }
@@ -263,6 +268,8 @@ pub fn listing(s: &Sets) -> Vec<SetListing> {
     push("KUBE-HEALTH-CHECK-NODE-PORT", "bitmap:port", ports(sets::HEALTH_CHECK_NODE_PORT, 6));
     push("KUBE-IPVS-IPS", "hash:ip", ips(sets::IPVS_IPS));
     push("KPR-NODE-IPS", "hash:ip", ips(sets::NODE_IPS));
+    // What kube-proxy writes as KUBE-IPVS-OUT-FILTER rules, as a set.
+    push("KPR-LOAD-BALANCER-NODE-DENY", "hash:ip,port", ip_port(sets::LOAD_BALANCER_NODE_DENY));
     out
 }
 
@@ -308,6 +315,8 @@ mod tests {
         d.frontends.insert(k("198.18.0.1", 30080, SCOPE_EXTERNAL), fe(FrontendKind::NodePort, SVC_F_PRESERVE_SOURCE, &[]));
         d.frontends.insert(k("192.0.2.10", 80, SCOPE_EXTERNAL), fe(FrontendKind::LoadBalancer, SVC_F_MASQ, &["203.0.113.0/24"]));
         d.frontends.insert(k("192.0.2.20", 80, SCOPE_EXTERNAL), fe(FrontendKind::ExternalIp, SVC_F_MASQ, &[]));
+        // A range holding the node's address: the node may reach it.
+        d.frontends.insert(k("192.0.2.11", 80, SCOPE_EXTERNAL), fe(FrontendKind::LoadBalancer, SVC_F_MASQ, &["198.18.0.0/24"]));
         d.health_checks.insert(32000, ("ns".into(), "s".into(), 1));
         let bound: BTreeSet<IpAddr> = ["10.96.0.1", "192.0.2.10", "192.0.2.20"].iter().map(|a| a.parse().unwrap()).collect();
         let want = compute(&d, &["198.18.0.1".parse().unwrap()], &bound);
@@ -316,9 +325,10 @@ mod tests {
         assert_eq!(members("KUBE-CLUSTER-IP"), vec!["10.96.0.1,tcp:80"]);
         assert_eq!(members("KUBE-LOOP-BACK"), vec!["10.244.1.2,tcp:8080,10.244.1.2"]);
         assert_eq!(members("KUBE-EXTERNAL-IP"), vec!["192.0.2.20,tcp:80"]);
-        assert_eq!(members("KUBE-LOAD-BALANCER-FW"), vec!["192.0.2.10,tcp:80"]);
-        assert_eq!(members("KUBE-LOAD-BALANCER-SOURCE-CIDR"), vec!["192.0.2.10,tcp:80,203.0.113.0/24"]);
-        assert_eq!(members("KUBE-LOAD-BALANCER-SOURCE-IP"), vec!["192.0.2.10,tcp:80,10.244.1.2"]);
+        assert_eq!(members("KUBE-LOAD-BALANCER-FW"), vec!["192.0.2.10,tcp:80", "192.0.2.11,tcp:80"]);
+        assert_eq!(members("KPR-LOAD-BALANCER-NODE-DENY"), vec!["192.0.2.10,tcp:80"], "no range holds the node's 198.18.0.1");
+        assert_eq!(members("KUBE-LOAD-BALANCER-SOURCE-CIDR"), vec!["192.0.2.10,tcp:80,203.0.113.0/24", "192.0.2.11,tcp:80,198.18.0.0/24"]);
+        assert_eq!(members("KUBE-LOAD-BALANCER-SOURCE-IP"), vec!["192.0.2.10,tcp:80,10.244.1.2", "192.0.2.11,tcp:80,10.244.1.2"]);
         assert!(members("KUBE-LOAD-BALANCER-LOCAL").is_empty());
         assert_eq!(members("KUBE-NODE-PORT-TCP"), vec!["30080"]);
         assert_eq!(members("KUBE-NODE-PORT-LOCAL-TCP"), vec!["30080"]);

@@ -82,7 +82,6 @@ frontend 10.96.1.1:80/TCP internal clusterip g/local:http sched=random affinity=
   backend 10.244.1.10:8080
 frontend 10.96.1.1:80/TCP external clusterip g/local:http sched=random affinity=0 flags=- ranges=
   backend 10.244.1.10:8080
-  backend 10.244.2.10:8080
 frontend 10.96.1.2:53/UDP internal clusterip g/draining: sched=random affinity=0 flags=- ranges=
   backend 10.244.1.20:5353
 frontend 10.96.1.2:53/UDP external clusterip g/draining: sched=random affinity=0 flags=- ranges=
@@ -153,6 +152,12 @@ fn topology_hints_prefer_the_nodes_zone_only_when_complete() {
     y += &slice("partial", partial);
     y += &svc("plain", "10.96.2.4", "");
     y += &slice("plain", hinted);
+    // A not-ready endpoint without hints does not turn topology off: only ready ones count.
+    y += &svc("notready", "10.96.2.5", "trafficDistribution: PreferClose,");
+    y += &slice("notready", "[{addresses: [10.0.0.1], hints: {forZones: [{name: z1}]}}, {addresses: [10.0.0.2], hints: {forZones: [{name: z2}]}}, {addresses: [10.0.0.3], conditions: {ready: false}}]");
+    // Hints, but none for this node's zone: all.
+    y += &svc("elsewhere", "10.96.2.6", "trafficDistribution: PreferClose,");
+    y += &slice("elsewhere", "[{addresses: [10.0.0.2], hints: {forZones: [{name: z2}]}}, {addresses: [10.0.0.3], hints: {forZones: [{name: z3}]}}]");
     let mut r = LoadReport::default();
     load_text("topology.yaml", &y, &mut r);
     assert!(r.errors.is_empty(), "{:?}", r.errors);
@@ -164,8 +169,12 @@ fn topology_hints_prefer_the_nodes_zone_only_when_complete() {
     };
     assert_eq!(backends("10.96.2.1"), ["10.0.0.1"], "PreferClose: own zone");
     assert_eq!(backends("10.96.2.2"), ["10.0.0.1"], "topology-mode Auto: own zone");
-    assert_eq!(backends("10.96.2.3"), ["10.0.0.1", "10.0.0.2"], "hints missing on some endpoint: all");
-    assert_eq!(backends("10.96.2.4"), ["10.0.0.1", "10.0.0.2"], "no topology asked: all");
+    assert_eq!(backends("10.96.2.3"), ["10.0.0.1", "10.0.0.2"], "hints missing on some ready endpoint: all");
+    // As kube-proxy: the hints decide (the EndpointSlice controller writes them only where
+    // the Service asks).
+    assert_eq!(backends("10.96.2.4"), ["10.0.0.1"], "hints without the Service field: own zone");
+    assert_eq!(backends("10.96.2.5"), ["10.0.0.1"], "a not-ready endpoint without hints is ignored");
+    assert_eq!(backends("10.96.2.6"), ["10.0.0.2", "10.0.0.3"], "no hint for this zone: all");
 }
 
 #[test]
@@ -185,6 +194,36 @@ fn publish_not_ready_and_absurd_sizes() {
     );
     assert_eq!(d.errors.len(), 1);
     assert_eq!((d.errors[0].object.as_str(), d.errors[0].field.as_str()), ("Service s/huge", "spec.ports[0]"));
+}
+
+#[test]
+fn load_balancer_ip_mode_proxy_and_traffic_policy_local_verdicts() {
+    let y = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: lb, namespace: m}
+spec: {type: LoadBalancer, clusterIP: 10.96.4.1, externalTrafficPolicy: Local, ports: [{name: p, port: 80, nodePort: 30100}]}
+status: {loadBalancer: {ingress: [{ip: 198.51.100.1}, {ip: 198.51.100.2, ipMode: Proxy}, {ip: 198.51.100.3, ipMode: VIP}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: lb-1, namespace: m, labels: {kubernetes.io/service-name: lb}}
+addressType: IPv4
+ports: [{name: p, port: 8080}]
+endpoints: [{addresses: [10.244.5.1], nodeName: elsewhere}]
+"#;
+    let mut r = LoadReport::default();
+    load_text("lb.yaml", y, &mut r);
+    let node = NodeInfo { name: "me".into(), nodeport_addresses: vec!["192.0.2.1".parse().unwrap()], ..Default::default() };
+    let d = compute(&r.objects, &node, &ModelConfig::default());
+    let ips: std::collections::BTreeSet<String> = d.frontends.keys().map(|k| k.ip.to_string()).collect();
+    assert!(ips.contains("198.51.100.1") && ips.contains("198.51.100.3"), "{ips:?}");
+    assert!(!ips.contains("198.51.100.2"), "ipMode Proxy: the load balancer proxies it, nothing is programmed: {ips:?}");
+    // externalTrafficPolicy Local with the only endpoint elsewhere: the external frontends have
+    // no backend and drop (no-local-endpoint), the internal ones reach it.
+    let dump = d.dump();
+    assert!(dump.contains("frontend 192.0.2.1:30100/TCP external nodeport m/lb:p sched=random affinity=0 flags=preserve-source,no-local-endpoint ranges="), "{dump}");
+    assert!(dump.contains("frontend 192.0.2.1:30100/TCP internal nodeport m/lb:p sched=random affinity=0 flags=- ranges=\n  backend 10.244.5.1:8080"), "{dump}");
 }
 
 #[test]

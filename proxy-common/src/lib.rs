@@ -31,8 +31,8 @@ pub mod map_names {
     pub const CONNTRACK: &str = "KPR_CT_V3";
     /// TCP flows whose handshake has not completed yet: a flood of them cannot evict assured ones.
     pub const CONNTRACK_NEW: &str = "KPR_CT_NEW_V1";
-    /// Interface index -> the address masquerade uses when a flow leaves through it.
-    pub const IFACE_ADDR: &str = "KPR_IFADDR_V1";
+    /// Interface index -> what the data path needs to know of it (IfaceInfo).
+    pub const IFACES: &str = "KPR_IFACE_V1";
     pub const AFFINITY: &str = "KPR_AFF_V1";
     pub const SOURCE_RANGES: &str = "KPR_SRCRNG_V1";
     pub const RR_STATE: &str = "KPR_RR_V1";
@@ -56,7 +56,7 @@ pub mod map_names {
         ["KPR_SVC_V1", "KPR_SLOT_V1", "KPR_BE_V1", "KPR_CNT_V1", "KPR_CNT_V2", "KPR_CNT_V3", "KPR_CT_V1", "KPR_CT_V2", "KPR_CFG_V1"];
     /// Every map the fast path pins.
     pub const ALL: [&str; 15] = [
-        SERVICES, SLOTS, MAGLEV, BACKENDS, CONNTRACK, CONNTRACK_NEW, IFACE_ADDR, AFFINITY,
+        SERVICES, SLOTS, MAGLEV, BACKENDS, CONNTRACK, CONNTRACK_NEW, IFACES, AFFINITY,
         SOURCE_RANGES, RR_STATE, CONFIG, COUNTERS, SOCK_REV, BACKEND_NEW, FLOW_CACHE_GEN,
     ];
 }
@@ -76,6 +76,11 @@ pub mod prog_names {
     pub const GETPEERNAME4: &str = "kpr_getpeername4";
     /// The connect-time programs, in attach order.
     pub const SOCK: [&str; 4] = [CONNECT4, SENDMSG4, RECVMSG4, GETPEERNAME4];
+    /// IPVS mode: the node's own connections to a LoadBalancer IP whose source ranges exclude
+    /// the node (kube-proxy's KUBE-IPVS-OUT-FILTER), refused at connect time.
+    pub const CONNECT4_IPVS: &str = "kpr_connect4_ipvs";
+    pub const SENDMSG4_IPVS: &str = "kpr_sendmsg4_ipvs";
+    pub const SOCK_IPVS: [&str; 2] = [CONNECT4_IPVS, SENDMSG4_IPVS];
     /// IPVS mode: kube-proxy's set matching at TC ingress (masquerade mark, firewall, filter).
     pub const TC_IPSET: &str = "kpr_tc_ipset";
     /// IPVS mode: KUBE-LOOP-BACK, an xt_bpf match in the fixed POSTROUTING rules.
@@ -92,6 +97,9 @@ pub mod sets {
     pub const LOAD_BALANCER: u32 = 1 << 3;
     pub const LOAD_BALANCER_LOCAL: u32 = 1 << 4;
     pub const LOAD_BALANCER_FW: u32 = 1 << 5;
+    /// Not a kube-proxy set: a LoadBalancer IP whose source ranges contain no node address,
+    /// which the node itself may not reach (kube-proxy's KUBE-IPVS-OUT-FILTER rules).
+    pub const LOAD_BALANCER_NODE_DENY: u32 = 1 << 6;
     /// KPR_SET_IPPI_V1 (hash:ip,port,ip: dst,dst,src).
     pub const LOOP_BACK: u32 = 1 << 0;
     pub const LOAD_BALANCER_SOURCE_IP: u32 = 1 << 1;
@@ -206,6 +214,24 @@ pub const SVC_F_NO_LOCAL_ENDPOINT: u8 = 1 << 3;
 pub const CFG_F_MASQUERADE_ALL: u32 = 1 << 0;
 /// Every established packet probes conntrack (the benchmark's baseline; a troubleshooting aid).
 pub const CFG_F_NO_FLOW_CACHE: u32 = 1 << 1;
+/// detectLocalMode BridgeInterface / InterfaceNamePrefix: a client is local (a pod of this
+/// node, not masqueraded) when its packet arrives on an interface flagged IFACE_F_LOCAL, not by
+/// its address (ClusterCIDR / NodeCIDR use `cluster_cidr`).
+pub const CFG_F_LOCAL_BY_IFACE: u32 = 1 << 2;
+
+/// IfaceInfo::flags: traffic arriving on this interface comes from local pods.
+pub const IFACE_F_LOCAL: u32 = 1 << 0;
+
+/// Value of KPR_IFACE_V1 (key: interface index).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct IfaceInfo {
+    /// The address masquerade gives flows leaving through this interface (as MASQUERADE picks
+    /// the outgoing interface's); 0: the node's SNAT address. Network order.
+    pub snat_addr: u32,
+    pub flags: u32,
+}
+const _: () = assert!(core::mem::size_of::<IfaceInfo>() == 8);
 
 /// CtKey::dir: the hook a conntrack entry is for. A packet crosses the node's ingress hook of
 /// the interface it arrives on, then netfilter, then the egress hook of the interface it leaves
@@ -495,7 +521,9 @@ const _: () = assert!(core::mem::size_of::<SourceRangeKey>() == 20);
 pub struct DatapathConfig {
     /// Address that masqueraded traffic gets as its source. Network order.
     pub snat_addr: [u32; 4],
-    /// Cluster CIDR (pod addresses), network order; `cluster_cidr_len == 0` means unset.
+    /// Where local clients come from (detectLocalMode ClusterCIDR: the cluster CIDR; NodeCIDR:
+    /// the node's pod CIDR), network order; `cluster_cidr_len == 0` means unset (nobody is
+    /// masqueraded for being off-cluster). Unused with CFG_F_LOCAL_BY_IFACE.
     pub cluster_cidr: [u32; 4],
     pub cluster_cidr_len: u32,
     pub flags: u32,
@@ -549,7 +577,8 @@ pub mod counter {
         /// IPVS mode's set-matching program.
         SET_MASQ_MARK = 13, "set_masq_mark";
         SET_DROP_FIREWALL = 14, "set_drop_firewall";
-        SET_DROP_FILTER = 15, "set_drop_filter";
+        /// IPVS mode: new connections to a VIP at a port no service uses, rejected.
+        SET_REJECT_FILTER = 15, "set_reject_filter";
         /// Established or reply packets the flow cache did not answer (conntrack was probed).
         FLOW_CACHE_MISS = 16, "flow_cache_miss";
         /// ICMP errors about a tracked flow, translated like the flow's replies.
@@ -585,6 +614,7 @@ pub mod user {
     unsafe impl aya::Pod for SetIpPortIp {}
     unsafe impl aya::Pod for SetIpPortNet {}
     unsafe impl aya::Pod for SetPort {}
+    unsafe impl aya::Pod for IfaceInfo {}
 
     /// IPv4 only, as the sets are (IPv6 addresses map to 0 and are never matched).
     fn v4_be(ip: IpAddr) -> u32 {

@@ -22,7 +22,7 @@ use proxy_common::{
 use crate::{
     counters::bump,
     flowcache,
-    maps::{KPR_BE_V2, KPR_CLOCK, KPR_CT_NEW_V1, KPR_CT_SCRATCH, KPR_CT_V3, KPR_IFADDR_V1},
+    maps::{KPR_BE_V2, KPR_CLOCK, KPR_CT_NEW_V1, KPR_CT_SCRATCH, KPR_CT_V3, KPR_IFACE_V1},
     parse::Flow,
     rewrite::Rewrite,
 };
@@ -297,7 +297,10 @@ pub fn pick_port(f: &Flow, be: &Backend, cfg: &DatapathConfig) -> Option<u16> {
 /// Records the reverse-SNAT entry and completes the SNAT entry. Once per flow.
 #[inline(never)]
 fn finish_snat(table: Table, key: &CtKey, v: &mut CtValue, cfg: &DatapathConfig, ifindex: u32) -> bool {
-    let addr = unsafe { KPR_IFADDR_V1.get(&ifindex) }.copied().unwrap_or(cfg.snat_addr[0]);
+    let addr = match unsafe { KPR_IFACE_V1.get(&ifindex) } {
+        Some(i) if i.snat_addr != 0 => i.snat_addr,
+        _ => cfg.snat_addr[0],
+    };
     if addr == 0 {
         bump(counter::SNAT_NO_PORT);
         return false;

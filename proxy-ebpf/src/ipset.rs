@@ -9,7 +9,9 @@ use proxy_common::{
 
 use crate::{
     counters::bump,
-    pipeline::in_cluster_cidr,
+    pkt::{Pkt, Tc},
+    reject,
+    pipeline::off_cluster,
     maps::{KPR_CFG_V2, KPR_SET_IPPI_V1, KPR_SET_IPPN_V1, KPR_SET_IPP_V1, KPR_SET_IP_V1, KPR_SET_PORT_V1},
     parse::Flow,
 };
@@ -17,7 +19,11 @@ use crate::{
 pub enum SetVerdict {
     Pass,
     Mark,
+    /// KUBE-FIREWALL: a source outside loadBalancerSourceRanges (kube-proxy drops).
     Drop,
+    /// KUBE-IPVS-FILTER: a new connection to a VIP at a port no service uses (kube-proxy
+    /// rejects, and only new ones: `-m conntrack --ctstate NEW`).
+    Reject,
 }
 
 #[inline(always)]
@@ -34,17 +40,16 @@ fn source_allowed(ipp: SetIpPort, saddr: u32) -> bool {
     KPR_SET_IPPN_V1.get(&Key::new(96, SetIpPortNet { ip_port: ipp, net: saddr })).is_some()
 }
 
-/// What kube-proxy's IPVS-mode rules do with this packet (at PREROUTING).
+/// What kube-proxy's IPVS-mode rules do with this packet (at PREROUTING), arrived on `ifindex`.
 #[inline(always)]
-pub fn classify(f: &Flow) -> SetVerdict {
+pub fn classify(f: &Flow, ifindex: u32) -> SetVerdict {
     let ipp = SetIpPort { addr: f.daddr, port: f.dport, proto: f.proto, _pad: 0 };
     let bits = bits_ip_port(&ipp);
     if bits != 0 {
         if bits & sets::CLUSTER_IP != 0 {
             let Some(cfg) = KPR_CFG_V2.get(0) else { return SetVerdict::Pass };
-            // KUBE-SERVICES: masqueradeAll, or `! -s clusterCIDR`.
-            let off_cluster = cfg.cluster_cidr_len != 0 && !in_cluster_cidr(f.saddr, cfg);
-            if cfg.flags & CFG_F_MASQUERADE_ALL != 0 || off_cluster {
+            // KUBE-SERVICES: masqueradeAll, or a client that is not local (detectLocalMode).
+            if cfg.flags & CFG_F_MASQUERADE_ALL != 0 || off_cluster(f.saddr, ifindex, cfg) {
                 return SetVerdict::Mark;
             }
             return SetVerdict::Pass;
@@ -71,25 +76,36 @@ pub fn classify(f: &Flow) -> SetVerdict {
         return if port_bits & sets::NODE_PORT_LOCAL != 0 { SetVerdict::Pass } else { SetVerdict::Mark };
     }
     if ip_bits & sets::IPVS_IPS != 0 && port_bits & sets::HEALTH_CHECK_NODE_PORT == 0 {
-        // KUBE-IPVS-FILTER: a VIP at a port no service uses.
-        return SetVerdict::Drop;
+        // KUBE-IPVS-FILTER: a VIP at a port no service uses. New connections only: a TCP
+        // packet without SYN belongs to one that was there before (UDP has no such state).
+        if f.proto == proxy_common::PROTO_TCP && !f.is_new_tcp_syn() {
+            return SetVerdict::Pass;
+        }
+        return SetVerdict::Reject;
     }
     SetVerdict::Pass
 }
 
+/// kube-proxy's IPVS-mode PREROUTING decisions for one packet at TC ingress.
 #[inline(always)]
-pub fn tc_verdict(f: &Flow, mark: &mut u32) -> i32 {
-    match classify(f) {
+pub fn tc_verdict(p: &mut Tc, f: &Flow) -> i32 {
+    match classify(f, p.ifindex()) {
         SetVerdict::Pass => TC_ACT_OK,
         SetVerdict::Mark => {
-            *mark |= MARK_MASQ;
+            p.or_mark(MARK_MASQ);
             bump(counter::SET_MASQ_MARK);
             TC_ACT_OK
         }
         SetVerdict::Drop => {
-            let fw = bits_ip_port(&SetIpPort { addr: f.daddr, port: f.dport, proto: f.proto, _pad: 0 }) != 0;
-            bump(if fw { counter::SET_DROP_FIREWALL } else { counter::SET_DROP_FILTER });
+            bump(counter::SET_DROP_FIREWALL);
             TC_ACT_SHOT
+        }
+        SetVerdict::Reject => {
+            bump(counter::SET_REJECT_FILTER);
+            match reject::icmp_port_unreachable(p, f) {
+                Some(v) => p.action(v),
+                None => TC_ACT_SHOT,
+            }
         }
     }
 }
@@ -110,4 +126,10 @@ pub fn loopback_match(ctx: &SkBuffContext) -> bool {
     let Ok(dport) = ctx.load::<u16>(l4 + 2) else { return false };
     let key = SetIpPortIp { ip_port: SetIpPort { addr: daddr, port: dport, proto, _pad: 0 }, addr2: saddr };
     unsafe { KPR_SET_IPPI_V1.get(&key) }.is_some_and(|b| b & sets::LOOP_BACK != 0)
+}
+
+/// KUBE-IPVS-OUT-FILTER at connect time: may the node reach this LoadBalancer IP and port?
+#[inline(always)]
+pub fn node_may_connect(daddr: u32, dport: u16, proto: u8) -> bool {
+    bits_ip_port(&SetIpPort { addr: daddr, port: dport, proto, _pad: 0 }) & sets::LOAD_BALANCER_NODE_DENY == 0
 }

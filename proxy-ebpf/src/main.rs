@@ -35,7 +35,7 @@ use aya_ebpf::{
 use proxy_common::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
 use parse::Parsed;
-use pkt::{Pkt, Tc, Xdp};
+use pkt::{Tc, Xdp};
 
 #[classifier]
 pub fn kpr_tc_ingress(mut ctx: TcContext) -> i32 {
@@ -88,12 +88,19 @@ pub fn kpr_tc_ipset(mut ctx: TcContext) -> i32 {
         Parsed::Flow(f) => f,
         _ => return TC_ACT_OK as i32,
     };
-    let mut mark = 0;
-    let v = ipset::tc_verdict(&f, &mut mark);
-    if mark != 0 {
-        p.or_mark(mark);
-    }
-    v
+    ipset::tc_verdict(&mut p, &f)
+}
+
+/// IPVS mode: KUBE-IPVS-OUT-FILTER for the node's own connections (TCP, connected UDP).
+#[cgroup_sock_addr(connect4)]
+pub fn kpr_connect4_ipvs(ctx: SockAddrContext) -> i32 {
+    sock::ipvs_out_filter(&ctx)
+}
+
+/// IPVS mode: the same for unconnected UDP.
+#[cgroup_sock_addr(sendmsg4)]
+pub fn kpr_sendmsg4_ipvs(ctx: SockAddrContext) -> i32 {
+    sock::ipvs_out_filter(&ctx)
 }
 
 /// IPVS mode: KUBE-LOOP-BACK as an xt_bpf match (non-zero: the packet is in the set).

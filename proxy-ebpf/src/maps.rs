@@ -5,7 +5,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
-    ClockCache, CtScratch, FlowCacheEntry, SockRevKey, SockRevValue,
+    ClockCache, CtScratch, FlowCacheEntry, IfaceInfo, SockRevKey, SockRevValue,
     limits::*, AffinityKey, AffinityValue, Backend, CtKey, CtValue, DatapathConfig, ServiceKey,
     ServiceValue, SetIpPort, SetIpPortIp, SetIpPortNet, SetPort, SlotKey, SourceRangeKey,
 };
@@ -39,10 +39,11 @@ pub static KPR_CT_V3: LruHashMap<CtKey, CtValue> = LruHashMap::pinned(MAX_CONNTR
 #[map]
 pub static KPR_CT_NEW_V1: LruHashMap<CtKey, CtValue> = LruHashMap::pinned(MAX_CONNTRACK_NEW, 0);
 
-/// Interface index -> the address masquerade gives flows leaving through it (like MASQUERADE's
-/// choice of the outgoing interface's address); absent: the node's SNAT address.
+/// Interface index -> IfaceInfo: the address masquerade gives flows leaving through it (like
+/// MASQUERADE's choice of the outgoing interface's address; absent: the node's SNAT address),
+/// and whether traffic arriving on it is local (detectLocalMode by interface).
 #[map]
-pub static KPR_IFADDR_V1: HashMap<u32, u32> = HashMap::pinned(MAX_IFACES, 0);
+pub static KPR_IFACE_V1: HashMap<u32, IfaceInfo> = HashMap::pinned(MAX_IFACES, 0);
 
 /// (client address, service id) -> remembered backend id and last use (sessionAffinity ClientIP).
 #[map]

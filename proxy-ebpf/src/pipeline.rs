@@ -10,7 +10,8 @@
 //! kube-proxy, and conntrack state rules (ctstate INVALID drops, CNI policy chains) hold.
 use aya_ebpf::helpers::bpf_jiffies64;
 use proxy_common::{
-    counter, DatapathConfig, ServiceValue, SourceRangeKey, CFG_F_MASQUERADE_ALL, CFG_F_NO_FLOW_CACHE, CtKey,
+    counter, DatapathConfig, ServiceValue, SourceRangeKey, CFG_F_LOCAL_BY_IFACE, CFG_F_MASQUERADE_ALL,
+    CFG_F_NO_FLOW_CACHE, CtKey, IFACE_F_LOCAL,
     PROTO_TCP, PROTO_UDP, SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT, SVC_F_PRESERVE_SOURCE,
     SVC_F_SOURCE_RANGES,
 };
@@ -20,7 +21,7 @@ use crate::{
     conntrack::{self, Lookup, Tracked},
     counters::{self, bump},
     flowcache, icmp, lb,
-    maps::{KPR_CFG_V2, KPR_SRCRNG_V1},
+    maps::{KPR_CFG_V2, KPR_IFACE_V1, KPR_SRCRNG_V1},
     nat,
     parse::{self, Flow, Parsed},
     pkt::{Pkt, Verdict},
@@ -28,14 +29,20 @@ use crate::{
     rewrite::Rewrite,
 };
 
+/// kube-proxy's detectLocalMode: is this packet's client outside the cluster (masqueraded
+/// when it reaches a ClusterIP)? By address (ClusterCIDR, NodeCIDR; no CIDR: nobody is), or by
+/// the interface it arrived on (BridgeInterface, InterfaceNamePrefix).
 #[inline(always)]
-pub(crate) fn in_cluster_cidr(addr: u32, cfg: &DatapathConfig) -> bool {
+pub(crate) fn off_cluster(saddr: u32, ifindex: u32, cfg: &DatapathConfig) -> bool {
+    if cfg.flags & CFG_F_LOCAL_BY_IFACE != 0 {
+        return unsafe { KPR_IFACE_V1.get(&ifindex) }.is_none_or(|i| i.flags & IFACE_F_LOCAL == 0);
+    }
     let len = cfg.cluster_cidr_len;
     if len == 0 || len > 32 {
         return false;
     }
     let mask = (u32::MAX << (32 - len)).to_be();
-    addr & mask == cfg.cluster_cidr[0] & mask
+    saddr & mask != cfg.cluster_cidr[0] & mask
 }
 
 #[inline(always)]
@@ -165,9 +172,7 @@ fn new_flow<P: Pkt>(p: &mut P, f: &Flow, svc: &ServiceValue, cfg: &DatapathConfi
     // Masquerade exactly where kube-proxy would: hairpin, external traffic policy Cluster,
     // masqueradeAll, and clients outside the cluster CIDR (unless the source is preserved).
     let hairpin = be.addr[0] == f.saddr;
-    let off_cluster = cfg.cluster_cidr_len != 0
-        && !in_cluster_cidr(f.saddr, cfg)
-        && svc.flags & SVC_F_PRESERVE_SOURCE == 0;
+    let off_cluster = svc.flags & SVC_F_PRESERVE_SOURCE == 0 && off_cluster(f.saddr, p.ifindex(), cfg);
     let masq = hairpin
         || svc.flags & SVC_F_MASQ != 0
         || cfg.flags & CFG_F_MASQUERADE_ALL != 0

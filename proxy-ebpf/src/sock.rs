@@ -52,12 +52,36 @@ fn flow_of(ctx: &SockAddrContext, cookie: u64, cfg: &DatapathConfig) -> Option<F
     })
 }
 
+/// A socket of the host's network namespace (all of them where the agent set no cookie).
+#[inline(always)]
+fn host_socket(ctx: &SockAddrContext, cfg: &DatapathConfig) -> bool {
+    cfg.host_netns_cookie == 0 || unsafe { bpf_get_netns_cookie(ctx.sock_addr as *mut _) } == cfg.host_netns_cookie
+}
+
+/// IPVS mode: refuses the node's connections to a LoadBalancer IP its source ranges exclude
+/// it from (kube-proxy's KUBE-IPVS-OUT-FILTER drops them in OUTPUT).
+#[inline(always)]
+pub fn ipvs_out_filter(ctx: &SockAddrContext) -> i32 {
+    let Some(cfg) = KPR_CFG_V2.get(0) else { return ALLOW };
+    let sa = unsafe { &*ctx.sock_addr };
+    let proto = sa.protocol as u8;
+    if !host_socket(ctx, cfg) || (proto != PROTO_TCP && proto != PROTO_UDP) {
+        return ALLOW;
+    }
+    if crate::ipset::node_may_connect(sa.user_ip4, sa.user_port as u16, proto) {
+        ALLOW
+    } else {
+        bump(counter::SET_DROP_FIREWALL);
+        DENY
+    }
+}
+
 /// Points the socket at a backend. Returns DENY when the service has no endpoints.
 #[inline(always)]
 pub fn balance(ctx: &SockAddrContext) -> i32 {
     let Some(cfg) = KPR_CFG_V2.get(0) else { return ALLOW };
     // A pod's socket: its packets are balanced at its interface.
-    if cfg.host_netns_cookie != 0 && unsafe { bpf_get_netns_cookie(ctx.sock_addr as *mut _) } != cfg.host_netns_cookie {
+    if !host_socket(ctx, cfg) {
         return ALLOW;
     }
     let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr as *mut _) };

@@ -231,3 +231,25 @@ fn netfilter_matrix_kube_proxy_rules_still_loaded_no_double_masquerade() {
     assert!(dnat.lines().filter(|l| l.contains("KUBE-SVC")).all(|l| l.split_whitespace().next() == Some("0")), "kube-proxy's DNAT saw a VIP: {dnat}");
 }
 
+
+/// kube-proxy's detectLocalMode by interface: a client is local (never masqueraded for being
+/// off-cluster) when its packet comes from a pod interface, whatever its address.
+#[test]
+fn detect_local_by_interface() {
+    for (prefix, cni, args) in [
+        ("kpd1", Cni::Routed, ["--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "cali"]),
+        ("kpd2", Cni::Vxlan, ["--detect-local-mode", "BridgeInterface", "--pod-bridge-interface", "cni0"]),
+    ] {
+        let dir = std::env::temp_dir().join(format!("kpr-cluster-{prefix}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        manifests(&dir);
+        let mut lab = Lab::build_with(prefix, &dir, LabSpec { cni, ..LabSpec::default() });
+        lab.agent_args = args.iter().map(|s| s.to_string()).collect();
+        lab.start_agent();
+        lab.wait_backends("10.96.0.21:80", 1);
+        let who = lab.peer("pod", &["who", "10.96.0.21:80"]);
+        assert_eq!(who["seen"], "10.244.9.2", "{prefix}: a pod is local: {who}");
+        let who = lab.peer("cl", &["who", "10.96.0.21:80"]);
+        assert_eq!(who["seen"], NODE_IP, "{prefix}: the outside client is not: {who}");
+    }
+}

@@ -188,3 +188,43 @@ fn assured_flows_survive_a_syn_flood_several_times_the_conntrack() {
     assert_eq!((v["same"].as_u64(), v["moved"].as_u64(), v["errors"].as_u64()), (Some(100), Some(0), Some(0)), "{v}");
     let _ = held.wait();
 }
+
+#[test]
+fn health_says_unhealthy_when_syncs_keep_failing() {
+    // healthz timeout = 2 x syncPeriod = 2 s here.
+    let (lab, dir) = lab("kpf6", &["--sync-period", "1", "--healthz-bind-address", "127.0.0.1:10256"]);
+    let mut y = std::fs::read_to_string(dir.join("services.yaml")).unwrap();
+    y += &service("hc", "10.96.0.60", 80, 8080, "TCP", &[("10.244.1.2", A)], "  type: NodePort\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 32100\n", "");
+    std::fs::write(dir.join("services.yaml"), y).unwrap();
+    lab.wait_backends("10.96.0.60:80", 1);
+    let get = |port: u16, path: &str| -> String {
+        let o = lab.peer_cmd("host", &["get", &format!("127.0.0.1:{port}"), path]).output().unwrap();
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !get(32100, "/").contains("200") {
+        assert!(Instant::now() < deadline, "health check server: {}", get(32100, "/"));
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let hc = get(32100, "/");
+    assert!(hc.contains("\"serviceProxyHealthy\":true") && hc.contains("\"localEndpoints\":1"), "{hc}");
+    assert!(get(10256, "/healthz").starts_with("HTTP/1.0 200") || get(10256, "/healthz").contains(" 200 "), "{}", get(10256, "/healthz"));
+    // The source goes away: every sync fails from now on.
+    let moved = dir.with_extension("away");
+    std::fs::rename(&dir, &moved).unwrap();
+    std::thread::sleep(Duration::from_secs(4));
+    let h = get(10256, "/healthz");
+    assert!(h.contains(" 503 "), "failing syncs must make /healthz unhealthy: {h}");
+    let hc = get(32100, "/");
+    assert!(hc.contains(" 503 ") && hc.contains("\"serviceProxyHealthy\":false"), "{hc}");
+    assert!(lab.agent_log().contains("sync failed; retrying"), "{}", lab.agent_log());
+    // Retried with a back-off, not in a busy loop.
+    let failures = lab.agent_log().matches("sync failed").count();
+    assert!(failures < 10, "{failures} failed syncs in 4 s");
+    std::fs::rename(&moved, &dir).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !get(10256, "/healthz").contains(" 200 ") {
+        assert!(Instant::now() < deadline, "healthy again once syncs succeed: {}", get(10256, "/healthz"));
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}

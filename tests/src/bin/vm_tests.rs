@@ -248,9 +248,10 @@ fn nat_traffic_with_masquerade(lab: &Lab) -> Result<()> {
     // Source-range firewall: the pod is outside 198.18.0.0/24 and no endpoint of the service.
     let v = burst(lab, "pod", "203.0.113.10:80", "tcp", "1");
     ensure!(errors(&v) == 1, "pod -> LB IP must be dropped by the firewall: {v}");
-    // KUBE-IPVS-FILTER: a VIP at a port no service has is dropped, not answered by the node.
+    // KUBE-IPVS-FILTER: a new connection to a VIP at a port no service has is rejected (as
+    // kube-proxy's `--ctstate NEW ... -j REJECT`), not answered by the node's own sockets.
     let v = burst(lab, "pod", "10.96.0.10:81", "tcp", "1");
-    ensure!(errors(&v) == 1 && !v["first_error"].as_str().unwrap_or("").contains("refused"), "VIP:81 must be dropped silently: {v}");
+    ensure!(errors(&v) == 1 && v["first_error"].as_str().unwrap_or("").contains("refused"), "VIP:81 must be refused: {v}");
     // Counters: ipvsadm --stats against what we sent and what our decoder reads.
     let stats = ipvsadm(Some(&node(lab)), "-Ln --stats -t 10.96.0.10:80");
     let conns: u64 = stats.lines().find(|l| l.starts_with("TCP")).and_then(|l| l.split_whitespace().nth(2)).and_then(|c| c.parse().ok()).context("stats line")?;
@@ -260,7 +261,7 @@ fn nat_traffic_with_masquerade(lab: &Lab) -> Result<()> {
     ensure!(row["stats"]["conns"] == 90, "kpr ipvs --json stats: {row}");
     let status = kpr(lab, &["status", "--json"])?;
     let st: serde_json::Value = serde_json::from_str(&status)?;
-    ensure!(st["counters"]["set_masq_mark"].as_u64().unwrap_or(0) > 0 && st["counters"]["set_drop_filter"].as_u64().unwrap_or(0) > 0, "{status}");
+    ensure!(st["counters"]["set_masq_mark"].as_u64().unwrap_or(0) > 0 && st["counters"]["set_reject_filter"].as_u64().unwrap_or(0) > 0, "{status}");
     Ok(())
 }
 
@@ -337,6 +338,68 @@ fn graceful_termination_finishes(lab: &Lab, hold: std::process::Child) -> Result
     wait_until("drained destination deleted", 240, || {
         let s = sn(lab);
         ensure!(!s.contains("10.96.0.30:80 -r 10.244.1.2"), "{s}");
+        Ok(())
+    })
+}
+
+/// Services added at run time for kube_proxy_ipvs_semantics.
+const SEMANTICS: &str = "apiVersion: v1
+kind: Service
+metadata: {name: nodeip, namespace: default}
+spec:
+  clusterIP: 10.96.0.22
+  externalIPs: [198.18.0.1]
+  ports: [{name: p, port: 8088, targetPort: 8080, protocol: TCP}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: nodeip-1, namespace: default, labels: {kubernetes.io/service-name: nodeip}}
+addressType: IPv4
+ports: [{name: p, port: 8080, protocol: TCP}]
+endpoints: [{addresses: [10.244.1.2], conditions: {ready: true}, nodeName: node-a}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: guarded, namespace: default}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.0.23
+  loadBalancerSourceRanges: [192.0.2.0/24]
+  ports: [{name: p, port: 80, targetPort: 8080, nodePort: 30083, protocol: TCP}]
+status: {loadBalancer: {ingress: [{ip: 203.0.113.11}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: guarded-1, namespace: default, labels: {kubernetes.io/service-name: guarded}}
+addressType: IPv4
+ports: [{name: p, port: 8080, protocol: TCP}]
+endpoints: [{addresses: [10.244.2.2], conditions: {ready: true}, nodeName: node-a}]
+";
+
+/// kube-proxy's IPVS-mode semantics: an ExternalIP that is a node address is served but not
+/// bound on kube-ipvs0 (shouldBind), and its virtual server goes with its service; the node
+/// itself may not reach a LoadBalancer IP whose source ranges exclude it
+/// (KUBE-IPVS-OUT-FILTER), and may reach one whose ranges hold it.
+fn kube_proxy_ipvs_semantics(lab: &Lab) -> Result<()> {
+    let file = lab.manifests.join("semantics.yaml");
+    std::fs::write(&file, SEMANTICS)?;
+    wait_until("the new services in IPVS", 60, || {
+        let s = sn(lab);
+        ensure!(s.contains("-A -t 198.18.0.1:8088") && s.contains("-A -t 203.0.113.11:80"), "{s}");
+        Ok(())
+    })?;
+    let addrs = must(&format!("ip -n {} -4 -o addr show dev kube-ipvs0", node(lab)));
+    ensure!(!addrs.contains(" 198.18.0.1/") && addrs.contains(" 203.0.113.11/32"), "kube-ipvs0: {addrs}");
+    let v = burst(lab, "cl", "198.18.0.1:8088", "tcp", "10");
+    ensure!(errors(&v) == 0 && per_backend(&v) == vec![("b1".to_string(), 10)], "client -> ExternalIP on the node's address: {v}");
+    let v = burst(lab, "host", "203.0.113.11:80", "tcp", "1");
+    ensure!(errors(&v) == 1 && v["first_error"].as_str().unwrap_or("").contains("not permitted"), "the node -> an LB IP its ranges exclude: {v}");
+    let v = burst(lab, "host", "203.0.113.10:80", "tcp", "5");
+    ensure!(errors(&v) == 0, "the node -> an LB IP whose ranges hold it: {v}");
+    std::fs::remove_file(&file)?;
+    wait_until("their virtual servers gone", 60, || {
+        let s = sn(lab);
+        ensure!(!s.contains("198.18.0.1:8088") && !s.contains("203.0.113.11"), "{s}");
         Ok(())
     })
 }
@@ -490,6 +553,7 @@ fn main() {
                 run("programs_the_manifests", programs_the_manifests(&lab));
                 run("nat_traffic_with_masquerade", nat_traffic_with_masquerade(&lab));
                 run("scheduler_change", scheduler_change(&lab));
+                run("kube_proxy_ipvs_semantics", kube_proxy_ipvs_semantics(&lab));
                 // The drain is finished after the other checks: TIME_WAIT lasts two minutes.
                 let hold = match graceful_termination(&lab) {
                     Ok(h) => {
