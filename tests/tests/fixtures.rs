@@ -674,3 +674,59 @@ fn the_objects_btf_loads_so_programs_carry_func_info() {
     let info = l.dp.xdp(prog_names::XDP_INGRESS).unwrap().info().unwrap();
     assert!(info.btf_id().is_some(), "the XDP program was loaded without the object's BTF");
 }
+
+#[test]
+fn a_service_id_given_to_another_frontend_never_inherits_its_affinity() {
+    use aya::maps::{HashMap, MapData};
+    use proxy_common::{map_names, AffinityKey, AffinityValue};
+    let mut l = load("affgen");
+    let cfg = datapath_config(NODE_IP, Some(("10.244.0.0", 16)));
+    let node = NodeInfo { name: "node-a".into(), nodeport_addresses: vec![ip(NODE_IP)], ..Default::default() };
+    // A client pinned to a backend of "sticky" (10.96.0.11).
+    let (_, o) = tc(&mut l.dp, &Frame::tcp("10.244.0.80", 56000, "10.96.0.11", 80, SYN));
+    let pinned = parse(&o).dst;
+    let mut aff: HashMap<MapData, AffinityKey, AffinityValue> = proxy_agent::kernel::open_typed(l.pins.path(), map_names::AFFINITY).unwrap();
+    let stale: Vec<(AffinityKey, AffinityValue)> = aff.iter().map(|e| e.unwrap()).collect();
+    assert_eq!(stale.len(), 1);
+    // "sticky" goes; then a new affinity service whose only backend is another one gets its ids
+    // back from the free list.
+    let gone = manifests().replace(&svc("sticky", "10.96.0.11", 80, "TCP", "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\n", ""), "").replace(&slice("sticky", 8080, "TCP", &BACKENDS), "");
+    l.syncer.sync(&mut l.maps, &kpr_tests::desired(&gone, &node), cfg).unwrap();
+    let other = BACKENDS.iter().find(|b| **b != pinned.to_string()).unwrap();
+    let mut y = gone.clone();
+    y += &svc("fresh", "10.96.0.19", 80, "TCP", "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\n", "");
+    y += &slice("fresh", 8080, "TCP", &[other]);
+    l.syncer.sync(&mut l.maps, &kpr_tests::desired(&y, &node), cfg).unwrap();
+    let reused = l.maps.services().unwrap().into_iter().find(|(k, _)| k.ip() == ip("10.96.0.19") && k.scope == 0).unwrap().1;
+    assert_eq!(reused.service_id, stale[0].0.service_id, "the fixture needs the id reused");
+    // The old entry is still there (the agent's purge has not run, say): it must not count.
+    for (k, v) in &stale {
+        aff.insert(k, v, 0).unwrap();
+    }
+    let hits = counter_of(&l, counter::AFFINITY_HIT);
+    let (_, o) = tc(&mut l.dp, &Frame::tcp("10.244.0.80", 56001, "10.96.0.19", 80, SYN));
+    assert_eq!(parse(&o).dst.to_string(), *other, "the earlier owner's affinity was inherited");
+    assert_eq!(counter_of(&l, counter::AFFINITY_HIT), hits);
+}
+
+#[test]
+fn the_collector_deletes_only_what_it_read_in_the_kernel_maps() {
+    let mut l = load("ctdelete");
+    let (_, _) = tc(&mut l.dp, &Frame::udp("10.244.0.81", 57000, "10.96.0.15", 53, b"q"));
+    let entries = l.conntrack(Table::Assured);
+    let (k, v) = *entries.iter().find(|(k, v)| k.role(v) == proxy_common::CtRole::Forward).unwrap();
+    // The tuple gets a new flow between the read and the delete.
+    let mut newer = v;
+    newer.last_seen_ns += 1;
+    let mut ct: aya::maps::HashMap<aya::maps::MapData, proxy_common::CtKey, proxy_common::CtValue> =
+        proxy_agent::kernel::open_typed(l.pins.path(), proxy_common::map_names::CONNTRACK).unwrap();
+    ct.insert(k, newer, 0).unwrap();
+    assert!(!l.maps.conntrack_mut().delete_if(Table::Assured, &k, &v).unwrap());
+    assert_eq!(ct.get(&k, 0).unwrap(), newer, "the newer entry must survive");
+    assert!(l.maps.conntrack_mut().delete_if(Table::Assured, &k, &newer).unwrap());
+    assert!(ct.get(&k, 0).is_err());
+    // Batch reads page through the table.
+    let (first, next) = l.maps.conntrack().read_batch(Table::Assured, None, 1).unwrap();
+    assert_eq!(first.len(), 1);
+    assert!(next.is_some() || l.conntrack(Table::Assured).len() == 1);
+}
