@@ -356,6 +356,20 @@ pub enum CtRole {
 }
 
 impl CtKey {
+    /// The key as two words (the flow cache compares and hashes these).
+    #[inline(always)]
+    pub fn words(&self) -> [u64; 2] {
+        bytemuck::cast(*self)
+    }
+
+    /// The flow cache slot of this key (direct-mapped, FLOW_CACHE_SLOTS per CPU).
+    #[inline(always)]
+    pub fn flow_cache_slot(&self) -> u32 {
+        let k = self.words();
+        let h = (k[0] ^ k[1].rotate_left(29)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        (h >> 32) as u32 & (limits::FLOW_CACHE_SLOTS - 1)
+    }
+
     /// The key of the packet a rewrite produces, travelling the other way: the rewrite's
     /// destination becomes the source (a forward entry's value gives its reverse-DNAT key, a
     /// reverse-DNAT entry's value its forward key, an SNAT entry's value its reverse-SNAT key).

@@ -113,9 +113,8 @@ pub enum Tracked {
 /// The packet's entry at this hook, if any: the assured table, then (for packets that open or
 /// close a flow, which is when an embryonic flow sees packets) the embryonic one. The
 /// handshake's last packet, an ACK, finds its embryonic flow through `embryonic_forward` once
-/// the service lookup said it goes to a service. A subprogram: the flow cache answers most
-/// packets before it, and its stack stays off the new-flow path's.
-#[inline(never)]
+/// the service lookup said it goes to a service.
+#[inline(always)]
 pub fn track(f: &Flow, key: &CtKey, cfg: &DatapathConfig, l: &mut Lookup) -> Tracked {
     let (v, table) = if let Some(v) = KPR_CT_V3.get_ptr_mut(key) {
         (v, Table::Assured)

@@ -4,7 +4,7 @@
 //! bucket walk, key compare), each expensive on CPUs with return-thunk mitigations.
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use proxy_common::{
-    limits::{FLOW_CACHE_REFRESH_JIFFIES, FLOW_CACHE_SLOTS},
+    limits::FLOW_CACHE_REFRESH_JIFFIES,
     CtKey,
 };
 
@@ -12,17 +12,6 @@ use crate::{
     maps::{KPR_FC_GEN_V1, KPR_FLOW_CACHE},
     rewrite::Rewrite,
 };
-
-#[inline(always)]
-fn words(k: &CtKey) -> [u64; 2] {
-    unsafe { core::mem::transmute::<CtKey, [u64; 2]>(*k) }
-}
-
-#[inline(always)]
-fn slot(k: &[u64; 2]) -> u32 {
-    let h = (k[0] ^ k[1].rotate_left(29)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    (h >> 32) as u32 & (FLOW_CACHE_SLOTS - 1)
-}
 
 /// The current generation.
 #[inline(always)]
@@ -43,9 +32,9 @@ pub fn invalidate() {
 
 #[inline(always)]
 pub fn lookup(key: &CtKey, generation: u64, jiffies: u64) -> Option<Rewrite> {
-    let k = words(key);
-    let e = KPR_FLOW_CACHE.get(slot(&k))?;
-    if words(&e.key) != k || e.generation != generation || jiffies.wrapping_sub(e.checked_jiffies) > FLOW_CACHE_REFRESH_JIFFIES {
+    let k = key.words();
+    let e = KPR_FLOW_CACHE.get(key.flow_cache_slot())?;
+    if e.key.words() != k || e.generation != generation || jiffies.wrapping_sub(e.checked_jiffies) > FLOW_CACHE_REFRESH_JIFFIES {
         return None;
     }
     Some(Rewrite { saddr: e.new_saddr, daddr: e.new_daddr, sport: e.new_sport, dport: e.new_dport, flags: e.flags })
@@ -54,8 +43,7 @@ pub fn lookup(key: &CtKey, generation: u64, jiffies: u64) -> Option<Rewrite> {
 /// Remembers the rewrite conntrack just gave for `key`.
 #[inline(always)]
 pub fn fill(key: &CtKey, rw: &Rewrite, generation: u64, jiffies: u64) {
-    let k = words(key);
-    let Some(e) = KPR_FLOW_CACHE.get_ptr_mut(slot(&k)) else {
+    let Some(e) = KPR_FLOW_CACHE.get_ptr_mut(key.flow_cache_slot()) else {
         return;
     };
     // Per-CPU slot: no other writer.

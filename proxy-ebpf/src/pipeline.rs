@@ -92,7 +92,21 @@ pub fn ingress<P: Pkt>(p: &mut P, scope: u8) -> Verdict {
             return rewrite(p, &f, &rw);
         }
     }
-    new_flow(p, &f, &svc, cfg, now)
+    match new_flow(p, &f, &svc, cfg, now) {
+        NewFlow::Done(v) => v,
+        // Here, not in new_flow: the reject's frame then never adds to new_flow's.
+        NewFlow::Reject => reject::icmp_port_unreachable(p, &f).unwrap_or_else(|| {
+            bump(counter::REJECT_FAILED);
+            Verdict::Drop
+        }),
+    }
+}
+
+/// What new_flow decided.
+enum NewFlow {
+    Done(Verdict),
+    /// No endpoints at all: answer with ICMP port unreachable.
+    Reject,
 }
 
 #[inline(always)]
@@ -146,27 +160,24 @@ fn rewrite<P: Pkt>(p: &mut P, f: &Flow, rw: &Rewrite) -> Verdict {
 /// A packet to a service that no flow knows: policy, backend choice, conntrack, DNAT.
 /// A BPF subprogram of its own, so its stack does not add to the established-flow path's.
 #[inline(never)]
-fn new_flow<P: Pkt>(p: &mut P, f: &Flow, svc: &ServiceValue, cfg: &DatapathConfig, now: u64) -> Verdict {
+fn new_flow<P: Pkt>(p: &mut P, f: &Flow, svc: &ServiceValue, cfg: &DatapathConfig, now: u64) -> NewFlow {
     if svc.flags & SVC_F_SOURCE_RANGES != 0 && !source_allowed(f, svc.service_id) {
         bump(counter::DROP_SOURCE_RANGE);
-        return Verdict::Drop;
+        return NewFlow::Done(Verdict::Drop);
     }
     if svc.backend_count == 0 {
         // kube-proxy's verdicts: a traffic policy Local frontend with endpoints elsewhere only
         // drops; a service with no endpoint at all rejects.
         if svc.flags & SVC_F_NO_LOCAL_ENDPOINT != 0 {
             bump(counter::DROP_NO_LOCAL_ENDPOINT);
-            return Verdict::Drop;
+            return NewFlow::Done(Verdict::Drop);
         }
         bump(counter::REJECT_NO_BACKEND);
-        return reject::icmp_port_unreachable(p, f).unwrap_or_else(|| {
-            bump(counter::REJECT_FAILED);
-            Verdict::Drop
-        });
+        return NewFlow::Reject;
     }
     let Some((backend_id, be)) = lb::select_backend(svc, f, now) else {
         bump(counter::MISS_BACKEND);
-        return Verdict::Drop;
+        return NewFlow::Done(Verdict::Drop);
     };
 
     // Masquerade exactly where kube-proxy would: hairpin, external traffic policy Cluster,
@@ -178,10 +189,10 @@ fn new_flow<P: Pkt>(p: &mut P, f: &Flow, svc: &ServiceValue, cfg: &DatapathConfi
         || cfg.flags & CFG_F_MASQUERADE_ALL != 0
         || off_cluster;
     let Some(port) = conntrack::pick_port(f, &be, cfg) else {
-        return Verdict::Drop;
+        return NewFlow::Done(Verdict::Drop);
     };
     let Some(rw) = conntrack::create(f, now, backend_id, svc.service_id, &be, port, masq) else {
-        return Verdict::Drop;
+        return NewFlow::Done(Verdict::Drop);
     };
     if masq {
         bump(counter::SNAT);
@@ -191,5 +202,5 @@ fn new_flow<P: Pkt>(p: &mut P, f: &Flow, svc: &ServiceValue, cfg: &DatapathConfi
     if f.proto == PROTO_UDP && cfg.flags & CFG_F_NO_FLOW_CACHE == 0 {
         flowcache::fill(&conntrack::key(f, conntrack::INGRESS), &rw, flowcache::generation(), unsafe { bpf_jiffies64() });
     }
-    rewrite(p, f, &rw)
+    NewFlow::Done(rewrite(p, f, &rw))
 }

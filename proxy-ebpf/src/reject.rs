@@ -15,8 +15,9 @@ fn halves(addr: u32) -> u64 {
     u64::from(addr as u16) + u64::from((addr >> 16) as u16)
 }
 
-/// Returns `None` when the packet cannot be turned into a reply (it is then dropped).
-#[inline(always)]
+/// Returns `None` when the packet cannot be turned into a reply (it is then dropped). A
+/// subprogram: rare, and its frame stays off the new-flow path's.
+#[inline(never)]
 pub fn icmp_port_unreachable<P: Pkt>(p: &mut P, f: &Flow) -> Option<Verdict> {
     // The quote is the original IP header (no options) and the first 8 bytes of L4.
     if f.ihl_bytes != 20 {
