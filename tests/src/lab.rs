@@ -509,7 +509,8 @@ impl Lab {
 
     /// `kpr` with node A's pins.
     pub fn cli(&self, args: &[&str]) -> String {
-        let o = Command::new(&self.kpr).arg("--pin-dir").arg(self.pins.path()).args(args).output().unwrap();
+        // In node A's namespace: `cleanup` reads and removes interfaces, IPVS and netfilter state there.
+        let o = Command::new(&self.kpr).arg("--netns").arg(&self.nodes[0].ns).arg("--pin-dir").arg(self.pins.path()).args(args).output().unwrap();
         assert!(o.status.success(), "kpr {args:?}: {}", String::from_utf8_lossy(&o.stderr));
         String::from_utf8_lossy(&o.stdout).into_owned()
     }
