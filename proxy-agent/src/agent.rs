@@ -18,19 +18,20 @@ use proxy_common::{user::addr_words, DatapathConfig, CFG_F_MASQUERADE_ALL};
 use tracing::{error, info, warn};
 
 use crate::{
-    ctnetlink::NetlinkConntrack,
-    ipvs::{Ipvs, IpvsError, NetlinkIpvs, Timeouts},
-    ipvs_sync::{self, IpvsSettings, IpvsSyncer},
-    kernel::{self, Capacities, Datapath, Hook, KernelMaps},
-    rtnl::NetlinkLinks,
-    kube_source,
-    manifests::{self, Objects},
-    metrics::{SharedStats, Stats},
-    maps::DatapathMaps,
+    dataplane::ebpf::kernel::{self, Capacities, Datapath, Hook, KernelMaps},
+    dataplane::ebpf::maps::DatapathMaps,
+    dataplane::ebpf::sync::{RemovedBackend, Syncer},
+    dataplane::ipvs::client::{Ipvs, IpvsError, NetlinkIpvs, Timeouts},
+    dataplane::ipvs::sync::{self as ipvs_sync, IpvsSettings, IpvsSyncer},
+    host::netif,
+    host::sysctl::{ProcSysctls, Sysctls, FAST_PATH_SYSCTLS},
+    model::objects::Objects,
     model::{self, ModelConfig, NodeInfo, Scheduler},
-    netif,
-    sync::{RemovedBackend, Syncer},
-    sysctl::{ProcSysctls, Sysctls, FAST_PATH_SYSCTLS},
+    netlink::ctnetlink::NetlinkConntrack,
+    netlink::rtnl::NetlinkLinks,
+    serve::metrics::{SharedStats, Stats},
+    source::kube as kube_source,
+    source::manifests,
 };
 
 pub static STOP: AtomicBool = AtomicBool::new(false);
@@ -132,9 +133,9 @@ struct IpvsPlane {
     links: NetlinkLinks,
     ct: Option<NetlinkConntrack>,
     syncer: IpvsSyncer,
-    sets: crate::sets::KernelSetMaps,
+    sets: crate::dataplane::ipvs::sets::KernelSetMaps,
     /// What the set maps hold after the last sync (None: read them at the next one).
-    sets_mirror: Option<crate::sets::Sets>,
+    sets_mirror: Option<crate::dataplane::ipvs::sets::Sets>,
 }
 
 /// Sets what differs; a failure is a warning (in a cluster the init container sets them, as
@@ -158,7 +159,7 @@ fn host_netns_cookie() -> u64 {
 /// The masquerade port range for this node (its namespace's ephemeral range decides).
 fn masquerade_ports() -> (u16, u16) {
     let local = ProcSysctls.get("net.ipv4.ip_local_port_range").unwrap_or_default();
-    match crate::sysctl::snat_port_range(&local) {
+    match crate::host::sysctl::snat_port_range(&local) {
         Some(r) => {
             info!(ephemeral = %local, snat_ports = %format!("{}-{}", r.0, r.1), "masquerade source ports");
             r
@@ -301,7 +302,7 @@ pub enum AgentError {
     #[error(transparent)]
     Kernel(#[from] kernel::KernelError),
     #[error(transparent)]
-    Map(#[from] crate::maps::MapError),
+    Map(#[from] crate::dataplane::ebpf::maps::MapError),
     #[error("no address for NodePorts and SNAT: give --node-ip or an uplink with an IPv4 address")]
     NoNodeAddress,
     #[error(transparent)]
@@ -309,9 +310,9 @@ pub enum AgentError {
     #[error(transparent)]
     IpvsSync(#[from] ipvs_sync::IpvsSyncError),
     #[error("{0}")]
-    Link(#[from] crate::rtnl::LinkError),
+    Link(#[from] crate::netlink::rtnl::LinkError),
     #[error("installing the fixed netfilter rules (needs iptables with the bpf, ipvs and addrtype matches): {0}")]
-    Netfilter(crate::kubeproxy_cleanup::CleanupError),
+    Netfilter(crate::migration::CleanupError),
     #[error("mode auto: the eBPF fast path does not load ({fast_path}) and IPVS is not usable ({ipvs})")]
     NoMode { fast_path: String, ipvs: String },
 }
@@ -328,12 +329,12 @@ pub struct Agent {
     node_pod_cidr: Option<IpNet>,
     pub stats: SharedStats,
     /// healthCheckNodePort servers (need a tokio runtime; None in tools and tests without one).
-    pub health_checks: Option<crate::healthcheck::HealthChecks>,
+    pub health_checks: Option<crate::serve::healthcheck::HealthChecks>,
     /// The desired state last programmed, updated per changed service between full syncs.
     last_desired: Option<model::DesiredState>,
     last_node_version: Option<String>,
     /// Where objects that cannot be programmed are sent as Kubernetes Events (kube source).
-    pub events: Option<tokio::sync::mpsc::UnboundedSender<crate::manifests::ObjectError>>,
+    pub events: Option<tokio::sync::mpsc::UnboundedSender<crate::model::objects::ObjectError>>,
     reported: BTreeSet<String>,
     /// The mode in force (auto resolved).
     pub mode: Mode,
@@ -380,19 +381,38 @@ impl Agent {
         let maps = KernelMaps::open(&cfg.pin_dir)?;
         let stats = Arc::new(std::sync::Mutex::new(Stats::new(cfg.sync_period * 2)));
         stats.lock().unwrap().mode = mode.name();
-        Ok(Self { cfg, dp, maps, syncer: Syncer::default(), attached: BTreeSet::new(), ifaces: Default::default(), node_pod_cidr: None, stats, health_checks: None, last_desired: None, last_node_version: None, events: None, reported: BTreeSet::new(), mode, ipvs, gc: None, snat_ports: masquerade_ports(), host_netns_cookie: host_netns_cookie() })
+        Ok(Self {
+            cfg,
+            dp,
+            maps,
+            syncer: Syncer::default(),
+            attached: BTreeSet::new(),
+            ifaces: Default::default(),
+            node_pod_cidr: None,
+            stats,
+            health_checks: None,
+            last_desired: None,
+            last_node_version: None,
+            events: None,
+            reported: BTreeSet::new(),
+            mode,
+            ipvs,
+            gc: None,
+            snat_ports: masquerade_ports(),
+            host_netns_cookie: host_netns_cookie(),
+        })
     }
 
     /// IPVS mode's one-time setup: the netlink handles, the proxier's sysctls, the timeouts.
     fn start_ipvs(cfg: &AgentConfig, dp: &mut Datapath) -> Result<IpvsPlane, AgentError> {
         let mut ipvs = connect_ipvs()?;
         let loopback = dp.load_ipset()?;
-        crate::ipvs_rules::install(&mut crate::kubeproxy_cleanup::SystemNetfilter, &loopback).map_err(AgentError::Netfilter)?;
+        crate::dataplane::ipvs::rules::install(&mut crate::migration::SystemNetfilter, &loopback).map_err(AgentError::Netfilter)?;
         let info = ipvs.info()?;
         info!(version = format!("{}.{}.{}", info.version >> 16, (info.version >> 8) & 0xff, info.version & 0xff), conn_tab = info.conn_tab_size, "IPVS");
         let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-        let kver = crate::sysctl::kernel_version(release.trim()).unwrap_or((0, 0));
-        set_sysctls(&crate::sysctl::ipvs_sysctls(kver, cfg.ipvs.strict_arp));
+        let kver = crate::host::sysctl::kernel_version(release.trim()).unwrap_or((0, 0));
+        set_sysctls(&crate::host::sysctl::ipvs_sysctls(kver, cfg.ipvs.strict_arp));
         let t = cfg.ipvs.timeouts;
         if t.tcp_s + t.tcp_fin_s + t.udp_s > 0 {
             ipvs.set_timeouts(&t)?;
@@ -409,42 +429,50 @@ impl Agent {
             exclude_cidrs: cfg.ipvs.exclude_cidrs.clone(),
             ..IpvsSettings::default()
         };
-        let sets = crate::sets::KernelSetMaps::open(&cfg.pin_dir)?;
+        let sets = crate::dataplane::ipvs::sets::KernelSetMaps::open(&cfg.pin_dir)?;
         Ok(IpvsPlane { ipvs, links: NetlinkLinks::connect()?, ct, syncer: IpvsSyncer::new(settings), sets, sets_mirror: None })
     }
 
     /// IPVS mode's sync: virtual servers, destinations and kube-ipvs0 addresses.
-    fn program_ipvs(&mut self, desired: &model::DesiredState, node_addrs: &[IpAddr], touched: Option<&BTreeSet<model::FrontendKey>>) -> Result<crate::sync::SyncStats, AgentError> {
+    fn program_ipvs(
+        &mut self,
+        desired: &model::DesiredState,
+        node_addrs: &[IpAddr],
+        touched: Option<&BTreeSet<model::FrontendKey>>,
+    ) -> Result<crate::dataplane::ebpf::sync::SyncStats, AgentError> {
         let plane = self.ipvs.as_mut().expect("IPVS mode");
         plane.syncer.settings.node_addresses = node_addrs.to_vec();
         let vs = ipvs_sync::desired_virtual_servers(desired, &plane.syncer.settings);
-        let only: Option<BTreeSet<crate::ipvs::ServiceId>> = touched.map(|t| {
-            t.iter().map(|k| crate::ipvs::ServiceId::Addr { proto: k.proto.number(), addr: k.ip, port: k.port }).collect()
-        });
-        let mut noct = crate::ctnetlink::FakeConntrack::default();
-        let ct: &mut dyn crate::ctnetlink::ConntrackFlusher = match &mut plane.ct {
+        let only: Option<BTreeSet<crate::dataplane::ipvs::client::ServiceId>> =
+            touched.map(|t| t.iter().map(|k| crate::dataplane::ipvs::client::ServiceId::Addr { proto: k.proto.number(), addr: k.ip, port: k.port }).collect());
+        let mut noct = crate::netlink::ctnetlink::FakeConntrack::default();
+        let ct: &mut dyn crate::netlink::ctnetlink::ConntrackFlusher = match &mut plane.ct {
             Some(c) => c,
             None => &mut noct,
         };
         let st = plane.syncer.sync(&mut plane.ipvs, &mut plane.links, ct, &vs, only.as_ref())?;
         // The set-matching program's inputs: the sets, and the cluster CIDR / masqueradeAll.
-        let bound: BTreeSet<IpAddr> = vs.values().filter(|v| v.bind).filter_map(|v| match v.config.id {
-            crate::ipvs::ServiceId::Addr { addr, .. } => Some(addr),
-            crate::ipvs::ServiceId::Fwmark { .. } => None,
-        }).collect();
-        let want = crate::sets::compute(desired, node_addrs, &bound);
+        let bound: BTreeSet<IpAddr> = vs
+            .values()
+            .filter(|v| v.bind)
+            .filter_map(|v| match v.config.id {
+                crate::dataplane::ipvs::client::ServiceId::Addr { addr, .. } => Some(addr),
+                crate::dataplane::ipvs::client::ServiceId::Fwmark { .. } => None,
+            })
+            .collect();
+        let want = crate::dataplane::ipvs::sets::compute(desired, node_addrs, &bound);
         let have = match (touched, plane.sets_mirror.take()) {
             (Some(_), Some(m)) => m,
-            _ => crate::sets::SetMaps::read(&plane.sets)?,
+            _ => crate::dataplane::ipvs::sets::SetMaps::read(&plane.sets)?,
         };
-        let (set_writes, set_deletes) = crate::sets::sync_from(&mut plane.sets, &have, &want)?;
+        let (set_writes, set_deletes) = crate::dataplane::ipvs::sets::sync_from(&mut plane.sets, &have, &want)?;
         plane.sets_mirror = Some(want);
         let dcfg = self.datapath_config(node_addrs)?;
         if self.maps.config().ok() != Some(dcfg) {
             self.maps.set_config(dcfg)?;
         }
         self.stats.lock().unwrap().ipvs_terminating = st.terminating as u64;
-        Ok(crate::sync::SyncStats {
+        Ok(crate::dataplane::ebpf::sync::SyncStats {
             frontends: st.services,
             backends: st.dests,
             writes: st.writes + st.addresses_bound + set_writes,
@@ -465,12 +493,7 @@ impl Agent {
         // The Node's InternalIP/ExternalIP addresses, as the API reports them.
         node.and_then(|n| n.status.as_ref())
             .and_then(|s| s.addresses.as_ref())
-            .map(|a| {
-                a.iter()
-                    .filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP")
-                    .filter_map(|a| a.address.parse().ok())
-                    .collect()
-            })
+            .map(|a| a.iter().filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP").filter_map(|a| a.address.parse().ok()).collect())
             .unwrap_or_default()
     }
 
@@ -557,14 +580,16 @@ impl Agent {
         // What the programs need to know of each interface they run on.
         let mut ifaces = std::collections::BTreeMap::new();
         let masters = match &self.cfg.detect_local {
-            DetectLocal::BridgeInterface(_) => crate::rtnl::NetlinkLinks::connect().and_then(|mut l| l.masters()).unwrap_or_else(|e| {
+            DetectLocal::BridgeInterface(_) => crate::netlink::rtnl::NetlinkLinks::connect().and_then(|mut l| l.masters()).unwrap_or_else(|e| {
                 warn!(error = %e, "cannot read the interfaces' bridges: detectLocalMode BridgeInterface sees no local pods");
                 Default::default()
             }),
             _ => Default::default(),
         };
         for (iface, _) in &wanted {
-            let Some(index) = netif::index(iface) else { continue };
+            let Some(index) = netif::index(iface) else {
+                continue;
+            };
             let mut info = proxy_common::IfaceInfo::default();
             // Masquerade uses the address of the interface a flow leaves by, as MASQUERADE
             // does (a tunnel device's own address, so the remote node routes replies back
@@ -593,11 +618,11 @@ impl Agent {
     }
 
     /// One full sync from the manifest directory.
-    pub fn sync_once(&mut self) -> Result<crate::sync::SyncStats, AgentError> {
+    pub fn sync_once(&mut self) -> Result<crate::dataplane::ebpf::sync::SyncStats, AgentError> {
         let Source::Dir(dir) = &self.cfg.source else {
-            return Err(AgentError::Map(crate::maps::MapError::Other { map: "-", message: "sync_once reads a manifest directory".into() }));
+            return Err(AgentError::Map(crate::dataplane::ebpf::maps::MapError::Other { map: "-", message: "sync_once reads a manifest directory".into() }));
         };
-        let report = manifests::load_dir(dir).map_err(|e| crate::maps::MapError::Other { map: "-", message: e.to_string() })?;
+        let report = manifests::load_dir(dir).map_err(|e| crate::dataplane::ebpf::maps::MapError::Other { map: "-", message: e.to_string() })?;
         for e in &report.errors {
             warn!(error = %e, "object skipped");
         }
@@ -606,11 +631,7 @@ impl Agent {
     }
 
     fn node_info(&self, node: Option<&k8s_openapi::api::core::v1::Node>) -> NodeInfo {
-        let zone = node
-            .and_then(|n| n.metadata.labels.as_ref())
-            .and_then(|l| l.get(model::ZONE_LABEL))
-            .cloned()
-            .or_else(|| self.cfg.node_zone.clone());
+        let zone = node.and_then(|n| n.metadata.labels.as_ref()).and_then(|l| l.get(model::ZONE_LABEL)).cloned().or_else(|| self.cfg.node_zone.clone());
         NodeInfo { name: self.cfg.node_name.clone(), nodeport_addresses: self.node_addresses(node), zone }
     }
 
@@ -621,7 +642,7 @@ impl Agent {
         node: Option<&k8s_openapi::api::core::v1::Node>,
         rejected: usize,
         trigger_times: &[SystemTime],
-    ) -> Result<crate::sync::SyncStats, AgentError> {
+    ) -> Result<crate::dataplane::ebpf::sync::SyncStats, AgentError> {
         let start = Instant::now();
         let info = self.node_info(node);
         let desired = model::compute(objects, &info, &ModelConfig { default_scheduler: self.cfg.scheduler });
@@ -641,7 +662,7 @@ impl Agent {
         rejected: usize,
         trigger_times: &[SystemTime],
         start: Instant,
-    ) -> Result<crate::sync::SyncStats, AgentError> {
+    ) -> Result<crate::dataplane::ebpf::sync::SyncStats, AgentError> {
         for e in &desired.errors {
             warn!(error = %e, "service field ignored");
         }
@@ -661,14 +682,14 @@ impl Agent {
             self.program_ipvs(desired, node_addrs, touched)
         } else {
             self.datapath_config(node_addrs).and_then(|dcfg| {
-            let r = match touched {
-                None => self.syncer.sync(&mut self.maps, desired, dcfg),
-                Some(t) => self.syncer.sync_subset(&mut self.maps, desired, dcfg, t),
-            };
-            r.map_err(|e| match e {
-                crate::sync::SyncError::Map(m) => AgentError::Map(m),
+                let r = match touched {
+                    None => self.syncer.sync(&mut self.maps, desired, dcfg),
+                    Some(t) => self.syncer.sync_subset(&mut self.maps, desired, dcfg, t),
+                };
+                r.map_err(|e| match e {
+                    crate::dataplane::ebpf::sync::SyncError::Map(m) => AgentError::Map(m),
+                })
             })
-        })
         };
         let elapsed = start.elapsed();
         let mut stats = self.stats.lock().unwrap();
@@ -758,7 +779,7 @@ impl Agent {
         }
         let (tx, rx) = std::sync::mpsc::channel::<BTreeSet<RemovedBackend>>();
         let pin_dir = self.cfg.pin_dir.clone();
-        let timeouts = crate::conntrack::Timeouts {
+        let timeouts = crate::dataplane::ebpf::conntrack::Timeouts {
             tcp: self.cfg.ct_tcp_timeout_s,
             udp: self.cfg.ct_udp_timeout_s,
             closing: self.cfg.ct_closing_timeout_s,
@@ -770,25 +791,34 @@ impl Agent {
                 (Ok(t), Ok(b)) => (t, b),
                 (Err(e), _) | (_, Err(e)) => return error!(error = %e, "conntrack collector cannot open its maps; idle flows are not collected"),
             };
-            let mut kernel_ct = NetlinkConntrack::connect().map_err(|e| warn!(error = %e, "no ctnetlink: kernel conntrack entries of removed UDP endpoints are left to time out")).ok();
-            let mut sockets = crate::sockdiag::NetlinkSockets::connect()
+            let mut kernel_ct = NetlinkConntrack::connect()
+                .map_err(|e| warn!(error = %e, "no ctnetlink: kernel conntrack entries of removed UDP endpoints are left to time out"))
+                .ok();
+            let mut sockets = crate::netlink::sockdiag::NetlinkSockets::connect()
                 .map_err(|e| warn!(error = %e, "no sock_diag: the node's UDP sockets connected to removed endpoints are not ended"))
                 .ok();
-            let mut affinity = crate::affinity_gc::AffinityGc::new(&pin_dir);
-            let mut gc = crate::conntrack::Gc::new(timeouts, GC_BATCH);
+            let mut affinity = crate::dataplane::ebpf::affinity_gc::AffinityGc::new(&pin_dir);
+            let mut gc = crate::dataplane::ebpf::conntrack::Gc::new(timeouts, GC_BATCH);
             let mut last_affinity = Instant::now();
             while !STOP.load(Ordering::Relaxed) {
                 match rx.recv_timeout(GC_INTERVAL) {
                     Ok(removed) => {
-                        let handles = crate::endpoint_cleanup::Handles {
+                        let handles = crate::dataplane::ebpf::endpoint_cleanup::Handles {
                             tables: &mut tables,
                             affinity: &mut affinity,
-                            kernel_conntrack: kernel_ct.as_mut().map(|c| c as &mut dyn crate::ctnetlink::ConntrackFlusher),
-                            sockets: sockets.as_mut().map(|s| s as &mut dyn crate::sockdiag::Sockets),
+                            kernel_conntrack: kernel_ct.as_mut().map(|c| c as &mut dyn crate::netlink::ctnetlink::ConntrackFlusher),
+                            sockets: sockets.as_mut().map(|s| s as &mut dyn crate::netlink::sockdiag::Sockets),
                             balanced: &balanced,
                         };
-                        let r = crate::endpoint_cleanup::endpoints_removed(&removed, &mut gc, handles);
-                        info!(endpoints = removed.len(), flows = r.flows, kernel_entries = r.kernel_entries, sockets = r.sockets, affinity = r.affinity, "cleared what held clients to endpoints that left their service");
+                        let r = crate::dataplane::ebpf::endpoint_cleanup::endpoints_removed(&removed, &mut gc, handles);
+                        info!(
+                            endpoints = removed.len(),
+                            flows = r.flows,
+                            kernel_entries = r.kernel_entries,
+                            sockets = r.sockets,
+                            affinity = r.affinity,
+                            "cleared what held clients to endpoints that left their service"
+                        );
                         for e in r.errors {
                             warn!(error = %e, "removed endpoint cleanup");
                         }

@@ -1,29 +1,21 @@
 //! kpr, a kube-proxy replacement: the node agent's library (the `kpr` binary is a thin CLI).
-pub mod affinity_gc;
+//!
+//! Where a change goes:
+//! - `source/`: where Services, EndpointSlices and the Node come from (the Kubernetes API, a
+//!   manifest directory);
+//! - `model/`: what they mean, as data-plane-neutral frontends and backends;
+//! - `dataplane/`: one folder per mode (`ebpf/`, `ipvs/`) behind the `Dataplane` trait;
+//! - `netlink/`: the kernel's netlink families the modes share (rtnetlink, ctnetlink, sock_diag);
+//! - `host/`: the node's other kernel interfaces (interfaces, sysctls, netfilter);
+//! - `serve/`: what the agent serves (metrics, health, healthCheckNodePorts);
+//! - `settings/`: flags, kube-proxy's configuration file and their precedence;
+//! - `agent.rs`: the loop that ties a source to a data plane.
 pub mod agent;
-pub mod bpf_batch;
-pub mod config;
-pub mod conntrack;
-pub mod ctnetlink;
-pub mod endpoint_cleanup;
-pub mod healthcheck;
-pub mod ipvs;
-pub mod ipvs_rules;
-pub mod ipvs_sync;
-pub mod ipvs_view;
-pub mod kernel;
-pub mod kube_source;
-pub mod kubeproxy_cleanup;
-pub mod maglev;
-pub mod manifests;
-pub mod maps;
-pub mod metrics;
+pub mod dataplane;
+pub mod host;
+pub mod migration;
 pub mod model;
-pub mod netif;
-pub mod nlsock;
-pub mod rtnl;
-pub mod sets;
-pub mod sockdiag;
-pub mod sync;
-pub mod sysctl;
-pub mod view;
+pub mod netlink;
+pub mod serve;
+pub mod settings;
+pub mod source;

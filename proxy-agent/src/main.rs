@@ -8,10 +8,13 @@ use std::sync::Arc;
 
 use proxy_agent::{
     agent::{Agent, AgentConfig, Source, STOP},
-    config, kube_source, metrics,
-    kernel::{self, KernelMaps},
+    dataplane::ebpf::kernel::{self, KernelMaps},
+    dataplane::ebpf::view,
+    host::netif,
     model::Scheduler,
-    netif, view,
+    serve::metrics,
+    settings::kube_proxy as config,
+    source::kube as kube_source,
 };
 
 #[derive(Parser)]
@@ -298,9 +301,10 @@ fn main() -> Result<()> {
                     }
                 }
             }
-            cfg.detect_local = proxy_agent::agent::DetectLocal::from_config(detect_local.0.as_deref().unwrap_or(""), detect_local.1.as_deref(), detect_local.2.as_deref())
-                .map_err(anyhow::Error::msg)
-                .context("--detect-local-mode")?;
+            cfg.detect_local =
+                proxy_agent::agent::DetectLocal::from_config(detect_local.0.as_deref().unwrap_or(""), detect_local.1.as_deref(), detect_local.2.as_deref())
+                    .map_err(anyhow::Error::msg)
+                    .context("--detect-local-mode")?;
             let parse_addr = |flag: &str, s: &str| -> Result<Option<std::net::SocketAddr>> {
                 if s.is_empty() {
                     return Ok(None);
@@ -335,8 +339,8 @@ fn main() -> Result<()> {
             let mut agent = Agent::new(cfg).context("starting the agent")?;
             rt.block_on(metrics::serve(healthz_addr, metrics_sock, agent.stats.clone(), pin_dir))?;
             let stats = agent.stats.clone();
-            let healthy: proxy_agent::healthcheck::Healthy = Arc::new(move || stats.lock().unwrap().healthy(std::time::Instant::now()));
-            agent.health_checks = Some(proxy_agent::healthcheck::HealthChecks::new(rt.handle().clone(), healthy));
+            let healthy: proxy_agent::serve::healthcheck::Healthy = Arc::new(move || stats.lock().unwrap().healthy(std::time::Instant::now()));
+            agent.health_checks = Some(proxy_agent::serve::healthcheck::HealthChecks::new(rt.handle().clone(), healthy));
             agent.events = events;
             agent.attach_interfaces();
             agent.run();
@@ -345,18 +349,18 @@ fn main() -> Result<()> {
         Cmd::Cleanup { kube_proxy, keep_kpr } => {
             if !keep_kpr {
                 // IPVS mode's state, where the kernel has IPVS.
-                match proxy_agent::ipvs::NetlinkIpvs::connect() {
+                match proxy_agent::dataplane::ipvs::client::NetlinkIpvs::connect() {
                     Ok(mut ipvs) => {
-                        let mut links = proxy_agent::rtnl::NetlinkLinks::connect()?;
+                        let mut links = proxy_agent::netlink::rtnl::NetlinkLinks::connect()?;
                         let local: Vec<IpAddr> = netif::interfaces().iter().flat_map(|i| netif::ipv4_addresses(i)).collect();
-                        for d in proxy_agent::ipvs_sync::cleanup(&mut ipvs, &mut links, &local)? {
+                        for d in proxy_agent::dataplane::ipvs::sync::cleanup(&mut ipvs, &mut links, &local)? {
                             println!("{d}");
                         }
                     }
-                    Err(proxy_agent::ipvs::IpvsError::NoIpvs) => {}
+                    Err(proxy_agent::dataplane::ipvs::client::IpvsError::NoIpvs) => {}
                     Err(e) => return Err(e).context("reading IPVS for cleanup"),
                 }
-                match proxy_agent::ipvs_rules::remove(&mut proxy_agent::kubeproxy_cleanup::SystemNetfilter) {
+                match proxy_agent::dataplane::ipvs::rules::remove(&mut proxy_agent::migration::SystemNetfilter) {
                     Ok(done) => done.iter().for_each(|d| println!("{d}")),
                     Err(e) => tracing::warn!(error = %e, "netfilter rules not checked"),
                 }
@@ -364,7 +368,7 @@ fn main() -> Result<()> {
                 println!("removed {} pinned objects under {}", removed.len(), cli.pin_dir.display());
             }
             if kube_proxy {
-                let done = proxy_agent::kubeproxy_cleanup::cleanup(&mut proxy_agent::kubeproxy_cleanup::SystemNetfilter)
+                let done = proxy_agent::migration::cleanup(&mut proxy_agent::migration::SystemNetfilter)
                     .context("removing kube-proxy's leftovers (is kube-proxy still running? stop its DaemonSet first)")?;
                 if done.is_empty() {
                     println!("no kube-proxy leftovers found");
@@ -387,7 +391,11 @@ fn main() -> Result<()> {
             let last_sync = health.as_ref().map(|h| h["lastUpdated"].as_str().unwrap_or("").to_string());
             // The agent says its mode; without it, IPVS mode shows as a pinned loop-back match.
             let mode = health.as_ref().and_then(|h| h["mode"].as_str().map(str::to_string)).unwrap_or_else(|| {
-                if cli.pin_dir.join(proxy_common::prog_names::LOOPBACK).exists() { "ipvs".into() } else { "ebpf".into() }
+                if cli.pin_dir.join(proxy_common::prog_names::LOOPBACK).exists() {
+                    "ipvs".into()
+                } else {
+                    "ebpf".into()
+                }
             });
             if json {
                 let v = serde_json::json!({
@@ -427,9 +435,9 @@ fn main() -> Result<()> {
             }
         }
         Cmd::Ipset { json, name } => {
-            use proxy_agent::sets::SetMaps as _;
-            let maps = proxy_agent::sets::KernelSetMaps::open(&cli.pin_dir)?;
-            let mut list = proxy_agent::sets::listing(&maps.read()?);
+            use proxy_agent::dataplane::ipvs::sets::SetMaps as _;
+            let maps = proxy_agent::dataplane::ipvs::sets::KernelSetMaps::open(&cli.pin_dir)?;
+            let mut list = proxy_agent::dataplane::ipvs::sets::listing(&maps.read()?);
             if let Some(n) = &name {
                 list.retain(|s| &s.name == n);
                 anyhow::ensure!(!list.is_empty(), "no set named {n} (try `kpr ipset` for all of them)");
@@ -437,19 +445,25 @@ fn main() -> Result<()> {
             if json {
                 println!("{}", serde_json::to_string_pretty(&list)?);
             } else {
-                print!("{}", proxy_agent::sets::render(&list));
+                print!("{}", proxy_agent::dataplane::ipvs::sets::render(&list));
             }
         }
         Cmd::Ipvs { json, stats } => {
             let mut ipvs = proxy_agent::agent::connect_ipvs().context("reading IPVS (needs CAP_NET_ADMIN)")?;
-            let rows = proxy_agent::ipvs_view::virtual_servers(&mut ipvs)?;
+            let rows = proxy_agent::dataplane::ipvs::view::virtual_servers(&mut ipvs)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&rows)?);
             } else {
-                use proxy_agent::ipvs::Ipvs as _;
+                use proxy_agent::dataplane::ipvs::client::Ipvs as _;
                 let info = ipvs.info()?;
-                println!("IP Virtual Server version {}.{}.{} (size={})", info.version >> 16, (info.version >> 8) & 0xff, info.version & 0xff, info.conn_tab_size);
-                print!("{}", proxy_agent::ipvs_view::render(&rows, stats));
+                println!(
+                    "IP Virtual Server version {}.{}.{} (size={})",
+                    info.version >> 16,
+                    (info.version >> 8) & 0xff,
+                    info.version & 0xff,
+                    info.conn_tab_size
+                );
+                print!("{}", proxy_agent::dataplane::ipvs::view::render(&rows, stats));
             }
         }
         Cmd::Conntrack { json } => {
@@ -476,7 +490,9 @@ async fn kube_client(kubeconfig: Option<&std::path::Path>) -> Result<kube::Clien
             let kc = kube::config::Kubeconfig::read_from(p).with_context(|| format!("reading kubeconfig {}", p.display()))?;
             kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default()).await?
         }
-        None => kube::Config::infer().await.context("no Kubernetes API configuration (in-cluster, $KUBECONFIG or ~/.kube/config); give --kubeconfig, or --manifests DIR to run from files")?,
+        None => kube::Config::infer()
+            .await
+            .context("no Kubernetes API configuration (in-cluster, $KUBECONFIG or ~/.kube/config); give --kubeconfig, or --manifests DIR to run from files")?,
     };
     Ok(kube::Client::try_from(config)?)
 }
@@ -559,6 +575,6 @@ fn agent_health(addr: &str) -> Option<serde_json::Value> {
 }
 
 fn maps_len(maps: &KernelMaps) -> Result<usize> {
-    use proxy_agent::maps::DatapathMaps;
+    use proxy_agent::dataplane::ebpf::maps::DatapathMaps;
     Ok(maps.services()?.len())
 }

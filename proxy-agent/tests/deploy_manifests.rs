@@ -43,11 +43,8 @@ fn one<T: serde::de::DeserializeOwned + Resource>() -> T {
 /// (group, resource, verb) the agent needs: the watches and the event recorder.
 fn needed() -> BTreeSet<(String, String, String)> {
     let mut n = BTreeSet::new();
-    for (g, r) in [
-        (Service::GROUP, Service::URL_PATH_SEGMENT),
-        (EndpointSlice::GROUP, EndpointSlice::URL_PATH_SEGMENT),
-        (Node::GROUP, Node::URL_PATH_SEGMENT),
-    ] {
+    for (g, r) in [(Service::GROUP, Service::URL_PATH_SEGMENT), (EndpointSlice::GROUP, EndpointSlice::URL_PATH_SEGMENT), (Node::GROUP, Node::URL_PATH_SEGMENT)]
+    {
         for v in ["get", "list", "watch"] {
             n.insert((g.to_string(), r.to_string(), v.to_string()));
         }
@@ -106,7 +103,7 @@ fn daemonset_privileges_ports_and_mounts() {
     // Ports and probes agree with the configuration the ConfigMap gives the agent.
     let cm: ConfigMap = one();
     let text = cm.data.unwrap()["config.conf"].clone();
-    let kp = proxy_agent::config::parse("configmap", &text).expect("the ConfigMap's KubeProxyConfiguration is valid");
+    let kp = proxy_agent::settings::kube_proxy::parse("configmap", &text).expect("the ConfigMap's KubeProxyConfiguration is valid");
     let port_of = |a: &Option<String>| a.as_deref().unwrap().rsplit(':').next().unwrap().parse::<i32>().unwrap();
     let healthz = port_of(&kp.healthz_bind_address);
     let metrics = port_of(&kp.metrics_bind_address);

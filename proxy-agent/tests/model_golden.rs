@@ -1,7 +1,7 @@
 //! Desired-state golden dumps: one line per frontend and per backend.
 use proxy_agent::{
-    manifests::{load_text, LoadReport},
     model::{compute, ModelConfig, NodeInfo},
+    source::manifests::{load_text, LoadReport},
 };
 
 const MANIFESTS: &str = r#"
@@ -222,8 +222,14 @@ endpoints: [{addresses: [10.244.5.1], nodeName: elsewhere}]
     // externalTrafficPolicy Local with the only endpoint elsewhere: the external frontends have
     // no backend and drop (no-local-endpoint), the internal ones reach it.
     let dump = d.dump();
-    assert!(dump.contains("frontend 192.0.2.1:30100/TCP external nodeport m/lb:p sched=random affinity=0 flags=preserve-source,no-local-endpoint ranges="), "{dump}");
-    assert!(dump.contains("frontend 192.0.2.1:30100/TCP internal nodeport m/lb:p sched=random affinity=0 flags=- ranges=\n  backend 10.244.5.1:8080"), "{dump}");
+    assert!(
+        dump.contains("frontend 192.0.2.1:30100/TCP external nodeport m/lb:p sched=random affinity=0 flags=preserve-source,no-local-endpoint ranges="),
+        "{dump}"
+    );
+    assert!(
+        dump.contains("frontend 192.0.2.1:30100/TCP internal nodeport m/lb:p sched=random affinity=0 flags=- ranges=\n  backend 10.244.5.1:8080"),
+        "{dump}"
+    );
 }
 
 #[test]

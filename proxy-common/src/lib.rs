@@ -19,72 +19,206 @@ pub const PROJECT: &str = "kpr";
 /// kube-proxy's masquerade mark (masqueradeBit 14).
 pub const MARK_MASQ: u32 = 0x4000;
 
-/// Map names. The `_V<n>` suffix changes whenever the key or value layout of that map changes,
-/// so an agent never reuses a pinned map of an older layout. The eBPF statics carry exactly
-/// these names (the agent's tests check every name exists in the object).
+/// Every map's name, listed once: `map_name!(ROLE)` is a string literal, so proxy-ebpf gives its
+/// statics these names (`#[export_name = map_name!(ROLE)]`) and user space reads the same ones
+/// through `map_names`. The `_V<n>` suffix changes whenever the key or value layout of that map
+/// changes, so an agent never reuses a pinned map of an older layout.
+#[macro_export]
+macro_rules! map_name {
+    (SERVICES) => {
+        "KPR_SVC_V2"
+    };
+    (SLOTS) => {
+        "KPR_SLOT_V2"
+    };
+    (MAGLEV) => {
+        "KPR_MAGLEV_V1"
+    };
+    (BACKENDS) => {
+        "KPR_BE_V2"
+    };
+    // V3: the key carries the hook direction, one flow has up to four entries.
+    (CONNTRACK) => {
+        "KPR_CT_V3"
+    };
+    (CONNTRACK_NEW) => {
+        "KPR_CT_NEW_V1"
+    };
+    (IFACES) => {
+        "KPR_IFACE_V1"
+    };
+    (AFFINITY) => {
+        "KPR_AFF_V1"
+    };
+    (SOURCE_RANGES) => {
+        "KPR_SRCRNG_V1"
+    };
+    (RR_STATE) => {
+        "KPR_RR_V1"
+    };
+    // V2: the SNAT port range.
+    (CONFIG) => {
+        "KPR_CFG_V2"
+    };
+    (COUNTERS) => {
+        "KPR_CNT_V4"
+    };
+    (SOCK_REV) => {
+        "KPR_SOCK_REV_V1"
+    };
+    (BACKEND_NEW) => {
+        "KPR_BE_NEW_V1"
+    };
+    (FLOW_CACHE_GEN) => {
+        "KPR_FC_GEN_V1"
+    };
+    (SET_IP_PORT) => {
+        "KPR_SET_IPP_V1"
+    };
+    (SET_IP_PORT_IP) => {
+        "KPR_SET_IPPI_V1"
+    };
+    (SET_IP_PORT_NET) => {
+        "KPR_SET_IPPN_V1"
+    };
+    (SET_PORT) => {
+        "KPR_SET_PORT_V1"
+    };
+    (SET_IP) => {
+        "KPR_SET_IP_V1"
+    };
+    // Per-CPU scratch space, never pinned.
+    (CT_SCRATCH) => {
+        "KPR_CT_SCRATCH"
+    };
+    (FLOW_CACHE) => {
+        "KPR_FLOW_CACHE"
+    };
+    (CLOCK) => {
+        "KPR_CLOCK"
+    };
+}
+
+/// The map names for user space (see `map_name!`).
 pub mod map_names {
-    pub const SERVICES: &str = "KPR_SVC_V2";
-    pub const SLOTS: &str = "KPR_SLOT_V2";
-    pub const MAGLEV: &str = "KPR_MAGLEV_V1";
-    pub const BACKENDS: &str = "KPR_BE_V2";
-    /// Assured flows (V3: the key carries the hook direction, one flow has up to four entries).
-    pub const CONNTRACK: &str = "KPR_CT_V3";
+    pub const SERVICES: &str = map_name!(SERVICES);
+    pub const SLOTS: &str = map_name!(SLOTS);
+    pub const MAGLEV: &str = map_name!(MAGLEV);
+    pub const BACKENDS: &str = map_name!(BACKENDS);
+    /// Assured flows.
+    pub const CONNTRACK: &str = map_name!(CONNTRACK);
     /// TCP flows whose handshake has not completed yet: a flood of them cannot evict assured ones.
-    pub const CONNTRACK_NEW: &str = "KPR_CT_NEW_V1";
+    pub const CONNTRACK_NEW: &str = map_name!(CONNTRACK_NEW);
     /// Interface index -> what the data path needs to know of it (IfaceInfo).
-    pub const IFACES: &str = "KPR_IFACE_V1";
-    pub const AFFINITY: &str = "KPR_AFF_V1";
-    pub const SOURCE_RANGES: &str = "KPR_SRCRNG_V1";
-    pub const RR_STATE: &str = "KPR_RR_V1";
-    /// V2: the SNAT port range.
-    pub const CONFIG: &str = "KPR_CFG_V2";
-    pub const COUNTERS: &str = "KPR_CNT_V4";
-    pub const SOCK_REV: &str = "KPR_SOCK_REV_V1";
-    pub const BACKEND_NEW: &str = "KPR_BE_NEW_V1";
+    pub const IFACES: &str = map_name!(IFACES);
+    pub const AFFINITY: &str = map_name!(AFFINITY);
+    pub const SOURCE_RANGES: &str = map_name!(SOURCE_RANGES);
+    pub const RR_STATE: &str = map_name!(RR_STATE);
+    pub const CONFIG: &str = map_name!(CONFIG);
+    pub const COUNTERS: &str = map_name!(COUNTERS);
+    pub const SOCK_REV: &str = map_name!(SOCK_REV);
+    pub const BACKEND_NEW: &str = map_name!(BACKEND_NEW);
     /// The flow cache's generation (see `FlowCacheEntry`).
-    pub const FLOW_CACHE_GEN: &str = "KPR_FC_GEN_V1";
+    pub const FLOW_CACHE_GEN: &str = map_name!(FLOW_CACHE_GEN);
     /// IPVS mode's ipset mirrors (see `sets`).
-    pub const SET_IP_PORT: &str = "KPR_SET_IPP_V1";
-    pub const SET_IP_PORT_IP: &str = "KPR_SET_IPPI_V1";
-    pub const SET_IP_PORT_NET: &str = "KPR_SET_IPPN_V1";
-    pub const SET_PORT: &str = "KPR_SET_PORT_V1";
-    pub const SET_IP: &str = "KPR_SET_IP_V1";
+    pub const SET_IP_PORT: &str = map_name!(SET_IP_PORT);
+    pub const SET_IP_PORT_IP: &str = map_name!(SET_IP_PORT_IP);
+    pub const SET_IP_PORT_NET: &str = map_name!(SET_IP_PORT_NET);
+    pub const SET_PORT: &str = map_name!(SET_PORT);
+    pub const SET_IP: &str = map_name!(SET_IP);
     pub const SETS: [&str; 5] = [SET_IP_PORT, SET_IP_PORT_IP, SET_IP_PORT_NET, SET_PORT, SET_IP];
     /// Pins of earlier layouts: removed at load, so an upgrade does not keep them (and their
     /// memory) alive next to their successors.
-    pub const RETIRED: [&str; 9] =
-        ["KPR_SVC_V1", "KPR_SLOT_V1", "KPR_BE_V1", "KPR_CNT_V1", "KPR_CNT_V2", "KPR_CNT_V3", "KPR_CT_V1", "KPR_CT_V2", "KPR_CFG_V1"];
+    pub const RETIRED: [&str; 9] = ["KPR_SVC_V1", "KPR_SLOT_V1", "KPR_BE_V1", "KPR_CNT_V1", "KPR_CNT_V2", "KPR_CNT_V3", "KPR_CT_V1", "KPR_CT_V2", "KPR_CFG_V1"];
     /// Every map the fast path pins.
     pub const ALL: [&str; 15] = [
-        SERVICES, SLOTS, MAGLEV, BACKENDS, CONNTRACK, CONNTRACK_NEW, IFACES, AFFINITY,
-        SOURCE_RANGES, RR_STATE, CONFIG, COUNTERS, SOCK_REV, BACKEND_NEW, FLOW_CACHE_GEN,
+        SERVICES,
+        SLOTS,
+        MAGLEV,
+        BACKENDS,
+        CONNTRACK,
+        CONNTRACK_NEW,
+        IFACES,
+        AFFINITY,
+        SOURCE_RANGES,
+        RR_STATE,
+        CONFIG,
+        COUNTERS,
+        SOCK_REV,
+        BACKEND_NEW,
+        FLOW_CACHE_GEN,
     ];
 }
 
-/// Program names in the object.
+/// Every program's name, listed once (see `map_name!`): proxy-ebpf's `program!` exports each
+/// program under it, and the agent finds it by it.
+#[macro_export]
+macro_rules! prog_name {
+    (TC_INGRESS) => {
+        "kpr_tc_ingress"
+    };
+    (TC_EGRESS) => {
+        "kpr_tc_egress"
+    };
+    (XDP_INGRESS) => {
+        "kpr_xdp_ingress"
+    };
+    (TC_PASS) => {
+        "kpr_tc_pass"
+    };
+    (XDP_PASS) => {
+        "kpr_xdp_pass"
+    };
+    (CONNECT4) => {
+        "kpr_connect4"
+    };
+    (SENDMSG4) => {
+        "kpr_sendmsg4"
+    };
+    (RECVMSG4) => {
+        "kpr_recvmsg4"
+    };
+    (GETPEERNAME4) => {
+        "kpr_getpeername4"
+    };
+    (CONNECT4_IPVS) => {
+        "kpr_connect4_ipvs"
+    };
+    (SENDMSG4_IPVS) => {
+        "kpr_sendmsg4_ipvs"
+    };
+    (TC_IPSET) => {
+        "kpr_tc_ipset"
+    };
+    (LOOPBACK) => {
+        "kpr_loopback"
+    };
+}
+
+/// The program names for user space (see `prog_name!`).
 pub mod prog_names {
-    pub const TC_INGRESS: &str = "kpr_tc_ingress";
+    pub const TC_INGRESS: &str = prog_name!(TC_INGRESS);
     /// TC egress on the same interfaces: masquerade and the reply's reverse DNAT happen after
     /// the node's netfilter, as kube-proxy's POSTROUTING does.
-    pub const TC_EGRESS: &str = "kpr_tc_egress";
-    pub const XDP_INGRESS: &str = "kpr_xdp_ingress";
-    pub const TC_PASS: &str = "kpr_tc_pass";
-    pub const XDP_PASS: &str = "kpr_xdp_pass";
-    pub const CONNECT4: &str = "kpr_connect4";
-    pub const SENDMSG4: &str = "kpr_sendmsg4";
-    pub const RECVMSG4: &str = "kpr_recvmsg4";
-    pub const GETPEERNAME4: &str = "kpr_getpeername4";
+    pub const TC_EGRESS: &str = prog_name!(TC_EGRESS);
+    pub const XDP_INGRESS: &str = prog_name!(XDP_INGRESS);
+    pub const TC_PASS: &str = prog_name!(TC_PASS);
+    pub const XDP_PASS: &str = prog_name!(XDP_PASS);
+    pub const CONNECT4: &str = prog_name!(CONNECT4);
+    pub const SENDMSG4: &str = prog_name!(SENDMSG4);
+    pub const RECVMSG4: &str = prog_name!(RECVMSG4);
+    pub const GETPEERNAME4: &str = prog_name!(GETPEERNAME4);
     /// The connect-time programs, in attach order.
     pub const SOCK: [&str; 4] = [CONNECT4, SENDMSG4, RECVMSG4, GETPEERNAME4];
     /// IPVS mode: the node's own connections to a LoadBalancer IP whose source ranges exclude
     /// the node (kube-proxy's KUBE-IPVS-OUT-FILTER), refused at connect time.
-    pub const CONNECT4_IPVS: &str = "kpr_connect4_ipvs";
-    pub const SENDMSG4_IPVS: &str = "kpr_sendmsg4_ipvs";
+    pub const CONNECT4_IPVS: &str = prog_name!(CONNECT4_IPVS);
+    pub const SENDMSG4_IPVS: &str = prog_name!(SENDMSG4_IPVS);
     pub const SOCK_IPVS: [&str; 2] = [CONNECT4_IPVS, SENDMSG4_IPVS];
     /// IPVS mode: kube-proxy's set matching at TC ingress (masquerade mark, firewall, filter).
-    pub const TC_IPSET: &str = "kpr_tc_ipset";
+    pub const TC_IPSET: &str = prog_name!(TC_IPSET);
     /// IPVS mode: KUBE-LOOP-BACK, an xt_bpf match in the fixed POSTROUTING rules.
-    pub const LOOPBACK: &str = "kpr_loopback";
+    pub const LOOPBACK: &str = prog_name!(LOOPBACK);
 }
 
 /// kube-proxy's IPVS-mode ipsets, mirrored as bits in the values of the KPR_SET_* maps: one
@@ -183,9 +317,60 @@ pub mod limits {
     pub const FLOW_CACHE_REFRESH_JIFFIES: u64 = 25;
 }
 
-pub const PROTO_TCP: u8 = 6;
-pub const PROTO_UDP: u8 = 17;
-pub const PROTO_SCTP: u8 = 132;
+/// The transport protocols of Services: the one place their numbers and spellings live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[repr(u8)]
+pub enum Protocol {
+    Tcp = 6,
+    Udp = 17,
+    Sctp = 132,
+}
+
+impl Protocol {
+    pub const ALL: [Protocol; 3] = [Protocol::Tcp, Protocol::Udp, Protocol::Sctp];
+
+    /// The IP protocol number.
+    pub const fn number(self) -> u8 {
+        self as u8
+    }
+    pub const fn from_number(n: u8) -> Option<Self> {
+        match n {
+            PROTO_TCP => Some(Protocol::Tcp),
+            PROTO_UDP => Some(Protocol::Udp),
+            PROTO_SCTP => Some(Protocol::Sctp),
+            _ => None,
+        }
+    }
+    /// Kubernetes' spelling (a ServicePort's protocol), also ipvsadm's and kube-proxy's set
+    /// suffixes: "TCP".
+    pub const fn name(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+            Protocol::Sctp => "SCTP",
+        }
+    }
+    /// ipset's and conntrack's spelling: "tcp".
+    pub const fn lower(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "tcp",
+            Protocol::Udp => "udp",
+            Protocol::Sctp => "sctp",
+        }
+    }
+    /// From Kubernetes' spelling (exact, as the API validates it).
+    pub fn from_name(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|p| p.name() == s)
+    }
+}
+
+/// The numbers as constants, for `match` in the data path.
+pub const PROTO_TCP: u8 = Protocol::Tcp as u8;
+pub const PROTO_UDP: u8 = Protocol::Udp as u8;
+pub const PROTO_SCTP: u8 = Protocol::Sctp as u8;
+
+/// The schedulers of Linux IPVS (ip_vs_<name>.ko), as kube-proxy's ipvs.scheduler names them.
+pub const IPVS_SCHEDULERS: [&str; 13] = ["rr", "wrr", "lc", "wlc", "lblc", "lblcr", "dh", "sh", "sed", "nq", "mh", "fo", "ovf"];
 
 /// Which hook looks the frontend up. The same VIP can have different backend sets for traffic
 /// from inside the node (pods, node processes: TC) and from outside (the uplink: XDP), which is
@@ -750,20 +935,12 @@ pub mod user {
     impl SourceRangeKey {
         /// LPM key for `addr/prefix` of service `service_id`.
         pub fn lpm(service_id: u32, addr: IpAddr, prefix: u8) -> aya::maps::lpm_trie::Key<Self> {
-            aya::maps::lpm_trie::Key::new(
-                32 + u32::from(prefix),
-                Self { service_id_be: service_id.to_be(), addr: addr_words(addr) },
-            )
+            aya::maps::lpm_trie::Key::new(32 + u32::from(prefix), Self { service_id_be: service_id.to_be(), addr: addr_words(addr) })
         }
     }
 
     pub fn proto_name(proto: u8) -> &'static str {
-        match proto {
-            PROTO_TCP => "TCP",
-            PROTO_UDP => "UDP",
-            PROTO_SCTP => "SCTP",
-            _ => "?",
-        }
+        crate::Protocol::from_number(proto).map_or("?", crate::Protocol::name)
     }
 
     #[cfg(test)]

@@ -3,10 +3,10 @@
 //! at egress and reverse SNAT at ingress. So netfilter, between the two hooks, sees the flow as
 //! client <-> backend in both directions, as it does under kube-proxy.
 //!
-//! Two tables: TCP flows live in KPR_CT_NEW_V1 until their handshake completes (a reply was seen
-//! and the client sent a packet after it), then move to KPR_CT_V3. A flood of SYNs (spoofed or
+//! Two tables: TCP flows live in CONNTRACK_NEW until their handshake completes (a reply was seen
+//! and the client sent a packet after it), then move to CONNTRACK. A flood of SYNs (spoofed or
 //! not) can only evict other embryonic flows from their LRU, never an established one. UDP has no
-//! handshake and starts in KPR_CT_V3.
+//! handshake and starts in CONNTRACK.
 //!
 //! Flows keep their backend whatever happens to the service afterwards.
 use aya_ebpf::{
@@ -22,7 +22,7 @@ use proxy_common::{
 use crate::{
     counters::bump,
     flowcache,
-    maps::{KPR_BE_V2, KPR_CLOCK, KPR_CT_NEW_V1, KPR_CT_SCRATCH, KPR_CT_V3, KPR_IFACE_V1},
+    maps::{BACKENDS, CLOCK, CONNTRACK_NEW, CT_SCRATCH, CONNTRACK, IFACES},
     parse::Flow,
     rewrite::Rewrite,
 };
@@ -30,7 +30,7 @@ use crate::{
 /// CLOCK_MONOTONIC coarse ns, read through the helper once per jiffy and CPU (see ClockCache).
 #[inline(always)]
 pub fn now_ns(jiffies: u64) -> u64 {
-    match KPR_CLOCK.get_ptr_mut(0) {
+    match CLOCK.get_ptr_mut(0) {
         Some(c) => {
             let c = unsafe { &mut *c };
             if c.jiffies != jiffies {
@@ -46,9 +46,9 @@ pub fn now_ns(jiffies: u64) -> u64 {
 /// Where an entry lives.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Table {
-    /// KPR_CT_V3: UDP flows and TCP flows past their handshake.
+    /// CONNTRACK: UDP flows and TCP flows past their handshake.
     Assured,
-    /// KPR_CT_NEW_V1: TCP flows before their handshake completed.
+    /// CONNTRACK_NEW: TCP flows before their handshake completed.
     Embryonic,
 }
 
@@ -56,8 +56,8 @@ impl Table {
     #[inline(always)]
     fn map(self) -> &'static LruHashMap<CtKey, CtValue> {
         match self {
-            Table::Assured => &KPR_CT_V3,
-            Table::Embryonic => &KPR_CT_NEW_V1,
+            Table::Assured => &CONNTRACK,
+            Table::Embryonic => &CONNTRACK_NEW,
         }
     }
     /// Where a new flow of this protocol starts.
@@ -85,7 +85,7 @@ fn timeout_ns(cfg: &DatapathConfig, proto: u8) -> u64 {
 /// Whether any table holds `k` (a new flow's keys must be free in both).
 #[inline(always)]
 fn taken(k: &CtKey) -> bool {
-    unsafe { KPR_CT_V3.get(k).is_some() || (k.proto == PROTO_TCP && KPR_CT_NEW_V1.get(k).is_some()) }
+    unsafe { CONNTRACK.get(k).is_some() || (k.proto == PROTO_TCP && CONNTRACK_NEW.get(k).is_some()) }
 }
 
 /// What `track` found, with its inputs and output in one place: a subprogram takes at most
@@ -116,10 +116,10 @@ pub enum Tracked {
 /// the service lookup said it goes to a service.
 #[inline(always)]
 pub fn track(f: &Flow, key: &CtKey, cfg: &DatapathConfig, l: &mut Lookup) -> Tracked {
-    let (v, table) = if let Some(v) = KPR_CT_V3.get_ptr_mut(key) {
+    let (v, table) = if let Some(v) = CONNTRACK.get_ptr_mut(key) {
         (v, Table::Assured)
     } else if f.is_tcp_control() {
-        match KPR_CT_NEW_V1.get_ptr_mut(key) {
+        match CONNTRACK_NEW.get_ptr_mut(key) {
             Some(v) => (v, Table::Embryonic),
             None => return Tracked::No,
         }
@@ -145,7 +145,7 @@ pub fn track(f: &Flow, key: &CtKey, cfg: &DatapathConfig, l: &mut Lookup) -> Tra
 /// the assured table. A subprogram: off the established path's stack.
 #[inline(never)]
 pub fn embryonic_forward(f: &Flow, key: &CtKey, cfg: &DatapathConfig, now: u64) -> Option<Rewrite> {
-    let v = unsafe { &mut *KPR_CT_NEW_V1.get_ptr_mut(key)? };
+    let v = unsafe { &mut *CONNTRACK_NEW.get_ptr_mut(key)? };
     let rw = entry(f, key, v, Table::Embryonic, cfg, now, 0)??;
     if rw.flags & CT_F_SEEN_REPLY != 0 && !f.is_tcp_control() {
         promote(key, &rw);
@@ -165,7 +165,7 @@ fn entry(f: &Flow, key: &CtKey, v: &mut CtValue, table: Table, cfg: &DatapathCon
             let idle = now.saturating_sub(v.last_seen_ns) > timeout_ns(cfg, f.proto);
             // A fresh SYN on a closing tuple, or to a backend that is gone, is a new connection.
             let reopened = f.is_new_tcp_syn()
-                && (v.flags & CT_F_CLOSING != 0 || unsafe { KPR_BE_V2.get(&v.backend_id) }.is_none());
+                && (v.flags & CT_F_CLOSING != 0 || unsafe { BACKENDS.get(&v.backend_id) }.is_none());
             if idle || reopened {
                 forget(table, key, v);
                 // The tuple is about to mean another flow: no CPU may answer it from its cache.
@@ -200,7 +200,7 @@ fn entry(f: &Flow, key: &CtKey, v: &mut CtValue, table: Table, cfg: &DatapathCon
 fn seen_reply(key: &CtKey, v: &mut CtValue) {
     v.flags |= CT_F_SEEN_REPLY;
     let fwd = CtKey::reversed_of(v, key.proto, CT_DIR_INGRESS);
-    if let Some(fv) = KPR_CT_NEW_V1.get_ptr_mut(&fwd) {
+    if let Some(fv) = CONNTRACK_NEW.get_ptr_mut(&fwd) {
         unsafe { (*fv).flags |= CT_F_SEEN_REPLY };
     }
 }
@@ -233,7 +233,7 @@ fn promote(fwd_key: &CtKey, rw: &Rewrite) {
     move_assured(&CtKey::reversed_of(&v, proto, CT_DIR_EGRESS));
     if rw.flags & CT_F_SNAT != 0 {
         let snat = CtKey::straight_of(&v, proto, CT_DIR_EGRESS);
-        if let Some(sv) = unsafe { KPR_CT_NEW_V1.get(&snat) } {
+        if let Some(sv) = unsafe { CONNTRACK_NEW.get(&snat) } {
             if sv.flags & CT_F_SNAT_PENDING == 0 {
                 move_assured(&CtKey::reversed_of(sv, proto, CT_DIR_INGRESS));
             }
@@ -246,9 +246,9 @@ fn promote(fwd_key: &CtKey, rw: &Rewrite) {
 
 #[inline(always)]
 fn move_assured(k: &CtKey) {
-    if let Some(v) = unsafe { KPR_CT_NEW_V1.get(k) } {
-        if KPR_CT_V3.insert(k, v, 0).is_ok() {
-            let _ = KPR_CT_NEW_V1.remove(k);
+    if let Some(v) = unsafe { CONNTRACK_NEW.get(k) } {
+        if CONNTRACK.insert(k, v, 0).is_ok() {
+            let _ = CONNTRACK_NEW.remove(k);
         } else {
             bump(counter::CT_INSERT_FAILED);
         }
@@ -296,7 +296,7 @@ pub fn pick_port(f: &Flow, be: &Backend, cfg: &DatapathConfig) -> Option<u16> {
 /// Records the reverse-SNAT entry and completes the SNAT entry. Once per flow.
 #[inline(never)]
 fn finish_snat(table: Table, key: &CtKey, v: &mut CtValue, cfg: &DatapathConfig, ifindex: u32) -> bool {
-    let addr = match unsafe { KPR_IFACE_V1.get(&ifindex) } {
+    let addr = match unsafe { IFACES.get(&ifindex) } {
         Some(i) if i.snat_addr != 0 => i.snat_addr,
         _ => cfg.snat_addr[0],
     };
@@ -347,7 +347,7 @@ fn finish_snat(table: Table, key: &CtKey, v: &mut CtValue, cfg: &DatapathConfig,
 #[inline(always)]
 pub fn create(f: &Flow, now: u64, backend_id: u32, service_id: u32, be: &Backend, port: u16, masq: bool) -> Option<Rewrite> {
     let snat = if masq { CT_F_SNAT } else { 0 };
-    let s = unsafe { &mut *KPR_CT_SCRATCH.get_ptr_mut(0)? };
+    let s = unsafe { &mut *CT_SCRATCH.get_ptr_mut(0)? };
     let table = Table::for_new(f.proto).map();
     let blank = CtValue { last_seen_ns: now, backend_id, service_id, ..CtValue::default() };
     // Forward: (C:c -> V:v) becomes (C:p -> B:b). A flow picked up mid-stream (not by a SYN)
@@ -381,7 +381,7 @@ pub fn create(f: &Flow, now: u64, backend_id: u32, service_id: u32, be: &Backend
 /// The entry an ICMP error is translated by: the reply of the packet it quotes, at this hook.
 #[inline(always)]
 pub fn for_icmp_error(quoted_reverse: &CtKey) -> Option<Rewrite> {
-    let v = unsafe { KPR_CT_V3.get(quoted_reverse).or_else(|| KPR_CT_NEW_V1.get(quoted_reverse))? };
+    let v = unsafe { CONNTRACK.get(quoted_reverse).or_else(|| CONNTRACK_NEW.get(quoted_reverse))? };
     if v.flags & CT_F_SNAT_PENDING != 0 {
         return None;
     }

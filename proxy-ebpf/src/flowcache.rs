@@ -9,14 +9,14 @@ use proxy_common::{
 };
 
 use crate::{
-    maps::{KPR_FC_GEN_V1, KPR_FLOW_CACHE},
+    maps::{FLOW_CACHE_GEN, FLOW_CACHE},
     rewrite::Rewrite,
 };
 
 /// The current generation.
 #[inline(always)]
 pub fn generation() -> u64 {
-    KPR_FC_GEN_V1.get(0).copied().unwrap_or(0)
+    FLOW_CACHE_GEN.get(0).copied().unwrap_or(0)
 }
 
 /// Makes every CPU's entries stale: a tuple now means another flow. The BPF target has no
@@ -24,7 +24,7 @@ pub fn generation() -> u64 {
 /// bringing back a value that entries were filled with.
 #[inline(always)]
 pub fn invalidate() {
-    if let Some(g) = KPR_FC_GEN_V1.get_ptr_mut(0) {
+    if let Some(g) = FLOW_CACHE_GEN.get_ptr_mut(0) {
         let step = u64::from(unsafe { bpf_get_prandom_u32() }) | 1;
         unsafe { *g = (*g).wrapping_add(step) };
     }
@@ -33,7 +33,7 @@ pub fn invalidate() {
 #[inline(always)]
 pub fn lookup(key: &CtKey, generation: u64, jiffies: u64) -> Option<Rewrite> {
     let k = key.words();
-    let e = KPR_FLOW_CACHE.get(key.flow_cache_slot())?;
+    let e = FLOW_CACHE.get(key.flow_cache_slot())?;
     if e.key.words() != k || e.generation != generation || jiffies.wrapping_sub(e.checked_jiffies) > FLOW_CACHE_REFRESH_JIFFIES {
         return None;
     }
@@ -43,7 +43,7 @@ pub fn lookup(key: &CtKey, generation: u64, jiffies: u64) -> Option<Rewrite> {
 /// Remembers the rewrite conntrack just gave for `key`.
 #[inline(always)]
 pub fn fill(key: &CtKey, rw: &Rewrite, generation: u64, jiffies: u64) {
-    let Some(e) = KPR_FLOW_CACHE.get_ptr_mut(key.flow_cache_slot()) else {
+    let Some(e) = FLOW_CACHE.get_ptr_mut(key.flow_cache_slot()) else {
         return;
     };
     // Per-CPU slot: no other writer.

@@ -12,7 +12,7 @@ use crate::{
     pkt::{Pkt, Tc},
     reject,
     pipeline::off_cluster,
-    maps::{KPR_CFG_V2, KPR_SET_IPPI_V1, KPR_SET_IPPN_V1, KPR_SET_IPP_V1, KPR_SET_IP_V1, KPR_SET_PORT_V1},
+    maps::{CONFIG, SET_IP_PORT_IP, SET_IP_PORT_NET, SET_IP_PORT, SET_IP, SET_PORT},
     parse::Flow,
 };
 
@@ -28,16 +28,16 @@ pub enum SetVerdict {
 
 #[inline(always)]
 fn bits_ip_port(k: &SetIpPort) -> u32 {
-    unsafe { KPR_SET_IPP_V1.get(k) }.copied().unwrap_or(0)
+    unsafe { SET_IP_PORT.get(k) }.copied().unwrap_or(0)
 }
 
 #[inline(always)]
 fn source_allowed(ipp: SetIpPort, saddr: u32) -> bool {
-    let ip = unsafe { KPR_SET_IPPI_V1.get(&SetIpPortIp { ip_port: ipp, addr2: saddr }) }.copied().unwrap_or(0);
+    let ip = unsafe { SET_IP_PORT_IP.get(&SetIpPortIp { ip_port: ipp, addr2: saddr }) }.copied().unwrap_or(0);
     if ip & sets::LOAD_BALANCER_SOURCE_IP != 0 {
         return true;
     }
-    KPR_SET_IPPN_V1.get(&Key::new(96, SetIpPortNet { ip_port: ipp, net: saddr })).is_some()
+    SET_IP_PORT_NET.get(&Key::new(96, SetIpPortNet { ip_port: ipp, net: saddr })).is_some()
 }
 
 /// What kube-proxy's IPVS-mode rules do with this packet (at PREROUTING), arrived on `ifindex`.
@@ -47,7 +47,7 @@ pub fn classify(f: &Flow, ifindex: u32) -> SetVerdict {
     let bits = bits_ip_port(&ipp);
     if bits != 0 {
         if bits & sets::CLUSTER_IP != 0 {
-            let Some(cfg) = KPR_CFG_V2.get(0) else { return SetVerdict::Pass };
+            let Some(cfg) = CONFIG.get(0) else { return SetVerdict::Pass };
             // KUBE-SERVICES: masqueradeAll, or a client that is not local (detectLocalMode).
             if cfg.flags & CFG_F_MASQUERADE_ALL != 0 || off_cluster(f.saddr, ifindex, cfg) {
                 return SetVerdict::Mark;
@@ -66,11 +66,11 @@ pub fn classify(f: &Flow, ifindex: u32) -> SetVerdict {
         }
         return SetVerdict::Pass; // EXTERNAL-IP-LOCAL: source kept
     }
-    let ip_bits = unsafe { KPR_SET_IP_V1.get(&f.daddr) }.copied().unwrap_or(0);
+    let ip_bits = unsafe { SET_IP.get(&f.daddr) }.copied().unwrap_or(0);
     if ip_bits == 0 {
         return SetVerdict::Pass;
     }
-    let port_bits = unsafe { KPR_SET_PORT_V1.get(&SetPort { port: f.dport, proto: f.proto, _pad: 0 }) }.copied().unwrap_or(0);
+    let port_bits = unsafe { SET_PORT.get(&SetPort { port: f.dport, proto: f.proto, _pad: 0 }) }.copied().unwrap_or(0);
     if ip_bits & sets::NODE_IPS != 0 && port_bits & sets::NODE_PORT != 0 {
         // KUBE-NODE-PORT (addrtype LOCAL): Local policy keeps the source.
         return if port_bits & sets::NODE_PORT_LOCAL != 0 { SetVerdict::Pass } else { SetVerdict::Mark };
@@ -125,7 +125,7 @@ pub fn loopback_match(ctx: &SkBuffContext) -> bool {
     let l4 = ((vihl & 0x0f) as usize) * 4;
     let Ok(dport) = ctx.load::<u16>(l4 + 2) else { return false };
     let key = SetIpPortIp { ip_port: SetIpPort { addr: daddr, port: dport, proto, _pad: 0 }, addr2: saddr };
-    unsafe { KPR_SET_IPPI_V1.get(&key) }.is_some_and(|b| b & sets::LOOP_BACK != 0)
+    unsafe { SET_IP_PORT_IP.get(&key) }.is_some_and(|b| b & sets::LOOP_BACK != 0)
 }
 
 /// KUBE-IPVS-OUT-FILTER at connect time: may the node reach this LoadBalancer IP and port?

@@ -7,14 +7,14 @@ use proxy_common::{
 
 use crate::{
     counters::bump,
-    maps::{KPR_AFF_V1, KPR_BE_V2, KPR_MAGLEV_V1, KPR_RR_V1, KPR_SLOT_V2, KPR_SVC_V2},
+    maps::{AFFINITY, BACKENDS, MAGLEV, RR_STATE, SLOTS, SERVICES},
     parse::Flow,
 };
 
 #[inline(always)]
 pub fn lookup_service(f: &Flow, scope: u8) -> Option<ServiceValue> {
     let key = ServiceKey { addr: [f.daddr, 0, 0, 0], port: f.dport, proto: f.proto, scope };
-    unsafe { KPR_SVC_V2.get(&key) }.copied()
+    unsafe { SERVICES.get(&key) }.copied()
 }
 
 /// Murmur3-style mixing of the 5-tuple: the Maglev flow hash.
@@ -42,9 +42,9 @@ fn schedule(svc: &ServiceValue, f: &Flow) -> Option<u32> {
     let count = svc.backend_count;
     let slot = if svc.scheduler == SCHED_MAGLEV {
         let idx = svc.maglev_row * MAGLEV_TABLE_SIZE + flow_hash(f) % MAGLEV_TABLE_SIZE;
-        return KPR_MAGLEV_V1.get(idx).copied().filter(|id| *id != 0);
+        return MAGLEV.get(idx).copied().filter(|id| *id != 0);
     } else if svc.scheduler == SCHED_ROUND_ROBIN {
-        let cursor = KPR_RR_V1.get_ptr_mut(svc.service_id)?;
+        let cursor = RR_STATE.get_ptr_mut(svc.service_id)?;
         // This CPU's cursor only: no other writer.
         unsafe {
             let next = *cursor % count + 1;
@@ -54,7 +54,7 @@ fn schedule(svc: &ServiceValue, f: &Flow) -> Option<u32> {
     } else {
         (unsafe { bpf_get_prandom_u32() }) % count + 1
     };
-    unsafe { KPR_SLOT_V2.get(&SlotKey { service_id: svc.service_id, slot }) }.copied()
+    unsafe { SLOTS.get(&SlotKey { service_id: svc.service_id, slot }) }.copied()
 }
 
 /// Picks the backend of a new flow. The remembered ClientIP backend wins inside the timeout
@@ -64,12 +64,12 @@ pub fn select_backend(svc: &ServiceValue, f: &Flow, now: u64) -> Option<(u32, Ba
     let affinity_ns = u64::from(svc.affinity_timeout_s) * 1_000_000_000;
     let aff_key = AffinityKey { client: [f.saddr, 0, 0, 0], service_id: svc.service_id };
     if affinity_ns != 0 {
-        if let Some(a) = KPR_AFF_V1.get_ptr_mut(&aff_key) {
+        if let Some(a) = AFFINITY.get_ptr_mut(&aff_key) {
             let a = unsafe { &mut *a };
             // Saturating: another CPU's stamp may be a little ahead of our clock reading.
             // Another generation: the service id's earlier owner remembered it.
             if now.saturating_sub(a.last_used_ns) <= affinity_ns && a.generation == svc.generation {
-                if let Some(be) = unsafe { KPR_BE_V2.get(&a.backend_id) } {
+                if let Some(be) = unsafe { BACKENDS.get(&a.backend_id) } {
                     if now > a.last_used_ns {
                         a.last_used_ns = now;
                     }
@@ -80,10 +80,10 @@ pub fn select_backend(svc: &ServiceValue, f: &Flow, now: u64) -> Option<(u32, Ba
         }
     }
     let id = schedule(svc, f)?;
-    let be = *unsafe { KPR_BE_V2.get(&id) }?;
+    let be = *unsafe { BACKENDS.get(&id) }?;
     if affinity_ns != 0 {
         let v = AffinityValue { last_used_ns: now, backend_id: id, generation: svc.generation, _pad: 0 };
-        let _ = KPR_AFF_V1.insert(&aff_key, &v, 0);
+        let _ = AFFINITY.insert(&aff_key, &v, 0);
     }
     Some((id, be))
 }

@@ -1,4 +1,5 @@
-//! kpr's kernel programs: thin hook wrappers around one pipeline (pipeline.rs).
+//! kpr's kernel programs: thin hook wrappers around one pipeline (pipeline.rs), each exported
+//! under its name in proxy-common's list (`program!`).
 //! - `kpr_xdp_ingress` on the node's uplinks: north-south traffic (NodePort, ExternalIP, LB IP)
 //!   and replies from other nodes;
 //! - `kpr_tc_ingress` (clsact ingress) on the node side of pod interfaces and on tunnel devices:
@@ -28,8 +29,7 @@ mod rewrite;
 mod sock;
 
 use aya_ebpf::{
-    bindings::{xdp_action, TC_ACT_OK},
-    macros::{cgroup_sock_addr, classifier, socket_filter, xdp},
+    bindings::{__sk_buff, bpf_sock_addr, xdp_action, xdp_md, TC_ACT_OK},
     programs::{SkBuffContext, SockAddrContext, TcContext, XdpContext},
 };
 use proxy_common::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
@@ -37,51 +37,58 @@ use proxy_common::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
 use parse::Parsed;
 use pkt::{Tc, Xdp};
 
-#[classifier]
-pub fn kpr_tc_ingress(mut ctx: TcContext) -> i32 {
+/// What aya's program attributes do, with the symbol from proxy-common's list
+/// (`prog_name!(ROLE)`), the name the agent loads the program by.
+macro_rules! program {
+    ($section:literal $role:ident: fn $name:ident($ctx:ident: $ty:ident, $raw:ty) -> $ret:ty $body:block) => {
+        #[unsafe(export_name = proxy_common::prog_name!($role))]
+        #[unsafe(link_section = $section)]
+        pub fn $name(raw: *mut $raw) -> $ret {
+            return run($ty::new(raw));
+
+            #[allow(unused_mut)]
+            fn run(mut $ctx: $ty) -> $ret $body
+        }
+    };
+}
+
+program!("classifier" TC_INGRESS: fn tc_ingress(ctx: TcContext, __sk_buff) -> i32 {
     let mut p = Tc(&mut ctx);
     p.pull_headers();
     let v = pipeline::ingress(&mut p, SCOPE_INTERNAL);
     p.action(v)
-}
+});
 
-#[classifier]
-pub fn kpr_tc_egress(mut ctx: TcContext) -> i32 {
+program!("classifier" TC_EGRESS: fn tc_egress(ctx: TcContext, __sk_buff) -> i32 {
     let mut p = Tc(&mut ctx);
     p.pull_headers();
     let v = pipeline::egress(&mut p);
     p.action(v)
-}
+});
 
-#[xdp]
-pub fn kpr_xdp_ingress(ctx: XdpContext) -> u32 {
+program!("xdp" XDP_INGRESS: fn xdp_ingress(ctx: XdpContext, xdp_md) -> u32 {
     let mut p = Xdp(&ctx);
     Xdp::action(pipeline::ingress(&mut p, SCOPE_EXTERNAL))
-}
+});
 
-#[cgroup_sock_addr(connect4)]
-pub fn kpr_connect4(ctx: SockAddrContext) -> i32 {
+program!("cgroup/connect4" CONNECT4: fn connect4(ctx: SockAddrContext, bpf_sock_addr) -> i32 {
     sock::balance(&ctx)
-}
+});
 
-#[cgroup_sock_addr(sendmsg4)]
-pub fn kpr_sendmsg4(ctx: SockAddrContext) -> i32 {
+program!("cgroup/sendmsg4" SENDMSG4: fn sendmsg4(ctx: SockAddrContext, bpf_sock_addr) -> i32 {
     sock::balance(&ctx)
-}
+});
 
-#[cgroup_sock_addr(recvmsg4)]
-pub fn kpr_recvmsg4(ctx: SockAddrContext) -> i32 {
+program!("cgroup/recvmsg4" RECVMSG4: fn recvmsg4(ctx: SockAddrContext, bpf_sock_addr) -> i32 {
     sock::reverse(&ctx)
-}
+});
 
-#[cgroup_sock_addr(getpeername4)]
-pub fn kpr_getpeername4(ctx: SockAddrContext) -> i32 {
+program!("cgroup/getpeername4" GETPEERNAME4: fn getpeername4(ctx: SockAddrContext, bpf_sock_addr) -> i32 {
     sock::reverse(&ctx)
-}
+});
 
-/// IPVS mode: kube-proxy's set matching (masquerade mark, source-range firewall, VIP filter).
-#[classifier]
-pub fn kpr_tc_ipset(mut ctx: TcContext) -> i32 {
+// IPVS mode: kube-proxy's set matching (masquerade mark, source-range firewall, VIP filter).
+program!("classifier" TC_IPSET: fn tc_ipset(ctx: TcContext, __sk_buff) -> i32 {
     let mut p = Tc(&mut ctx);
     p.pull_headers();
     let f = match parse::parse(&mut p) {
@@ -89,35 +96,30 @@ pub fn kpr_tc_ipset(mut ctx: TcContext) -> i32 {
         _ => return TC_ACT_OK as i32,
     };
     ipset::tc_verdict(&mut p, &f)
-}
+});
 
-/// IPVS mode: KUBE-IPVS-OUT-FILTER for the node's own connections (TCP, connected UDP).
-#[cgroup_sock_addr(connect4)]
-pub fn kpr_connect4_ipvs(ctx: SockAddrContext) -> i32 {
+// IPVS mode: KUBE-IPVS-OUT-FILTER for the node's own connections (TCP, connected UDP).
+program!("cgroup/connect4" CONNECT4_IPVS: fn connect4_ipvs(ctx: SockAddrContext, bpf_sock_addr) -> i32 {
     sock::ipvs_out_filter(&ctx)
-}
+});
 
-/// IPVS mode: the same for unconnected UDP.
-#[cgroup_sock_addr(sendmsg4)]
-pub fn kpr_sendmsg4_ipvs(ctx: SockAddrContext) -> i32 {
+// IPVS mode: the same for unconnected UDP.
+program!("cgroup/sendmsg4" SENDMSG4_IPVS: fn sendmsg4_ipvs(ctx: SockAddrContext, bpf_sock_addr) -> i32 {
     sock::ipvs_out_filter(&ctx)
-}
+});
 
-/// IPVS mode: KUBE-LOOP-BACK as an xt_bpf match (non-zero: the packet is in the set).
-#[socket_filter]
-pub fn kpr_loopback(ctx: SkBuffContext) -> i64 {
+// IPVS mode: KUBE-LOOP-BACK as an xt_bpf match (non-zero: the packet is in the set).
+program!("socket" LOOPBACK: fn loopback(ctx: SkBuffContext, __sk_buff) -> i64 {
     ipset::loopback_match(&ctx) as i64
-}
+});
 
-#[classifier]
-pub fn kpr_tc_pass(_ctx: TcContext) -> i32 {
+program!("classifier" TC_PASS: fn tc_pass(_ctx: TcContext, __sk_buff) -> i32 {
     TC_ACT_OK as i32
-}
+});
 
-#[xdp]
-pub fn kpr_xdp_pass(_ctx: XdpContext) -> u32 {
+program!("xdp" XDP_PASS: fn xdp_pass(_ctx: XdpContext, xdp_md) -> u32 {
     xdp_action::XDP_PASS
-}
+});
 
 #[cfg(not(test))]
 #[panic_handler]

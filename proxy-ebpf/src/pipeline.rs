@@ -21,7 +21,7 @@ use crate::{
     conntrack::{self, Lookup, Tracked},
     counters::{self, bump},
     flowcache, icmp, lb,
-    maps::{KPR_CFG_V2, KPR_IFACE_V1, KPR_SRCRNG_V1},
+    maps::{CONFIG, IFACES, SOURCE_RANGES},
     nat,
     parse::{self, Flow, Parsed},
     pkt::{Pkt, Verdict},
@@ -35,7 +35,7 @@ use crate::{
 #[inline(always)]
 pub(crate) fn off_cluster(saddr: u32, ifindex: u32, cfg: &DatapathConfig) -> bool {
     if cfg.flags & CFG_F_LOCAL_BY_IFACE != 0 {
-        return unsafe { KPR_IFACE_V1.get(&ifindex) }.is_none_or(|i| i.flags & IFACE_F_LOCAL == 0);
+        return unsafe { IFACES.get(&ifindex) }.is_none_or(|i| i.flags & IFACE_F_LOCAL == 0);
     }
     let len = cfg.cluster_cidr_len;
     if len == 0 || len > 32 {
@@ -48,7 +48,7 @@ pub(crate) fn off_cluster(saddr: u32, ifindex: u32, cfg: &DatapathConfig) -> boo
 #[inline(always)]
 fn source_allowed(f: &Flow, service_id: u32) -> bool {
     let key = Key::new(64, SourceRangeKey { service_id_be: service_id.to_be(), addr: [f.saddr, 0, 0, 0] });
-    KPR_SRCRNG_V1.get(&key).is_some()
+    SOURCE_RANGES.get(&key).is_some()
 }
 
 /// The packet's TCP/UDP flow; anything else returns from the hook here: ICMP errors are
@@ -75,7 +75,7 @@ macro_rules! flow_or_return {
 #[inline(always)]
 pub fn ingress<P: Pkt>(p: &mut P, scope: u8) -> Verdict {
     let f = flow_or_return!(p, conntrack::INGRESS);
-    let Some(cfg) = KPR_CFG_V2.get(0) else {
+    let Some(cfg) = CONFIG.get(0) else {
         return Verdict::Pass;
     };
     let key = conntrack::key(&f, conntrack::INGRESS);
@@ -112,7 +112,7 @@ enum NewFlow {
 #[inline(always)]
 pub fn egress<P: Pkt>(p: &mut P) -> Verdict {
     let f = flow_or_return!(p, conntrack::EGRESS);
-    let Some(cfg) = KPR_CFG_V2.get(0) else {
+    let Some(cfg) = CONFIG.get(0) else {
         return Verdict::Pass;
     };
     let key = conntrack::key(&f, conntrack::EGRESS);

@@ -21,7 +21,7 @@ use proxy_common::{
 use crate::{
     counters::bump,
     lb,
-    maps::{KPR_CFG_V2, KPR_SOCK_REV_V1, KPR_SRCRNG_V1},
+    maps::{CONFIG, SOCK_REV, SOURCE_RANGES},
     parse::Flow,
     pkt::L4Csum,
 };
@@ -62,7 +62,7 @@ fn host_socket(ctx: &SockAddrContext, cfg: &DatapathConfig) -> bool {
 /// it from (kube-proxy's KUBE-IPVS-OUT-FILTER drops them in OUTPUT).
 #[inline(always)]
 pub fn ipvs_out_filter(ctx: &SockAddrContext) -> i32 {
-    let Some(cfg) = KPR_CFG_V2.get(0) else { return ALLOW };
+    let Some(cfg) = CONFIG.get(0) else { return ALLOW };
     let sa = unsafe { &*ctx.sock_addr };
     let proto = sa.protocol as u8;
     if !host_socket(ctx, cfg) || (proto != PROTO_TCP && proto != PROTO_UDP) {
@@ -79,7 +79,7 @@ pub fn ipvs_out_filter(ctx: &SockAddrContext) -> i32 {
 /// Points the socket at a backend. Returns DENY when the service has no endpoints.
 #[inline(always)]
 pub fn balance(ctx: &SockAddrContext) -> i32 {
-    let Some(cfg) = KPR_CFG_V2.get(0) else { return ALLOW };
+    let Some(cfg) = CONFIG.get(0) else { return ALLOW };
     // A pod's socket: its packets are balanced at its interface.
     if !host_socket(ctx, cfg) {
         return ALLOW;
@@ -89,7 +89,7 @@ pub fn balance(ctx: &SockAddrContext) -> i32 {
     let Some(svc) = lb::lookup_service(&f, SCOPE_INTERNAL) else { return ALLOW };
     if svc.flags & SVC_F_SOURCE_RANGES != 0 {
         let key = Key::new(64, SourceRangeKey { service_id_be: svc.service_id.to_be(), addr: [f.saddr, 0, 0, 0] });
-        if KPR_SRCRNG_V1.get(&key).is_none() {
+        if SOURCE_RANGES.get(&key).is_none() {
             bump(counter::DROP_SOURCE_RANGE);
             return DENY;
         }
@@ -105,7 +105,7 @@ pub fn balance(ctx: &SockAddrContext) -> i32 {
     };
     let key = SockRevKey { cookie, addr: be.addr, port: be.port, _pad: [0; 6] };
     let rev = SockRevValue { addr: [f.daddr, 0, 0, 0], port: f.dport, _pad: [0; 6] };
-    let _ = KPR_SOCK_REV_V1.insert(&key, &rev, 0);
+    let _ = SOCK_REV.insert(&key, &rev, 0);
     unsafe {
         (*ctx.sock_addr).user_ip4 = be.addr[0];
         (*ctx.sock_addr).user_port = u32::from(be.port);
@@ -121,7 +121,7 @@ pub fn reverse(ctx: &SockAddrContext) -> i32 {
     let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr as *mut _) };
     let sa = unsafe { &*ctx.sock_addr };
     let key = SockRevKey { cookie, addr: [sa.user_ip4, 0, 0, 0], port: sa.user_port as u16, _pad: [0; 6] };
-    if let Some(v) = unsafe { KPR_SOCK_REV_V1.get(&key) } {
+    if let Some(v) = unsafe { SOCK_REV.get(&key) } {
         unsafe {
             (*ctx.sock_addr).user_ip4 = v.addr[0];
             (*ctx.sock_addr).user_port = u32::from(v.port);

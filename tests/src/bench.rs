@@ -2,7 +2,7 @@
 //! figure for BPF map memory.
 use std::{fmt::Write as _, net::IpAddr};
 
-use proxy_agent::model::{BackendKey, DesiredState, Frontend, FrontendKey, FrontendKind, Proto, Scheduler};
+use proxy_agent::model::{BackendKey, DesiredState, Frontend, FrontendKey, FrontendKind, Protocol, Scheduler};
 use proxy_common::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
 use crate::lab::backend_ip;
@@ -20,7 +20,7 @@ pub fn set_clusterip(d: &mut DesiredState, i: u32, vip: IpAddr, backends: Vec<Ba
             backends: backends.clone(),
             ipvs: Default::default(),
         };
-        d.frontends.insert(FrontendKey { ip: vip, port: 80, proto: Proto::Tcp, scope }, fe);
+        d.frontends.insert(FrontendKey { ip: vip, port: 80, proto: Protocol::Tcp, scope }, fe);
     }
 }
 
@@ -29,9 +29,8 @@ pub fn set_clusterip(d: &mut DesiredState, i: u32, vip: IpAddr, backends: Vec<Ba
 pub fn clusterips(n: u32, eps: u32, vip: impl Fn(u32) -> IpAddr, first_backend: u32, span: u32) -> DesiredState {
     let mut d = DesiredState::default();
     for i in 0..n {
-        let backends = (0..eps)
-            .map(|j| BackendKey { ip: IpAddr::from((first_backend + (i * eps + j) % span).to_be_bytes()), port: 8080, proto: Proto::Tcp })
-            .collect();
+        let backends =
+            (0..eps).map(|j| BackendKey { ip: IpAddr::from((first_backend + (i * eps + j) % span).to_be_bytes()), port: 8080, proto: Protocol::Tcp }).collect();
         set_clusterip(&mut d, i, vip(i), backends);
     }
     d
@@ -64,7 +63,9 @@ pub fn median(mut v: Vec<f64>) -> f64 {
 pub fn bpf_map_memlock(pid: &str) -> u64 {
     let mut total = 0;
     for e in std::fs::read_dir(format!("/proc/{pid}/fdinfo")).into_iter().flatten().flatten() {
-        let Ok(info) = std::fs::read_to_string(e.path()) else { continue };
+        let Ok(info) = std::fs::read_to_string(e.path()) else {
+            continue;
+        };
         if info.contains("map_type:") {
             total += info.lines().find_map(|l| l.strip_prefix("memlock:")).and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(0);
         }

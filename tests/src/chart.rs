@@ -12,7 +12,14 @@ pub fn bars(title: &str, sizes: &[u32], series: &[(&str, &str)], value: impl Fn(
     for t in 0..=4 {
         let v = max * t as f64 / 4.0;
         let y = h - bottom - plot_h * t as f64 / 4.0;
-        let _ = writeln!(s, "<line x1=\"{left}\" y1=\"{y}\" x2=\"{}\" y2=\"{y}\" stroke=\"#ddd\"/><text x=\"{}\" y=\"{}\" text-anchor=\"end\">{:.0}</text>", w - 20.0, left - 5.0, y + 4.0, v);
+        let _ = writeln!(
+            s,
+            "<line x1=\"{left}\" y1=\"{y}\" x2=\"{}\" y2=\"{y}\" stroke=\"#ddd\"/><text x=\"{}\" y=\"{}\" text-anchor=\"end\">{:.0}</text>",
+            w - 20.0,
+            left - 5.0,
+            y + 4.0,
+            v
+        );
     }
     for (gi, n) in sizes.iter().enumerate() {
         let gx = left + gi as f64 * group + bar / 2.0;
@@ -20,14 +27,25 @@ pub fn bars(title: &str, sizes: &[u32], series: &[(&str, &str)], value: impl Fn(
             if let Some(v) = value(*n, m) {
                 let bh = plot_h * v / max;
                 let x = gx + mi as f64 * bar;
-                let _ = writeln!(s, "<rect x=\"{x}\" y=\"{}\" width=\"{}\" height=\"{bh}\" fill=\"{color}\"><title>{m} at {n} services: {v:.0}</title></rect>", h - bottom - bh, bar - 4.0);
+                let _ = writeln!(
+                    s,
+                    "<rect x=\"{x}\" y=\"{}\" width=\"{}\" height=\"{bh}\" fill=\"{color}\"><title>{m} at {n} services: {v:.0}</title></rect>",
+                    h - bottom - bh,
+                    bar - 4.0
+                );
             }
         }
         let _ = writeln!(s, "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{n} services</text>", gx + bar * series.len() as f64 / 2.0, h - bottom + 18.0);
     }
     for (mi, (m, color)) in series.iter().enumerate() {
         let x = left + mi as f64 * 170.0;
-        let _ = writeln!(s, "<rect x=\"{x}\" y=\"{}\" width=\"12\" height=\"12\" fill=\"{color}\"/><text x=\"{}\" y=\"{}\">{m}</text>", h - 22.0, x + 16.0, h - 12.0);
+        let _ = writeln!(
+            s,
+            "<rect x=\"{x}\" y=\"{}\" width=\"12\" height=\"12\" fill=\"{color}\"/><text x=\"{}\" y=\"{}\">{m}</text>",
+            h - 22.0,
+            x + 16.0,
+            h - 12.0
+        );
     }
     s += "</svg>\n";
     s

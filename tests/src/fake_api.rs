@@ -217,12 +217,8 @@ async fn handle(State(api): State<FakeApi>, Query(q): Query<HashMap<String, Stri
     if q.get("watch").map(String::as_str) != Some("true") {
         let mut db = api.db.lock().unwrap();
         db.lists += 1;
-        let items: Vec<Value> = db
-            .objects
-            .iter()
-            .filter(|((k, _, _), o)| *k == kind && matches(o, labels.as_deref(), fields.as_deref()))
-            .map(|(_, o)| o.clone())
-            .collect();
+        let items: Vec<Value> =
+            db.objects.iter().filter(|((k, _, _), o)| *k == kind && matches(o, labels.as_deref(), fields.as_deref())).map(|(_, o)| o.clone()).collect();
         let body = json!({"kind": list_kind, "apiVersion": api_version, "metadata": {"resourceVersion": db.rv.to_string()}, "items": items});
         return ([("content-type", "application/json")], body.to_string()).into_response();
     }
@@ -291,7 +287,7 @@ pub fn start_in_netns(ns: &str) -> FakeApi {
     let (tx, rx) = std::sync::mpsc::channel();
     let ns = ns.to_string();
     std::thread::spawn(move || {
-        proxy_agent::netif::enter_netns(&ns).expect("enter netns");
+        proxy_agent::host::netif::enter_netns(&ns).expect("enter netns");
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
         rt.block_on(async move {
             tx.send(FakeApi::start().await).unwrap();

@@ -24,12 +24,8 @@ fn chain(prefix: &str, s: &str) -> String {
 
 /// The whole nat table, for `iptables-restore` (kube-proxy writes it in one transaction too).
 pub fn render(services: &[Svc], cluster_cidr: &str) -> String {
-    let mut chains = vec![
-        ":KUBE-SERVICES - [0:0]".to_string(),
-        ":KUBE-NODEPORTS - [0:0]".into(),
-        ":KUBE-POSTROUTING - [0:0]".into(),
-        ":KUBE-MARK-MASQ - [0:0]".into(),
-    ];
+    let mut chains =
+        vec![":KUBE-SERVICES - [0:0]".to_string(), ":KUBE-NODEPORTS - [0:0]".into(), ":KUBE-POSTROUTING - [0:0]".into(), ":KUBE-MARK-MASQ - [0:0]".into()];
     let mut rules = vec![
         "-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES".to_string(),
         "-A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES".into(),
@@ -51,7 +47,11 @@ pub fn render(services: &[Svc], cluster_cidr: &str) -> String {
             chains.push(format!(":{sep} - [0:0]"));
             let left = n - i;
             if left > 1 {
-                rules.push(format!("-A {svc} -m comment --comment \"{} -> {ip}:{port}\" -m statistic --mode random --probability {:.11} -j {sep}", s.name, 1.0 / left as f64));
+                rules.push(format!(
+                    "-A {svc} -m comment --comment \"{} -> {ip}:{port}\" -m statistic --mode random --probability {:.11} -j {sep}",
+                    s.name,
+                    1.0 / left as f64
+                ));
             } else {
                 rules.push(format!("-A {svc} -m comment --comment \"{} -> {ip}:{port}\" -j {sep}", s.name));
             }
@@ -75,7 +75,7 @@ pub fn render(services: &[Svc], cluster_cidr: &str) -> String {
 
 /// kube-proxy's IPVS-mode sets as `ipset restore` input, from the same listing `kpr ipset`
 /// prints (so both sides of the IPVS A/B hold identical members).
-pub fn ipset_restore(sets: &[proxy_agent::sets::SetListing]) -> String {
+pub fn ipset_restore(sets: &[proxy_agent::dataplane::ipvs::sets::SetListing]) -> String {
     let mut out = String::new();
     for s in sets.iter().filter(|s| s.name.starts_with("KUBE-")) {
         let opts = if s.kind == "bitmap:port" { " range 0-65535" } else { "" };

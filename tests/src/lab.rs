@@ -248,7 +248,7 @@ impl Lab {
                 std::thread::sleep(Duration::from_millis(50));
             }
         }
-        let root = proxy_agent::kernel::cgroup2_root().expect("cgroup v2 hierarchy");
+        let root = proxy_agent::dataplane::ebpf::kernel::cgroup2_root().expect("cgroup v2 hierarchy");
         let nodes: Vec<Node> = node_ns
             .iter()
             .enumerate()
@@ -480,7 +480,8 @@ impl Lab {
             .output()
             .unwrap();
         let out = String::from_utf8_lossy(&o.stdout);
-        serde_json::from_str(out.lines().last().unwrap_or("")).unwrap_or_else(|_| panic!("peer {args:?} in {role} (cgroup): {out} {}", String::from_utf8_lossy(&o.stderr)))
+        serde_json::from_str(out.lines().last().unwrap_or(""))
+            .unwrap_or_else(|_| panic!("peer {args:?} in {role} (cgroup): {out} {}", String::from_utf8_lossy(&o.stderr)))
     }
 
     /// The command running kpr-lab-peer in a lab namespace ("host": node A's processes).
@@ -489,10 +490,7 @@ impl Lab {
         if role == "host" {
             // Join the cgroup before `ip netns exec`, which remounts /sys and hides it.
             c = Command::new("sh");
-            c.args(["-c", "echo $$ > \"$0/cgroup.procs\" && exec ip netns exec \"$@\""])
-                .arg(&self.cgroup)
-                .arg(self.ns("node"))
-                .arg(&self.peer);
+            c.args(["-c", "echo $$ > \"$0/cgroup.procs\" && exec ip netns exec \"$@\""]).arg(&self.cgroup).arg(self.ns("node")).arg(&self.peer);
         } else {
             c = Command::new("ip");
             c.args(["netns", "exec", &self.ns(role)]).arg(&self.peer);
@@ -616,12 +614,7 @@ impl Drop for Lab {
 
 /// Counts per backend name in a peer report (without "errors").
 pub fn per_backend(v: &serde_json::Value) -> Vec<(String, u64)> {
-    v.as_object()
-        .unwrap()
-        .iter()
-        .filter(|(k, _)| k.starts_with('b') && k.len() == 2)
-        .map(|(k, n)| (k.clone(), n.as_u64().unwrap()))
-        .collect()
+    v.as_object().unwrap().iter().filter(|(k, _)| k.starts_with('b') && k.len() == 2).map(|(k, n)| (k.clone(), n.as_u64().unwrap())).collect()
 }
 
 pub fn errors(v: &serde_json::Value) -> u64 {

@@ -14,12 +14,12 @@ use std::{
 };
 
 use proxy_agent::{
-    conntrack::Table,
-    kernel::{self, Capacities, Datapath, KernelMaps},
-    maps::DatapathMaps,
-    manifests::{self, LoadReport},
+    dataplane::ebpf::kernel::{self, Capacities, Datapath, KernelMaps},
+    dataplane::ebpf::maps::DatapathMaps,
+    dataplane::ebpf::maps::Table,
+    dataplane::ebpf::sync::Syncer,
     model::{self, DesiredState, ModelConfig, NodeInfo},
-    sync::Syncer,
+    source::manifests::{self, LoadReport},
 };
 use proxy_common::{CtKey, CtValue, DatapathConfig};
 
@@ -147,7 +147,7 @@ pub fn xdp_pass_on(ns: &str, ifaces: &[&str], pin_dir: &Path) {
     use aya::programs::{links::FdLink, Xdp, XdpMode};
     let (ns, ifaces, pin_dir) = (ns.to_string(), ifaces.iter().map(|s| s.to_string()).collect::<Vec<_>>(), pin_dir.to_path_buf());
     std::thread::spawn(move || {
-        proxy_agent::netif::enter_netns(&ns).expect("enter the namespace");
+        proxy_agent::host::netif::enter_netns(&ns).expect("enter the namespace");
         let small = Capacities { services: 16, frontends: 16, backends: 16, slots: 16, conntrack: 16, conntrack_new: 16 };
         let mut dp = Datapath::load_object(&pin_dir, small).expect("load the object");
         let prog: &mut Xdp = dp.ebpf().program_mut(proxy_common::prog_names::XDP_PASS).unwrap().try_into().unwrap();

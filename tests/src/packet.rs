@@ -55,16 +55,7 @@ pub struct Frame {
 
 impl Frame {
     pub fn tcp(src: &str, sport: u16, dst: &str, dport: u16, flags: u8) -> Self {
-        Self {
-            src: src.parse().unwrap(),
-            dst: dst.parse().unwrap(),
-            proto: TCP,
-            sport,
-            dport,
-            tcp_flags: flags,
-            payload: Vec::new(),
-            udp_no_checksum: false,
-        }
+        Self { src: src.parse().unwrap(), dst: dst.parse().unwrap(), proto: TCP, sport, dport, tcp_flags: flags, payload: Vec::new(), udp_no_checksum: false }
     }
     pub fn udp(src: &str, sport: u16, dst: &str, dport: u16, payload: &[u8]) -> Self {
         Self { proto: UDP, tcp_flags: 0, payload: payload.to_vec(), ..Self::tcp(src, sport, dst, dport, 0) }

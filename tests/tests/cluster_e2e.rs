@@ -34,8 +34,7 @@ fn manifests(dir: &PathBuf) {
     // b2's second server (port 9090, started by the policy test) behind its own service.
     y += &service("only-b2", "10.96.0.22", 80, 9090, "TCP", &[a(B2)], "");
     // On node B's backend, NodePort 30090 on both nodes.
-    y += &service("far", "10.96.1.10", 80, 8080, "TCP", &[(B4, "node-b")], "  type: NodePort\n")
-        .replace("protocol: TCP}", "protocol: TCP, nodePort: 30090}");
+    y += &service("far", "10.96.1.10", 80, 8080, "TCP", &[(B4, "node-b")], "  type: NodePort\n").replace("protocol: TCP}", "protocol: TCP, nodePort: 30090}");
     // externalTrafficPolicy Local with its endpoint on node A only.
     y += &service("local", "10.96.1.12", 80, 8080, "TCP", &[a(B1)], "  type: NodePort\n  externalTrafficPolicy: Local\n")
         .replace("protocol: TCP}", "protocol: TCP, nodePort: 30091}");
@@ -214,7 +213,12 @@ fn netfilter_matrix_calico_like_policy_chain() {
 #[test]
 fn netfilter_matrix_kube_proxy_rules_still_loaded_no_double_masquerade() {
     use kpr_tests::iptables::{render, Svc};
-    let svc = |name: &str, vip: &str, bes: &[&str]| Svc { name: format!("e2e/{name}:p"), vip: vip.into(), port: 80, backends: bes.iter().map(|b| (b.to_string(), 8080)).collect() };
+    let svc = |name: &str, vip: &str, bes: &[&str]| Svc {
+        name: format!("e2e/{name}:p"),
+        vip: vip.into(),
+        port: 80,
+        backends: bes.iter().map(|b| (b.to_string(), 8080)).collect(),
+    };
     let rules = render(&[svc("web", "10.96.0.10", &[B1, B2, B3]), svc("only-b1", "10.96.0.21", &[B1])], "10.244.0.0/16");
     let lab = matrix_cell("kpm5", LabSpec::default(), |lab| {
         // kube-proxy's whole nat table, as during a migration before its cleanup; its
@@ -230,7 +234,6 @@ fn netfilter_matrix_kube_proxy_rules_still_loaded_no_double_masquerade() {
     let dnat = lab.iptables(&lab.ns("node"), "-t nat -L KUBE-SERVICES -v -n -x");
     assert!(dnat.lines().filter(|l| l.contains("KUBE-SVC")).all(|l| l.split_whitespace().next() == Some("0")), "kube-proxy's DNAT saw a VIP: {dnat}");
 }
-
 
 /// kube-proxy's detectLocalMode by interface: a client is local (never masqueraded for being
 /// off-cluster) when its packet comes from a pod interface, whatever its address.

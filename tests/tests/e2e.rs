@@ -87,10 +87,7 @@ fn removed_backend_gets_no_new_connections_but_keeps_established_ones() {
     std::thread::sleep(Duration::from_millis(800));
     // Which backend holds the connection: conntrack says.
     let flows: serde_json::Value = serde_json::from_str(&lab.cli(&["conntrack", "--json"])).unwrap();
-    let backend = flows.as_array().unwrap().iter().find(|f| f["frontend"] == "10.96.0.10:80").expect("held flow")["backend"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let backend = flows.as_array().unwrap().iter().find(|f| f["frontend"] == "10.96.0.10:80").expect("held flow")["backend"].as_str().unwrap().to_string();
     let ip = backend.split(':').next().unwrap().to_string();
     let web = lab.manifests.join("web.yaml");
     let text = std::fs::read_to_string(&web).unwrap();
@@ -167,6 +164,7 @@ fn cleanup_removes_kube_proxys_leftovers_and_nothing_else() {
     assert_eq!(sets.trim(), "MINE-SET");
     assert!(!x("ip -br link").contains("kube-ipvs0"));
     // Idempotent.
-    let again = must(&format!("{} --netns kpe7-node --pin-dir {} cleanup --kube-proxy --keep-kpr", kpr_tests::sibling_bin("kpr").display(), pins.path().display()));
+    let again =
+        must(&format!("{} --netns kpe7-node --pin-dir {} cleanup --kube-proxy --keep-kpr", kpr_tests::sibling_bin("kpr").display(), pins.path().display()));
     assert!(again.contains("no kube-proxy leftovers found") && !again.contains("pinned objects"), "{again}");
 }

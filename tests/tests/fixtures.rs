@@ -10,7 +10,7 @@ use kpr_tests::{
     packet::{icmp_error, parse, Frame, ACK, FIN, ICMP, SYN, TCP, UDP},
     Loaded,
 };
-use proxy_agent::{conntrack::Table, kernel::Datapath, maps::DatapathMaps, model::NodeInfo};
+use proxy_agent::{dataplane::ebpf::kernel::Datapath, dataplane::ebpf::maps::DatapathMaps, dataplane::ebpf::maps::Table, model::NodeInfo};
 use proxy_common::{counter, prog_names};
 
 const TC_ACT_OK: u32 = 0;
@@ -288,7 +288,10 @@ fn client_ip_affinity_pins_then_expires_and_follows_backend_removal() {
     let (k, mut v) = aff[0];
     v.last_used_ns -= 61_000_000_000;
     let mut m: aya::maps::HashMap<_, proxy_common::AffinityKey, proxy_common::AffinityValue> =
-        aya::maps::Map::from_map_data(aya::maps::MapData::from_pin(l.pins.path().join(proxy_common::map_names::AFFINITY)).unwrap()).unwrap().try_into().unwrap();
+        aya::maps::Map::from_map_data(aya::maps::MapData::from_pin(l.pins.path().join(proxy_common::map_names::AFFINITY)).unwrap())
+            .unwrap()
+            .try_into()
+            .unwrap();
     m.insert(k, v, 0).unwrap();
     let hits = counter_of(&l, counter::AFFINITY_HIT);
     let (_, out) = tc(&mut l.dp, &Frame::tcp("10.244.0.8", 43100, "10.96.0.11", 80, SYN));
@@ -537,7 +540,7 @@ fn a_flow_stamped_by_a_cpu_whose_clock_is_ahead_stays_established() {
     let cfg = datapath_config(NODE_IP, Some(("10.244.0.0", 16)));
     l.maps.set_config(proxy_common::DatapathConfig { flags: cfg.flags | CFG_F_NO_FLOW_CACHE, ..cfg }).unwrap();
     let first = handshake(&mut l, "10.244.0.31", 53000, "10.96.0.10", 80).dst;
-    let mut ct: HashMap<MapData, CtKey, CtValue> = proxy_agent::kernel::open_typed(l.pins.path(), map_names::CONNTRACK).unwrap();
+    let mut ct: HashMap<MapData, CtKey, CtValue> = proxy_agent::dataplane::ebpf::kernel::open_typed(l.pins.path(), map_names::CONNTRACK).unwrap();
     let entries: Vec<(CtKey, CtValue)> = ct.iter().map(|e| e.unwrap()).collect();
     assert!(!entries.is_empty());
     for (k, mut v) in entries {
@@ -685,12 +688,14 @@ fn a_service_id_given_to_another_frontend_never_inherits_its_affinity() {
     // A client pinned to a backend of "sticky" (10.96.0.11).
     let (_, o) = tc(&mut l.dp, &Frame::tcp("10.244.0.80", 56000, "10.96.0.11", 80, SYN));
     let pinned = parse(&o).dst;
-    let mut aff: HashMap<MapData, AffinityKey, AffinityValue> = proxy_agent::kernel::open_typed(l.pins.path(), map_names::AFFINITY).unwrap();
+    let mut aff: HashMap<MapData, AffinityKey, AffinityValue> = proxy_agent::dataplane::ebpf::kernel::open_typed(l.pins.path(), map_names::AFFINITY).unwrap();
     let stale: Vec<(AffinityKey, AffinityValue)> = aff.iter().map(|e| e.unwrap()).collect();
     assert_eq!(stale.len(), 1);
     // "sticky" goes; then a new affinity service whose only backend is another one gets its ids
     // back from the free list.
-    let gone = manifests().replace(&svc("sticky", "10.96.0.11", 80, "TCP", "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\n", ""), "").replace(&slice("sticky", 8080, "TCP", &BACKENDS), "");
+    let gone = manifests()
+        .replace(&svc("sticky", "10.96.0.11", 80, "TCP", "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\n", ""), "")
+        .replace(&slice("sticky", 8080, "TCP", &BACKENDS), "");
     l.syncer.sync(&mut l.maps, &kpr_tests::desired(&gone, &node), cfg).unwrap();
     let other = BACKENDS.iter().find(|b| **b != pinned.to_string()).unwrap();
     let mut y = gone.clone();
@@ -719,7 +724,7 @@ fn the_collector_deletes_only_what_it_read_in_the_kernel_maps() {
     let mut newer = v;
     newer.last_seen_ns += 1;
     let mut ct: aya::maps::HashMap<aya::maps::MapData, proxy_common::CtKey, proxy_common::CtValue> =
-        proxy_agent::kernel::open_typed(l.pins.path(), proxy_common::map_names::CONNTRACK).unwrap();
+        proxy_agent::dataplane::ebpf::kernel::open_typed(l.pins.path(), proxy_common::map_names::CONNTRACK).unwrap();
     ct.insert(k, newer, 0).unwrap();
     assert!(!l.maps.conntrack_mut().delete_if(Table::Assured, &k, &v).unwrap());
     assert_eq!(ct.get(&k, 0).unwrap(), newer, "the newer entry must survive");

@@ -34,7 +34,16 @@ fn write_services_with(dir: &PathBuf, dns_backends: &[&str], web_backends: &[&st
     let mut y = String::new();
     y += &service("dns", "10.96.0.53", 53, 5353, "UDP", &dns, "", "");
     y += &service("web", "10.96.0.10", 80, 8080, "TCP", &web, "", "");
-    y += &service("sticky", "10.96.0.12", 80, 8080, "TCP", &[("10.244.1.2", A), ("10.244.2.2", A), ("10.244.3.2", A)], "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\n", "");
+    y += &service(
+        "sticky",
+        "10.96.0.12",
+        80,
+        8080,
+        "TCP",
+        &[("10.244.1.2", A), ("10.244.2.2", A), ("10.244.3.2", A)],
+        "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\n",
+        "",
+    );
     y += "apiVersion: v1\nkind: Service\nmetadata: {name: shop, namespace: fl}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.20\n  loadBalancerSourceRanges: [\"198.18.0.0/24\"]\n  ports: [{name: p, port: 80, targetPort: 8080, nodePort: 30081, protocol: TCP}]\nstatus: {loadBalancer: {ingress: [{ip: 203.0.113.10}]}}\n---\n";
     y += "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: shop-1, namespace: fl, labels: {kubernetes.io/service-name: shop}}\naddressType: IPv4\nports: [{name: p, port: 8080, protocol: TCP}]\nendpoints:\n- {addresses: [\"10.244.2.2\"], conditions: {ready: true}, nodeName: node-a}\n---\n";
     // internalTrafficPolicy Local whose only endpoint is on another node: dropped here.
@@ -122,7 +131,9 @@ fn tcp_flows_of_a_removed_endpoint_run_on() {
     let held = lab.peer_bg("pod", &["hold", "10.96.0.10:80", "4"]);
     std::thread::sleep(Duration::from_millis(600));
     write_services_with(&dir, &ALL, &[]);
-    lab.wait_for("web without endpoints", |v| v.as_array().is_some_and(|a| a.iter().any(|r| r["frontend"] == "10.96.0.10:80" && r["backends"].as_array().is_some_and(|b| b.is_empty()))));
+    lab.wait_for("web without endpoints", |v| {
+        v.as_array().is_some_and(|a| a.iter().any(|r| r["frontend"] == "10.96.0.10:80" && r["backends"].as_array().is_some_and(|b| b.is_empty())))
+    });
     let h = Lab::finish(held);
     assert_eq!(errors(&h), 0, "{h}");
     assert!(per_backend(&h).iter().map(|(_, n)| n).sum::<u64>() > 30, "{h}");
@@ -194,7 +205,16 @@ fn health_says_unhealthy_when_syncs_keep_failing() {
     // healthz timeout = 2 x syncPeriod = 2 s here.
     let (lab, dir) = lab("kpf6", &["--sync-period", "1", "--healthz-bind-address", "127.0.0.1:10256"]);
     let mut y = std::fs::read_to_string(dir.join("services.yaml")).unwrap();
-    y += &service("hc", "10.96.0.60", 80, 8080, "TCP", &[("10.244.1.2", A)], "  type: NodePort\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 32100\n", "");
+    y += &service(
+        "hc",
+        "10.96.0.60",
+        80,
+        8080,
+        "TCP",
+        &[("10.244.1.2", A)],
+        "  type: NodePort\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 32100\n",
+        "",
+    );
     std::fs::write(dir.join("services.yaml"), y).unwrap();
     lab.wait_backends("10.96.0.60:80", 1);
     let get = |port: u16, path: &str| -> String {

@@ -54,7 +54,11 @@ fn agent_on_the_kubernetes_api_forwards_serves_health_and_metrics_and_survives_a
     assert_eq!((errors(&v), per_backend(&v).len()), (0, 3), "{v}");
 
     // A change through the API reaches the kernel.
-    api.apply_yaml(&std::fs::read_to_string(examples.join("web.yaml")).unwrap().replace("- addresses: [\"10.244.3.2\"]\n  conditions: {ready: true, serving: true, terminating: false}\n  nodeName: node-a\n", ""));
+    api.apply_yaml(
+        &std::fs::read_to_string(examples.join("web.yaml"))
+            .unwrap()
+            .replace("- addresses: [\"10.244.3.2\"]\n  conditions: {ready: true, serving: true, terminating: false}\n  nodeName: node-a\n", ""),
+    );
     lab.wait_backends("10.96.0.10:80", 2);
 
     let (status, body) = get(&lab, "127.0.0.1:10256", "/healthz");
@@ -95,12 +99,7 @@ fn agent_on_the_kubernetes_api_forwards_serves_health_and_metrics_and_survives_a
     assert!(status.contains("503") && body.contains("\"localEndpoints\":0"), "{status} {body}");
 
     // `kpr status` shows the last sync from the agent's health endpoint.
-    let status = Command::new(&lab.kpr)
-        .args(["--netns", &lab.ns("node"), "--pin-dir"])
-        .arg(lab.pins.path())
-        .arg("status")
-        .output()
-        .unwrap();
+    let status = Command::new(&lab.kpr).args(["--netns", &lab.ns("node"), "--pin-dir"]).arg(lab.pins.path()).arg("status").output().unwrap();
     let status = String::from_utf8_lossy(&status.stdout).to_string();
     assert!(status.contains("last sync: 20") && status.contains("new_flow"), "{status}");
 
@@ -128,8 +127,8 @@ fn agent_on_the_kubernetes_api_forwards_serves_health_and_metrics_and_survives_a
 
     // Drift: an entry deleted by hand is repaired by the next full sync (syncPeriod 2 s here).
     {
-        use proxy_agent::maps::DatapathMaps;
-        let mut maps = proxy_agent::kernel::KernelMaps::open(lab.pins.path()).unwrap();
+        use proxy_agent::dataplane::ebpf::maps::DatapathMaps;
+        let mut maps = proxy_agent::dataplane::ebpf::kernel::KernelMaps::open(lab.pins.path()).unwrap();
         let key = proxy_common::ServiceKey::new("10.96.0.11".parse().unwrap(), 80, proxy_common::PROTO_TCP, proxy_common::SCOPE_INTERNAL);
         maps.del_service(key).unwrap();
         assert!(!maps.services().unwrap().iter().any(|(k, _)| *k == key));

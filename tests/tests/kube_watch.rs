@@ -4,15 +4,15 @@
 //! maps (the fake map writer) must hold exactly that state.
 use std::{sync::Arc, time::Duration};
 
+use kpr_tests::fake_api::{FakeApi, Kind};
 use proxy_agent::{
-    kube_source::{self, Shared},
-    maps::FakeMaps,
+    dataplane::ebpf::maps::FakeMaps,
+    dataplane::ebpf::sync::Syncer,
     model::{compute, ModelConfig, NodeInfo},
-    sync::Syncer,
+    source::kube::{self as kube_source, Shared},
 };
 use proxy_common::DatapathConfig;
 use serde_json::{json, Value};
-use kpr_tests::fake_api::{FakeApi, Kind};
 
 fn service(name: &str, ip: &str, port: u16, extra_labels: Value) -> Value {
     json!({"apiVersion": "v1", "kind": "Service",

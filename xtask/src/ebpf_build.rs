@@ -20,25 +20,18 @@ pub const DEBIAN_PACKAGES: &[&str] = &["rustc-web", "cargo-web", "libstd-rust-we
 pub const DEBIAN_INSTALL: &str = "apt-get install -y rustc-web cargo-web libstd-rust-web-dev-bpf llvm-22-dev libpolly-22-dev && LLVM_PREFIX=/usr/lib/llvm-22 cargo install bpf-linker --no-default-features --features llvm-22";
 
 fn home_cargo_bin() -> PathBuf {
-    env::var_os("CARGO_HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env::var_os("HOME").unwrap_or_default()).join(".cargo"))
-        .join("bin")
+    env::var_os("CARGO_HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env::var_os("HOME").unwrap_or_default()).join(".cargo")).join("bin")
 }
 
 pub fn bpf_linker_found() -> bool {
     if home_cargo_bin().join("bpf-linker").exists() {
         return true;
     }
-    env::var_os("PATH")
-        .map(|p| env::split_paths(&p).any(|d| d.join("bpf-linker").exists()))
-        .unwrap_or(false)
+    env::var_os("PATH").map(|p| env::split_paths(&p).any(|d| d.join("bpf-linker").exists())).unwrap_or(false)
 }
 
 pub fn debian_toolchain() -> bool {
-    Path::new("/usr/bin/rustc").exists()
-        && Path::new("/usr/bin/cargo").exists()
-        && Path::new("/usr/lib/rustlib").join(TARGET).exists()
+    Path::new("/usr/bin/rustc").exists() && Path::new("/usr/bin/cargo").exists() && Path::new("/usr/lib/rustlib").join(TARGET).exists()
 }
 
 pub fn nightly_with_rust_src() -> bool {
@@ -61,10 +54,7 @@ pub fn build(workspace: &Path, target_dir: &Path, release: bool) -> Result<PathB
         let path = env::var_os("PATH").unwrap_or_default();
         let mut dirs = vec![PathBuf::from("/usr/bin"), home_cargo_bin()];
         dirs.extend(env::split_paths(&path));
-        cmd.env("PATH", env::join_paths(dirs).unwrap())
-            .env("RUSTC", "/usr/bin/rustc")
-            .env("RUSTC_BOOTSTRAP", "1")
-            .arg("build");
+        cmd.env("PATH", env::join_paths(dirs).unwrap()).env("RUSTC", "/usr/bin/rustc").env("RUSTC_BOOTSTRAP", "1").arg("build");
     } else if nightly_with_rust_src() {
         cmd = Command::new("rustup");
         cmd.args(["run", "nightly", "cargo", "build", "-Z", "build-std=core"]);

@@ -126,7 +126,9 @@ fn mount_bpffs() {
 fn ensure_toolchain() -> Result<()> {
     let have_toolchain = ebpf_build::debian_toolchain() || ebpf_build::nightly_with_rust_src();
     let mut missing_tools: Vec<&str> = Vec::new();
-    for (tool, pkg) in [("ip", "iproute2"), ("mountpoint", "util-linux"), ("setpriv", "util-linux"), ("iptables", "iptables"), ("ipset", "ipset"), ("conntrack", "conntrack")] {
+    for (tool, pkg) in
+        [("ip", "iproute2"), ("mountpoint", "util-linux"), ("setpriv", "util-linux"), ("iptables", "iptables"), ("ipset", "ipset"), ("conntrack", "conntrack")]
+    {
         if !Command::new("sh").arg("-c").arg(format!("command -v {tool} >/dev/null")).status().map(|s| s.success()).unwrap_or(false) {
             missing_tools.push(pkg);
         }
@@ -279,10 +281,16 @@ fn real_main() -> Result<()> {
                 let (cp, tr, rest) = if smoke {
                     ("100".to_string(), "100".to_string(), "--seconds 1 --runs 1")
                 } else {
-                    (vm_cp_sizes.clone().unwrap_or_else(|| "1000,10000".into()), vm_traffic_sizes.clone().unwrap_or_else(|| "100,10000".into()), "--seconds 3 --runs 3")
+                    (
+                        vm_cp_sizes.clone().unwrap_or_else(|| "1000,10000".into()),
+                        vm_traffic_sizes.clone().unwrap_or_else(|| "100,10000".into()),
+                        "--seconds 3 --runs 3",
+                    )
                 };
                 eprintln!("xtask: IPVS sides in the QEMU guest (control plane {cp}; traffic {tr})");
-                let cmd = format!("./target/release/kpr-vm-bench --cp-sizes '{cp}' --traffic-sizes '{tr}' {rest} --json \"$KPR_VM_OUT/vm.json\" --svg \"$KPR_VM_OUT/vm.svg\"");
+                let cmd = format!(
+                    "./target/release/kpr-vm-bench --cp-sizes '{cp}' --traffic-sizes '{tr}' {rest} --json \"$KPR_VM_OUT/vm.json\" --svg \"$KPR_VM_OUT/vm.svg\""
+                );
                 vm::vm_test(Some(cmd), Duration::from_secs(3600), &[])?;
                 for f in ["vm.json", "vm.svg"] {
                     std::fs::copy(root().join("target/vm/out").join(f), out.join(f))?;

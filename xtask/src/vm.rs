@@ -15,10 +15,8 @@ use anyhow::{bail, Context, Result};
 pub const DEBIAN_PACKAGES: &[&str] = &["qemu-system-x86", "linux-image-amd64", "ipvsadm", "busybox-static", "kmod"];
 
 /// What the initramfs needs to mount the 9p share, in load order (virtio_ring before virtio).
-const MODULES: &[&str] = &[
-    "virtio_ring", "virtio", "virtio_pci_legacy_dev", "virtio_pci_modern_dev", "virtio_pci", "netfs", "fscache", "9pnet",
-    "9pnet_virtio", "9p",
-];
+const MODULES: &[&str] =
+    &["virtio_ring", "virtio", "virtio_pci_legacy_dev", "virtio_pci_modern_dev", "virtio_pci", "netfs", "fscache", "9pnet", "9pnet_virtio", "9p"];
 
 /// The init prints this just before running the command: the host times the boot with it.
 const BOOTED: &str = "kpr-vm: booted";
@@ -131,8 +129,7 @@ pub fn vm_test(command: Option<String>, timeout: Duration, args: &[String]) -> R
         Some(b) => eprintln!("xtask: guest booted in {:.1}s, command + shutdown took {:.1}s", b.as_secs_f64(), (total - b).as_secs_f64()),
         None => eprintln!("xtask: the guest never reached the command ({:.1}s, QEMU {status})", total.as_secs_f64()),
     }
-    let code = fs::read_to_string(out.join("exit_code"))
-        .context("the guest wrote no exit_code (boot or init failed: see the console above)")?;
+    let code = fs::read_to_string(out.join("exit_code")).context("the guest wrote no exit_code (boot or init failed: see the console above)")?;
     match code.trim() {
         "0" => Ok(()),
         c => bail!("the guest command exited with status {c}"),
@@ -140,11 +137,7 @@ pub fn vm_test(command: Option<String>, timeout: Duration, args: &[String]) -> R
 }
 
 fn deb_installed(pkg: &str) -> bool {
-    Command::new("dpkg-query")
-        .args(["-W", "-f", "${db:Status-Status}", pkg])
-        .output()
-        .map(|o| o.stdout == b"installed")
-        .unwrap_or(false)
+    Command::new("dpkg-query").args(["-W", "-f", "${db:Status-Status}", pkg]).output().map(|o| o.stdout == b"installed").unwrap_or(false)
 }
 
 /// The newest /boot/vmlinuz-<ver> whose modules include IPVS (the host's own kernel has none).
@@ -159,9 +152,7 @@ fn guest_kernel() -> Result<(PathBuf, String)> {
         })
         .collect();
     found.sort_by(|a, b| a.1.cmp(&b.1));
-    found.pop().with_context(|| {
-        format!("no /boot/vmlinuz-* with IPVS modules in /lib/modules/<version>: apt-get install -y {}", DEBIAN_PACKAGES.join(" "))
-    })
+    found.pop().with_context(|| format!("no /boot/vmlinuz-* with IPVS modules in /lib/modules/<version>: apt-get install -y {}", DEBIAN_PACKAGES.join(" ")))
 }
 
 fn build_vm_tests(root: &Path) -> Result<()> {

@@ -20,9 +20,7 @@ fn vip(i: u32) -> String {
 }
 
 fn services(n: u32) -> Vec<Svc> {
-    (0..n)
-        .map(|i| Svc { name: format!("ab/s{i}:http"), vip: vip(i), port: 80, backends: (1..=3).map(|b| (backend_ip(b), 8080)).collect() })
-        .collect()
+    (0..n).map(|i| Svc { name: format!("ab/s{i}:http"), vip: vip(i), port: 80, backends: (1..=3).map(|b| (backend_ip(b), 8080)).collect() }).collect()
 }
 
 fn manifests(n: u32) -> String {
@@ -104,7 +102,11 @@ fn main() {
     let sizes: Vec<u32> = opt("--sizes").unwrap_or_else(|| "100,1000,10000,30000".into()).split(',').map(|s| s.parse().unwrap()).collect();
     let secs: f64 = opt("--seconds").map(|s| s.parse().unwrap()).unwrap_or(3.0);
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    println!("machine: Linux {} | {} CPUs | {secs} s of back-to-back connections from one pod per cell", kernel.trim(), std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0));
+    println!(
+        "machine: Linux {} | {} CPUs | {secs} s of back-to-back connections from one pod per cell",
+        kernel.trim(),
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)
+    );
     println!("target: the last-created service (the end of kube-proxy's KUBE-SERVICES chain)");
     println!("program: N services from nothing; 1 change: one service's endpoints (eBPF through the manifest-directory source, which re-reads every file; the Kubernetes source's figure is kpr-scale's) vs. kube-proxy's full iptables-restore\n");
     let dir = std::env::temp_dir().join(format!("kpr-ab-{}", std::process::id()));
@@ -125,8 +127,18 @@ fn main() {
         let program_s = t.elapsed().as_secs_f64();
         // One change: the last service gets a fourth endpoint... the same three, reordered.
         let t = Instant::now();
-        std::fs::write(dir.join("services.yaml"), manifests(n).replacen(&format!("endpoints: [{{addresses: [{}]}}, {{addresses: [{}]}}, {{addresses: [{}]}}]", backend_ip(1), backend_ip(2), backend_ip(3)), &format!("endpoints: [{{addresses: [{}]}}, {{addresses: [{}]}}]", backend_ip(1), backend_ip(2)), 1)).unwrap();
-        lab.wait_for("one change", |v| v.as_array().is_some_and(|a| a.iter().any(|r| r["frontend"] == format!("{}:80", vip(0)) && r["backends"].as_array().map(|b| b.len()) == Some(2))));
+        std::fs::write(
+            dir.join("services.yaml"),
+            manifests(n).replacen(
+                &format!("endpoints: [{{addresses: [{}]}}, {{addresses: [{}]}}, {{addresses: [{}]}}]", backend_ip(1), backend_ip(2), backend_ip(3)),
+                &format!("endpoints: [{{addresses: [{}]}}, {{addresses: [{}]}}]", backend_ip(1), backend_ip(2)),
+                1,
+            ),
+        )
+        .unwrap();
+        lab.wait_for("one change", |v| {
+            v.as_array().is_some_and(|a| a.iter().any(|r| r["frontend"] == format!("{}:80", vip(0)) && r["backends"].as_array().map(|b| b.len()) == Some(2)))
+        });
         let change_ms = t.elapsed().as_secs_f64() * 1e3;
         let (rate, p50, p99, errors) = measure(&lab, "ebpf", &target, secs);
         rows.push(Row { services: n, mode: "ebpf", rate, p50, p99, errors, program_s, change_ms });
@@ -136,7 +148,11 @@ fn main() {
         // kube-proxy's iptables rules.
         let rules = render(&services(n), "10.244.0.0/16");
         let program_s = restore(&lab, &rules);
-        let changed = render(&services(n)[..], "10.244.0.0/16").replacen(&format!("-m statistic --mode random --probability 0.33333333333 -j"), "-m statistic --mode random --probability 0.33333333334 -j", 1);
+        let changed = render(&services(n)[..], "10.244.0.0/16").replacen(
+            &format!("-m statistic --mode random --probability 0.33333333333 -j"),
+            "-m statistic --mode random --probability 0.33333333334 -j",
+            1,
+        );
         // kube-proxy rewrites the table on a change (one iptables-restore).
         let change_ms = restore(&lab, &changed) * 1e3;
         let (rate, p50, p99, errors) = measure(&lab, "iptables", &target, secs);
@@ -145,7 +161,10 @@ fn main() {
         fresh_conntrack(&lab);
 
         for r in rows.iter().filter(|r| r.services == n) {
-            println!("{:>8} {:<9} {:>10.0} {:>9.0} {:>9.0} {:>7} {:>12.2} {:>12.1}", r.services, r.mode, r.rate, r.p50, r.p99, r.errors, r.program_s, r.change_ms);
+            println!(
+                "{:>8} {:<9} {:>10.0} {:>9.0} {:>9.0} {:>7} {:>12.2} {:>12.1}",
+                r.services, r.mode, r.rate, r.p50, r.p99, r.errors, r.program_s, r.change_ms
+            );
         }
     }
     println!();

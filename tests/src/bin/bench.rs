@@ -10,11 +10,16 @@ use aya::{
     maps::{HashMap as AyaHashMap, MapData},
     programs::{TestRun, TestRunOptions},
 };
-use kpr_tests::{bench::median, datapath_config, packet::{Frame, SYN, ACK}, PinDir};
+use kpr_tests::{
+    bench::median,
+    datapath_config,
+    packet::{Frame, ACK, SYN},
+    PinDir,
+};
 use proxy_agent::{
-    kernel::{Capacities, Datapath, KernelMaps},
+    dataplane::ebpf::kernel::{Capacities, Datapath, KernelMaps},
+    dataplane::ebpf::sync::Syncer,
     model::DesiredState,
-    sync::Syncer,
 };
 use proxy_common::{counter, map_names, prog_names, CtKey, CtValue, DatapathConfig, CFG_F_NO_FLOW_CACHE};
 
@@ -118,8 +123,8 @@ fn ping_pong(ct: &mut AyaHashMap<MapData, CtKey, CtValue>, key: CtKey) -> Vec<u8
 
 /// Deletes every flow, and every CPU's cached copy.
 fn clear_conntrack(maps: &mut KernelMaps) {
-    let tables = proxy_agent::maps::DatapathMaps::conntrack_mut(maps);
-    for table in proxy_agent::conntrack::Table::ALL {
+    let tables = proxy_agent::dataplane::ebpf::maps::DatapathMaps::conntrack_mut(maps);
+    for table in proxy_agent::dataplane::ebpf::maps::Table::ALL {
         for (k, v) in tables.entries(table).expect("read conntrack") {
             let _ = tables.delete_if(table, &k, &v);
         }
@@ -158,7 +163,10 @@ fn main() {
     let json_out = opt("--json");
 
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    let cpu = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|c| c.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())).unwrap_or_default();
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| c.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
+        .unwrap_or_default();
     let ncpu = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
     println!("machine: Linux {} | {cpu} | {ncpu} CPUs", kernel.trim());
     println!("method: BPF_PROG_TEST_RUN, 54-byte TCP frames, median of {runs} runs of {repeat} repetitions: forward = a hit on an established flow's forward entry (ingress: DNAT; egress: masquerade), reply = on a reply entry (ingress: reverse masquerade; egress: reverse DNAT), other = a packet of no service and no flow; new = {new_flows} distinct SYNs, 1 repetition each (mean). The fast path answers repeated hits from its per-CPU flow cache; the 'no cache' rows probe conntrack for every packet");
@@ -176,13 +184,13 @@ fn main() {
     let mut dp = Datapath::load(pins.path(), caps).expect("load");
     dp.load_ipset().expect("load the IPVS-mode set matching");
     let mut maps = KernelMaps::open(pins.path()).unwrap();
-    let mut set_maps = proxy_agent::sets::KernelSetMaps::open(pins.path()).unwrap();
+    let mut set_maps = proxy_agent::dataplane::ipvs::sets::KernelSetMaps::open(pins.path()).unwrap();
     let mut syncer = Syncer::new(caps.services, 16);
     let cfg = datapath_config("192.0.2.1", Some(("10.244.0.0", 16)));
 
     let mut ct: AyaHashMap<MapData, CtKey, CtValue> =
-        proxy_agent::kernel::open_typed(pins.path(), map_names::CONNTRACK).expect("open conntrack");
-    let counters = |maps: &KernelMaps| proxy_agent::maps::DatapathMaps::counters(maps).expect("counters");
+        proxy_agent::dataplane::ebpf::kernel::open_typed(pins.path(), map_names::CONNTRACK).expect("open conntrack");
+    let counters = |maps: &KernelMaps| proxy_agent::dataplane::ebpf::maps::DatapathMaps::counters(maps).expect("counters");
     // A pod (not masqueraded) and a client outside the cluster CIDR (masqueraded): between them
     // every entry kind of a flow is measured: DNAT at ingress, reverse SNAT at ingress, SNAT at
     // egress, reverse DNAT at egress.
@@ -203,8 +211,8 @@ fn main() {
         let st = syncer.sync(&mut maps, &d, cfg).expect("sync");
         // The same services as kube-proxy's IPVS-mode sets (CLUSTER-IP, LOOP-BACK, IPVS-IPS).
         let bound = d.frontends.keys().map(|k| k.ip).collect();
-        let sets = proxy_agent::sets::compute(&d, &["192.0.2.1".parse().unwrap()], &bound);
-        proxy_agent::sets::sync(&mut set_maps, &sets).expect("sets");
+        let sets = proxy_agent::dataplane::ipvs::sets::compute(&d, &["192.0.2.1".parse().unwrap()], &bound);
+        proxy_agent::dataplane::ipvs::sets::sync(&mut set_maps, &sets).expect("sets");
         eprintln!("  programmed {n} services ({} frontends, {} map writes) in {:.2}s", st.frontends, st.writes + st.deletes, t.elapsed().as_secs_f64());
         // The service hit is the last one programmed: nothing favours it in the hash table.
         let target = match vip(n - 1) {
@@ -220,7 +228,7 @@ fn main() {
                 let outside = (outside.0, outside.1 + attempt);
                 assured_flow(&mut dp, Prog::Tc, tcp(pod.0, pod.1, target, 80, SYN));
                 assured_flow(&mut dp, Prog::Xdp, tcp(outside.0, outside.1, target, 80, SYN));
-                let entries = proxy_agent::conntrack::assemble(&ct.iter().map(|e| e.unwrap()).collect::<Vec<_>>());
+                let entries = proxy_agent::dataplane::ebpf::conntrack::assemble(&ct.iter().map(|e| e.unwrap()).collect::<Vec<_>>());
                 let flow_of = |c: (Ipv4Addr, u16)| {
                     entries
                         .iter()
@@ -251,7 +259,7 @@ fn main() {
         for p in [Prog::TcPass, Prog::XdpPass, Prog::Tc, Prog::TcEgress, Prog::Xdp, Prog::TcNoCache, Prog::TcEgressNoCache, Prog::XdpNoCache, Prog::TcIpset] {
             let lb = p.fast_path();
             let flags = if p.no_cache() { cfg.flags | CFG_F_NO_FLOW_CACHE } else { cfg.flags };
-            proxy_agent::maps::DatapathMaps::set_config(&mut maps, DatapathConfig { flags, ..cfg }).expect("config");
+            proxy_agent::dataplane::ebpf::maps::DatapathMaps::set_config(&mut maps, DatapathConfig { flags, ..cfg }).expect("config");
             let mut timed = |frame: &[u8], counter: Option<u32>| {
                 let before = counters(&maps);
                 let t = median(
@@ -309,10 +317,7 @@ fn main() {
                 floor.insert(p.tc(), fig);
             }
             let x: Vec<f64> = fig.iter().zip(floor[&p.tc()]).map(|(a, b)| a / b).collect();
-            println!(
-                "{n:>9} {:<18} {fwd:>10.1} {:>7.2} {rev:>10.1} {:>7.2} {oth:>10.1} {:>7.2} {newf:>10.1} {:>7.2}",
-                p.name(), x[0], x[1], x[2], x[3]
-            );
+            println!("{n:>9} {:<18} {fwd:>10.1} {:>7.2} {rev:>10.1} {:>7.2} {oth:>10.1} {:>7.2} {newf:>10.1} {:>7.2}", p.name(), x[0], x[1], x[2], x[3]);
             let _ = std::io::stdout().flush();
             let mut row = BTreeMap::new();
             row.insert("services".into(), n.into());
@@ -326,7 +331,7 @@ fn main() {
             results.push(row);
         }
         // Flows of this size must not help the next one.
-        proxy_agent::maps::DatapathMaps::set_config(&mut maps, cfg).expect("config");
+        proxy_agent::dataplane::ebpf::maps::DatapathMaps::set_config(&mut maps, cfg).expect("config");
         clear_conntrack(&mut maps);
     }
     // Flatness: each program's established-flow cost at the largest size vs the smallest.
@@ -338,7 +343,8 @@ fn main() {
         }
     }
     if let Some(path) = json_out {
-        let doc = serde_json::json!({"kernel": kernel.trim(), "cpu": cpu, "cpus": ncpu, "repeat": repeat, "new_flows": new_flows, "runs": runs, "results": results});
+        let doc =
+            serde_json::json!({"kernel": kernel.trim(), "cpu": cpu, "cpus": ncpu, "repeat": repeat, "new_flows": new_flows, "runs": runs, "results": results});
         std::fs::write(&path, serde_json::to_string_pretty(&doc).unwrap()).unwrap();
         println!("wrote {path}");
     }

@@ -3,7 +3,11 @@
 //! Everything is removed at the end (also on Ctrl-C or a failure).
 //!
 //!   kpr-lab [--manifests DIR] [--connections N] [--keep SECONDS] [--nodes 1|2] [--cni routed|vxlan]
-use std::{path::PathBuf, sync::atomic::{AtomicBool, Ordering}, time::Duration};
+use std::{
+    path::PathBuf,
+    sync::atomic::{AtomicBool, Ordering},
+    time::Duration,
+};
 
 use kpr_tests::lab::{errors, per_backend, Cni, Lab, LabSpec, NODE_IP};
 
@@ -38,7 +42,11 @@ fn main() {
     for n in &lab.nodes {
         let _ = std::fs::remove_file(&n.agent_log);
     }
-    println!("==> starting kpr on every node on {} (logs: {})", manifests.display(), lab.nodes.iter().map(|n| n.agent_log.display().to_string()).collect::<Vec<_>>().join(", "));
+    println!(
+        "==> starting kpr on every node on {} (logs: {})",
+        manifests.display(),
+        lab.nodes.iter().map(|n| n.agent_log.display().to_string()).collect::<Vec<_>>().join(", ")
+    );
     lab.start_agents();
     lab.wait_backends("10.96.0.10:80", 3);
     println!("\n==> kpr services (what the kernel maps hold)\n{}", lab.cli(&["services"]));
@@ -78,7 +86,12 @@ fn main() {
         println!("{l}");
     }
     if keep > 0 {
-        println!("\n==> keeping the lab for {keep} s (Ctrl-C to stop). Try:\n  ip netns exec kpr-lab-pod {} burst 10.96.0.10:80 tcp 10\n  {} --pin-dir {} services", std::env::current_exe().unwrap().with_file_name("kpr-lab-peer").display(), lab.kpr.display(), lab.pins.path().display());
+        println!(
+            "\n==> keeping the lab for {keep} s (Ctrl-C to stop). Try:\n  ip netns exec kpr-lab-pod {} burst 10.96.0.10:80 tcp 10\n  {} --pin-dir {} services",
+            std::env::current_exe().unwrap().with_file_name("kpr-lab-peer").display(),
+            lab.kpr.display(),
+            lab.pins.path().display()
+        );
         let mut left = keep * 10;
         while left > 0 && !INTERRUPTED.load(Ordering::Relaxed) {
             std::thread::sleep(Duration::from_millis(100));

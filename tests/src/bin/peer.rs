@@ -220,7 +220,13 @@ fn main() {
             }
             let elapsed = start.elapsed().as_secs_f64();
             lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
-            let pct = |p: f64| if lat.is_empty() { 0.0 } else { lat[((lat.len() - 1) as f64 * p) as usize] };
+            let pct = |p: f64| {
+                if lat.is_empty() {
+                    0.0
+                } else {
+                    lat[((lat.len() - 1) as f64 * p) as usize]
+                }
+            };
             let v = serde_json::json!({"connections": lat.len(), "rate": lat.len() as f64 / elapsed, "p50_us": pct(0.5), "p99_us": pct(0.99), "errors": errors, "first_error": first});
             println!("{v}");
         }
@@ -319,7 +325,8 @@ fn main() {
             let secs: f64 = arg(2).parse::<f64>().unwrap().min(120.0);
             let start = Instant::now();
             let mut t = Tally::default();
-            let connect = || UdpSocket::bind("0.0.0.0:0").and_then(|s| s.connect(target).and_then(|_| s.set_read_timeout(Some(Duration::from_millis(500))).map(|_| s)));
+            let connect =
+                || UdpSocket::bind("0.0.0.0:0").and_then(|s| s.connect(target).and_then(|_| s.set_read_timeout(Some(Duration::from_millis(500))).map(|_| s)));
             let mut sock = connect().expect("udp socket");
             while start.elapsed().as_secs_f64() < secs {
                 let mut buf = [0u8; 256];
@@ -392,7 +399,8 @@ fn main() {
             let (busy, busy_failed) = worker.join().unwrap();
             let (mut same, mut moved, mut errors) = (0u64, 0u64, 0u64);
             let mut first_error = None;
-            let held = busy.into_iter().zip(busy_failed).map(|((s, want), failed)| (s, want, failed)).chain(conns.into_iter().map(|(s, want)| (s, want, false)));
+            let held =
+                busy.into_iter().zip(busy_failed).map(|((s, want), failed)| (s, want, failed)).chain(conns.into_iter().map(|(s, want)| (s, want, false)));
             for (mut s, want, failed_while_busy) in held {
                 match ask(&mut s) {
                     _ if failed_while_busy => {
@@ -468,7 +476,9 @@ fn synflood(dst: std::net::Ipv4Addr, dport: u16, count: u64) -> u64 {
         pseudo.extend_from_slice(tcp);
         let c = csum(&pseudo, 0);
         pkt[36..38].copy_from_slice(&c.to_be_bytes());
-        let rc = unsafe { libc::sendto(fd, pkt.as_ptr().cast(), pkt.len(), 0, (&addr as *const libc::sockaddr_in).cast(), std::mem::size_of::<libc::sockaddr_in>() as u32) };
+        let rc = unsafe {
+            libc::sendto(fd, pkt.as_ptr().cast(), pkt.len(), 0, (&addr as *const libc::sockaddr_in).cast(), std::mem::size_of::<libc::sockaddr_in>() as u32)
+        };
         if rc < 0 {
             // ENOBUFS under load: back off a little, bounded by the deadline.
             std::thread::sleep(Duration::from_micros(50));

@@ -10,8 +10,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use kpr_tests::{fake_api::{FakeApi, Kind}, PinDir};
-use proxy_agent::maps::DatapathMaps;
+use kpr_tests::{
+    fake_api::{FakeApi, Kind},
+    PinDir,
+};
+use proxy_agent::dataplane::ebpf::maps::DatapathMaps;
 use serde_json::json;
 
 fn service(i: u32) -> serde_json::Value {
@@ -65,7 +68,20 @@ fn main() {
         .arg(pins.path())
         .args(["run", "--kubeconfig"])
         .arg(dir.join("kubeconfig"))
-        .args(["--node-name", "n1", "--node-ip", "192.0.2.1", "--cgroup", "none", "--healthz-bind-address", "", "--metrics-bind-address", "", "--min-sync-period", "0"])
+        .args([
+            "--node-name",
+            "n1",
+            "--node-ip",
+            "192.0.2.1",
+            "--cgroup",
+            "none",
+            "--healthz-bind-address",
+            "",
+            "--metrics-bind-address",
+            "",
+            "--min-sync-period",
+            "0",
+        ])
         .env("NO_COLOR", "1")
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).unwrap())
@@ -74,7 +90,7 @@ fn main() {
     // Initial sync: until the maps hold every frontend.
     let want = 2 * n as usize;
     loop {
-        if let Ok(m) = proxy_agent::kernel::KernelMaps::open(pins.path()) {
+        if let Ok(m) = proxy_agent::dataplane::ebpf::kernel::KernelMaps::open(pins.path()) {
             if m.services().map(|s| s.len()).unwrap_or(0) >= want {
                 break;
             }
@@ -83,9 +99,18 @@ fn main() {
         std::thread::sleep(Duration::from_millis(20));
     }
     let initial = start.elapsed();
-    let logged: Vec<f64> = std::fs::read_to_string(&log).unwrap_or_default().lines().filter(|l| l.contains("synced")).filter_map(|l| l.split("ms=").nth(1)?.split_whitespace().next()?.parse().ok()).collect();
+    let logged: Vec<f64> = std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("synced"))
+        .filter_map(|l| l.split("ms=").nth(1)?.split_whitespace().next()?.parse().ok())
+        .collect();
     println!("services: {n} x {e} endpoints ({} frontends, {} slots)", want, want * e as usize);
-    println!("initial sync: {:.2} s from agent start to all frontends in the kernel (the sync itself: {:.0} ms)", initial.as_secs_f64(), logged.first().copied().unwrap_or(f64::NAN));
+    println!(
+        "initial sync: {:.2} s from agent start to all frontends in the kernel (the sync itself: {:.0} ms)",
+        initial.as_secs_f64(),
+        logged.first().copied().unwrap_or(f64::NAN)
+    );
 
     // One change at a time: a service's endpoints replaced; latency until its slot 1 changed.
     let mut lat = Vec::new();
@@ -95,8 +120,10 @@ fn main() {
         let key = proxy_common::ServiceKey::new(vip, 80, proxy_common::PROTO_TCP, proxy_common::SCOPE_INTERNAL);
         let maps = {
             use aya::maps::{HashMap, Map, MapData};
-            let svc: HashMap<MapData, proxy_common::ServiceKey, proxy_common::ServiceValue> = Map::from_map_data(MapData::from_pin(pins.path().join(proxy_common::map_names::SERVICES)).unwrap()).unwrap().try_into().unwrap();
-            let slots: HashMap<MapData, proxy_common::SlotKey, u32> = Map::from_map_data(MapData::from_pin(pins.path().join(proxy_common::map_names::SLOTS)).unwrap()).unwrap().try_into().unwrap();
+            let svc: HashMap<MapData, proxy_common::ServiceKey, proxy_common::ServiceValue> =
+                Map::from_map_data(MapData::from_pin(pins.path().join(proxy_common::map_names::SERVICES)).unwrap()).unwrap().try_into().unwrap();
+            let slots: HashMap<MapData, proxy_common::SlotKey, u32> =
+                Map::from_map_data(MapData::from_pin(pins.path().join(proxy_common::map_names::SLOTS)).unwrap()).unwrap().try_into().unwrap();
             (svc, slots)
         };
         let read = || -> Option<u32> {
@@ -134,7 +161,12 @@ fn main() {
         .filter_map(|l| l.split("ms=").nth(1)?.split_whitespace().next()?.parse().ok())
         .collect();
     if !inc.is_empty() {
-        println!("incremental sync inside the agent: p50 {:.1} ms, p99 {:.1} ms ({} syncs)", percentile(&mut inc.clone(), 0.5), percentile(&mut inc.clone(), 0.99), inc.len());
+        println!(
+            "incremental sync inside the agent: p50 {:.1} ms, p99 {:.1} ms ({} syncs)",
+            percentile(&mut inc.clone(), 0.5),
+            percentile(&mut inc.clone(), 0.99),
+            inc.len()
+        );
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -28,13 +28,13 @@ use kpr_tests::{
     must, sh, PinDir,
 };
 use proxy_agent::{
-    ctnetlink::FakeConntrack,
-    ipvs::{Ipvs, NetlinkIpvs, ServiceId},
-    ipvs_sync::{desired_virtual_servers, IpvsSettings, IpvsSyncer},
-    kernel::{Capacities, Datapath, KernelMaps},
-    model::{self, BackendKey, DesiredState, FrontendKey, NodeInfo, Proto},
-    rtnl::{Links, NetlinkLinks, IPVS_DUMMY},
-    sync::Syncer,
+    dataplane::ebpf::kernel::{Capacities, Datapath, KernelMaps},
+    dataplane::ebpf::sync::Syncer,
+    dataplane::ipvs::client::{Ipvs, NetlinkIpvs, ServiceId},
+    dataplane::ipvs::sync::{desired_virtual_servers, IpvsSettings, IpvsSyncer},
+    model::{self, BackendKey, DesiredState, FrontendKey, NodeInfo, Protocol},
+    netlink::ctnetlink::FakeConntrack,
+    netlink::rtnl::{Links, NetlinkLinks, IPVS_DUMMY},
 };
 use proxy_common::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
@@ -53,7 +53,7 @@ fn desired(n: u32, eps: u32) -> DesiredState {
 
 /// One service's endpoints replaced by another set: the change applied at N.
 fn change(d: &mut DesiredState, i: u32, round: u32) {
-    let backends = (0..10).map(|j| BackendKey { ip: ip(0x0af6_0000 + round * 16 + j), port: 8080, proto: Proto::Tcp }).collect();
+    let backends = (0..10).map(|j| BackendKey { ip: ip(0x0af6_0000 + round * 16 + j), port: 8080, proto: Protocol::Tcp }).collect();
     set_clusterip(d, i, vip(i), backends);
 }
 
@@ -97,7 +97,14 @@ fn control_plane(n: u32) -> Cp {
 
     // The BPF maps, same services.
     let pins = PinDir::new("vmbench");
-    let caps = Capacities { services: 2 * n + 16, frontends: 2 * n + 16, backends: (10 * n + 64).max(65_536), slots: 20 * n + 64, conntrack: 65_536, conntrack_new: 16_384 };
+    let caps = Capacities {
+        services: 2 * n + 16,
+        frontends: 2 * n + 16,
+        backends: (10 * n + 64).max(65_536),
+        slots: 20 * n + 64,
+        conntrack: 65_536,
+        conntrack_new: 16_384,
+    };
     let _dp = Datapath::load(pins.path(), caps).expect("load");
     let mut maps = KernelMaps::open(pins.path()).expect("maps");
     let mut bsync = Syncer::new(caps.services, 16);
@@ -110,7 +117,8 @@ fn control_plane(n: u32) -> Cp {
     for r in 0..changes {
         let i = r * n / changes;
         change(&mut d, i, r);
-        let touched: BTreeSet<FrontendKey> = [SCOPE_INTERNAL, SCOPE_EXTERNAL].into_iter().map(|scope| FrontendKey { ip: vip(i), port: 80, proto: Proto::Tcp, scope }).collect();
+        let touched: BTreeSet<FrontendKey> =
+            [SCOPE_INTERNAL, SCOPE_EXTERNAL].into_iter().map(|scope| FrontendKey { ip: vip(i), port: 80, proto: Protocol::Tcp, scope }).collect();
         let t = Instant::now();
         bsync.sync_subset(&mut maps, &d, cfg, &touched).expect("map change");
         times.push(t.elapsed().as_secs_f64() * 1e3);
@@ -126,23 +134,23 @@ fn manifests(n: u32) -> String {
 /// kube-proxy's side, run inside the node namespace: the IPVS state kube-proxy makes (the same
 /// virtual servers as kpr's IPVS mode), plus its ipsets and iptables rules.
 fn program_ipvs(dir: &Path) {
-    let report = proxy_agent::manifests::load_dir(dir).expect("manifests");
+    let report = proxy_agent::source::manifests::load_dir(dir).expect("manifests");
     let node = NodeInfo { name: "node-a".into(), nodeport_addresses: vec![NODE_IP.parse().unwrap()], zone: None };
     let d = model::compute(&report.objects, &node, &Default::default());
     let settings = IpvsSettings { node_addresses: node.nodeport_addresses.clone(), ..Default::default() };
     let vs = desired_virtual_servers(&d, &settings);
     // kube-proxy's IPVS proxier sysctls (vs.conntrack=1 is what lets MASQUERADE see IPVS's NAT).
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    let kver = proxy_agent::sysctl::kernel_version(release.trim()).unwrap_or((0, 0));
-    for (k, v) in proxy_agent::sysctl::ipvs_sysctls(kver, false) {
-        proxy_agent::sysctl::Sysctls::set(&mut proxy_agent::sysctl::ProcSysctls, k, v).expect("sysctl");
+    let kver = proxy_agent::host::sysctl::kernel_version(release.trim()).unwrap_or((0, 0));
+    for (k, v) in proxy_agent::host::sysctl::ipvs_sysctls(kver, false) {
+        proxy_agent::host::sysctl::Sysctls::set(&mut proxy_agent::host::sysctl::ProcSysctls, k, v).expect("sysctl");
     }
     let mut ipvs = NetlinkIpvs::connect().expect("IPVS");
     let mut links = NetlinkLinks::connect().expect("rtnetlink");
     let st = IpvsSyncer::new(settings).sync(&mut ipvs, &mut links, &mut FakeConntrack::default(), &vs, None).expect("ipvs");
     assert!(st.errors.is_empty(), "{:?}", st.errors);
     let bound: BTreeSet<IpAddr> = vs.keys().filter_map(|id| if let ServiceId::Addr { addr, .. } = id { Some(*addr) } else { None }).collect();
-    let sets = proxy_agent::sets::listing(&proxy_agent::sets::compute(&d, &node.nodeport_addresses, &bound));
+    let sets = proxy_agent::dataplane::ipvs::sets::listing(&proxy_agent::dataplane::ipvs::sets::compute(&d, &node.nodeport_addresses, &bound));
     pipe("ipset", &["restore"], &kpr_tests::iptables::ipset_restore(&sets));
     pipe("iptables-restore", &["--noflush"], &kpr_tests::iptables::render_ipvs_mode("10.244.0.0/16"));
 }
@@ -184,7 +192,9 @@ fn measure(lab: &Lab, target: &str, secs: f64, runs: usize) -> (f64, f64, f64, u
 fn wait_ipvs(lab: &Lab, target: &str) {
     let deadline = Instant::now() + Duration::from_secs(600);
     // The sets are written after IPVS in the same sync: wait for the sync's log line too.
-    while !lab.agent_log().contains("synced") || !sh(&format!("ip netns exec {} ipvsadm -Ln -t {target} | grep -c -- '-> 10.244' | grep -qx 3", lab.ns("node"))).status.success() {
+    while !lab.agent_log().contains("synced")
+        || !sh(&format!("ip netns exec {} ipvsadm -Ln -t {target} | grep -c -- '-> 10.244' | grep -qx 3", lab.ns("node"))).status.success()
+    {
         assert!(Instant::now() < deadline, "IPVS never got {target}:\n{}", lab.agent_log());
         std::thread::sleep(Duration::from_millis(500));
     }
@@ -194,7 +204,9 @@ fn cleanup(lab: &mut Lab) {
     lab.kill_agent();
     let n = lab.ns("node");
     let _ = sh(&format!("{} --netns {n} --pin-dir {} cleanup", lab.kpr.display(), lab.pins.path().display()));
-    let _ = sh(&format!("ip netns exec {n} sh -c 'ipvsadm -C; ip link del kube-ipvs0; printf \"*nat\\nCOMMIT\\n*filter\\nCOMMIT\\n\" | iptables-restore; ipset destroy'"));
+    let _ = sh(&format!(
+        "ip netns exec {n} sh -c 'ipvsadm -C; ip link del kube-ipvs0; printf \"*nat\\nCOMMIT\\n*filter\\nCOMMIT\\n\" | iptables-restore; ipset destroy'"
+    ));
 }
 
 fn traffic(sizes: &[u32], secs: f64, runs: usize) -> Vec<Traffic> {
@@ -251,7 +263,8 @@ fn main() {
         return program_ipvs(Path::new(&args[2]));
     }
     let opt = |n: &str| args.iter().position(|a| a == n).and_then(|i| args.get(i + 1)).cloned();
-    let list = |n: &str, d: &str| -> Vec<u32> { opt(n).unwrap_or_else(|| d.into()).split(',').filter(|s| !s.is_empty()).map(|s| s.parse().expect(n)).collect() };
+    let list =
+        |n: &str, d: &str| -> Vec<u32> { opt(n).unwrap_or_else(|| d.into()).split(',').filter(|s| !s.is_empty()).map(|s| s.parse().expect(n)).collect() };
     let cp_sizes = list("--cp-sizes", "1000,10000");
     let tr_sizes = list("--traffic-sizes", "100,10000");
     let secs: f64 = opt("--seconds").map(|s| s.parse().unwrap()).unwrap_or(3.0);
@@ -261,13 +274,22 @@ fn main() {
     println!("machine: QEMU guest (TCG, emulated CPU: compare ratios only), Linux {} | {ncpu} CPUs", kernel.trim());
 
     println!("\ncontrol plane: N services x 10 endpoints from nothing; 1 change = one service's endpoints replaced (median of 5)");
-    println!("{:>8} {:>14} {:>14} {:>14} {:>14} {:>10} {:>12}", "services", "IPVS prog (s)", "IPVS 1 chg ms", "maps prog (s)", "maps 1 chg ms", "prog ratio", "BPF map MiB");
+    println!(
+        "{:>8} {:>14} {:>14} {:>14} {:>14} {:>10} {:>12}",
+        "services", "IPVS prog (s)", "IPVS 1 chg ms", "maps prog (s)", "maps 1 chg ms", "prog ratio", "BPF map MiB"
+    );
     let mut cps = Vec::new();
     for &n in &cp_sizes {
         let c = control_plane(n);
         println!(
             "{:>8} {:>14.2} {:>14.2} {:>14.2} {:>14.2} {:>9.1}x {:>12.1}",
-            c.n, c.ipvs_program_s, c.ipvs_change_ms, c.bpf_program_s, c.bpf_change_ms, c.ipvs_program_s / c.bpf_program_s.max(1e-9), c.bpf_map_bytes as f64 / 1048576.0
+            c.n,
+            c.ipvs_program_s,
+            c.ipvs_change_ms,
+            c.bpf_program_s,
+            c.bpf_change_ms,
+            c.ipvs_program_s / c.bpf_program_s.max(1e-9),
+            c.bpf_map_bytes as f64 / 1048576.0
         );
         cps.push(c);
     }
@@ -281,12 +303,19 @@ fn main() {
         for &n in &tr_sizes {
             let get = |m: &str| tr.iter().find(|t| t.n == n && t.mode == m).map(|t| t.rate).unwrap_or(0.0);
             let base = get("ipvs+iptables").max(1e-9);
-            println!("{n:>8} services: kpr IPVS mode {:.2}x kube-proxy IPVS; eBPF fast path {:.2}x kube-proxy IPVS", get("ipvs+bpf") / base, get("ebpf") / base);
+            println!(
+                "{n:>8} services: kpr IPVS mode {:.2}x kube-proxy IPVS; eBPF fast path {:.2}x kube-proxy IPVS",
+                get("ipvs+bpf") / base,
+                get("ebpf") / base
+            );
         }
     }
     if let Some(path) = opt("--json") {
         let cp: Vec<_> = cps.iter().map(|c| serde_json::json!({"services": c.n, "endpoints_per_service": 10, "ipvs_program_s": c.ipvs_program_s, "ipvs_one_change_ms": c.ipvs_change_ms, "bpf_program_s": c.bpf_program_s, "bpf_one_change_ms": c.bpf_change_ms, "bpf_map_memlock_bytes": c.bpf_map_bytes})).collect();
-        let t: Vec<_> = tr.iter().map(|t| serde_json::json!({"services": t.n, "mode": t.mode, "conn_per_s": t.rate, "p50_us": t.p50, "p99_us": t.p99, "errors": t.errors})).collect();
+        let t: Vec<_> = tr
+            .iter()
+            .map(|t| serde_json::json!({"services": t.n, "mode": t.mode, "conn_per_s": t.rate, "p50_us": t.p50, "p99_us": t.p99, "errors": t.errors}))
+            .collect();
         let doc = serde_json::json!({"kernel": kernel.trim(), "guest": "QEMU TCG", "seconds": secs, "runs": runs, "control_plane": cp, "traffic": t});
         std::fs::write(&path, serde_json::to_string_pretty(&doc).unwrap()).unwrap();
         println!("wrote {path}");
@@ -294,7 +323,9 @@ fn main() {
     if let Some(path) = opt("--svg") {
         let series = [("ipvs+iptables", "#d9534f"), ("ipvs+bpf", "#f0ad4e"), ("ebpf", "#2b7bb9")];
         let by: BTreeMap<(u32, &str), f64> = tr.iter().map(|t| ((t.n, t.mode), t.rate)).collect();
-        let svg = kpr_tests::chart::bars("IPVS guest: new TCP connections per second through a ClusterIP (higher is better)", &tr_sizes, &series, |n, m| by.get(&(n, m)).copied());
+        let svg = kpr_tests::chart::bars("IPVS guest: new TCP connections per second through a ClusterIP (higher is better)", &tr_sizes, &series, |n, m| {
+            by.get(&(n, m)).copied()
+        });
         std::fs::write(&path, svg).unwrap();
         println!("wrote {path}");
     }

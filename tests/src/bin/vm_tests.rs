@@ -15,7 +15,7 @@ use kpr_tests::{
     lab::{errors, per_backend, Cni, Lab, LabSpec, NODE_IP},
     must, sh,
 };
-use proxy_agent::ipvs::{flags, DestConfig, FwdMethod, Ipvs, NetlinkIpvs, ServiceConfig, ServiceId, Timeouts, TunType};
+use proxy_agent::dataplane::ipvs::client::{flags, DestConfig, FwdMethod, Ipvs, NetlinkIpvs, ServiceConfig, ServiceId, Timeouts, TunType};
 
 const PREFIX: &str = "kvm";
 
@@ -58,7 +58,8 @@ fn client_api() -> Result<()> {
     ipvs.flush()?;
     let info = ipvs.info()?;
     let header = ipvsadm(None, "-Ln");
-    let version = format!("IP Virtual Server version {}.{}.{} (size={})", info.version >> 16, (info.version >> 8) & 0xff, info.version & 0xff, info.conn_tab_size);
+    let version =
+        format!("IP Virtual Server version {}.{}.{} (size={})", info.version >> 16, (info.version >> 8) & 0xff, info.version & 0xff, info.conn_tab_size);
     ensure!(header.starts_with(&version), "info: we read {version:?}, ipvsadm says {:?}", header.lines().next());
 
     let tcp = ServiceId::Addr { proto: 6, addr: "10.0.0.1".parse()?, port: 80 };
@@ -100,7 +101,10 @@ fn client_api() -> Result<()> {
     )?;
     // -S leaves thresholds out; --thresholds shows them.
     let th = ipvsadm(None, "-Ln --thresholds -t 10.0.0.1:80");
-    ensure!(th.lines().any(|l| l.contains("10.1.0.1:8080") && l.split_whitespace().collect::<Vec<_>>().windows(2).any(|w| w == ["100", "10"])), "thresholds:\n{th}");
+    ensure!(
+        th.lines().any(|l| l.contains("10.1.0.1:8080") && l.split_whitespace().collect::<Vec<_>>().windows(2).any(|w| w == ["100", "10"])),
+        "thresholds:\n{th}"
+    );
     // Read back through our decoder: the same configuration.
     let svcs = ipvs.services()?;
     ensure!(svcs.len() == 4, "services: {svcs:?}");
@@ -119,7 +123,10 @@ fn client_api() -> Result<()> {
     ipvs.del_service(&sctp)?;
     ensure!(ipvs.service(&sctp)?.is_none(), "deleted service still there");
     let sn = ipvsadm(None, "-Sn");
-    ensure!(sn.contains("-A -t 10.0.0.1:80 -s rr\n") && sn.contains("-a -t 10.0.0.1:80 -r 10.1.0.2:80 -g -w 0") && !sn.contains("10.1.0.3") && !sn.contains("sctp"), "after set/delete:\n{sn}");
+    ensure!(
+        sn.contains("-A -t 10.0.0.1:80 -s rr\n") && sn.contains("-a -t 10.0.0.1:80 -r 10.1.0.2:80 -g -w 0") && !sn.contains("10.1.0.3") && !sn.contains("sctp"),
+        "after set/delete:\n{sn}"
+    );
     // Timeouts, as `ipvsadm -L --timeout` shows them.
     ipvs.set_timeouts(&Timeouts { tcp_s: 901, tcp_fin_s: 61, udp_s: 301 })?;
     let t = ipvs.timeouts()?;
@@ -189,7 +196,18 @@ fn programs_the_manifests(lab: &Lab) -> Result<()> {
     wait_until("the manifests in IPVS", 60, || expect_lines("agent state", &sn(lab), BASE_STATE))?;
     let addrs = must(&format!("ip -n {} -4 -o addr show dev kube-ipvs0", node(lab)));
     let bound: BTreeSet<&str> = addrs.split_whitespace().filter(|w| w.ends_with("/32")).collect();
-    let want: BTreeSet<&str> = ["10.96.0.10/32", "10.96.0.12/32", "10.96.0.20/32", "10.96.0.30/32", "10.96.0.40/32", "10.96.0.41/32", "10.96.0.53/32", "192.0.2.80/32", "203.0.113.10/32"].into();
+    let want: BTreeSet<&str> = [
+        "10.96.0.10/32",
+        "10.96.0.12/32",
+        "10.96.0.20/32",
+        "10.96.0.30/32",
+        "10.96.0.40/32",
+        "10.96.0.41/32",
+        "10.96.0.53/32",
+        "192.0.2.80/32",
+        "203.0.113.10/32",
+    ]
+    .into();
     ensure!(bound == want, "kube-ipvs0 holds {bound:?}, expected {want:?} (never the node address)");
     // kpr ipvs agrees with ipvsadm -Ln.
     let list = kpr(lab, &["ipvs"])?;
@@ -254,7 +272,8 @@ fn nat_traffic_with_masquerade(lab: &Lab) -> Result<()> {
     ensure!(errors(&v) == 1 && v["first_error"].as_str().unwrap_or("").contains("refused"), "VIP:81 must be refused: {v}");
     // Counters: ipvsadm --stats against what we sent and what our decoder reads.
     let stats = ipvsadm(Some(&node(lab)), "-Ln --stats -t 10.96.0.10:80");
-    let conns: u64 = stats.lines().find(|l| l.starts_with("TCP")).and_then(|l| l.split_whitespace().nth(2)).and_then(|c| c.parse().ok()).context("stats line")?;
+    let conns: u64 =
+        stats.lines().find(|l| l.starts_with("TCP")).and_then(|l| l.split_whitespace().nth(2)).and_then(|c| c.parse().ok()).context("stats line")?;
     ensure!(conns == 90, "ipvsadm --stats counts {conns} connections to 10.96.0.10:80, we made 90:\n{stats}");
     let ours: serde_json::Value = serde_json::from_str(&kpr(lab, &["ipvs", "--json"])?)?;
     let row = ours.as_array().and_then(|r| r.iter().find(|r| r["service"] == "TCP 10.96.0.10:80")).context("row")?;
@@ -274,7 +293,9 @@ fn edit(lab: &Lab, file: &str, f: impl FnOnce(String) -> String) -> Result<()> {
 
 /// A scheduler and weights from annotations: the virtual server is updated in place.
 fn scheduler_change(lab: &Lab) -> Result<()> {
-    edit(lab, "web.yaml", |t| t.replacen("  namespace: default\n", "  namespace: default\n  annotations: {kpr.io/ipvs-scheduler: wrr, kpr.io/ipvs-weights: \"10.244.1.2=3\"}\n", 1))?;
+    edit(lab, "web.yaml", |t| {
+        t.replacen("  namespace: default\n", "  namespace: default\n  annotations: {kpr.io/ipvs-scheduler: wrr, kpr.io/ipvs-weights: \"10.244.1.2=3\"}\n", 1)
+    })?;
     wait_until("wrr with weights", 30, || {
         let s = sn(lab);
         ensure!(s.contains("-A -t 10.96.0.10:80 -s wrr\n") && s.contains("-a -t 10.96.0.10:80 -r 10.244.1.2:8080 -m -w 3\n"), "{s}");
@@ -507,7 +528,7 @@ fn manifests_copy() -> Result<PathBuf> {
 /// answered by that backend, in the caller's network namespace (run with `ip netns exec`).
 fn ct_count(args: &[String]) -> Result<usize> {
     let p = |i: usize| args.get(i).context("ct-count PROTO VIP PORT BACKEND BPORT");
-    let mut ct = proxy_agent::ctnetlink::NetlinkConntrack::connect().map_err(anyhow::Error::msg)?;
+    let mut ct = proxy_agent::netlink::ctnetlink::NetlinkConntrack::connect().map_err(anyhow::Error::msg)?;
     ct.count(p(0)?.parse()?, p(1)?.parse()?, p(2)?.parse()?, p(3)?.parse()?, p(4)?.parse()?).map_err(anyhow::Error::msg)
 }
 
@@ -586,4 +607,3 @@ fn main() {
     }
     std::process::exit(if failed == 0 { 0 } else { 1 });
 }
-

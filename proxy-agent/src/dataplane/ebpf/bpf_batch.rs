@@ -1,0 +1,101 @@
+//! The two map operations aya 0.14 lacks, as raw bpf(2) calls on a map's fd:
+//! BPF_MAP_LOOKUP_BATCH (read many entries in one call, resumable) and
+//! BPF_MAP_LOOKUP_AND_DELETE_ELEM (take an entry out atomically). Hash maps only.
+use std::{
+    io,
+    os::fd::{AsFd, AsRawFd},
+};
+
+use bytemuck::Pod;
+
+const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
+const BPF_MAP_LOOKUP_AND_DELETE_ELEM: libc::c_long = 21;
+const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+/// BPF_NOEXIST: create only.
+pub const NOEXIST: u64 = 1;
+
+/// `union bpf_attr`'s element-operation member.
+#[repr(C)]
+#[derive(Default)]
+struct ElemAttr {
+    map_fd: u32,
+    _pad: u32,
+    key: u64,
+    value: u64,
+    flags: u64,
+}
+
+/// `union bpf_attr`'s batch member.
+#[repr(C)]
+#[derive(Default)]
+struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<()> {
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *mut T, std::mem::size_of::<T>()) };
+    if rc < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// One batch of a hash map: entries from the bucket `cursor` (None: the first) on, at most
+/// `max`. Returns them and the cursor to go on from, None when the map has no more. Entries
+/// change while we read (the data path writes all the time): each is read atomically, the batch
+/// as a whole is not a snapshot.
+pub fn lookup_batch<K: Pod, V: Pod>(fd: impl AsFd, cursor: Option<u32>, max: usize) -> io::Result<(Vec<(K, V)>, Option<u32>)> {
+    let mut keys: Vec<K> = vec![K::zeroed(); max];
+    let mut values: Vec<V> = vec![V::zeroed(); max];
+    let in_batch = cursor.unwrap_or(0);
+    let mut out_batch: u32 = 0;
+    let mut attr = BatchAttr {
+        in_batch: if cursor.is_some() { &in_batch as *const u32 as u64 } else { 0 },
+        out_batch: &mut out_batch as *mut u32 as u64,
+        keys: keys.as_mut_ptr() as u64,
+        values: values.as_mut_ptr() as u64,
+        count: max as u32,
+        map_fd: fd.as_fd().as_raw_fd() as u32,
+        ..BatchAttr::default()
+    };
+    let done = match bpf(BPF_MAP_LOOKUP_BATCH, &mut attr) {
+        Ok(()) => false,
+        // The end of the map; `count` entries were still returned.
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => true,
+        Err(e) => return Err(e),
+    };
+    let n = attr.count as usize;
+    keys.truncate(n);
+    values.truncate(n);
+    Ok((keys.into_iter().zip(values).collect(), (!done).then_some(out_batch)))
+}
+
+/// Takes `key`'s entry out of the map atomically; None when there is none.
+pub fn lookup_and_delete<K: Pod, V: Pod>(fd: impl AsFd, key: &K) -> io::Result<Option<V>> {
+    let mut v = V::zeroed();
+    let mut attr = ElemAttr { map_fd: fd.as_fd().as_raw_fd() as u32, key: key as *const K as u64, value: &mut v as *mut V as u64, ..ElemAttr::default() };
+    match bpf(BPF_MAP_LOOKUP_AND_DELETE_ELEM, &mut attr) {
+        Ok(()) => Ok(Some(v)),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Inserts `key` only if absent (BPF_NOEXIST); false when another entry holds it already.
+pub fn insert_new<K: Pod, V: Pod>(fd: impl AsFd, key: &K, value: &V) -> io::Result<bool> {
+    let mut attr =
+        ElemAttr { map_fd: fd.as_fd().as_raw_fd() as u32, key: key as *const K as u64, value: value as *const V as u64, flags: NOEXIST, ..ElemAttr::default() };
+    match bpf(BPF_MAP_UPDATE_ELEM, &mut attr) {
+        Ok(()) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::EEXIST) => Ok(false),
+        Err(e) => Err(e),
+    }
+}

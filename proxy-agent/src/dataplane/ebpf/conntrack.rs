@@ -1,0 +1,404 @@
+//! The data path's conntrack from user space: flows assembled from their entries (see
+//! proxy_common::CtKey), the garbage collector, and deletes of the flows of removed backends.
+//!
+//! The collector does bounded work per round (one batch of each table, read with
+//! BPF_MAP_LOOKUP_BATCH), on its own thread, and deletes only what it read: an entry that changed
+//! between the read and the delete (traffic came, or the tuple now carries a new flow) is kept.
+use std::collections::{BTreeSet, HashMap};
+
+use proxy_common::{CtKey, CtRole, CtValue, CT_DIR_EGRESS, CT_DIR_INGRESS, CT_F_CLOSING, CT_F_SNAT_PENDING, PROTO_TCP};
+
+use crate::dataplane::ebpf::maps::{ConntrackTables, MapError, Table};
+
+/// One flow's entries as they are now.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Flow {
+    pub forward: Option<(CtKey, CtValue)>,
+    pub reverse_dnat: Option<(CtKey, CtValue)>,
+    pub snat: Option<(CtKey, CtValue)>,
+    pub reverse_snat: Option<(CtKey, CtValue)>,
+}
+
+impl Flow {
+    pub fn entries(&self) -> impl Iterator<Item = &(CtKey, CtValue)> {
+        [&self.forward, &self.reverse_dnat, &self.snat, &self.reverse_snat].into_iter().flatten()
+    }
+    /// The last packet any direction saw.
+    pub fn last_seen_ns(&self) -> u64 {
+        self.entries().map(|(_, v)| v.last_seen_ns).max().unwrap_or(0)
+    }
+    pub fn closing(&self) -> bool {
+        self.entries().any(|(_, v)| v.flags & CT_F_CLOSING != 0)
+    }
+    pub fn proto(&self) -> u8 {
+        self.entries().next().map(|(k, _)| k.proto).unwrap_or(0)
+    }
+    /// (service id, backend id).
+    pub fn ids(&self) -> (u32, u32) {
+        self.entries().next().map(|(_, v)| (v.service_id, v.backend_id)).unwrap_or((0, 0))
+    }
+    fn put(&mut self, k: CtKey, v: CtValue) {
+        let slot = match k.role(&v) {
+            CtRole::Forward => &mut self.forward,
+            CtRole::ReverseDnat => &mut self.reverse_dnat,
+            CtRole::Snat => &mut self.snat,
+            CtRole::ReverseSnat => &mut self.reverse_snat,
+        };
+        *slot = Some((k, v));
+    }
+}
+
+/// The keys of a flow's other entries, from its forward entry: reverse DNAT, and for a
+/// masqueraded flow its SNAT key.
+pub fn keys_of_forward(k: &CtKey, v: &CtValue) -> (CtKey, Option<CtKey>) {
+    let rev = CtKey::reversed_of(v, k.proto, CT_DIR_EGRESS);
+    let snat = (v.flags & proxy_common::CT_F_SNAT != 0).then(|| CtKey::straight_of(v, k.proto, CT_DIR_EGRESS));
+    (rev, snat)
+}
+
+/// The reverse-SNAT key of an SNAT entry whose address was chosen.
+pub fn reverse_snat_key(snat_key: &CtKey, v: &CtValue) -> Option<CtKey> {
+    (v.flags & CT_F_SNAT_PENDING == 0).then(|| CtKey::reversed_of(v, snat_key.proto, CT_DIR_INGRESS))
+}
+
+/// The reverse-DNAT key every non-forward entry leads to (or the forward key, for a reverse-DNAT
+/// entry). None for a forward entry.
+fn toward_forward(k: &CtKey, v: &CtValue) -> Option<CtKey> {
+    match k.role(v) {
+        CtRole::Forward => None,
+        CtRole::ReverseDnat => Some(CtKey::reversed_of(v, k.proto, CT_DIR_INGRESS)),
+        CtRole::Snat => Some(k.reversed(CT_DIR_EGRESS)),
+        CtRole::ReverseSnat => Some(CtKey::straight_of(v, k.proto, CT_DIR_EGRESS)),
+    }
+}
+
+/// Assembles a table's entries into flows; entries whose forward entry is gone come out as
+/// flows without one.
+pub fn assemble(entries: &[(CtKey, CtValue)]) -> Vec<Flow> {
+    let by_key: HashMap<CtKey, CtValue> = entries.iter().copied().collect();
+    let mut used: BTreeSet<CtKey> = BTreeSet::new();
+    let mut flows = Vec::new();
+    for (k, v) in entries.iter().filter(|(k, v)| k.role(v) == CtRole::Forward) {
+        let mut f = Flow::default();
+        f.put(*k, *v);
+        used.insert(*k);
+        let (rev, snat) = keys_of_forward(k, v);
+        for key in std::iter::once(rev).chain(snat) {
+            if let Some(sv) = by_key.get(&key) {
+                // Only this flow's: a stale forward's keys may now belong to another flow.
+                if key.role(sv) != CtRole::Forward && sv.backend_id == v.backend_id && sv.service_id == v.service_id {
+                    f.put(key, *sv);
+                    used.insert(key);
+                }
+            }
+        }
+        if let Some((sk, sv)) = f.snat {
+            if let Some(rk) = reverse_snat_key(&sk, &sv) {
+                if let Some(rv) = by_key.get(&rk).filter(|rv| rv.backend_id == v.backend_id) {
+                    f.put(rk, *rv);
+                    used.insert(rk);
+                }
+            }
+        }
+        flows.push(f);
+    }
+    for (k, v) in entries.iter().filter(|(k, _)| !used.contains(k)) {
+        let mut f = Flow::default();
+        f.put(*k, *v);
+        flows.push(f);
+    }
+    flows
+}
+
+/// Idle timeouts (seconds).
+#[derive(Clone, Copy, Debug)]
+pub struct Timeouts {
+    pub tcp: u32,
+    pub udp: u32,
+    /// TCP after FIN or RST.
+    pub closing: u32,
+    /// TCP before its handshake completed.
+    pub embryonic: u32,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        // kube-proxy's conntrack defaults (tcpEstablishedTimeout 24h, tcpCloseWaitTimeout 1h is
+        // the kernel's; a closed flow here only waits for its last packets), the kernel's
+        // SYN_RECV timeout for embryonic flows.
+        Self { tcp: 86_400, udp: 120, closing: 10, embryonic: 60 }
+    }
+}
+
+impl Timeouts {
+    fn of(&self, table: Table, proto: u8, closing: bool) -> u64 {
+        let s = match (table, proto == PROTO_TCP, closing) {
+            (Table::Embryonic, _, _) => self.embryonic,
+            (_, true, true) => self.closing,
+            (_, true, false) => self.tcp,
+            (_, false, _) => self.udp,
+        };
+        u64::from(s) * 1_000_000_000
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GcStats {
+    /// Entries read this round.
+    pub read: usize,
+    /// Flows whose forward entry was deleted.
+    pub flows: usize,
+    /// Entries deleted (a flow has up to four).
+    pub entries: usize,
+    /// Entries kept because they changed between the read and the delete.
+    pub kept: usize,
+}
+
+/// The collector: a cursor per table, one batch of each per round.
+#[derive(Debug)]
+pub struct Gc {
+    pub timeouts: Timeouts,
+    pub batch: usize,
+    cursors: HashMap<Table, Option<u32>>,
+}
+
+impl Gc {
+    pub fn new(timeouts: Timeouts, batch: usize) -> Self {
+        Self { timeouts, batch, cursors: HashMap::new() }
+    }
+
+    /// One round: the next batch of each table; idle flows (every entry idle past its timeout)
+    /// and idle entries of flows whose forward entry is gone are deleted.
+    pub fn round(&mut self, t: &mut dyn ConntrackTables, now_ns: u64) -> Result<GcStats, MapError> {
+        let mut st = GcStats::default();
+        for table in Table::ALL {
+            let cursor = self.cursors.get(&table).copied().flatten();
+            let (batch, next) = t.read_batch(table, cursor, self.batch)?;
+            self.cursors.insert(table, next);
+            st.read += batch.len();
+            // Entries of flows already deleted this round (a batch may hold several of a flow).
+            let mut gone: BTreeSet<CtKey> = BTreeSet::new();
+            for (k, v) in batch {
+                if gone.contains(&k) {
+                    continue;
+                }
+                let Some(flow) = self.flow_of(t, table, k, v)? else {
+                    continue;
+                };
+                let timeout = self.timeouts.of(table, flow.proto(), flow.closing());
+                if now_ns.saturating_sub(flow.last_seen_ns()) > timeout {
+                    delete_flow(t, table, &flow, &mut st)?;
+                    gone.extend(flow.entries().map(|(k, _)| *k));
+                }
+            }
+        }
+        if st.entries > 0 {
+            t.invalidate_flow_cache()?;
+        }
+        Ok(st)
+    }
+
+    /// The flow an entry read in a batch stands for, or None when another entry (its forward
+    /// one) stands for it.
+    fn flow_of(&self, t: &dyn ConntrackTables, table: Table, k: CtKey, v: CtValue) -> Result<Option<Flow>, MapError> {
+        let mut f = Flow::default();
+        if k.role(&v) != CtRole::Forward {
+            // Follow the entry to its forward one; an entry whose flow has a forward entry is
+            // that entry's business.
+            if let Some(next) = toward_forward(&k, &v) {
+                let fwd_key =
+                    if next.dir == CT_DIR_INGRESS { Some(next) } else { t.get(table, &next)?.map(|rv| CtKey::reversed_of(&rv, k.proto, CT_DIR_INGRESS)) };
+                if let Some(fk) = fwd_key {
+                    if t.get(table, &fk)?.is_some_and(|fv| fv.backend_id == v.backend_id) {
+                        return Ok(None);
+                    }
+                }
+            }
+            f.put(k, v);
+            return Ok(Some(f));
+        }
+        f.put(k, v);
+        let (rev, snat) = keys_of_forward(&k, &v);
+        for key in std::iter::once(rev).chain(snat) {
+            if let Some(sv) = t.get(table, &key)?.filter(|sv| sv.backend_id == v.backend_id && key.role(sv) != CtRole::Forward) {
+                f.put(key, sv);
+            }
+        }
+        if let Some((sk, sv)) = f.snat {
+            if let Some(rk) = reverse_snat_key(&sk, &sv) {
+                if let Some(rv) = t.get(table, &rk)?.filter(|rv| rv.backend_id == v.backend_id) {
+                    f.put(rk, rv);
+                }
+            }
+        }
+        Ok(Some(f))
+    }
+
+    /// Deletes at once every flow of these (service id, backend id) pairs, idle or not: UDP
+    /// backends that left their service, whose clients would otherwise keep sending into them.
+    /// A full pass over both tables, batch by batch.
+    pub fn purge(&mut self, t: &mut dyn ConntrackTables, pairs: &BTreeSet<(u32, u32)>) -> Result<GcStats, MapError> {
+        let mut st = GcStats::default();
+        if pairs.is_empty() {
+            return Ok(st);
+        }
+        for table in Table::ALL {
+            for f in assemble(&t.entries(table)?) {
+                st.read += f.entries().count();
+                if pairs.contains(&f.ids()) {
+                    delete_flow(t, table, &f, &mut st)?;
+                }
+            }
+        }
+        if st.entries > 0 {
+            t.invalidate_flow_cache()?;
+        }
+        Ok(st)
+    }
+}
+
+/// Forward entry first (a packet then starts a new flow, and picks ports around the remaining
+/// entries), then the others; if the forward entry changed since it was read, the flow lives on.
+fn delete_flow(t: &mut dyn ConntrackTables, table: Table, f: &Flow, st: &mut GcStats) -> Result<(), MapError> {
+    if let Some((k, v)) = &f.forward {
+        if !t.delete_if(table, k, v)? {
+            st.kept += 1;
+            return Ok(());
+        }
+        st.flows += 1;
+        st.entries += 1;
+    }
+    for (k, v) in [&f.reverse_dnat, &f.snat, &f.reverse_snat].into_iter().flatten() {
+        if t.delete_if(table, k, v)? {
+            st.entries += 1;
+        } else {
+            st.kept += 1;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dataplane::ebpf::maps::FakeTables;
+    use proxy_common::{CT_F_REPLY, CT_F_SNAT, PROTO_UDP};
+
+    fn a(s: &str) -> u32 {
+        u32::from_ne_bytes(s.parse::<std::net::Ipv4Addr>().unwrap().octets())
+    }
+    fn p(n: u16) -> u16 {
+        n.to_be()
+    }
+
+    /// The entries the data path writes for client C:c -> V:v balanced to B:b via port p, with
+    /// masquerade to S:s when given (see proxy_common::CtKey).
+    fn flow(proto: u8, c: (&str, u16), v: (&str, u16), b: (&str, u16), port: u16, snat: Option<(&str, u16)>, seen: u64) -> Vec<(CtKey, CtValue)> {
+        let (c_a, c_p, v_a, v_p, b_a, b_p) = (a(c.0), p(c.1), a(v.0), p(v.1), a(b.0), p(b.1));
+        let port = p(port);
+        let masq = if snat.is_some() { CT_F_SNAT } else { 0 };
+        let base = CtValue { last_seen_ns: seen, backend_id: 7, service_id: 3, ..CtValue::default() };
+        let k = |s, d, sp, dp, dir| CtKey { saddr: s, daddr: d, sport: sp, dport: dp, proto, dir, _pad: 0 };
+        let val = |s, d, sp, dp, flags| CtValue { new_saddr: s, new_daddr: d, new_sport: sp, new_dport: dp, flags, ..base };
+        let mut out = vec![
+            (k(c_a, v_a, c_p, v_p, CT_DIR_INGRESS), val(c_a, b_a, port, b_p, masq)),
+            (k(b_a, c_a, b_p, port, CT_DIR_EGRESS), val(v_a, c_a, v_p, c_p, masq | CT_F_REPLY)),
+        ];
+        if let Some((s, sp)) = snat {
+            let (s_a, s_p) = (a(s), p(sp));
+            out.push((k(c_a, b_a, port, b_p, CT_DIR_EGRESS), val(s_a, b_a, s_p, b_p, CT_F_SNAT)));
+            out.push((k(b_a, s_a, b_p, s_p, CT_DIR_INGRESS), val(b_a, c_a, b_p, port, CT_F_SNAT | CT_F_REPLY)));
+        }
+        out
+    }
+
+    #[test]
+    fn assemble_groups_the_four_entries_of_a_masqueraded_flow() {
+        let mut e = flow(PROTO_TCP, ("198.18.0.2", 5000), ("198.18.0.1", 30080), ("10.244.1.2", 8080), 5000, Some(("198.18.0.1", 40000)), 1);
+        e.extend(flow(PROTO_UDP, ("10.244.9.2", 6000), ("10.96.0.53", 53), ("10.244.2.2", 5353), 6000, None, 1));
+        let flows = assemble(&e);
+        assert_eq!(flows.len(), 2, "{flows:?}");
+        let tcp = flows.iter().find(|f| f.proto() == PROTO_TCP).unwrap();
+        assert!(tcp.forward.is_some() && tcp.reverse_dnat.is_some() && tcp.snat.is_some() && tcp.reverse_snat.is_some(), "{tcp:?}");
+        let udp = flows.iter().find(|f| f.proto() == PROTO_UDP).unwrap();
+        assert!(udp.forward.is_some() && udp.reverse_dnat.is_some() && udp.snat.is_none());
+    }
+
+    #[test]
+    fn gc_deletes_a_flow_only_when_every_direction_is_idle_and_in_bounded_rounds() {
+        let s = 1_000_000_000u64;
+        let mut t = FakeTables::default();
+        // A UDP flow whose replies are still flowing (reverse DNAT stamped late), an idle one.
+        let mut busy = flow(PROTO_UDP, ("10.244.9.2", 6000), ("10.96.0.53", 53), ("10.244.2.2", 5353), 6000, None, 0);
+        busy[1].1.last_seen_ns = 200 * s;
+        let idle = flow(PROTO_UDP, ("10.244.9.2", 6001), ("10.96.0.53", 53), ("10.244.2.2", 5353), 6001, None, 0);
+        for (k, v) in busy.iter().chain(&idle) {
+            t.assured.insert(*k, *v);
+        }
+        let mut gc = Gc::new(Timeouts::default(), 2);
+        let mut total = GcStats::default();
+        for _ in 0..3 {
+            let st = gc.round(&mut t, 250 * s).unwrap();
+            assert!(st.read <= 2 * 2, "a round reads one batch per table: {st:?}");
+            total.flows += st.flows;
+            total.entries += st.entries;
+        }
+        assert_eq!((total.flows, total.entries), (1, 2));
+        assert_eq!(t.assured.len(), 2, "the busy flow stays whole");
+        assert!(t.assured.contains_key(&busy[0].0));
+        assert!(t.flow_cache_generation > 0, "deleting flows invalidates the flow cache");
+    }
+
+    #[test]
+    fn a_tuple_reused_between_read_and_delete_keeps_its_new_entry() {
+        let s = 1_000_000_000u64;
+        let mut t = FakeTables::default();
+        let old = flow(PROTO_UDP, ("10.244.9.2", 6000), ("10.96.0.53", 53), ("10.244.2.2", 5353), 6000, None, 0);
+        for (k, v) in &old {
+            t.assured.insert(*k, *v);
+        }
+        // The data path gives the forward tuple a new flow (another backend) after the read.
+        let mut new_fwd = old[0].1;
+        new_fwd.backend_id = 8;
+        new_fwd.last_seen_ns = 300 * s;
+        t.reused.insert(old[0].0, new_fwd);
+        let st = Gc::new(Timeouts::default(), 16).round(&mut t, 300 * s).unwrap();
+        assert_eq!(st.flows, 0);
+        assert_eq!(t.assured.get(&old[0].0), Some(&new_fwd), "the new flow's entry was lost");
+    }
+
+    #[test]
+    fn orphans_and_embryonic_flows_time_out() {
+        let s = 1_000_000_000u64;
+        let mut t = FakeTables::default();
+        let f = flow(PROTO_TCP, ("10.244.9.2", 7000), ("10.96.0.10", 80), ("10.244.1.2", 8080), 7000, None, 0);
+        // An embryonic flow past 60 s, and a reverse-DNAT entry whose forward entry is gone.
+        for (k, v) in &f {
+            t.embryonic.insert(*k, *v);
+        }
+        let orphan = flow(PROTO_TCP, ("10.244.9.3", 7001), ("10.96.0.10", 80), ("10.244.1.2", 8080), 7001, None, 0);
+        t.assured.insert(orphan[1].0, orphan[1].1);
+        let st = Gc::new(Timeouts::default(), 16).round(&mut t, 61 * s).unwrap();
+        assert_eq!(st.entries, 2, "{st:?}");
+        assert!(t.embryonic.is_empty());
+        assert_eq!(t.assured.len(), 1, "the orphan is TCP: it waits for the established timeout");
+        let st = Gc::new(Timeouts::default(), 16).round(&mut t, 86_401 * s).unwrap();
+        assert_eq!(st.entries, 1);
+    }
+
+    #[test]
+    fn purge_deletes_the_flows_of_removed_backends_at_once() {
+        let mut t = FakeTables::default();
+        let mut other = flow(PROTO_UDP, ("10.244.9.2", 6001), ("10.96.0.53", 53), ("10.244.3.2", 5353), 6001, None, 5);
+        for e in other.iter_mut() {
+            e.1.backend_id = 9;
+        }
+        for (k, v) in flow(PROTO_UDP, ("10.244.9.2", 6000), ("10.96.0.53", 53), ("10.244.2.2", 5353), 6000, None, 5).iter().chain(&other) {
+            t.assured.insert(*k, *v);
+        }
+        let st = Gc::new(Timeouts::default(), 16).purge(&mut t, &[(3, 7)].into_iter().collect()).unwrap();
+        assert_eq!((st.flows, st.entries), (1, 2));
+        assert_eq!(t.assured.len(), 2);
+        assert!(t.assured.values().all(|v| v.backend_id == 9));
+    }
+}

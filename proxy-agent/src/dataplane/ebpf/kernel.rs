@@ -1,0 +1,677 @@
+//! The real kernel side: loading the embedded object with pinned maps, attaching programs with
+//! pinned links (so forwarding survives the agent), and the aya implementation of DatapathMaps.
+use std::{
+    io,
+    path::{Path, PathBuf},
+};
+
+use aya::{
+    maps::{Array, HashMap, LpmTrie, Map, MapData, MapError as AyaMapError, PerCpuArray},
+    programs::{
+        links::{FdLink, PinnedLink},
+        tc::{self, SchedClassifierLink, TcAttachType},
+        xdp::XdpLink,
+        CgroupAttachMode, CgroupSockAddr, SchedClassifier, SocketFilter, Xdp, XdpMode,
+    },
+    Ebpf, EbpfLoader,
+};
+use proxy_common::{
+    limits, map_names, prog_names, AffinityKey, AffinityValue, Backend, CtKey, CtValue, DatapathConfig, ServiceKey, ServiceValue, SlotKey, SourceRangeKey,
+};
+
+use crate::{
+    dataplane::ebpf::maps::{ConntrackTables, Table},
+    dataplane::ebpf::maps::{DatapathMaps, MapError, SrcRange},
+};
+
+/// The eBPF object, built by build.rs (see xtask/src/ebpf_build.rs).
+pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf.o"));
+
+pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf";
+
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("bpffs is not mounted at {0}: run `mount -t bpf bpf {0}` (or mount the host's /sys/fs/bpf into the pod)")]
+    NoBpffs(PathBuf),
+    #[error("cannot create pin directory {path}: {err}")]
+    PinDir { path: PathBuf, err: io::Error },
+    #[error("loading the eBPF object failed (missing CAP_BPF/CAP_SYS_ADMIN, or a map pinned by an incompatible build?): {0}")]
+    Load(#[source] aya::EbpfError),
+    #[error("program {name}: {err}")]
+    Program { name: &'static str, err: aya::programs::ProgramError },
+    #[error("interface {iface}: {what}: {err}")]
+    Attach { iface: String, what: &'static str, err: String },
+    #[error(transparent)]
+    Map(#[from] MapError),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Hook {
+    TcIngress,
+    /// The fast path's second half (masquerade, reverse DNAT), on every interface it runs on.
+    TcEgress,
+    Xdp,
+    /// Connect-time programs on a cgroup; the "interface" is the program name.
+    Cgroup,
+}
+
+impl Hook {
+    /// The name in link pins, logs and `kpr status`.
+    pub fn tag(self) -> &'static str {
+        match self {
+            Hook::TcIngress => "tc_ingress",
+            Hook::TcEgress => "tc_egress",
+            Hook::Xdp => "xdp",
+            Hook::Cgroup => "cgroup",
+        }
+    }
+}
+
+/// Capacities of the maps, set at load time.
+#[derive(Clone, Copy, Debug)]
+pub struct Capacities {
+    pub services: u32,
+    pub frontends: u32,
+    pub backends: u32,
+    pub slots: u32,
+    pub conntrack: u32,
+    pub conntrack_new: u32,
+}
+
+impl Default for Capacities {
+    fn default() -> Self {
+        Self {
+            services: limits::MAX_SERVICES,
+            frontends: limits::MAX_FRONTENDS,
+            backends: limits::MAX_BACKENDS,
+            slots: limits::MAX_SLOTS,
+            conntrack: limits::MAX_CONNTRACK,
+            conntrack_new: limits::MAX_CONNTRACK_NEW,
+        }
+    }
+}
+
+fn is_bpffs(path: &Path) -> bool {
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+    unsafe { libc::statfs(c.as_ptr(), &mut st) == 0 && st.f_type as i64 == BPF_FS_MAGIC }
+}
+
+/// The loaded fast path: programs loaded, maps pinned under `pin_dir`.
+pub struct Datapath {
+    ebpf: Ebpf,
+    pub pin_dir: PathBuf,
+    /// What TC ingress runs: the fast path, or IPVS mode's set matching.
+    tc_program: &'static str,
+}
+
+impl Datapath {
+    /// Loads the embedded object. Maps already pinned under `pin_dir` are reused, so the
+    /// flows and services of a previous agent stay in force.
+    /// Loads the object (maps created or reused from the pins) and the fast path's programs.
+    pub fn load(pin_dir: &Path, caps: Capacities) -> Result<Self, KernelError> {
+        let mut dp = Self::load_object(pin_dir, caps)?;
+        dp.load_fast_path()?;
+        Ok(dp)
+    }
+
+    /// The object with its maps, no program loaded yet.
+    pub fn load_object(pin_dir: &Path, caps: Capacities) -> Result<Self, KernelError> {
+        let root = pin_dir.parent().unwrap_or(Path::new(DEFAULT_BPFFS));
+        if !is_bpffs(root) && !is_bpffs(pin_dir) {
+            return Err(KernelError::NoBpffs(root.into()));
+        }
+        for dir in [pin_dir.to_path_buf(), pin_dir.join("links")] {
+            std::fs::create_dir_all(&dir).map_err(|err| KernelError::PinDir { path: dir.clone(), err })?;
+        }
+        for name in map_names::RETIRED {
+            if std::fs::remove_file(pin_dir.join(name)).is_ok() {
+                tracing::info!(map = name, "removed the pin of a map an earlier version used");
+            }
+        }
+        let ebpf = EbpfLoader::new()
+            .default_map_pin_directory(pin_dir)
+            .map_max_entries(map_names::SERVICES, caps.frontends)
+            .map_max_entries(map_names::RR_STATE, caps.services)
+            .map_max_entries(map_names::BACKENDS, caps.backends)
+            .map_max_entries(map_names::BACKEND_NEW, caps.backends)
+            .map_max_entries(map_names::SLOTS, caps.slots)
+            .map_max_entries(map_names::CONNTRACK, caps.conntrack)
+            .map_max_entries(map_names::CONNTRACK_NEW, caps.conntrack_new)
+            .load(EBPF_OBJECT)
+            .map_err(KernelError::Load)?;
+        Ok(Self { ebpf, pin_dir: pin_dir.into(), tc_program: prog_names::TC_INGRESS })
+    }
+
+    /// IPVS mode: loads the set-matching TC program (attached instead of the fast path) and the
+    /// KUBE-LOOP-BACK match, pinned for the fixed POSTROUTING rule's `-m bpf --object-pinned`.
+    pub fn load_ipset(&mut self) -> Result<PathBuf, KernelError> {
+        self.classifier(prog_names::TC_IPSET)?.load().map_err(|err| KernelError::Program { name: prog_names::TC_IPSET, err })?;
+        self.tc_program = prog_names::TC_IPSET;
+        let name = prog_names::LOOPBACK;
+        let path = self.pin_dir.join(name);
+        let prog: &mut SocketFilter = self.program(name)?;
+        prog.load().map_err(|err| KernelError::Program { name, err })?;
+        // The rule holds the program it was created with; a new pin serves the next rule.
+        let _ = std::fs::remove_file(&path);
+        prog.pin(&path).map_err(|e| KernelError::Attach { iface: path.display().to_string(), what: "pin loop-back match", err: e.to_string() })?;
+        for name in prog_names::SOCK_IPVS {
+            self.sock_addr(name)?.load().map_err(|err| KernelError::Program { name, err })?;
+        }
+        Ok(path)
+    }
+
+    /// Verifies and loads the eBPF fast path (TC, XDP, connect-time programs).
+    pub fn load_fast_path(&mut self) -> Result<(), KernelError> {
+        for name in [prog_names::TC_INGRESS, prog_names::TC_EGRESS, prog_names::TC_PASS] {
+            self.classifier(name)?.load().map_err(|err| KernelError::Program { name, err })?;
+        }
+        for name in [prog_names::XDP_INGRESS, prog_names::XDP_PASS] {
+            self.xdp(name)?.load().map_err(|err| KernelError::Program { name, err })?;
+        }
+        for name in prog_names::SOCK {
+            self.sock_addr(name)?.load().map_err(|err| KernelError::Program { name, err })?;
+        }
+        Ok(())
+    }
+
+    pub fn sock_addr(&mut self, name: &'static str) -> Result<&mut CgroupSockAddr, KernelError> {
+        self.program(name)
+    }
+
+    /// Attaches the connect-time programs `names` (prog_names::SOCK, or SOCK_IPVS in IPVS mode)
+    /// to a cgroup (v2) and pins their links. A link pinned by an earlier agent is replaced
+    /// after the new one is attached: for a moment both run, which is harmless (the second sees
+    /// a backend address, not a service).
+    pub fn attach_cgroup(&mut self, cgroup: &Path, names: &[&'static str]) -> Result<(), KernelError> {
+        let fail = |what: &'static str, err: String| KernelError::Attach { iface: cgroup.display().to_string(), what, err };
+        let fail_sys = |what: &'static str, e: aya::programs::ProgramError| {
+            fail(what, format!("{e}: {}", std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default()))
+        };
+        let dir = std::fs::File::open(cgroup).map_err(|e| fail("open cgroup", e.to_string()))?;
+        for &name in names {
+            let path = self.pin_dir.join("links").join(format!("cgroup_{name}"));
+            let prog = self.sock_addr(name)?;
+            let id = prog.attach(&dir, CgroupAttachMode::Single).map_err(|e| fail_sys("attach cgroup program", e))?;
+            // (bpf_link on a cgroup always allows several programs; Single is the flags value 0
+            // that BPF_LINK_CREATE requires.)
+            let link = prog.take_link(id).map_err(|e| fail("take cgroup link", e.to_string()))?;
+            let fd = FdLink::try_from(link).map_err(|e| fail("cgroup link is not a bpf_link (kernel < 5.7?)", e.to_string()))?;
+            // bpffs refuses '.' in names.
+            let tmp = self.pin_dir.join("links").join(format!("new_cgroup_{name}"));
+            let _ = std::fs::remove_file(&tmp);
+            fd.pin(&tmp).map_err(|e| fail("pin cgroup link", e.to_string()))?;
+            std::fs::rename(&tmp, &path).map_err(|e| fail("replace pinned cgroup link", e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    /// A program of the object, as its type.
+    fn program<'a, T>(&'a mut self, name: &'static str) -> Result<&'a mut T, KernelError>
+    where
+        &'a mut T: TryFrom<&'a mut aya::programs::Program, Error = aya::programs::ProgramError>,
+    {
+        let p = self.ebpf.program_mut(name).ok_or(KernelError::Program { name, err: aya::programs::ProgramError::UnexpectedProgramType })?;
+        p.try_into().map_err(|err| KernelError::Program { name, err })
+    }
+
+    pub fn classifier(&mut self, name: &'static str) -> Result<&mut SchedClassifier, KernelError> {
+        self.program(name)
+    }
+
+    pub fn xdp(&mut self, name: &'static str) -> Result<&mut Xdp, KernelError> {
+        self.program(name)
+    }
+
+    pub fn link_path(&self, iface: &str, hook: Hook) -> PathBuf {
+        link_path(&self.pin_dir, iface, hook)
+    }
+
+    /// Attaches `hook`'s program to `iface`. An existing pinned link is updated in place
+    /// (bpf_link_update): the old program runs until the new one replaces it atomically.
+    pub fn attach(&mut self, iface: &str, hook: Hook, xdp_mode: XdpMode) -> Result<(), KernelError> {
+        let path = self.link_path(iface, hook);
+        let fail = |what: &'static str, err: String| KernelError::Attach { iface: iface.into(), what, err };
+        let existing = if path.exists() {
+            match PinnedLink::from_pin(&path) {
+                Ok(p) => Some(FdLink::from(p)),
+                Err(_) => {
+                    let _ = std::fs::remove_file(&path);
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        match hook {
+            Hook::TcIngress | Hook::TcEgress => {
+                let (program, attach_type, what) = if hook == Hook::TcIngress {
+                    (self.tc_program, TcAttachType::Ingress, "tc ingress")
+                } else {
+                    (prog_names::TC_EGRESS, TcAttachType::Egress, "tc egress")
+                };
+                let prog = self.classifier(program)?;
+                if let Some(link) = existing {
+                    let link = SchedClassifierLink::try_from(link).map_err(|e| fail("reuse pinned tc link", e.to_string()))?;
+                    let id = prog.attach_to_link(link).map_err(|e| fail("update tc link", e.to_string()))?;
+                    // The pin keeps the link; our fd may go.
+                    drop(prog.take_link(id));
+                    return Ok(());
+                }
+                // Only needed on kernels before TCX (6.6); harmless otherwise. There, filters are
+                // not links: remove ours before adding one, or restarts would stack them.
+                let _ = tc::qdisc_add_clsact(iface);
+                for name in TC_PROGRAMS {
+                    let _ = tc::qdisc_detach_program(iface, attach_type, name);
+                }
+                let id = prog.attach(iface, attach_type).map_err(|e| fail(what, e.to_string()))?;
+                let link = prog.take_link(id).map_err(|e| fail("take tc link", e.to_string()))?;
+                match FdLink::try_from(link) {
+                    Ok(fd) => {
+                        fd.pin(&path).map_err(|e| fail("pin tc link", e.to_string()))?;
+                    }
+                    // Netlink-attached filters (kernels < 6.6) outlive the process by themselves.
+                    Err(_) => {}
+                }
+            }
+            Hook::Cgroup => return Err(fail("attach", "cgroup programs attach with attach_cgroup".into())),
+            Hook::Xdp => {
+                let prog = self.xdp(prog_names::XDP_INGRESS)?;
+                if let Some(link) = existing {
+                    let link = XdpLink::try_from(link).map_err(|e| fail("reuse pinned xdp link", e.to_string()))?;
+                    let id = prog.attach_to_link(link).map_err(|e| fail("update xdp link", e.to_string()))?;
+                    drop(prog.take_link(id));
+                    return Ok(());
+                }
+                let id = prog.attach(iface, xdp_mode).map_err(|e| fail("attach xdp", e.to_string()))?;
+                let link = prog.take_link(id).map_err(|e| fail("take xdp link", e.to_string()))?;
+                let fd = FdLink::try_from(link).map_err(|e| fail("xdp link is not a bpf_link (kernel < 5.9?)", e.to_string()))?;
+                fd.pin(&path).map_err(|e| fail("pin xdp link", e.to_string()))?;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn ebpf(&mut self) -> &mut Ebpf {
+        &mut self.ebpf
+    }
+}
+
+/// Every TC program kpr attaches (what a cleanup removes from pre-TCX kernels' filters).
+const TC_PROGRAMS: [&str; 3] = [prog_names::TC_INGRESS, prog_names::TC_EGRESS, prog_names::TC_IPSET];
+
+/// bpffs refuses '.' in names, and interface names may hold one (flannel.1); ':' never
+/// appears in an interface name, so it stands for the dot.
+pub fn link_path(pin_dir: &Path, iface: &str, hook: Hook) -> PathBuf {
+    pin_dir.join("links").join(format!("{}_{}", hook.tag(), iface.replace('.', ":")))
+}
+
+/// Interfaces with a pinned link, and the hook.
+pub fn attached_links(pin_dir: &Path) -> Vec<(String, Hook)> {
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir(pin_dir.join("links")) else {
+        return out;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().replace(':', ".");
+        if let Some(i) = name.strip_prefix("tc_ingress_") {
+            out.push((i.to_string(), Hook::TcIngress));
+        } else if let Some(i) = name.strip_prefix("tc_egress_") {
+            out.push((i.to_string(), Hook::TcEgress));
+        } else if let Some(i) = name.strip_prefix("xdp_") {
+            out.push((i.to_string(), Hook::Xdp));
+        } else if let Some(p) = name.strip_prefix("cgroup_") {
+            out.push((p.to_string(), Hook::Cgroup));
+        }
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+/// Detaches one pinned link (unpinning drops the last reference).
+pub fn detach(pin_dir: &Path, iface: &str, hook: Hook) -> io::Result<()> {
+    match std::fs::remove_file(link_path(pin_dir, iface, hook)) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        r => r,
+    }
+}
+
+/// Removes everything the agent created under `pin_dir`: links (detaching the programs),
+/// then maps. Idempotent.
+pub fn cleanup(pin_dir: &Path) -> io::Result<Vec<PathBuf>> {
+    let mut removed = Vec::new();
+    // Kernels before TCX (6.6) attach TC programs as netlink filters, which no pin holds.
+    for iface in crate::host::netif::interfaces() {
+        for name in TC_PROGRAMS {
+            for at in [TcAttachType::Ingress, TcAttachType::Egress] {
+                if tc::qdisc_detach_program(&iface, at, name).is_ok() {
+                    removed.push(PathBuf::from(format!("tc filter {name} on {iface}")));
+                }
+            }
+        }
+    }
+    for sub in [pin_dir.join("links"), pin_dir.to_path_buf()] {
+        let Ok(rd) = std::fs::read_dir(&sub) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let p = e.path();
+            if p.is_file() || p.is_symlink() || !p.is_dir() {
+                std::fs::remove_file(&p)?;
+                removed.push(p);
+            }
+        }
+    }
+    for dir in [pin_dir.join("links"), pin_dir.to_path_buf()] {
+        match std::fs::remove_dir(&dir) {
+            Ok(()) => removed.push(dir),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(removed)
+}
+
+pub(crate) fn op(map: &'static str, op: &'static str, e: AyaMapError) -> MapError {
+    let source = match e {
+        // The kernel's "Argument list too long" on an update means the map is at capacity.
+        AyaMapError::SyscallError(s) if s.io_error.raw_os_error() == Some(libc::E2BIG) => {
+            io::Error::new(s.io_error.kind(), "the map is full (E2BIG): the cluster needs more entries than its capacity (see the README's capacities)")
+        }
+        AyaMapError::SyscallError(s) => s.io_error,
+        other => io::Error::other(other.to_string()),
+    };
+    MapError::Op { map, op, source }
+}
+
+fn is_enoent(e: &AyaMapError) -> bool {
+    match e {
+        AyaMapError::KeyNotFound => true,
+        AyaMapError::SyscallError(s) => s.io_error.raw_os_error() == Some(libc::ENOENT),
+        _ => false,
+    }
+}
+
+/// The fast path's maps, opened from their pins (works for the agent and for the CLI).
+pub struct KernelMaps {
+    services: HashMap<MapData, ServiceKey, ServiceValue>,
+    slots: HashMap<MapData, SlotKey, u32>,
+    backends: HashMap<MapData, u32, Backend>,
+    maglev: Array<MapData, u32>,
+    source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
+    config: Array<MapData, DatapathConfig>,
+    conntrack: KernelConntrack,
+    ifaces: HashMap<MapData, u32, proxy_common::IfaceInfo>,
+    affinity: HashMap<MapData, AffinityKey, AffinityValue>,
+    counters: PerCpuArray<MapData, u64>,
+    backend_new: PerCpuArray<MapData, u64>,
+}
+
+/// The conntrack tables and the flow cache's generation, opened from their pins (the garbage
+/// collector's thread has its own).
+pub struct KernelConntrack {
+    assured: HashMap<MapData, CtKey, CtValue>,
+    embryonic: HashMap<MapData, CtKey, CtValue>,
+    flow_cache_gen: Array<MapData, u64>,
+}
+
+impl KernelConntrack {
+    pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
+        Ok(Self {
+            assured: open_typed(pin_dir, map_names::CONNTRACK)?,
+            embryonic: open_typed(pin_dir, map_names::CONNTRACK_NEW)?,
+            flow_cache_gen: open_typed(pin_dir, map_names::FLOW_CACHE_GEN)?,
+        })
+    }
+    fn map(&self, t: Table) -> &HashMap<MapData, CtKey, CtValue> {
+        match t {
+            Table::Assured => &self.assured,
+            Table::Embryonic => &self.embryonic,
+        }
+    }
+}
+
+/// KPR_SOCK_REV_V1: which sockets connect-time balancing sent where.
+pub struct KernelSockRev(HashMap<MapData, proxy_common::SockRevKey, proxy_common::SockRevValue>);
+
+impl KernelSockRev {
+    pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
+        Ok(Self(open_typed(pin_dir, map_names::SOCK_REV)?))
+    }
+}
+
+impl crate::dataplane::ebpf::endpoint_cleanup::BalancedSockets for KernelSockRev {
+    fn cookies_to(&self, addr: std::net::Ipv4Addr, port: u16) -> Result<std::collections::BTreeSet<u64>, MapError> {
+        let fd = aya::maps::IterableMap::map(&self.0).fd();
+        let (want_addr, want_port) = (u32::from_ne_bytes(addr.octets()), port.to_be());
+        let mut out = std::collections::BTreeSet::new();
+        let mut cursor = None;
+        loop {
+            let (batch, next): (Vec<(proxy_common::SockRevKey, proxy_common::SockRevValue)>, _) =
+                crate::dataplane::ebpf::bpf_batch::lookup_batch(fd, cursor, 4096).map_err(|source| MapError::Op {
+                    map: map_names::SOCK_REV,
+                    op: "lookup batch",
+                    source,
+                })?;
+            out.extend(batch.iter().filter(|(k, _)| k.addr[0] == want_addr && k.port == want_port).map(|(k, _)| k.cookie));
+            match next {
+                Some(c) => cursor = Some(c),
+                None => return Ok(out),
+            }
+        }
+    }
+}
+
+impl ConntrackTables for KernelConntrack {
+    fn read_batch(&self, table: Table, cursor: Option<u32>, max: usize) -> Result<(Vec<(CtKey, CtValue)>, Option<u32>), MapError> {
+        let fd = aya::maps::IterableMap::map(self.map(table)).fd();
+        crate::dataplane::ebpf::bpf_batch::lookup_batch(fd, cursor, max).map_err(|source| MapError::Op { map: table.map_name(), op: "lookup batch", source })
+    }
+    fn get(&self, table: Table, key: &CtKey) -> Result<Option<CtValue>, MapError> {
+        match self.map(table).get(key, 0) {
+            Ok(v) => Ok(Some(v)),
+            Err(e) if is_enoent(&e) => Ok(None),
+            Err(e) => Err(op(table.map_name(), "lookup", e)),
+        }
+    }
+    fn delete_if(&mut self, table: Table, key: &CtKey, expected: &CtValue) -> Result<bool, MapError> {
+        let name = table.map_name();
+        let fd = aya::maps::IterableMap::map(self.map(table)).fd();
+        let taken: Option<CtValue> =
+            crate::dataplane::ebpf::bpf_batch::lookup_and_delete(fd, key).map_err(|source| MapError::Op { map: name, op: "lookup and delete", source })?;
+        match taken {
+            None => Ok(false),
+            Some(v) if v == *expected => Ok(true),
+            Some(v) => {
+                // Changed since it was read: put it back, unless the data path already wrote a
+                // newer one in the moment it was out.
+                crate::dataplane::ebpf::bpf_batch::insert_new(fd, key, &v).map_err(|source| MapError::Op { map: name, op: "update", source })?;
+                Ok(false)
+            }
+        }
+    }
+    fn invalidate_flow_cache(&mut self) -> Result<(), MapError> {
+        let name = map_names::FLOW_CACHE_GEN;
+        let g = self.flow_cache_gen.get(&0, 0).map_err(|e| op(name, "lookup", e))?;
+        // Past any of the data path's own (32-bit) steps: never a value an entry holds.
+        self.flow_cache_gen.set(0, g.wrapping_add(1 << 33), 0).map_err(|e| op(name, "update", e))
+    }
+}
+
+pub(crate) fn open(pin_dir: &Path, name: &'static str) -> Result<Map, MapError> {
+    let data = MapData::from_pin(pin_dir.join(name)).map_err(|e| MapError::Other {
+        map: name,
+        message: format!("not pinned under {} ({e}); is the agent running / was `kpr run` started?", pin_dir.display()),
+    })?;
+    Map::from_map_data(data).map_err(|e| op(name, "open", e))
+}
+
+/// A pinned map, checked to be of the type `T` expects.
+pub fn open_typed<T: TryFrom<Map, Error = AyaMapError>>(pin_dir: &Path, name: &'static str) -> Result<T, MapError> {
+    open(pin_dir, name)?.try_into().map_err(|e| op(name, "type check", e))
+}
+
+impl KernelMaps {
+    pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
+        Ok(Self {
+            services: open_typed(pin_dir, map_names::SERVICES)?,
+            slots: open_typed(pin_dir, map_names::SLOTS)?,
+            backends: open_typed(pin_dir, map_names::BACKENDS)?,
+            maglev: open_typed(pin_dir, map_names::MAGLEV)?,
+            source_ranges: open_typed(pin_dir, map_names::SOURCE_RANGES)?,
+            config: open_typed(pin_dir, map_names::CONFIG)?,
+            conntrack: KernelConntrack::open(pin_dir)?,
+            ifaces: open_typed(pin_dir, map_names::IFACES)?,
+            affinity: open_typed(pin_dir, map_names::AFFINITY)?,
+            counters: open_typed(pin_dir, map_names::COUNTERS)?,
+            backend_new: open_typed(pin_dir, map_names::BACKEND_NEW)?,
+        })
+    }
+}
+
+pub(crate) fn collect<K, V, I: Iterator<Item = Result<(K, V), AyaMapError>>>(name: &'static str, it: I) -> Result<Vec<(K, V)>, MapError> {
+    let mut out = Vec::new();
+    for r in it {
+        match r {
+            Ok(kv) => out.push(kv),
+            // An entry deleted (LRU, data path) while we walked: skip it.
+            Err(e) if is_enoent(&e) => continue,
+            Err(e) => return Err(op(name, "iterate", e)),
+        }
+    }
+    Ok(out)
+}
+
+pub(crate) fn del<R>(name: &'static str, r: Result<R, AyaMapError>) -> Result<(), MapError> {
+    match r {
+        Ok(_) => Ok(()),
+        Err(e) if is_enoent(&e) => Ok(()),
+        Err(e) => Err(op(name, "delete", e)),
+    }
+}
+
+impl DatapathMaps for KernelMaps {
+    fn services(&self) -> Result<Vec<(ServiceKey, ServiceValue)>, MapError> {
+        collect(map_names::SERVICES, self.services.iter())
+    }
+    fn put_service(&mut self, k: ServiceKey, v: ServiceValue) -> Result<(), MapError> {
+        self.services.insert(k, v, 0).map_err(|e| op(map_names::SERVICES, "update", e))
+    }
+    fn del_service(&mut self, k: ServiceKey) -> Result<(), MapError> {
+        del(map_names::SERVICES, self.services.remove(&k))
+    }
+    fn slots(&self) -> Result<Vec<(SlotKey, u32)>, MapError> {
+        collect(map_names::SLOTS, self.slots.iter())
+    }
+    fn put_slot(&mut self, k: SlotKey, id: u32) -> Result<(), MapError> {
+        self.slots.insert(k, id, 0).map_err(|e| op(map_names::SLOTS, "update", e))
+    }
+    fn del_slot(&mut self, k: SlotKey) -> Result<(), MapError> {
+        del(map_names::SLOTS, self.slots.remove(&k))
+    }
+    fn backends(&self) -> Result<Vec<(u32, Backend)>, MapError> {
+        collect(map_names::BACKENDS, self.backends.iter())
+    }
+    fn put_backend(&mut self, id: u32, b: Backend) -> Result<(), MapError> {
+        self.backends.insert(id, b, 0).map_err(|e| op(map_names::BACKENDS, "update", e))
+    }
+    fn del_backend(&mut self, id: u32) -> Result<(), MapError> {
+        del(map_names::BACKENDS, self.backends.remove(&id))
+    }
+    fn maglev_row(&self, row: u32) -> Result<Vec<u32>, MapError> {
+        let m = limits::MAGLEV_TABLE_SIZE;
+        (row * m..(row + 1) * m).map(|i| self.maglev.get(&i, 0).map_err(|e| op(map_names::MAGLEV, "lookup", e))).collect()
+    }
+    fn put_maglev_row(&mut self, row: u32, table: &[u32]) -> Result<(), MapError> {
+        let base = row * limits::MAGLEV_TABLE_SIZE;
+        for (i, id) in table.iter().enumerate() {
+            self.maglev.set(base + i as u32, id, 0).map_err(|e| op(map_names::MAGLEV, "update", e))?;
+        }
+        Ok(())
+    }
+    fn source_ranges(&self) -> Result<Vec<SrcRange>, MapError> {
+        Ok(collect(map_names::SOURCE_RANGES, self.source_ranges.iter())?.into_iter().map(|(k, _)| (k.prefix_len(), k.data())).collect())
+    }
+    fn put_source_range(&mut self, r: SrcRange) -> Result<(), MapError> {
+        let k = aya::maps::lpm_trie::Key::new(r.0, r.1);
+        self.source_ranges.insert(&k, 1, 0).map_err(|e| op(map_names::SOURCE_RANGES, "update", e))
+    }
+    fn del_source_range(&mut self, r: SrcRange) -> Result<(), MapError> {
+        let k = aya::maps::lpm_trie::Key::new(r.0, r.1);
+        del(map_names::SOURCE_RANGES, self.source_ranges.remove(&k))
+    }
+    fn config(&self) -> Result<DatapathConfig, MapError> {
+        self.config.get(&0, 0).map_err(|e| op(map_names::CONFIG, "lookup", e))
+    }
+    fn set_config(&mut self, c: DatapathConfig) -> Result<(), MapError> {
+        self.config.set(0, c, 0).map_err(|e| op(map_names::CONFIG, "update", e))
+    }
+    fn conntrack(&self) -> &dyn ConntrackTables {
+        &self.conntrack
+    }
+    fn conntrack_mut(&mut self) -> &mut dyn ConntrackTables {
+        &mut self.conntrack
+    }
+    fn set_ifaces(&mut self, want: &std::collections::BTreeMap<u32, proxy_common::IfaceInfo>) -> Result<(), MapError> {
+        let name = map_names::IFACES;
+        let have: Vec<(u32, proxy_common::IfaceInfo)> = collect(name, self.ifaces.iter())?;
+        for (ifindex, _) in have.iter().filter(|(i, _)| !want.contains_key(i)) {
+            del(name, self.ifaces.remove(ifindex))?;
+        }
+        for (ifindex, info) in want {
+            if !have.contains(&(*ifindex, *info)) {
+                self.ifaces.insert(*ifindex, *info, 0).map_err(|e| op(name, "update", e))?;
+            }
+        }
+        Ok(())
+    }
+    fn affinity(&self) -> Result<Vec<(AffinityKey, AffinityValue)>, MapError> {
+        collect(map_names::AFFINITY, self.affinity.iter())
+    }
+    fn del_affinity(&mut self, k: AffinityKey) -> Result<(), MapError> {
+        del(map_names::AFFINITY, self.affinity.remove(&k))
+    }
+    fn backend_new_connections(&self, id: u32) -> Result<u64, MapError> {
+        self.backend_new.get(&id, 0).map(|v| v.iter().sum()).map_err(|e| op(map_names::BACKEND_NEW, "lookup", e))
+    }
+    fn counters(&self) -> Result<Vec<u64>, MapError> {
+        (0..proxy_common::counter::COUNT).map(|i| self.counters.get(&i, 0).map(|v| v.iter().sum()).map_err(|e| op(map_names::COUNTERS, "lookup", e))).collect()
+    }
+}
+
+/// CLOCK_MONOTONIC in ns: the clock of bpf_ktime_get_ns.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// The cgroup v2 root: /sys/fs/cgroup on unified hierarchies, /sys/fs/cgroup/unified on hybrid ones.
+pub fn cgroup2_root() -> Option<PathBuf> {
+    const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
+    ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"].iter().map(PathBuf::from).find(|p| {
+        let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else {
+            return false;
+        };
+        let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+        unsafe { libc::statfs(c.as_ptr(), &mut st) == 0 && st.f_type as i64 == CGROUP2_SUPER_MAGIC }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Retired pins are removed at every load: a name in use there would unpin a live map.
+    #[test]
+    fn no_retired_map_name_is_in_use() {
+        let in_use: Vec<&str> = map_names::ALL.iter().chain(map_names::SETS.iter()).copied().collect();
+        for name in map_names::RETIRED {
+            assert!(!in_use.contains(&name), "{name} is retired and in use");
+            assert!(!EBPF_OBJECT.windows(name.len()).any(|w| w == name.as_bytes()), "{name} is retired but in the eBPF object");
+        }
+    }
+}

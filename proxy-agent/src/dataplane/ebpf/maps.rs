@@ -1,0 +1,276 @@
+//! The kernel write boundary for the fast path's maps: a small trait, a real implementation on
+//! aya (kernel.rs) and a fake on BTreeMaps for fast deterministic tests.
+use std::collections::BTreeMap;
+
+use proxy_common::{AffinityKey, AffinityValue, Backend, DatapathConfig, IfaceInfo, ServiceKey, ServiceValue, SlotKey, SourceRangeKey};
+
+use proxy_common::{map_names, CtKey, CtValue};
+
+#[derive(Debug, thiserror::Error)]
+pub enum MapError {
+    #[error("map {map}: {op} failed: {source}")]
+    Op { map: &'static str, op: &'static str, source: std::io::Error },
+    #[error("map {0} is missing from the object")]
+    Missing(&'static str),
+    #[error("map {map}: {message}")]
+    Other { map: &'static str, message: String },
+}
+
+pub type SrcRange = (u32, SourceRangeKey);
+
+pub trait DatapathMaps {
+    fn services(&self) -> Result<Vec<(ServiceKey, ServiceValue)>, MapError>;
+    fn put_service(&mut self, k: ServiceKey, v: ServiceValue) -> Result<(), MapError>;
+    fn del_service(&mut self, k: ServiceKey) -> Result<(), MapError>;
+
+    fn slots(&self) -> Result<Vec<(SlotKey, u32)>, MapError>;
+    fn put_slot(&mut self, k: SlotKey, backend_id: u32) -> Result<(), MapError>;
+    fn del_slot(&mut self, k: SlotKey) -> Result<(), MapError>;
+
+    fn backends(&self) -> Result<Vec<(u32, Backend)>, MapError>;
+    fn put_backend(&mut self, id: u32, b: Backend) -> Result<(), MapError>;
+    fn del_backend(&mut self, id: u32) -> Result<(), MapError>;
+
+    fn maglev_row(&self, row: u32) -> Result<Vec<u32>, MapError>;
+    fn put_maglev_row(&mut self, row: u32, table: &[u32]) -> Result<(), MapError>;
+
+    /// (prefix length, key) pairs.
+    fn source_ranges(&self) -> Result<Vec<SrcRange>, MapError>;
+    fn put_source_range(&mut self, r: SrcRange) -> Result<(), MapError>;
+    fn del_source_range(&mut self, r: SrcRange) -> Result<(), MapError>;
+
+    fn config(&self) -> Result<DatapathConfig, MapError>;
+    fn set_config(&mut self, c: DatapathConfig) -> Result<(), MapError>;
+
+    /// The two conntrack tables (flows, garbage collection, targeted deletes).
+    fn conntrack(&self) -> &dyn ConntrackTables;
+    fn conntrack_mut(&mut self) -> &mut dyn ConntrackTables;
+
+    /// Interface index -> what the data path needs to know of it (masquerade address, local
+    /// pods): written to equal `want` exactly.
+    fn set_ifaces(&mut self, want: &BTreeMap<u32, IfaceInfo>) -> Result<(), MapError>;
+    fn affinity(&self) -> Result<Vec<(AffinityKey, AffinityValue)>, MapError>;
+    fn del_affinity(&mut self, k: AffinityKey) -> Result<(), MapError>;
+
+    /// Sum over CPUs of each counter.
+    fn counters(&self) -> Result<Vec<u64>, MapError>;
+    /// New connections sent to a backend since it got its id (sum over CPUs).
+    fn backend_new_connections(&self, id: u32) -> Result<u64, MapError>;
+}
+
+/// In-memory maps with the kernel's semantics (deletes of missing keys succeed: idempotent).
+#[derive(Debug, Default, Clone)]
+pub struct FakeMaps {
+    pub services: BTreeMap<ServiceKey, ServiceValue>,
+    pub slots: BTreeMap<SlotKey, u32>,
+    pub backends: BTreeMap<u32, Backend>,
+    pub maglev: BTreeMap<u32, Vec<u32>>,
+    pub source_ranges: BTreeMap<(u32, SourceRangeKey), ()>,
+    pub config: DatapathConfig,
+    pub conntrack: FakeTables,
+    pub ifaces: BTreeMap<u32, IfaceInfo>,
+    pub affinity: BTreeMap<AffinityKey, AffinityValue>,
+    pub writes: usize,
+}
+
+impl DatapathMaps for FakeMaps {
+    fn services(&self) -> Result<Vec<(ServiceKey, ServiceValue)>, MapError> {
+        Ok(self.services.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+    fn put_service(&mut self, k: ServiceKey, v: ServiceValue) -> Result<(), MapError> {
+        self.writes += 1;
+        self.services.insert(k, v);
+        Ok(())
+    }
+    fn del_service(&mut self, k: ServiceKey) -> Result<(), MapError> {
+        self.writes += 1;
+        self.services.remove(&k);
+        Ok(())
+    }
+    fn slots(&self) -> Result<Vec<(SlotKey, u32)>, MapError> {
+        Ok(self.slots.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+    fn put_slot(&mut self, k: SlotKey, id: u32) -> Result<(), MapError> {
+        self.writes += 1;
+        self.slots.insert(k, id);
+        Ok(())
+    }
+    fn del_slot(&mut self, k: SlotKey) -> Result<(), MapError> {
+        self.writes += 1;
+        self.slots.remove(&k);
+        Ok(())
+    }
+    fn backends(&self) -> Result<Vec<(u32, Backend)>, MapError> {
+        Ok(self.backends.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+    fn put_backend(&mut self, id: u32, b: Backend) -> Result<(), MapError> {
+        self.writes += 1;
+        self.backends.insert(id, b);
+        Ok(())
+    }
+    fn del_backend(&mut self, id: u32) -> Result<(), MapError> {
+        self.writes += 1;
+        self.backends.remove(&id);
+        Ok(())
+    }
+    fn maglev_row(&self, row: u32) -> Result<Vec<u32>, MapError> {
+        Ok(self.maglev.get(&row).cloned().unwrap_or_else(|| vec![0; proxy_common::limits::MAGLEV_TABLE_SIZE as usize]))
+    }
+    fn put_maglev_row(&mut self, row: u32, table: &[u32]) -> Result<(), MapError> {
+        self.writes += 1;
+        self.maglev.insert(row, table.to_vec());
+        Ok(())
+    }
+    fn source_ranges(&self) -> Result<Vec<SrcRange>, MapError> {
+        Ok(self.source_ranges.keys().copied().collect())
+    }
+    fn put_source_range(&mut self, r: SrcRange) -> Result<(), MapError> {
+        self.writes += 1;
+        self.source_ranges.insert(r, ());
+        Ok(())
+    }
+    fn del_source_range(&mut self, r: SrcRange) -> Result<(), MapError> {
+        self.writes += 1;
+        self.source_ranges.remove(&r);
+        Ok(())
+    }
+    fn config(&self) -> Result<DatapathConfig, MapError> {
+        Ok(self.config)
+    }
+    fn set_config(&mut self, c: DatapathConfig) -> Result<(), MapError> {
+        self.config = c;
+        Ok(())
+    }
+    fn conntrack(&self) -> &dyn ConntrackTables {
+        &self.conntrack
+    }
+    fn conntrack_mut(&mut self) -> &mut dyn ConntrackTables {
+        &mut self.conntrack
+    }
+    fn set_ifaces(&mut self, want: &BTreeMap<u32, IfaceInfo>) -> Result<(), MapError> {
+        self.ifaces = want.clone();
+        Ok(())
+    }
+    fn affinity(&self) -> Result<Vec<(AffinityKey, AffinityValue)>, MapError> {
+        Ok(self.affinity.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+    fn del_affinity(&mut self, k: AffinityKey) -> Result<(), MapError> {
+        self.affinity.remove(&k);
+        Ok(())
+    }
+    fn counters(&self) -> Result<Vec<u64>, MapError> {
+        Ok(vec![0; proxy_common::counter::COUNT as usize])
+    }
+    fn backend_new_connections(&self, _id: u32) -> Result<u64, MapError> {
+        Ok(0)
+    }
+}
+
+/// The two conntrack maps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Table {
+    /// UDP flows and TCP flows past their handshake (KPR_CT_V3).
+    Assured,
+    /// TCP flows before their handshake completed (KPR_CT_NEW_V1).
+    Embryonic,
+}
+
+impl Table {
+    pub const ALL: [Table; 2] = [Table::Assured, Table::Embryonic];
+    pub fn map_name(self) -> &'static str {
+        match self {
+            Table::Assured => map_names::CONNTRACK,
+            Table::Embryonic => map_names::CONNTRACK_NEW,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Table::Assured => "assured",
+            Table::Embryonic => "embryonic",
+        }
+    }
+}
+
+/// What the collector needs from the conntrack maps: a kernel implementation (kernel.rs) and
+/// a fake (below) for deterministic tests.
+pub trait ConntrackTables {
+    /// Up to `max` entries of `table` from `cursor` on (None: the start), and the cursor to go on
+    /// from (None: that was the end).
+    fn read_batch(&self, table: Table, cursor: Option<u32>, max: usize) -> Result<(Vec<(CtKey, CtValue)>, Option<u32>), MapError>;
+    fn get(&self, table: Table, key: &CtKey) -> Result<Option<CtValue>, MapError>;
+    /// Deletes `key` if it still holds `expected`. An entry that changed meanwhile is kept (put
+    /// back if it was taken out). Returns whether it was deleted.
+    fn delete_if(&mut self, table: Table, key: &CtKey, expected: &CtValue) -> Result<bool, MapError>;
+    /// After deleting flows that may still carry packets: no CPU's flow cache may answer for
+    /// them any more.
+    fn invalidate_flow_cache(&mut self) -> Result<(), MapError>;
+
+    /// Every entry of `table`, batch by batch.
+    fn entries(&self, table: Table) -> Result<Vec<(CtKey, CtValue)>, MapError> {
+        let mut out = Vec::new();
+        let mut cursor = None;
+        loop {
+            let (mut batch, next) = self.read_batch(table, cursor, 4096)?;
+            out.append(&mut batch);
+            match next {
+                Some(c) => cursor = Some(c),
+                None => return Ok(out),
+            }
+        }
+    }
+}
+
+/// In-memory conntrack tables with the kernel's semantics, for tests. `reused` simulates the
+/// data path writing a new flow into a key between the collector's read and its delete.
+#[derive(Debug, Default, Clone)]
+pub struct FakeTables {
+    pub assured: std::collections::BTreeMap<CtKey, CtValue>,
+    pub embryonic: std::collections::BTreeMap<CtKey, CtValue>,
+    pub reused: std::collections::BTreeMap<CtKey, CtValue>,
+    pub flow_cache_generation: u64,
+}
+
+impl FakeTables {
+    pub fn table(&self, t: Table) -> &std::collections::BTreeMap<CtKey, CtValue> {
+        match t {
+            Table::Assured => &self.assured,
+            Table::Embryonic => &self.embryonic,
+        }
+    }
+    pub fn table_mut(&mut self, t: Table) -> &mut std::collections::BTreeMap<CtKey, CtValue> {
+        match t {
+            Table::Assured => &mut self.assured,
+            Table::Embryonic => &mut self.embryonic,
+        }
+    }
+}
+
+impl ConntrackTables for FakeTables {
+    fn read_batch(&self, table: Table, cursor: Option<u32>, max: usize) -> Result<(Vec<(CtKey, CtValue)>, Option<u32>), MapError> {
+        let start = cursor.unwrap_or(0) as usize;
+        let all: Vec<(CtKey, CtValue)> = self.table(table).iter().map(|(k, v)| (*k, *v)).collect();
+        let end = (start + max).min(all.len());
+        let next = (end < all.len()).then_some(end as u32);
+        Ok((all[start.min(end)..end].to_vec(), next))
+    }
+    fn get(&self, table: Table, key: &CtKey) -> Result<Option<CtValue>, MapError> {
+        Ok(self.table(table).get(key).copied())
+    }
+    fn delete_if(&mut self, table: Table, key: &CtKey, expected: &CtValue) -> Result<bool, MapError> {
+        if let Some(v) = self.reused.remove(key) {
+            self.table_mut(table).insert(*key, v);
+        }
+        let m = self.table_mut(table);
+        match m.get(key) {
+            Some(v) if v == expected => {
+                m.remove(key);
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+    fn invalidate_flow_cache(&mut self) -> Result<(), MapError> {
+        self.flow_cache_generation += 1;
+        Ok(())
+    }
+}

@@ -1,0 +1,656 @@
+//! Sync by difference: desired state vs. what the maps hold now. Ids are stable: a backend keeps
+//! its id while it exists anywhere, a frontend keeps its service id while it exists, and both
+//! are recovered from the maps after a restart.
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use proxy_common::{
+    limits::{MAGLEV_ROWS, MAX_SERVICES},
+    Backend, DatapathConfig, ServiceKey, ServiceValue, SlotKey, SourceRangeKey, SCHED_MAGLEV, SCHED_RANDOM,
+};
+
+use crate::{
+    dataplane::ebpf::maglev,
+    dataplane::ebpf::maps::{DatapathMaps, MapError, SrcRange},
+    model::{DesiredState, Frontend, FrontendKey},
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    #[error(transparent)]
+    Map(#[from] MapError),
+}
+
+#[derive(Debug, Default, Clone)]
+pub struct SyncStats {
+    pub frontends: usize,
+    pub backends: usize,
+    pub writes: usize,
+    pub deletes: usize,
+    /// Per-frontend failures; the other frontends were still programmed.
+    pub errors: Vec<String>,
+    /// Backends that left a frontend: their sessionAffinity entries go at once, and a UDP
+    /// frontend's flows are ended (a UDP client has no handshake that would move it elsewhere).
+    pub removed: BTreeSet<RemovedBackend>,
+}
+
+/// A backend that left a frontend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct RemovedBackend {
+    pub service_id: u32,
+    pub backend_id: u32,
+    pub frontend: ServiceKey,
+    pub backend: Backend,
+}
+
+/// The backends a frontend had (its slots up to its count).
+fn current_ids(m: &Mirror, key: &ServiceKey) -> Vec<u32> {
+    match m.services.get(key) {
+        Some(v) => m.slots.get(&v.service_id).map(|s| s.range(1..=v.backend_count).map(|(_, id)| *id).collect()).unwrap_or_default(),
+        None => Vec::new(),
+    }
+}
+
+fn note_removed(st: &mut SyncStats, m: &Mirror, key: &ServiceKey, service_id: u32, old: &[u32], new: &[u32]) {
+    for id in old.iter().filter(|id| !new.contains(id)) {
+        if let Some(backend) = m.backends.get(id) {
+            st.removed.insert(RemovedBackend { service_id, backend_id: *id, frontend: *key, backend: *backend });
+        }
+    }
+}
+
+pub struct Syncer {
+    backend_ids: HashMap<Backend, u32>,
+    next_backend_id: u32,
+    service_ids: HashMap<ServiceKey, u32>,
+    /// Service id -> its ServiceValue::generation; a new one each time an id is given out.
+    generations: HashMap<u32, u16>,
+    next_generation: u16,
+    free_service_ids: BTreeSet<u32>,
+    next_service_id: u32,
+    max_services: u32,
+    maglev_rows: HashMap<u32, u32>,
+    free_maglev_rows: BTreeSet<u32>,
+    maglev_written: HashMap<u32, Vec<u32>>,
+    seeded: bool,
+    /// What the maps hold after the last successful sync (None: list them next time).
+    mirror: Option<Mirror>,
+    /// Backend id -> frontends whose slots use it (a backend is deleted when unused).
+    backend_refs: HashMap<u32, u32>,
+}
+
+impl Default for Syncer {
+    fn default() -> Self {
+        Self::new(MAX_SERVICES, MAGLEV_ROWS)
+    }
+}
+
+fn range_key(service_id: u32, net: &ipnet::IpNet) -> SrcRange {
+    let k = SourceRangeKey::lpm(service_id, net.addr(), net.prefix_len());
+    (k.prefix_len(), k.data())
+}
+
+impl Syncer {
+    pub fn new(max_services: u32, maglev_rows: u32) -> Self {
+        Self {
+            backend_ids: HashMap::new(),
+            next_backend_id: 1,
+            service_ids: HashMap::new(),
+            generations: HashMap::new(),
+            next_generation: 1,
+            free_service_ids: BTreeSet::new(),
+            next_service_id: 1,
+            max_services,
+            maglev_rows: HashMap::new(),
+            free_maglev_rows: (0..maglev_rows).collect(),
+            maglev_written: HashMap::new(),
+            seeded: false,
+            mirror: None,
+            backend_refs: HashMap::new(),
+        }
+    }
+
+    /// Recovers ids from a previous agent's maps, so a restart changes nothing that works.
+    fn seed(&mut self, services: &[(ServiceKey, ServiceValue)], backends: &[(u32, Backend)]) {
+        for (id, b) in backends {
+            self.backend_ids.insert(*b, *id);
+            self.next_backend_id = self.next_backend_id.max(id + 1);
+        }
+        let mut used = BTreeSet::new();
+        for (k, v) in services {
+            self.service_ids.insert(*k, v.service_id);
+            self.generations.insert(v.service_id, v.generation);
+            self.note_generation(v.generation);
+            used.insert(v.service_id);
+            if v.scheduler == SCHED_MAGLEV {
+                self.maglev_rows.insert(v.service_id, v.maglev_row);
+                self.free_maglev_rows.remove(&v.maglev_row);
+            }
+        }
+        let max = used.iter().next_back().copied().unwrap_or(0);
+        self.next_service_id = max + 1;
+        self.free_service_ids = (1..=max).filter(|i| !used.contains(i)).collect();
+        self.seeded = true;
+    }
+
+    /// Generations handed out from now on are newer than `g` (wrapping, never 0).
+    fn note_generation(&mut self, g: u16) {
+        if g.wrapping_sub(self.next_generation) < u16::MAX / 2 {
+            self.next_generation = g.wrapping_add(1).max(1);
+        }
+    }
+
+    fn alloc_service_id(&mut self, key: ServiceKey) -> Option<u32> {
+        if let Some(id) = self.service_ids.get(&key) {
+            return Some(*id);
+        }
+        let id = match self.free_service_ids.pop_first() {
+            Some(id) => id,
+            None if self.next_service_id < self.max_services => {
+                self.next_service_id += 1;
+                self.next_service_id - 1
+            }
+            None => return None,
+        };
+        self.service_ids.insert(key, id);
+        self.generations.insert(id, self.next_generation);
+        self.next_generation = self.next_generation.wrapping_add(1).max(1);
+        Some(id)
+    }
+
+    fn release_service_id(&mut self, key: &ServiceKey) {
+        if let Some(id) = self.service_ids.remove(key) {
+            self.free_service_ids.insert(id);
+            if let Some(row) = self.maglev_rows.remove(&id) {
+                self.free_maglev_rows.insert(row);
+                self.maglev_written.remove(&row);
+            }
+        }
+    }
+
+    fn backend_id(&mut self, b: Backend) -> u32 {
+        if let Some(id) = self.backend_ids.get(&b) {
+            return *id;
+        }
+        let id = self.next_backend_id;
+        self.next_backend_id += 1;
+        self.backend_ids.insert(b, id);
+        id
+    }
+
+    /// Full sync: lists what the maps hold now, then writes the difference. Repairs any drift
+    /// (an entry deleted or changed by hand).
+    pub fn sync(&mut self, maps: &mut dyn DatapathMaps, desired: &DesiredState, config: DatapathConfig) -> Result<SyncStats, SyncError> {
+        self.mirror = None;
+        let actual = Mirror::read(maps)?;
+        if !self.seeded {
+            let svcs: Vec<_> = actual.services.iter().map(|(k, v)| (*k, *v)).collect();
+            let bes: Vec<_> = actual.backends.iter().map(|(k, v)| (*k, *v)).collect();
+            self.seed(&svcs, &bes);
+        }
+        self.apply(maps, desired, config, actual, true)
+    }
+
+    fn apply(
+        &mut self,
+        maps: &mut dyn DatapathMaps,
+        desired: &DesiredState,
+        config: DatapathConfig,
+        mut m: Mirror,
+        full: bool,
+    ) -> Result<SyncStats, SyncError> {
+        let mut st = SyncStats::default();
+        if m.config != config {
+            maps.set_config(config)?;
+            m.config = config;
+            st.writes += 1;
+        }
+
+        // Backends first: a slot must never point to a backend that is not there yet.
+        let mut live_backends: std::collections::HashSet<u32> = std::collections::HashSet::new();
+        for f in desired.frontends.values() {
+            for b in &f.backends {
+                let wire = b.wire();
+                let id = self.backend_id(wire);
+                if live_backends.insert(id) && m.backends.get(&id) != Some(&wire) {
+                    maps.put_backend(id, wire)?;
+                    m.backends.insert(id, wire);
+                    st.writes += 1;
+                }
+            }
+        }
+        st.backends = live_backends.len();
+
+        let mut desired_ranges: BTreeSet<SrcRange> = BTreeSet::new();
+        let mut live_services: std::collections::HashSet<u32> = std::collections::HashSet::new();
+        let mut refs: HashMap<u32, u32> = HashMap::new();
+        for (fk, f) in &desired.frontends {
+            if let Some((service_id, ids)) = self.program_frontend(maps, &mut m, fk, f, full, &mut st, &mut desired_ranges)? {
+                live_services.insert(service_id);
+                for id in ids {
+                    *refs.entry(id).or_insert(0) += 1;
+                }
+            }
+        }
+
+        // Stale frontends, then their slots, then slots of nothing.
+        let wanted: std::collections::HashSet<ServiceKey> = desired.frontends.keys().map(|fk| fk.wire()).collect();
+        let stale: Vec<(ServiceKey, ServiceValue)> = m.services.iter().filter(|(k, _)| !wanted.contains(k)).map(|(k, v)| (*k, *v)).collect();
+        for (key, v) in stale {
+            let old = current_ids(&m, &key);
+            note_removed(&mut st, &m, &key, v.service_id, &old, &[]);
+            maps.del_service(key)?;
+            m.services.remove(&key);
+            st.deletes += 1;
+            if self.service_ids.get(&key) == Some(&v.service_id) {
+                self.release_service_id(&key);
+            }
+        }
+        let dead: Vec<u32> = m.slots.keys().filter(|id| !live_services.contains(id)).copied().collect();
+        for service_id in dead {
+            for slot in m.slots.remove(&service_id).unwrap_or_default().keys() {
+                maps.del_slot(SlotKey { service_id, slot: *slot })?;
+                st.deletes += 1;
+            }
+        }
+        let gone: Vec<u32> = m.backends.keys().filter(|id| !live_backends.contains(id)).copied().collect();
+        for id in gone {
+            maps.del_backend(id)?;
+            m.backends.remove(&id);
+            st.deletes += 1;
+        }
+        self.backend_ids.retain(|_, id| live_backends.contains(id));
+
+        let old_ranges = std::mem::take(&mut m.ranges);
+        for r in old_ranges.difference(&desired_ranges) {
+            maps.del_source_range(*r)?;
+            st.deletes += 1;
+        }
+        for r in desired_ranges.difference(&old_ranges) {
+            maps.put_source_range(*r)?;
+            st.writes += 1;
+        }
+        m.ranges = desired_ranges;
+
+        // Affinity to a backend that left the service is void (full syncs; between them the
+        // data path already ignores affinity to a backend that no longer exists).
+        if full {
+            for (k, v) in maps.affinity()? {
+                self.note_generation(v.generation);
+                let keep = m.slots.get(&k.service_id).is_some_and(|slots| slots.values().any(|id| *id == v.backend_id));
+                if !keep {
+                    maps.del_affinity(k)?;
+                    st.deletes += 1;
+                }
+            }
+        }
+        self.backend_refs = refs;
+        self.mirror = Some(m);
+        Ok(st)
+    }
+
+    /// Programs one frontend against the mirror. Returns its service id and backend ids, or
+    /// None when it could not get an id (reported in `st.errors`).
+    #[allow(clippy::too_many_arguments)]
+    fn program_frontend(
+        &mut self,
+        maps: &mut dyn DatapathMaps,
+        m: &mut Mirror,
+        fk: &FrontendKey,
+        f: &Frontend,
+        full: bool,
+        st: &mut SyncStats,
+        desired_ranges: &mut BTreeSet<SrcRange>,
+    ) -> Result<Option<(u32, Vec<u32>)>, SyncError> {
+        let key = fk.wire();
+        let Some(service_id) = self.alloc_service_id(key) else {
+            st.errors.push(format!("{} {}:{}: no free service id (capacity {})", f.service, fk.ip, fk.port, self.max_services));
+            return Ok(None);
+        };
+        let ids: Vec<u32> = f.backends.iter().map(|b| self.backend_ids[&b.wire()]).collect();
+        let mut scheduler = f.scheduler.code();
+        let mut maglev_row = 0;
+        if scheduler == SCHED_MAGLEV {
+            let row = match self.maglev_rows.get(&service_id) {
+                Some(r) => Some(*r),
+                None => self.free_maglev_rows.pop_first().inspect(|r| {
+                    self.maglev_rows.insert(service_id, *r);
+                }),
+            };
+            match row {
+                Some(row) => {
+                    let idents: Vec<(Vec<u8>, u32)> = f.backends.iter().zip(&ids).map(|(b, id)| (format!("{}:{}", b.ip, b.port).into_bytes(), *id)).collect();
+                    let table = maglev::table(&idents);
+                    let same = match self.maglev_written.get(&row) {
+                        Some(t) if !full => t == &table,
+                        _ => maps.maglev_row(row)? == table,
+                    };
+                    if !same {
+                        maps.put_maglev_row(row, &table)?;
+                        st.writes += 1;
+                    }
+                    self.maglev_written.insert(row, table);
+                    maglev_row = row;
+                }
+                None => {
+                    st.errors.push(format!("{}: all {} Maglev rows in use; using random", f.service, self.free_maglev_rows.len() + self.maglev_rows.len()));
+                    scheduler = SCHED_RANDOM;
+                }
+            }
+        }
+        let old = current_ids(m, &key);
+        note_removed(st, m, &key, service_id, &old, &ids);
+        // Make before break: new slots, then the count, then the slots past the count.
+        let slots = m.slots.entry(service_id).or_default();
+        for (i, id) in ids.iter().enumerate() {
+            let slot = i as u32 + 1;
+            if slots.get(&slot) != Some(id) {
+                maps.put_slot(SlotKey { service_id, slot }, *id)?;
+                slots.insert(slot, *id);
+                st.writes += 1;
+            }
+        }
+        let value = ServiceValue {
+            service_id,
+            backend_count: ids.len() as u32,
+            affinity_timeout_s: f.affinity_timeout_s,
+            maglev_row,
+            scheduler,
+            flags: f.flags,
+            generation: self.generations.get(&service_id).copied().unwrap_or(0),
+        };
+        if m.services.get(&key) != Some(&value) {
+            maps.put_service(key, value)?;
+            m.services.insert(key, value);
+            st.writes += 1;
+        }
+        let past: Vec<u32> = slots.range(ids.len() as u32 + 1..).map(|(s, _)| *s).collect();
+        for slot in past {
+            maps.del_slot(SlotKey { service_id, slot })?;
+            slots.remove(&slot);
+            st.deletes += 1;
+        }
+        for net in &f.source_ranges {
+            desired_ranges.insert(range_key(service_id, net));
+        }
+        st.frontends += 1;
+        Ok(Some((service_id, ids)))
+    }
+
+    /// Syncs only the `touched` frontends (those of changed services, before and after the
+    /// change) against the mirror: the event path, whose cost does not grow with the number of
+    /// services. Falls back to a full sync without a mirror.
+    pub fn sync_subset(
+        &mut self,
+        maps: &mut dyn DatapathMaps,
+        desired: &DesiredState,
+        config: DatapathConfig,
+        touched: &BTreeSet<FrontendKey>,
+    ) -> Result<SyncStats, SyncError> {
+        let Some(mut m) = self.mirror.take() else {
+            return self.sync(maps, desired, config);
+        };
+        let mut st = SyncStats::default();
+        if m.config != config {
+            maps.set_config(config)?;
+            m.config = config;
+            st.writes += 1;
+        }
+        // Backends first.
+        for fk in touched {
+            for b in desired.frontends.get(fk).map(|f| f.backends.as_slice()).unwrap_or(&[]) {
+                let wire = b.wire();
+                let id = self.backend_id(wire);
+                if m.backends.get(&id) != Some(&wire) {
+                    maps.put_backend(id, wire)?;
+                    m.backends.insert(id, wire);
+                    st.writes += 1;
+                }
+            }
+        }
+        let mut released: BTreeSet<u32> = BTreeSet::new();
+        for fk in touched {
+            let key = fk.wire();
+            let old = m.services.get(&key).copied();
+            if let Some(v) = old {
+                let old_ids: Vec<u32> = m.slots.get(&v.service_id).map(|s| s.range(1..=v.backend_count).map(|(_, id)| *id).collect()).unwrap_or_default();
+                for id in old_ids {
+                    if let Some(r) = self.backend_refs.get_mut(&id) {
+                        *r = r.saturating_sub(1);
+                        if *r == 0 {
+                            released.insert(id);
+                        }
+                    }
+                }
+            }
+            let sid = old.map(|v| v.service_id).or_else(|| self.service_ids.get(&key).copied());
+            let old_ranges: BTreeSet<SrcRange> = match sid {
+                Some(sid) => m.ranges.iter().filter(|r| r.1.service_id_be == sid.to_be()).copied().collect(),
+                None => BTreeSet::new(),
+            };
+            let mut new_ranges = BTreeSet::new();
+            match desired.frontends.get(fk) {
+                Some(f) => {
+                    if let Some((_, ids)) = self.program_frontend(maps, &mut m, fk, f, false, &mut st, &mut new_ranges)? {
+                        for id in ids {
+                            *self.backend_refs.entry(id).or_insert(0) += 1;
+                            released.remove(&id);
+                        }
+                    }
+                }
+                None => {
+                    if let Some(v) = old {
+                        let old_ids = current_ids(&m, &key);
+                        note_removed(&mut st, &m, &key, v.service_id, &old_ids, &[]);
+                        maps.del_service(key)?;
+                        m.services.remove(&key);
+                        st.deletes += 1;
+                        for slot in m.slots.remove(&v.service_id).unwrap_or_default().keys() {
+                            maps.del_slot(SlotKey { service_id: v.service_id, slot: *slot })?;
+                            st.deletes += 1;
+                        }
+                        self.release_service_id(&key);
+                    }
+                }
+            }
+            for r in old_ranges.difference(&new_ranges) {
+                maps.del_source_range(*r)?;
+                m.ranges.remove(r);
+                st.deletes += 1;
+            }
+            for r in new_ranges.difference(&old_ranges) {
+                maps.put_source_range(*r)?;
+                m.ranges.insert(*r);
+                st.writes += 1;
+            }
+        }
+        released.retain(|id| self.backend_refs.get(id).copied().unwrap_or(0) == 0);
+        for id in &released {
+            maps.del_backend(*id)?;
+            m.backends.remove(id);
+            self.backend_refs.remove(id);
+            st.deletes += 1;
+        }
+        // One pass over the id table, however many backends went.
+        if !released.is_empty() {
+            self.backend_ids.retain(|_, v| !released.contains(v));
+        }
+        st.backends = m.backends.len();
+        self.mirror = Some(m);
+        Ok(st)
+    }
+}
+
+/// What the maps hold, as far as the syncer is concerned.
+#[derive(Debug, Default)]
+struct Mirror {
+    config: DatapathConfig,
+    services: HashMap<ServiceKey, ServiceValue>,
+    backends: HashMap<u32, Backend>,
+    slots: HashMap<u32, BTreeMap<u32, u32>>,
+    ranges: BTreeSet<SrcRange>,
+}
+
+impl Mirror {
+    fn read(maps: &dyn DatapathMaps) -> Result<Self, MapError> {
+        let mut slots: HashMap<u32, BTreeMap<u32, u32>> = HashMap::new();
+        for (k, id) in maps.slots()? {
+            slots.entry(k.service_id).or_default().insert(k.slot, id);
+        }
+        Ok(Self {
+            config: maps.config()?,
+            services: maps.services()?.into_iter().collect(),
+            backends: maps.backends()?.into_iter().collect(),
+            slots,
+            ranges: maps.source_ranges()?.into_iter().collect(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        dataplane::ebpf::maps::FakeMaps,
+        model::{BackendKey, Frontend, FrontendKey, FrontendKind, Protocol, Scheduler},
+    };
+
+    fn frontend(backends: &[(&str, u16)], sched: Scheduler) -> Frontend {
+        Frontend {
+            service: "ns/web:http".into(),
+            kind: FrontendKind::ClusterIp,
+            scheduler: sched,
+            affinity_timeout_s: 0,
+            flags: 0,
+            source_ranges: vec!["198.18.0.0/24".parse().unwrap()],
+            backends: backends.iter().map(|(ip, port)| BackendKey { ip: ip.parse().unwrap(), port: *port, proto: Protocol::Tcp }).collect(),
+            ipvs: Default::default(),
+        }
+    }
+
+    fn key(ip: &str) -> FrontendKey {
+        FrontendKey { ip: ip.parse().unwrap(), port: 80, proto: Protocol::Tcp, scope: 0 }
+    }
+
+    #[test]
+    fn stable_ids_minimal_writes_and_cleanup() {
+        let mut maps = FakeMaps::default();
+        let mut s = Syncer::default();
+        let mut d = DesiredState::default();
+        d.frontends.insert(key("10.96.0.1"), frontend(&[("10.0.0.1", 8080), ("10.0.0.2", 8080)], Scheduler::Random));
+        s.sync(&mut maps, &d, DatapathConfig::default()).unwrap();
+        assert_eq!(maps.services.len(), 1);
+        assert_eq!(maps.slots.len(), 2);
+        assert_eq!(maps.backends.len(), 2);
+        assert_eq!(maps.source_ranges.len(), 1);
+        let id_of = |m: &FakeMaps, ip: &str| {
+            let w = proxy_common::user::addr_words(ip.parse().unwrap());
+            *m.backends.iter().find(|(_, b)| b.addr == w).unwrap().0
+        };
+        let id2 = id_of(&maps, "10.0.0.2");
+
+        // Same state again: nothing to write.
+        let before = maps.writes;
+        let st = s.sync(&mut maps, &d, DatapathConfig::default()).unwrap();
+        assert_eq!((st.writes, st.deletes), (0, 0));
+        assert_eq!(maps.writes, before);
+
+        // Replace backend 1: backend 2 keeps its id.
+        d.frontends.insert(key("10.96.0.1"), frontend(&[("10.0.0.2", 8080), ("10.0.0.3", 8080)], Scheduler::Random));
+        s.sync(&mut maps, &d, DatapathConfig::default()).unwrap();
+        assert_eq!(id_of(&maps, "10.0.0.2"), id2);
+        assert_eq!(maps.backends.len(), 2);
+
+        // A restarted agent (fresh Syncer) writes nothing for an unchanged state.
+        let mut s2 = Syncer::default();
+        let st = s2.sync(&mut maps, &d, DatapathConfig::default()).unwrap();
+        assert_eq!((st.writes, st.deletes), (0, 0), "{st:?}");
+
+        // Everything removed: nothing left.
+        s2.sync(&mut maps, &DesiredState::default(), DatapathConfig::default()).unwrap();
+        assert!(maps.services.is_empty() && maps.slots.is_empty() && maps.backends.is_empty());
+        assert!(maps.source_ranges.is_empty());
+    }
+
+    #[test]
+    fn subset_sync_trusts_its_mirror_and_full_sync_repairs_drift() {
+        let mut maps = FakeMaps::default();
+        let mut s = Syncer::default();
+        let mut d = DesiredState::default();
+        d.frontends.insert(key("10.96.0.1"), frontend(&[("10.0.0.1", 80), ("10.0.0.2", 80)], Scheduler::Random));
+        s.sync(&mut maps, &d, DatapathConfig::default()).unwrap();
+        d.frontends.insert(key("10.96.0.2"), frontend(&[("10.0.0.3", 80)], Scheduler::Random));
+        d.frontends.remove(&key("10.96.0.1"));
+        let all: BTreeSet<FrontendKey> = [key("10.96.0.1"), key("10.96.0.2")].into_iter().collect();
+        let st = s.sync_subset(&mut maps, &d, DatapathConfig::default(), &all).unwrap();
+        assert!(st.writes > 0 && st.deletes > 0);
+        let mut reference = FakeMaps::default();
+        Syncer::default().sync(&mut reference, &d, DatapathConfig::default()).unwrap();
+        assert_eq!(maps.services.len(), reference.services.len());
+        assert_eq!(maps.slots.len(), reference.slots.len());
+        assert_eq!(maps.backends.len(), reference.backends.len());
+        // Drift: an entry deleted by hand. The cached sync trusts its mirror; the full one repairs.
+        maps.slots.clear();
+        assert_eq!(s.sync_subset(&mut maps, &d, DatapathConfig::default(), &all).unwrap().writes, 0);
+        assert!(maps.slots.is_empty());
+        s.sync(&mut maps, &d, DatapathConfig::default()).unwrap();
+        assert_eq!(maps.slots.len(), 1);
+    }
+
+    /// Frontend -> backend addresses, as the maps say.
+    fn view(m: &FakeMaps) -> BTreeMap<ServiceKey, Vec<[u32; 4]>> {
+        m.services
+            .iter()
+            .map(|(k, v)| {
+                let bes = (1..=v.backend_count).map(|slot| m.backends[&m.slots[&SlotKey { service_id: v.service_id, slot }]].addr).collect();
+                (*k, bes)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn subset_sync_equals_a_full_sync() {
+        let mut maps = FakeMaps::default();
+        let mut s = Syncer::default();
+        let mut d = DesiredState::default();
+        d.frontends.insert(key("10.96.0.1"), frontend(&[("10.0.0.1", 80), ("10.0.0.2", 80)], Scheduler::Random));
+        d.frontends.insert(key("10.96.0.2"), frontend(&[("10.0.0.2", 80), ("10.0.0.3", 80)], Scheduler::Random));
+        d.frontends.insert(key("10.96.0.3"), frontend(&[("10.0.0.9", 80)], Scheduler::Maglev));
+        s.sync(&mut maps, &d, DatapathConfig::default()).unwrap();
+        // Change one, remove one (its backend 10.0.0.9 must go), add one sharing a backend.
+        let mut d2 = d.clone();
+        d2.frontends.insert(key("10.96.0.1"), frontend(&[("10.0.0.4", 80)], Scheduler::Random));
+        d2.frontends.remove(&key("10.96.0.3"));
+        let mut f4 = frontend(&[("10.0.0.3", 80)], Scheduler::Random);
+        f4.source_ranges = vec!["203.0.113.0/24".parse().unwrap()];
+        d2.frontends.insert(key("10.96.0.4"), f4);
+        let touched: BTreeSet<FrontendKey> = [key("10.96.0.1"), key("10.96.0.3"), key("10.96.0.4")].into_iter().collect();
+        s.sync_subset(&mut maps, &d2, DatapathConfig::default(), &touched).unwrap();
+        let mut reference = FakeMaps::default();
+        Syncer::default().sync(&mut reference, &d2, DatapathConfig::default()).unwrap();
+        assert_eq!(view(&maps), view(&reference));
+        assert_eq!(maps.backends.len(), reference.backends.len(), "unused backends deleted: {:?}", maps.backends);
+        assert_eq!(maps.slots.len(), reference.slots.len());
+        assert_eq!(maps.source_ranges.len(), reference.source_ranges.len());
+        // And a full sync afterwards finds nothing to do.
+        let st = s.sync(&mut maps, &d2, DatapathConfig::default()).unwrap();
+        assert_eq!((st.writes, st.deletes), (0, 0), "{st:?}");
+    }
+
+    #[test]
+    fn maglev_row_is_written_once_and_freed() {
+        let mut maps = FakeMaps::default();
+        let mut s = Syncer::new(16, 2);
+        let mut d = DesiredState::default();
+        d.frontends.insert(key("10.96.0.1"), frontend(&[("10.0.0.1", 80)], Scheduler::Maglev));
+        d.frontends.insert(key("10.96.0.2"), frontend(&[("10.0.0.1", 80)], Scheduler::Maglev));
+        d.frontends.insert(key("10.96.0.3"), frontend(&[("10.0.0.1", 80)], Scheduler::Maglev));
+        let st = s.sync(&mut maps, &d, DatapathConfig::default()).unwrap();
+        // Two rows only: the third frontend falls back to random and says so.
+        assert_eq!(maps.maglev.len(), 2);
+        assert_eq!(st.errors.len(), 1);
+        let v = maps.services.values().filter(|v| v.scheduler == SCHED_RANDOM).count();
+        assert_eq!(v, 1);
+        let st = s.sync(&mut maps, &d, DatapathConfig::default()).unwrap();
+        assert_eq!(st.writes, 0);
+    }
+}

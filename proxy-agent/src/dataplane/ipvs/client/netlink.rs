@@ -1,0 +1,186 @@
+//! The kernel's IPVS over generic netlink, with neli's socket, message and attribute types.
+use std::net::IpAddr;
+
+use neli::{
+    consts::{
+        genl::{CtrlAttr, CtrlCmd},
+        nl::{GenlId, NlmF},
+        socket::NlFamily,
+    },
+    genl::{AttrTypeBuilder, Genlmsghdr, GenlmsghdrBuilder, NlattrBuilder},
+    nl::{NlPayload, NlmsghdrBuilder},
+    socket::synchronous::NlSocketHandle,
+    types::{Buffer, GenlBuffer},
+    utils::Groups,
+};
+
+use crate::netlink::socket::NlError;
+
+use super::{
+    kernel_err,
+    wire::{self, cmd, Attr, Reply},
+    Dest, DestConfig, Info, Ipvs, IpvsError, Service, ServiceConfig, ServiceId, Timeouts,
+};
+
+pub struct NetlinkIpvs {
+    sock: NlSocketHandle,
+    family: u16,
+    seq: u32,
+}
+
+fn sock_err(e: impl std::fmt::Display) -> IpvsError {
+    IpvsError::Socket(e.to_string())
+}
+
+impl NetlinkIpvs {
+    /// Opens a socket in the caller's network namespace and resolves the "IPVS" family.
+    pub fn connect() -> Result<Self, IpvsError> {
+        let sock = NlSocketHandle::connect(NlFamily::Generic, None, Groups::empty()).map_err(sock_err)?;
+        // Large dumps (tens of thousands of services) arrive as many datagrams; a bigger buffer
+        // keeps the kernel from dropping any while we decode.
+        let _ = sock.set_recv_buffer_size(4 << 20);
+        let mut me = NetlinkIpvs { sock, family: 0, seq: 0 };
+        me.family = me.resolve_family()?;
+        Ok(me)
+    }
+
+    fn next_seq(&mut self) -> u32 {
+        self.seq = self.seq.wrapping_add(1);
+        self.seq
+    }
+
+    fn resolve_family(&mut self) -> Result<u16, IpvsError> {
+        let seq = self.next_seq();
+        let name = NlattrBuilder::default()
+            .nla_type(AttrTypeBuilder::default().nla_type(CtrlAttr::FamilyName).build().map_err(sock_err)?)
+            .nla_payload(wire::FAMILY)
+            .build()
+            .map_err(sock_err)?;
+        let genl = GenlmsghdrBuilder::<CtrlCmd, CtrlAttr>::default()
+            .cmd(CtrlCmd::Getfamily)
+            .version(2)
+            .attrs(std::iter::once(name).collect::<GenlBuffer<_, _>>())
+            .build()
+            .map_err(sock_err)?;
+        let msg = NlmsghdrBuilder::default()
+            .nl_type(GenlId::Ctrl)
+            .nl_flags(NlmF::REQUEST | NlmF::ACK)
+            .nl_seq(seq)
+            .nl_payload(NlPayload::Payload(genl))
+            .build()
+            .map_err(sock_err)?;
+        match crate::netlink::socket::exchange::<_, _, Genlmsghdr<CtrlCmd, CtrlAttr>>(&self.sock, &msg) {
+            Ok(replies) => {
+                replies.iter().find_map(|p| p.attrs().get_attr_handle().get_attr_payload_as::<u16>(CtrlAttr::FamilyId).ok()).ok_or(IpvsError::NoIpvs)
+            }
+            Err(NlError::Errno(libc::ENOENT)) => Err(IpvsError::NoIpvs),
+            Err(NlError::Errno(errno)) => Err(kernel_err("resolve family", wire::FAMILY, errno)),
+            Err(NlError::Socket(e)) => Err(IpvsError::Socket(e)),
+        }
+    }
+
+    /// Sends one request and collects the generic netlink bodies of its replies: every message
+    /// of a dump up to NLMSG_DONE, or up to the ACK of a plain request.
+    fn request(&mut self, command: u8, dump: bool, attrs: Vec<Attr>, op: &'static str, object: &dyn std::fmt::Display) -> Result<Vec<Buffer>, IpvsError> {
+        let seq = self.next_seq();
+        let genl = GenlmsghdrBuilder::<u8, u16>::default().cmd(command).version(wire::VERSION).attrs(wire::buffer(attrs)).build().map_err(sock_err)?;
+        let flags = if dump { NlmF::REQUEST | NlmF::DUMP } else { NlmF::REQUEST | NlmF::ACK };
+        let msg = NlmsghdrBuilder::default().nl_type(self.family).nl_flags(flags).nl_seq(seq).nl_payload(NlPayload::Payload(genl)).build().map_err(sock_err)?;
+        match crate::netlink::socket::exchange::<_, _, Buffer>(&self.sock, &msg) {
+            Ok(bodies) => Ok(bodies),
+            Err(NlError::Errno(errno)) => Err(kernel_err(op, object, errno)),
+            Err(NlError::Socket(e)) => Err(IpvsError::Socket(e)),
+        }
+    }
+
+    fn decode_all(&self, op: &'static str, bodies: Vec<Buffer>, svc_af: u16) -> Result<Vec<Reply>, IpvsError> {
+        bodies.iter().map(|b| wire::decode_reply(b.as_ref(), svc_af).map_err(|err| IpvsError::Decode { op, err })).collect()
+    }
+
+    /// Deletes are idempotent: a missing object is what the caller wanted.
+    fn ignore_missing(r: Result<Vec<Buffer>, IpvsError>) -> Result<(), IpvsError> {
+        match r {
+            Err(e) if matches!(e.errno(), Some(libc::ESRCH) | Some(libc::ENOENT)) => Ok(()),
+            r => r.map(drop),
+        }
+    }
+}
+
+impl Ipvs for NetlinkIpvs {
+    fn info(&mut self) -> Result<Info, IpvsError> {
+        let b = self.request(cmd::GET_INFO, false, vec![], "get info", &"")?;
+        match self.decode_all("get info", b, 0)?.pop() {
+            Some(Reply::Info(i)) => Ok(i),
+            _ => Err(IpvsError::Decode { op: "get info", err: wire::DecodeError::Missing { ctx: "info", what: "reply" } }),
+        }
+    }
+
+    fn services(&mut self) -> Result<Vec<Service>, IpvsError> {
+        let b = self.request(cmd::GET_SERVICE, true, vec![], "list services", &"")?;
+        Ok(self.decode_all("list services", b, 0)?.into_iter().filter_map(|r| if let Reply::Service(s) = r { Some(s) } else { None }).collect())
+    }
+
+    fn service(&mut self, id: &ServiceId) -> Result<Option<Service>, IpvsError> {
+        match self.request(cmd::GET_SERVICE, false, vec![wire::service_id_attr(id)?], "get service", id) {
+            Err(e) if matches!(e.errno(), Some(libc::ESRCH) | Some(libc::ENOENT)) => Ok(None),
+            r => Ok(self.decode_all("get service", r?, 0)?.into_iter().find_map(|r| if let Reply::Service(s) = r { Some(s) } else { None })),
+        }
+    }
+
+    fn add_service(&mut self, s: &ServiceConfig) -> Result<(), IpvsError> {
+        self.request(cmd::NEW_SERVICE, false, vec![wire::service_attr(s)?], "add service", &s.id).map(drop)
+    }
+
+    fn update_service(&mut self, s: &ServiceConfig) -> Result<(), IpvsError> {
+        self.request(cmd::SET_SERVICE, false, vec![wire::service_attr(s)?], "update service", &s.id).map(drop)
+    }
+
+    fn del_service(&mut self, id: &ServiceId) -> Result<(), IpvsError> {
+        Self::ignore_missing(self.request(cmd::DEL_SERVICE, false, vec![wire::service_id_attr(id)?], "delete service", id))
+    }
+
+    fn dests(&mut self, id: &ServiceId) -> Result<Vec<Dest>, IpvsError> {
+        let b = self.request(cmd::GET_DEST, true, vec![wire::service_id_attr(id)?], "list destinations", id)?;
+        Ok(self.decode_all("list destinations", b, id.family())?.into_iter().filter_map(|r| if let Reply::Dest(d) = r { Some(d) } else { None }).collect())
+    }
+
+    fn add_dest(&mut self, id: &ServiceId, d: &DestConfig) -> Result<(), IpvsError> {
+        let attrs = vec![wire::service_id_attr(id)?, wire::dest_attr(d, true)?];
+        self.request(cmd::NEW_DEST, false, attrs, "add destination", &format_args!("{id} -> {}:{}", d.addr, d.port)).map(drop)
+    }
+
+    fn update_dest(&mut self, id: &ServiceId, d: &DestConfig) -> Result<(), IpvsError> {
+        let attrs = vec![wire::service_id_attr(id)?, wire::dest_attr(d, true)?];
+        self.request(cmd::SET_DEST, false, attrs, "update destination", &format_args!("{id} -> {}:{}", d.addr, d.port)).map(drop)
+    }
+
+    fn del_dest(&mut self, id: &ServiceId, addr: IpAddr, port: u16) -> Result<(), IpvsError> {
+        let d = DestConfig::new(addr, port, super::FwdMethod::Masq, 0);
+        let attrs = vec![wire::service_id_attr(id)?, wire::dest_attr(&d, false)?];
+        Self::ignore_missing(self.request(cmd::DEL_DEST, false, attrs, "delete destination", &format_args!("{id} -> {addr}:{port}")))
+    }
+
+    fn flush(&mut self) -> Result<(), IpvsError> {
+        self.request(cmd::FLUSH, false, vec![], "flush", &"").map(drop)
+    }
+
+    fn zero(&mut self, id: Option<&ServiceId>) -> Result<(), IpvsError> {
+        let attrs = match id {
+            Some(id) => vec![wire::service_id_attr(id)?],
+            None => vec![],
+        };
+        self.request(cmd::ZERO, false, attrs, "zero counters", &"").map(drop)
+    }
+
+    fn timeouts(&mut self) -> Result<Timeouts, IpvsError> {
+        let b = self.request(cmd::GET_CONFIG, false, vec![], "get timeouts", &"")?;
+        match self.decode_all("get timeouts", b, 0)?.pop() {
+            Some(Reply::Timeouts(t)) => Ok(t),
+            _ => Err(IpvsError::Decode { op: "get timeouts", err: wire::DecodeError::Missing { ctx: "config", what: "reply" } }),
+        }
+    }
+
+    fn set_timeouts(&mut self, t: &Timeouts) -> Result<(), IpvsError> {
+        self.request(cmd::SET_CONFIG, false, wire::timeout_attrs(t)?, "set timeouts", &"").map(drop)
+    }
+}

@@ -1,0 +1,92 @@
+//! IPVS mode's constant netfilter rules: the same handful whatever the number of services
+//! (kube-proxy's grow with them through ipset references). Set matching happens in BPF; these
+//! rules only masquerade what it marked, hairpin traffic (KUBE-LOOP-BACK, an xt_bpf match on
+//! the pinned `kpr_loopback`), and the node's own connections to VIPs; and accept marked
+//! forwarded traffic on nodes whose FORWARD policy is DROP.
+use std::path::Path;
+
+use proxy_common::MARK_MASQ;
+
+use crate::migration::{CleanupError, Netfilter};
+
+pub const NAT_CHAIN: &str = "KPR-POSTROUTING";
+pub const FILTER_CHAIN: &str = "KPR-FORWARD";
+/// The iptables front end (the node's alternatives choose legacy or nft, as kube-proxy's does).
+pub const BACKEND: &str = "iptables";
+
+/// The iptables-restore input (with --noflush): declaring a chain flushes it, so applying it
+/// again is idempotent.
+pub fn rules(loopback_pin: &Path) -> String {
+    let m = format!("{MARK_MASQ:#x}");
+    format!(
+        "*nat\n\
+         :{NAT_CHAIN} - [0:0]\n\
+         -A {NAT_CHAIN} -m comment --comment \"kpr: hairpin (KUBE-LOOP-BACK)\" -m bpf --object-pinned {pin} -j MASQUERADE\n\
+         -A {NAT_CHAIN} -m comment --comment \"kpr: node to service through IPVS\" -m addrtype --src-type LOCAL -m ipvs --ipvs --vdir ORIGINAL --vmethod MASQ -j MASQUERADE\n\
+         -A {NAT_CHAIN} -m mark ! --mark {m}/{m} -j RETURN\n\
+         -A {NAT_CHAIN} -j MARK --xor-mark {m}\n\
+         -A {NAT_CHAIN} -m comment --comment \"kpr: marked by kpr_tc_ipset\" -j MASQUERADE --random-fully\n\
+         COMMIT\n\
+         *filter\n\
+         :{FILTER_CHAIN} - [0:0]\n\
+         -A {FILTER_CHAIN} -m mark --mark {m}/{m} -j ACCEPT\n\
+         -A {FILTER_CHAIN} -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT\n\
+         COMMIT\n",
+        pin = loopback_pin.display()
+    )
+}
+
+fn has_jump(saved: &str, chain: &str, target: &str) -> bool {
+    saved.lines().any(|l| l.starts_with(&format!("-A {chain} ")) && l.ends_with(&format!("-j {target}")))
+}
+
+/// Installs (or refreshes) the chains and the jumps to them.
+pub fn install(nf: &mut dyn Netfilter, loopback_pin: &Path) -> Result<(), CleanupError> {
+    nf.restore(BACKEND, &rules(loopback_pin))?;
+    let mut jumps = String::new();
+    for (table, hook, chain) in [("nat", "POSTROUTING", NAT_CHAIN), ("filter", "FORWARD", FILTER_CHAIN)] {
+        if !has_jump(&nf.save(BACKEND, table)?, hook, chain) {
+            jumps += &format!("*{table}\n-I {hook} -j {chain}\nCOMMIT\n");
+        }
+    }
+    if !jumps.is_empty() {
+        nf.restore(BACKEND, &jumps)?;
+    }
+    Ok(())
+}
+
+/// Removes the jumps and the chains; idempotent. Returns what went.
+pub fn remove(nf: &mut dyn Netfilter) -> Result<Vec<String>, CleanupError> {
+    let mut done = Vec::new();
+    for (table, hook, chain) in [("nat", "POSTROUTING", NAT_CHAIN), ("filter", "FORWARD", FILTER_CHAIN)] {
+        let saved = nf.save(BACKEND, table)?;
+        let mut input = format!("*{table}\n");
+        let n = saved.lines().filter(|l| l.starts_with(&format!("-A {hook} ")) && l.ends_with(&format!("-j {chain}"))).count();
+        for _ in 0..n {
+            input += &format!("-D {hook} -j {chain}\n");
+        }
+        let exists = saved.lines().any(|l| l == format!(":{chain} - [0:0]") || l.starts_with(&format!(":{chain} ")));
+        if exists {
+            input += &format!("-F {chain}\n-X {chain}\n");
+        }
+        if n > 0 || exists {
+            nf.restore(BACKEND, &format!("{input}COMMIT\n"))?;
+            done.push(format!("removed {table} chain {chain}"));
+        }
+    }
+    Ok(done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rules_are_constant_and_cover_kube_proxys_masquerades() {
+        let r = rules(Path::new("/sys/fs/bpf/kpr/kpr_loopback"));
+        assert_eq!(r.lines().filter(|l| l.starts_with("-A")).count(), 7);
+        assert!(r.contains("-m bpf --object-pinned /sys/fs/bpf/kpr/kpr_loopback -j MASQUERADE"));
+        assert!(r.contains("-m mark ! --mark 0x4000/0x4000 -j RETURN"));
+        assert!(has_jump("-A POSTROUTING -j KPR-POSTROUTING\n", "POSTROUTING", NAT_CHAIN));
+    }
+}

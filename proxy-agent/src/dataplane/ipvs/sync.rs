@@ -1,0 +1,546 @@
+//! IPVS mode's sync: the desired virtual servers (from the model), the kernel's (listed), and
+//! the difference applied. Graceful termination is derived from the kernel's state each sync,
+//! so it survives an agent restart: a destination that is no longer wanted first gets weight 0,
+//! and is deleted once it has no active or inactive connections (UDP/SCTP: at once, with its
+//! conntrack entries, so no client keeps sending into a removed backend).
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+    ops::RangeInclusive,
+};
+
+use ipnet::IpNet;
+use proxy_common::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
+
+use crate::{
+    dataplane::ipvs::client::{flags, DestConfig, FwdMethod, Ipvs, IpvsError, ServiceConfig, ServiceId},
+    model::{DesiredState, FrontendKind, IpvsForward, Protocol},
+    netlink::ctnetlink::ConntrackFlusher,
+    netlink::rtnl::{LinkError, Links, IPVS_DUMMY},
+};
+
+pub const DEFAULT_SCHEDULER: &str = "rr";
+pub const DEFAULT_NODE_PORT_RANGE: RangeInclusive<u16> = 30000..=32767;
+
+#[derive(Clone, Debug)]
+pub struct IpvsSettings {
+    pub scheduler: String,
+    /// Virtual servers in these ranges are never deleted (kube-proxy's ipvs.excludeCIDRs).
+    pub exclude_cidrs: Vec<IpNet>,
+    /// Node addresses NodePorts listen on; a virtual server on one of them within
+    /// `node_port_range` is ours.
+    pub node_addresses: Vec<IpAddr>,
+    pub node_port_range: RangeInclusive<u16>,
+}
+
+impl Default for IpvsSettings {
+    fn default() -> Self {
+        IpvsSettings { scheduler: DEFAULT_SCHEDULER.into(), exclude_cidrs: vec![], node_addresses: vec![], node_port_range: DEFAULT_NODE_PORT_RANGE }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VirtualServer {
+    pub config: ServiceConfig,
+    pub dests: BTreeMap<(IpAddr, u16), DestConfig>,
+    /// Bound on kube-ipvs0 (ClusterIP, externalIP, LoadBalancer); NodePorts use node addresses.
+    pub bind: bool,
+    /// "namespace/name:port", for logs.
+    pub service: String,
+}
+
+/// Removes connection-tracking entries of a removed UDP/SCTP destination.
+fn proto_number(p: Protocol) -> u8 {
+    p.number()
+}
+
+/// The virtual servers `desired` asks for. ClusterIPs take the internal view of a frontend
+/// (internalTrafficPolicy), node ports, external and load-balancer IPs the external one
+/// (externalTrafficPolicy Local: node-local endpoints only, as kube-proxy's IPVS mode).
+pub fn desired_virtual_servers(desired: &DesiredState, settings: &IpvsSettings) -> BTreeMap<ServiceId, VirtualServer> {
+    let mut out = BTreeMap::new();
+    for (key, fe) in &desired.frontends {
+        let wanted_scope = if fe.kind == FrontendKind::ClusterIp { SCOPE_INTERNAL } else { SCOPE_EXTERNAL };
+        if key.scope != wanted_scope {
+            continue;
+        }
+        let id = ServiceId::Addr { proto: proto_number(key.proto), addr: key.ip, port: key.port };
+        let (svc_flags, timeout_s, netmask) = if fe.affinity_timeout_s > 0 {
+            (flags::PERSISTENT, fe.affinity_timeout_s, if key.ip.is_ipv4() { u32::MAX } else { 128 })
+        } else {
+            (0, 0, if key.ip.is_ipv4() { u32::MAX } else { 128 })
+        };
+        let fwd = match fe.ipvs.forward {
+            IpvsForward::Nat => FwdMethod::Masq,
+            IpvsForward::DirectRouting => FwdMethod::Route,
+            IpvsForward::Tunnel => FwdMethod::Tunnel,
+        };
+        let dests = fe
+            .backends
+            .iter()
+            .map(|b| {
+                let weight = fe.ipvs.weights.get(&b.ip).copied().unwrap_or(1);
+                ((b.ip, b.port), DestConfig::new(b.ip, b.port, fwd, weight))
+            })
+            .collect();
+        out.insert(
+            id,
+            VirtualServer {
+                config: ServiceConfig {
+                    id,
+                    scheduler: fe.ipvs.scheduler.clone().unwrap_or_else(|| settings.scheduler.clone()),
+                    flags: svc_flags,
+                    timeout_s,
+                    netmask,
+                    pe_name: None,
+                },
+                dests,
+                // kube-proxy's shouldBind: an ExternalIP or LB IP that is a node address is the
+                // node's already; binding it on kube-ipvs0 too would take it over.
+                bind: match fe.kind {
+                    FrontendKind::NodePort => false,
+                    FrontendKind::ExternalIp | FrontendKind::LoadBalancer => !settings.node_addresses.contains(&key.ip),
+                    FrontendKind::ClusterIp => true,
+                },
+                service: fe.service.clone(),
+            },
+        );
+    }
+    out
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum IpvsSyncError {
+    #[error(transparent)]
+    Ipvs(#[from] IpvsError),
+    #[error(transparent)]
+    Link(#[from] LinkError),
+}
+
+#[derive(Debug, Default, Clone)]
+pub struct IpvsSyncStats {
+    pub services: usize,
+    pub dests: usize,
+    pub writes: usize,
+    pub deletes: usize,
+    /// Destinations at weight 0 waiting for their connections to end.
+    pub terminating: usize,
+    pub addresses_bound: usize,
+    pub addresses_unbound: usize,
+    /// Per-object failures: logged, counted, the rest still programmed.
+    pub errors: Vec<String>,
+}
+
+pub struct IpvsSyncer {
+    pub settings: IpvsSettings,
+    /// kube-ipvs0's index and addresses as of the last sync: an incremental sync trusts them
+    /// (listing 10,000 addresses per change would make a change O(N)); a full sync re-lists.
+    link_cache: Option<(u32, BTreeSet<IpAddr>)>,
+}
+
+fn dest_differs(want: &DestConfig, have: &DestConfig) -> bool {
+    want.fwd != have.fwd
+        || want.weight != have.weight
+        || want.upper_threshold != have.upper_threshold
+        || want.lower_threshold != have.lower_threshold
+        || (want.fwd == FwdMethod::Tunnel
+            && (want.tun_type.unwrap_or(crate::dataplane::ipvs::client::TunType::Ipip), want.tun_port.unwrap_or(0))
+                != (have.tun_type.unwrap_or(crate::dataplane::ipvs::client::TunType::Ipip), have.tun_port.unwrap_or(0)))
+}
+
+fn service_differs(want: &ServiceConfig, have: &ServiceConfig) -> bool {
+    // The kernel reports HASHED on every service it holds; it is not ours to set.
+    let mask = !flags::HASHED;
+    want.scheduler != have.scheduler
+        || (want.flags & mask) != (have.flags & mask)
+        || (want.flags & flags::PERSISTENT != 0 && (want.timeout_s != have.timeout_s || want.netmask != have.netmask))
+        || want.pe_name != have.pe_name
+}
+
+impl IpvsSyncer {
+    pub fn new(settings: IpvsSettings) -> Self {
+        IpvsSyncer { settings, link_cache: None }
+    }
+
+    /// Is this kernel virtual server one the agent manages (and may delete)? Those on addresses
+    /// it binds on kube-ipvs0, and those on the node's addresses (NodePorts, and ExternalIPs or
+    /// LB IPs that are node addresses); never those in ipvs.excludeCIDRs. (kube-proxy claims
+    /// every virtual server outside excludeCIDRs.)
+    fn owned(&self, id: &ServiceId, bound: &BTreeSet<IpAddr>) -> bool {
+        let ServiceId::Addr { addr, .. } = id else {
+            return false;
+        };
+        if self.settings.exclude_cidrs.iter().any(|c| c.contains(addr)) {
+            return false;
+        }
+        bound.contains(addr) || self.settings.node_addresses.contains(addr)
+    }
+
+    /// Syncs the kernel to `desired`. `only`: the virtual servers that may have changed (an
+    /// incremental sync); None lists every virtual server (a full sync, which also finishes
+    /// graceful terminations and repairs drift).
+    pub fn sync(
+        &mut self,
+        ipvs: &mut dyn Ipvs,
+        links: &mut dyn Links,
+        ct: &mut dyn ConntrackFlusher,
+        desired: &BTreeMap<ServiceId, VirtualServer>,
+        only: Option<&BTreeSet<ServiceId>>,
+    ) -> Result<IpvsSyncStats, IpvsSyncError> {
+        let mut st = IpvsSyncStats { services: desired.len(), dests: desired.values().map(|v| v.dests.len()).sum(), ..Default::default() };
+        let (ifindex, bound) = match (self.link_cache.take(), only) {
+            (Some(cached), Some(_)) => cached,
+            _ => {
+                let i = links.ensure_dummy(IPVS_DUMMY)?;
+                (i, links.addresses(i)?)
+            }
+        };
+        let mut now_bound = bound.clone();
+
+        // Bind first: IPVS only sees packets to local addresses.
+        let want_bound: BTreeSet<IpAddr> = desired
+            .values()
+            .filter(|v| v.bind)
+            .filter_map(|v| match v.config.id {
+                ServiceId::Addr { addr, .. } => Some(addr),
+                ServiceId::Fwmark { .. } => None,
+            })
+            .collect();
+        for addr in want_bound.difference(&bound) {
+            match links.add_address(ifindex, *addr) {
+                Ok(()) => {
+                    st.addresses_bound += 1;
+                    now_bound.insert(*addr);
+                }
+                Err(e) => st.errors.push(format!("bind {addr} on {IPVS_DUMMY}: {e}")),
+            }
+        }
+
+        let actual: BTreeMap<ServiceId, ServiceConfig> = match only {
+            None => ipvs.services()?.into_iter().map(|s| (s.config.id, s.config)).collect(),
+            Some(ids) => {
+                let mut m = BTreeMap::new();
+                for id in ids {
+                    if let Some(s) = ipvs.service(id)? {
+                        m.insert(*id, s.config);
+                    }
+                }
+                m
+            }
+        };
+        let scope: Vec<ServiceId> = match only {
+            None => desired.keys().chain(actual.keys()).copied().collect::<BTreeSet<_>>().into_iter().collect(),
+            Some(ids) => ids.iter().copied().collect(),
+        };
+        for id in scope {
+            let r = match (desired.get(&id), actual.get(&id)) {
+                (Some(want), have) => self.sync_service(ipvs, ct, want, have, &mut st),
+                (None, Some(_)) if self.owned(&id, &bound) || self.owned(&id, &want_bound) => {
+                    st.deletes += 1;
+                    ipvs.del_service(&id)
+                }
+                _ => Ok(()),
+            };
+            if let Err(e) = r {
+                st.errors.push(format!("{id}: {e}"));
+            }
+        }
+
+        // Unbind addresses no virtual server needs (a full sync sees them all).
+        if only.is_none() || !bound.is_subset(&want_bound) {
+            for addr in bound.difference(&want_bound) {
+                if self.settings.exclude_cidrs.iter().any(|c| c.contains(addr)) {
+                    continue;
+                }
+                match links.del_address(ifindex, *addr) {
+                    Ok(()) => {
+                        st.addresses_unbound += 1;
+                        now_bound.remove(addr);
+                    }
+                    Err(e) => st.errors.push(format!("unbind {addr} from {IPVS_DUMMY}: {e}")),
+                }
+            }
+        }
+        self.link_cache = Some((ifindex, now_bound));
+        Ok(st)
+    }
+
+    fn sync_service(
+        &mut self,
+        ipvs: &mut dyn Ipvs,
+        ct: &mut dyn ConntrackFlusher,
+        want: &VirtualServer,
+        have: Option<&ServiceConfig>,
+        st: &mut IpvsSyncStats,
+    ) -> Result<(), IpvsError> {
+        let id = want.config.id;
+        let actual_dests = match have {
+            None => {
+                ipvs.add_service(&want.config)?;
+                st.writes += 1;
+                BTreeMap::new()
+            }
+            Some(have) => {
+                if service_differs(&want.config, have) {
+                    ipvs.update_service(&want.config)?;
+                    st.writes += 1;
+                }
+                ipvs.dests(&id)?.into_iter().map(|d| ((d.config.addr, d.config.port), d)).collect()
+            }
+        };
+        for (k, d) in &want.dests {
+            let r = match actual_dests.get(k) {
+                None => ipvs.add_dest(&id, d).map(|_| st.writes += 1),
+                // A real server that comes back (or changed weight/method) gets its config back.
+                Some(cur) if dest_differs(d, &cur.config) => ipvs.update_dest(&id, d).map(|_| st.writes += 1),
+                Some(_) => Ok(()),
+            };
+            if let Err(e) = r {
+                st.errors.push(format!("{id} -> {}:{}: {e}", d.addr, d.port));
+            }
+        }
+        let ServiceId::Addr { proto, addr: vip, port: vport } = id else {
+            return Ok(());
+        };
+        for (k, cur) in actual_dests.iter().filter(|(k, _)| !want.dests.contains_key(k)) {
+            let (addr, port) = *k;
+            let r = if proto != libc::IPPROTO_TCP as u8 {
+                // Datagram "connections" never close: waiting would black-hole the clients
+                // still sending; remove now and forget their conntrack entries.
+                ipvs.del_dest(&id, addr, port).map(|_| {
+                    st.deletes += 1;
+                    if let Err(e) = ct.flush(proto, vip, vport, addr, port) {
+                        st.errors.push(format!("{id} -> {addr}:{port}: clearing conntrack: {e}"));
+                    }
+                })
+            } else if cur.config.weight != 0 {
+                let mut quiesced = cur.config.clone();
+                quiesced.weight = 0;
+                st.terminating += 1;
+                ipvs.update_dest(&id, &quiesced).map(|_| st.writes += 1)
+            } else if cur.active_conns + cur.inactive_conns == 0 {
+                ipvs.del_dest(&id, addr, port).map(|_| st.deletes += 1)
+            } else {
+                st.terminating += 1;
+                Ok(())
+            };
+            if let Err(e) = r {
+                st.errors.push(format!("{id} -> {addr}:{port}: {e}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        dataplane::ipvs::client::FakeIpvs,
+        model::{BackendKey, Frontend, FrontendKey, IpvsOptions, Scheduler},
+        netlink::ctnetlink::FakeConntrack,
+        netlink::rtnl::FakeLinks,
+    };
+
+    fn fe(kind: FrontendKind, backends: &[(&str, u16)], proto: Protocol) -> Frontend {
+        Frontend {
+            service: "ns/web:http".into(),
+            kind,
+            scheduler: Scheduler::Random,
+            affinity_timeout_s: 0,
+            flags: 0,
+            source_ranges: vec![],
+            backends: backends.iter().map(|(ip, port)| BackendKey { ip: ip.parse().unwrap(), port: *port, proto }).collect(),
+            ipvs: IpvsOptions::default(),
+        }
+    }
+
+    fn state(frontends: Vec<(&str, u16, Protocol, Frontend)>) -> DesiredState {
+        let mut d = DesiredState::default();
+        for (ip, port, proto, f) in frontends {
+            for scope in [SCOPE_INTERNAL, SCOPE_EXTERNAL] {
+                d.frontends.insert(FrontendKey { ip: ip.parse().unwrap(), port, proto, scope }, f.clone());
+            }
+        }
+        d
+    }
+
+    struct World {
+        ipvs: FakeIpvs,
+        links: FakeLinks,
+        ct: FakeConntrack,
+        syncer: IpvsSyncer,
+    }
+
+    impl World {
+        fn new() -> Self {
+            let settings = IpvsSettings { node_addresses: vec!["198.18.0.1".parse().unwrap()], ..Default::default() };
+            World { ipvs: FakeIpvs::default(), links: FakeLinks::default(), ct: FakeConntrack::default(), syncer: IpvsSyncer::new(settings) }
+        }
+        fn sync(&mut self, d: &DesiredState) -> IpvsSyncStats {
+            let vs = desired_virtual_servers(d, &self.syncer.settings);
+            let st = self.syncer.sync(&mut self.ipvs, &mut self.links, &mut self.ct, &vs, None).unwrap();
+            assert!(st.errors.is_empty(), "{:?}", st.errors);
+            st
+        }
+        fn bound(&self) -> Vec<String> {
+            self.links.links.get(IPVS_DUMMY).map(|l| l.1.iter().map(|a| a.to_string()).collect()).unwrap_or_default()
+        }
+    }
+
+    fn tcp(ip: &str, port: u16) -> ServiceId {
+        ServiceId::Addr { proto: 6, addr: ip.parse().unwrap(), port }
+    }
+
+    #[test]
+    fn programs_binds_and_is_idempotent() {
+        let mut w = World::new();
+        let d = state(vec![
+            ("10.96.0.1", 80, Protocol::Tcp, fe(FrontendKind::ClusterIp, &[("10.244.1.2", 8080), ("10.244.2.2", 8080)], Protocol::Tcp)),
+            ("198.18.0.1", 30080, Protocol::Tcp, fe(FrontendKind::NodePort, &[("10.244.1.2", 8080)], Protocol::Tcp)),
+        ]);
+        let st = w.sync(&d);
+        assert_eq!((st.services, st.dests, st.addresses_bound), (2, 3, 1));
+        assert_eq!(w.bound(), vec!["10.96.0.1"]); // never the node address
+        assert_eq!(w.ipvs.services[&tcp("10.96.0.1", 80)].1.len(), 2);
+        w.ipvs.writes.clear();
+        let st = w.sync(&d);
+        assert_eq!((st.writes, st.deletes), (0, 0));
+        assert!(w.ipvs.writes.is_empty(), "a second sync wrote {:?}", w.ipvs.writes);
+    }
+
+    #[test]
+    fn removed_tcp_backend_drains_then_goes_and_comes_back_with_its_weight() {
+        let mut w = World::new();
+        let both = state(vec![("10.96.0.1", 80, Protocol::Tcp, fe(FrontendKind::ClusterIp, &[("10.244.1.2", 80), ("10.244.2.2", 80)], Protocol::Tcp))]);
+        let one = state(vec![("10.96.0.1", 80, Protocol::Tcp, fe(FrontendKind::ClusterIp, &[("10.244.1.2", 80)], Protocol::Tcp))]);
+        w.sync(&both);
+        let id = tcp("10.96.0.1", 80);
+        let gone: IpAddr = "10.244.2.2".parse().unwrap();
+        w.ipvs.set_conns(&id, gone, 80, 1, 0);
+        let st = w.sync(&one);
+        assert_eq!(st.terminating, 1);
+        assert_eq!(w.ipvs.services[&id].1[&(gone, 80)].config.weight, 0);
+        w.sync(&one); // still a connection: stays at weight 0
+        assert!(w.ipvs.services[&id].1.contains_key(&(gone, 80)));
+        // Comes back while draining: weight restored, not re-created.
+        w.ipvs.writes.clear();
+        w.sync(&both);
+        assert_eq!(w.ipvs.writes, vec!["update-dest TCP 10.96.0.1:80 10.244.2.2:80 w1"]);
+        w.sync(&one);
+        w.ipvs.set_conns(&id, gone, 80, 0, 0);
+        w.sync(&one);
+        assert!(!w.ipvs.services[&id].1.contains_key(&(gone, 80)));
+    }
+
+    #[test]
+    fn removed_udp_backend_goes_at_once_with_its_conntrack() {
+        let mut w = World::new();
+        let both = state(vec![("10.96.0.10", 53, Protocol::Udp, fe(FrontendKind::ClusterIp, &[("10.244.1.2", 53), ("10.244.2.2", 53)], Protocol::Udp))]);
+        let one = state(vec![("10.96.0.10", 53, Protocol::Udp, fe(FrontendKind::ClusterIp, &[("10.244.1.2", 53)], Protocol::Udp))]);
+        w.sync(&both);
+        let id = ServiceId::Addr { proto: 17, addr: "10.96.0.10".parse().unwrap(), port: 53 };
+        w.ipvs.set_conns(&id, "10.244.2.2".parse().unwrap(), 53, 0, 5);
+        w.sync(&one);
+        assert_eq!(w.ipvs.services[&id].1.len(), 1);
+        assert_eq!(w.ct.flushed, vec![(17, "10.96.0.10".parse().unwrap(), 53, "10.244.2.2".parse().unwrap(), 53)]);
+    }
+
+    #[test]
+    fn incremental_syncs_touch_only_their_services_and_bind_new_vips() {
+        let mut w = World::new();
+        let mut d = state(vec![("10.96.0.1", 80, Protocol::Tcp, fe(FrontendKind::ClusterIp, &[("10.244.1.2", 80)], Protocol::Tcp))]);
+        w.sync(&d);
+        d.frontends.extend(state(vec![("10.96.0.2", 80, Protocol::Tcp, fe(FrontendKind::ClusterIp, &[("10.244.2.2", 80)], Protocol::Tcp))]).frontends);
+        let vs = desired_virtual_servers(&d, &w.syncer.settings);
+        let only: BTreeSet<ServiceId> = [tcp("10.96.0.2", 80)].into();
+        w.ipvs.writes.clear();
+        let st = w.syncer.sync(&mut w.ipvs, &mut w.links, &mut w.ct, &vs, Some(&only)).unwrap();
+        assert_eq!((st.addresses_bound, st.errors.len()), (1, 0));
+        assert_eq!(w.ipvs.writes, vec!["add-service TCP 10.96.0.2:80", "add-dest TCP 10.96.0.2:80 10.244.2.2:80 w1"]);
+        assert_eq!(w.bound(), vec!["10.96.0.1", "10.96.0.2"]);
+        // Removed by an incremental sync: service and address go.
+        d.frontends.retain(|k, _| k.ip != "10.96.0.2".parse::<IpAddr>().unwrap());
+        let vs = desired_virtual_servers(&d, &w.syncer.settings);
+        w.syncer.sync(&mut w.ipvs, &mut w.links, &mut w.ct, &vs, Some(&only)).unwrap();
+        assert!(!w.ipvs.services.contains_key(&tcp("10.96.0.2", 80)));
+        assert_eq!(w.bound(), vec!["10.96.0.1"]);
+    }
+
+    #[test]
+    fn stale_services_go_foreign_ones_stay() {
+        let mut w = World::new();
+        let d = state(vec![
+            ("10.96.0.1", 80, Protocol::Tcp, fe(FrontendKind::ClusterIp, &[("10.244.1.2", 80)], Protocol::Tcp)),
+            ("198.18.0.1", 30080, Protocol::Tcp, fe(FrontendKind::NodePort, &[("10.244.1.2", 80)], Protocol::Tcp)),
+        ]);
+        w.sync(&d);
+        // Someone else's virtual server, on an address we never bound.
+        let foreign = ServiceConfig { id: tcp("192.0.2.10", 80), scheduler: "wlc".into(), flags: 0, timeout_s: 0, netmask: u32::MAX, pe_name: None };
+        w.ipvs.add_service(&foreign).unwrap();
+        w.sync(&DesiredState::default());
+        assert_eq!(w.ipvs.services.keys().copied().collect::<Vec<_>>(), vec![foreign.id]);
+        assert!(w.bound().is_empty());
+    }
+
+    #[test]
+    fn external_ips_on_node_addresses_are_not_bound_but_are_ours() {
+        let mut w = World::new();
+        w.syncer.settings.node_addresses = vec!["198.18.0.1".parse().unwrap()];
+        let d = state(vec![
+            ("198.18.0.1", 80, Protocol::Tcp, fe(FrontendKind::ExternalIp, &[("10.244.1.2", 80)], Protocol::Tcp)),
+            ("192.0.2.50", 80, Protocol::Tcp, fe(FrontendKind::LoadBalancer, &[("10.244.1.2", 80)], Protocol::Tcp)),
+        ]);
+        w.sync(&d);
+        assert_eq!(w.bound(), vec!["192.0.2.50"], "a node address is not bound on kube-ipvs0");
+        assert!(w.ipvs.services.contains_key(&tcp("198.18.0.1", 80)));
+        // The service goes: its virtual server on the node address goes too.
+        w.sync(&DesiredState::default());
+        assert!(w.ipvs.services.is_empty(), "{:?}", w.ipvs.services.keys().collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn annotations_and_affinity_reach_the_kernel() {
+        let mut w = World::new();
+        let mut f = fe(FrontendKind::LoadBalancer, &[("10.244.1.2", 80), ("10.244.2.2", 80)], Protocol::Tcp);
+        f.affinity_timeout_s = 600;
+        f.ipvs = IpvsOptions {
+            scheduler: Some("wrr".into()),
+            forward: IpvsForward::DirectRouting,
+            weights: [("10.244.2.2".parse().unwrap(), 3)].into_iter().collect(),
+        };
+        w.sync(&state(vec![("192.0.2.50", 80, Protocol::Tcp, f.clone())]));
+        let (cfg, dests) = &w.ipvs.services[&tcp("192.0.2.50", 80)];
+        assert_eq!((cfg.scheduler.as_str(), cfg.flags, cfg.timeout_s), ("wrr", flags::PERSISTENT, 600));
+        let weights: Vec<_> = dests.values().map(|d| (d.config.weight, d.config.fwd)).collect();
+        assert_eq!(weights, vec![(1, FwdMethod::Route), (3, FwdMethod::Route)]);
+        // A scheduler change is an update, not a re-creation (connections survive).
+        f.ipvs.scheduler = Some("sh".into());
+        w.ipvs.writes.clear();
+        w.sync(&state(vec![("192.0.2.50", 80, Protocol::Tcp, f)]));
+        assert_eq!(w.ipvs.writes, vec!["update-service TCP 192.0.2.50:80"]);
+    }
+}
+
+/// `kpr cleanup` in IPVS mode: deletes the virtual servers the agent owns (on kube-ipvs0's
+/// addresses or on `node_addresses`), then kube-ipvs0 itself. Other virtual servers stay.
+/// Returns what went.
+pub fn cleanup(ipvs: &mut dyn Ipvs, links: &mut dyn Links, node_addresses: &[IpAddr]) -> Result<Vec<String>, IpvsSyncError> {
+    let mut done = Vec::new();
+    let bound = match links.link_index(IPVS_DUMMY)? {
+        Some(i) => links.addresses(i)?,
+        None => BTreeSet::new(),
+    };
+    let syncer = IpvsSyncer::new(IpvsSettings { node_addresses: node_addresses.to_vec(), ..Default::default() });
+    for s in ipvs.services()? {
+        if syncer.owned(&s.config.id, &bound) {
+            ipvs.del_service(&s.config.id)?;
+            done.push(format!("deleted IPVS service {}", s.config.id));
+        }
+    }
+    if links.link_index(IPVS_DUMMY)?.is_some() {
+        links.delete_link(IPVS_DUMMY)?;
+        done.push(format!("deleted link {IPVS_DUMMY} ({} addresses)", bound.len()));
+    }
+    Ok(done)
+}

@@ -1,0 +1,78 @@
+//! Interfaces and addresses of the agent's network namespace (through libc's netlink-backed
+//! calls, never /sys, which may belong to another namespace).
+use std::{ffi::CStr, net::IpAddr};
+
+pub fn interfaces() -> Vec<String> {
+    let mut out = Vec::new();
+    unsafe {
+        let list = libc::if_nameindex();
+        if list.is_null() {
+            return out;
+        }
+        let mut p = list;
+        while (*p).if_index != 0 && !(*p).if_name.is_null() {
+            out.push(CStr::from_ptr((*p).if_name).to_string_lossy().into_owned());
+            p = p.add(1);
+        }
+        libc::if_freenameindex(list);
+    }
+    out
+}
+
+/// The interface's index, None when there is no such interface.
+pub fn index(iface: &str) -> Option<u32> {
+    let name = std::ffi::CString::new(iface).ok()?;
+    let i = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    (i != 0).then_some(i)
+}
+
+/// IPv4 addresses of `iface`.
+pub fn ipv4_addresses(iface: &str) -> Vec<IpAddr> {
+    let mut out = Vec::new();
+    unsafe {
+        let mut ifa: *mut libc::ifaddrs = std::ptr::null_mut();
+        if libc::getifaddrs(&mut ifa) != 0 {
+            return out;
+        }
+        let mut p = ifa;
+        while !p.is_null() {
+            let a = &*p;
+            if !a.ifa_addr.is_null() && i32::from((*a.ifa_addr).sa_family) == libc::AF_INET && CStr::from_ptr(a.ifa_name).to_string_lossy() == iface {
+                let sin = &*(a.ifa_addr as *const libc::sockaddr_in);
+                out.push(IpAddr::from(u32::from_be(sin.sin_addr.s_addr).to_be_bytes()));
+            }
+            p = a.ifa_next;
+        }
+        libc::freeifaddrs(ifa);
+    }
+    out
+}
+
+/// Moves the calling thread into the named network namespace (/var/run/netns/NAME), before
+/// any other thread exists. bpffs stays the host's, unlike under `ip netns exec`.
+pub fn enter_netns(name: &str) -> std::io::Result<()> {
+    let path = if name.contains('/') { name.to_string() } else { format!("/var/run/netns/{name}") };
+    let f = std::fs::File::open(&path)?;
+    use std::os::fd::AsRawFd;
+    if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The cookie of the calling thread's network namespace (SO_NETNS_COOKIE, Linux 5.14+); None
+/// where the kernel has no such option.
+pub fn netns_cookie() -> Option<u64> {
+    const SO_NETNS_COOKIE: libc::c_int = 71;
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return None;
+        }
+        let mut cookie: u64 = 0;
+        let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+        let rc = libc::getsockopt(fd, libc::SOL_SOCKET, SO_NETNS_COOKIE, (&mut cookie as *mut u64).cast(), &mut len);
+        libc::close(fd);
+        (rc == 0 && cookie != 0).then_some(cookie)
+    }
+}

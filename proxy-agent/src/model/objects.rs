@@ -1,0 +1,29 @@
+//! The model's input: the Services and EndpointSlices a source delivers, and what is wrong
+//! with one of them.
+use std::{collections::BTreeMap, fmt};
+
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+
+/// (namespace, name).
+pub type ObjectName = (String, String);
+
+#[derive(Debug, Default, Clone)]
+pub struct Objects {
+    pub services: BTreeMap<ObjectName, Service>,
+    pub slices: BTreeMap<ObjectName, EndpointSlice>,
+}
+
+/// A problem with one object: where it came from, which object, which field, what is wrong.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectError {
+    pub source: String,
+    pub object: String,
+    pub field: String,
+    pub message: String,
+}
+
+impl fmt::Display for ObjectError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}: field {}: {}", self.source, self.object, self.field, self.message)
+    }
+}

@@ -1,0 +1,214 @@
+//! Deletes netfilter conntrack entries over ctnetlink (neli), as kube-proxy does when a UDP
+//! endpoint goes: entries whose original destination is the service address and whose reply
+//! comes from the endpoint, so no client is kept on a dead backend by a stale NAT entry (IPVS
+//! mode; in eBPF mode the entries kube-proxy's rules left during a migration).
+use std::net::IpAddr;
+
+use neli::{
+    consts::{nl::NlmF, socket::NlFamily},
+    nl::{NlPayload, NlmsghdrBuilder},
+    socket::synchronous::NlSocketHandle,
+    types::Buffer,
+    utils::Groups,
+};
+
+use crate::{
+    netlink::attrs::attrs,
+    netlink::socket::{exchange, NlError},
+};
+
+/// (protocol, service address, service port, endpoint address, endpoint port).
+pub type NatTuple = (u8, IpAddr, u16, IpAddr, u16);
+
+pub trait ConntrackFlusher {
+    /// Entries whose original destination is `vip:port` and whose reply source is
+    /// `backend:backend_port`; returns how many went.
+    fn flush(&mut self, proto: u8, vip: IpAddr, port: u16, backend: IpAddr, backend_port: u16) -> Result<usize, String>;
+    /// The same for several; implementations may read the table once.
+    fn flush_all(&mut self, tuples: &[NatTuple]) -> Result<usize, String> {
+        let mut n = 0;
+        for (proto, vip, port, backend, backend_port) in tuples {
+            n += self.flush(*proto, *vip, *port, *backend, *backend_port)?;
+        }
+        Ok(n)
+    }
+}
+
+#[derive(Default, Debug)]
+pub struct FakeConntrack {
+    pub flushed: Vec<NatTuple>,
+}
+
+impl ConntrackFlusher for FakeConntrack {
+    fn flush(&mut self, proto: u8, vip: IpAddr, port: u16, backend: IpAddr, backend_port: u16) -> Result<usize, String> {
+        self.flushed.push((proto, vip, port, backend, backend_port));
+        Ok(0)
+    }
+}
+
+const NFNL_SUBSYS_CTNETLINK: u16 = 1;
+const IPCTNL_MSG_CT_GET: u16 = 1;
+const IPCTNL_MSG_CT_DELETE: u16 = 2;
+const CTA_TUPLE_ORIG: u16 = 1;
+const CTA_TUPLE_REPLY: u16 = 2;
+const CTA_TUPLE_IP: u16 = 1;
+const CTA_TUPLE_PROTO: u16 = 2;
+const CTA_IP_V4_SRC: u16 = 1;
+const CTA_IP_V4_DST: u16 = 2;
+const CTA_PROTO_NUM: u16 = 1;
+const CTA_PROTO_SRC_PORT: u16 = 2;
+const CTA_PROTO_DST_PORT: u16 = 3;
+
+/// (proto, src, sport, dst, dport) of a conntrack tuple.
+#[derive(Debug, Default, PartialEq, Eq, Clone, Copy)]
+pub struct Tuple {
+    pub proto: u8,
+    pub src: Option<IpAddr>,
+    pub sport: u16,
+    pub dst: Option<IpAddr>,
+    pub dport: u16,
+}
+
+fn v4(p: &[u8]) -> Option<IpAddr> {
+    <[u8; 4]>::try_from(p).ok().map(IpAddr::from)
+}
+
+/// Decodes a CTA_TUPLE_* payload; malformed input gives None.
+pub fn decode_tuple(p: &[u8]) -> Option<Tuple> {
+    let mut t = Tuple::default();
+    for a in attrs("conntrack tuple", p) {
+        let (ty, v) = a.ok()?;
+        match ty {
+            CTA_TUPLE_IP => {
+                for b in attrs("conntrack ip", v) {
+                    let (ty, v) = b.ok()?;
+                    match ty {
+                        CTA_IP_V4_SRC => t.src = v4(v),
+                        CTA_IP_V4_DST => t.dst = v4(v),
+                        _ => {}
+                    }
+                }
+            }
+            CTA_TUPLE_PROTO => {
+                for b in attrs("conntrack proto", v) {
+                    let (ty, v) = b.ok()?;
+                    match (ty, v) {
+                        (CTA_PROTO_NUM, [n]) => t.proto = *n,
+                        (CTA_PROTO_SRC_PORT, [a, b]) => t.sport = u16::from_be_bytes([*a, *b]),
+                        (CTA_PROTO_DST_PORT, [a, b]) => t.dport = u16::from_be_bytes([*a, *b]),
+                        _ => {}
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    Some(t)
+}
+
+pub struct NetlinkConntrack {
+    sock: NlSocketHandle,
+    seq: u32,
+}
+
+impl NetlinkConntrack {
+    pub fn connect() -> Result<Self, String> {
+        let sock = NlSocketHandle::connect(NlFamily::Netfilter, None, Groups::empty()).map_err(|e| e.to_string())?;
+        Ok(NetlinkConntrack { sock, seq: 0 })
+    }
+
+    /// One ctnetlink request; the bodies of its answers (after their nfgenmsg header).
+    fn request(&mut self, msg_type: u16, flags: NlmF, body: Vec<u8>) -> Result<Vec<Buffer>, NlError> {
+        self.seq = self.seq.wrapping_add(1);
+        let msg = NlmsghdrBuilder::default()
+            .nl_type((NFNL_SUBSYS_CTNETLINK << 8) | msg_type)
+            .nl_flags(NlmF::REQUEST | flags)
+            .nl_seq(self.seq)
+            .nl_payload(NlPayload::Payload(Buffer::from(body)))
+            .build()
+            .map_err(|e| NlError::Socket(e.to_string()))?;
+        exchange(&self.sock, &msg)
+    }
+
+    /// Every IPv4 entry: its original-direction attribute (raw, for a delete), both tuples.
+    fn dump(&mut self) -> Result<Vec<(Vec<u8>, Tuple, Tuple)>, String> {
+        let mut out = Vec::new();
+        for b in self.request(IPCTNL_MSG_CT_GET, NlmF::DUMP, nfgenmsg()).map_err(describe)? {
+            let body = b.as_ref().get(4..).unwrap_or(&[]);
+            let (mut orig_raw, mut orig, mut reply) = (None, None, None);
+            let mut off = 0;
+            for a in attrs("conntrack", body) {
+                let Ok((ty, v)) = a else { break };
+                let len = v.len() + 4;
+                match ty {
+                    CTA_TUPLE_ORIG => {
+                        orig_raw = body.get(off..off + len).map(<[u8]>::to_vec);
+                        orig = decode_tuple(v);
+                    }
+                    CTA_TUPLE_REPLY => reply = decode_tuple(v),
+                    _ => {}
+                }
+                off += (len + 3) & !3;
+            }
+            if let (Some(raw), Some(o), Some(r)) = (orig_raw, orig, reply) {
+                out.push((raw, o, r));
+            }
+        }
+        Ok(out)
+    }
+
+    fn delete(&mut self, orig_raw: &[u8]) -> Result<(), String> {
+        let mut body = nfgenmsg();
+        body.extend_from_slice(orig_raw);
+        match self.request(IPCTNL_MSG_CT_DELETE, NlmF::ACK, body) {
+            // Gone meanwhile (expired): what we wanted.
+            Ok(_) | Err(NlError::Errno(libc::ENOENT)) => Ok(()),
+            Err(e) => Err(describe(e)),
+        }
+    }
+}
+
+fn describe(e: NlError) -> String {
+    match e {
+        NlError::Errno(errno) => std::io::Error::from_raw_os_error(errno).to_string(),
+        NlError::Socket(s) => s,
+    }
+}
+
+/// struct nfgenmsg for IPv4, version 0, resource id 0.
+fn nfgenmsg() -> Vec<u8> {
+    vec![libc::AF_INET as u8, 0, 0, 0]
+}
+
+impl NetlinkConntrack {
+    /// Entries from a client to `vip:port` that `backend:backend_port` answers.
+    pub fn count(&mut self, proto: u8, vip: IpAddr, port: u16, backend: IpAddr, backend_port: u16) -> Result<usize, String> {
+        Ok(self.matching(&[(proto, vip, port, backend, backend_port)])?.len())
+    }
+
+    /// The raw original tuples of the entries any of `tuples` names.
+    fn matching(&mut self, tuples: &[NatTuple]) -> Result<Vec<Vec<u8>>, String> {
+        let named = |o: &Tuple, r: &Tuple| {
+            tuples.iter().any(|(proto, vip, port, be, be_port)| {
+                o.proto == *proto && o.dst == Some(*vip) && o.dport == *port && r.src == Some(*be) && r.sport == *be_port
+            })
+        };
+        Ok(self.dump()?.into_iter().filter(|(_, o, r)| named(o, r)).map(|(raw, _, _)| raw).collect())
+    }
+}
+
+impl ConntrackFlusher for NetlinkConntrack {
+    fn flush(&mut self, proto: u8, vip: IpAddr, port: u16, backend: IpAddr, backend_port: u16) -> Result<usize, String> {
+        self.flush_all(&[(proto, vip, port, backend, backend_port)])
+    }
+    fn flush_all(&mut self, tuples: &[NatTuple]) -> Result<usize, String> {
+        if tuples.is_empty() {
+            return Ok(0);
+        }
+        let doomed = self.matching(tuples)?;
+        for raw in &doomed {
+            self.delete(raw)?;
+        }
+        Ok(doomed.len())
+    }
+}

@@ -1,0 +1,245 @@
+//! Links and addresses over rtnetlink (neli): the dummy interface `kube-ipvs0` that holds the
+//! virtual IPs IPVS answers for. Behind the `Links` trait; `FakeLinks` keeps a map.
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+};
+
+use neli::{
+    consts::{
+        nl::NlmF,
+        rtnl::{Ifa, Ifla, IflaInfo, RtAddrFamily, RtScope, Rtm},
+        socket::NlFamily,
+    },
+    nl::{NlPayload, NlmsghdrBuilder},
+    rtnl::{Ifaddrmsg, IfaddrmsgBuilder, IfinfomsgBuilder, RtattrBuilder},
+    socket::synchronous::NlSocketHandle,
+    types::{Buffer, RtBuffer},
+    utils::Groups,
+    FromBytesWithInput, Size, ToBytes,
+};
+
+use crate::netlink::socket::NlError;
+
+/// kube-proxy's name, so operators' habits (`ip addr show kube-ipvs0`) carry over.
+pub const IPVS_DUMMY: &str = "kube-ipvs0";
+
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    #[error("rtnetlink socket: {0}")]
+    Socket(String),
+    #[error("{op} {object}: {err}")]
+    Kernel { op: &'static str, object: String, err: std::io::Error },
+    #[error("link {0} not found")]
+    NoLink(String),
+}
+
+impl LinkError {
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            LinkError::Kernel { err, .. } => err.raw_os_error(),
+            _ => None,
+        }
+    }
+}
+
+pub trait Links {
+    /// Creates the dummy link if missing (left down, like kube-proxy's); returns its index.
+    fn ensure_dummy(&mut self, name: &str) -> Result<u32, LinkError>;
+    fn link_index(&mut self, name: &str) -> Result<Option<u32>, LinkError>;
+    fn delete_link(&mut self, name: &str) -> Result<(), LinkError>;
+    fn addresses(&mut self, ifindex: u32) -> Result<BTreeSet<IpAddr>, LinkError>;
+    fn add_address(&mut self, ifindex: u32, addr: IpAddr) -> Result<(), LinkError>;
+    /// Idempotent.
+    fn del_address(&mut self, ifindex: u32, addr: IpAddr) -> Result<(), LinkError>;
+}
+
+pub struct NetlinkLinks {
+    sock: NlSocketHandle,
+    seq: u32,
+}
+
+fn sock_err(e: impl std::fmt::Display) -> LinkError {
+    LinkError::Socket(e.to_string())
+}
+
+impl NetlinkLinks {
+    pub fn connect() -> Result<Self, LinkError> {
+        let sock = NlSocketHandle::connect(NlFamily::Route, None, Groups::empty()).map_err(sock_err)?;
+        Ok(NetlinkLinks { sock, seq: 0 })
+    }
+
+    /// One request; the typed replies of a dump, or none after an ACK (`flags` ask for one).
+    fn request<P>(&mut self, ty: Rtm, flags: NlmF, payload: P, op: &'static str, object: &str) -> Result<Vec<P>, LinkError>
+    where
+        P: Size + ToBytes + FromBytesWithInput<Input = usize> + std::fmt::Debug + Clone,
+    {
+        self.seq = self.seq.wrapping_add(1);
+        let seq = self.seq;
+        let msg = NlmsghdrBuilder::default()
+            .nl_type(ty)
+            .nl_flags(NlmF::REQUEST | flags)
+            .nl_seq(seq)
+            .nl_payload(NlPayload::Payload(payload))
+            .build()
+            .map_err(sock_err)?;
+        crate::netlink::socket::exchange(&self.sock, &msg).map_err(|e| match e {
+            NlError::Errno(errno) => LinkError::Kernel { op, object: object.into(), err: std::io::Error::from_raw_os_error(errno) },
+            NlError::Socket(e) => LinkError::Socket(e),
+        })
+    }
+
+    fn addr_msg(ifindex: u32, addr: IpAddr) -> Result<Ifaddrmsg, LinkError> {
+        let (family, bytes, prefix) = match addr {
+            IpAddr::V4(a) => (RtAddrFamily::Inet, a.octets().to_vec(), 32),
+            IpAddr::V6(a) => (RtAddrFamily::Inet6, a.octets().to_vec(), 128),
+        };
+        let mut attrs = RtBuffer::<Ifa, Buffer>::new();
+        for ty in [Ifa::Local, Ifa::Address] {
+            attrs.push(RtattrBuilder::default().rta_type(ty).rta_payload(bytes.clone()).build().map_err(sock_err)?);
+        }
+        IfaddrmsgBuilder::default()
+            .ifa_family(family)
+            .ifa_prefixlen(prefix)
+            .ifa_scope(RtScope::Universe)
+            .ifa_index(ifindex)
+            .rtattrs(attrs)
+            .build()
+            .map_err(sock_err)
+    }
+}
+
+fn addr_from(family: RtAddrFamily, p: &[u8]) -> Option<IpAddr> {
+    match family {
+        RtAddrFamily::Inet => <[u8; 4]>::try_from(p).ok().map(IpAddr::from),
+        RtAddrFamily::Inet6 => <[u8; 16]>::try_from(p).ok().map(IpAddr::from),
+        _ => None,
+    }
+}
+
+impl NetlinkLinks {
+    /// Interface name -> the name of the bridge (or other master) it is enslaved to.
+    pub fn masters(&mut self) -> Result<BTreeMap<String, String>, LinkError> {
+        let msg = IfinfomsgBuilder::default().ifi_family(RtAddrFamily::Unspecified).build().map_err(sock_err)?;
+        let links = self.request(Rtm::Getlink, NlmF::DUMP, msg, "list links", "")?;
+        let name_of = |l: &neli::rtnl::Ifinfomsg| {
+            l.rtattrs().get_attr_handle().get_attr_payload_as_with_len::<String>(Ifla::Ifname).ok().map(|n| n.trim_end_matches('\0').to_string())
+        };
+        let names: BTreeMap<i32, String> = links.iter().filter_map(|l| Some((*l.ifi_index(), name_of(l)?))).collect();
+        Ok(links
+            .iter()
+            .filter_map(|l| {
+                let master = l.rtattrs().get_attr_handle().get_attr_payload_as::<u32>(Ifla::Master).ok()?;
+                Some((name_of(l)?, names.get(&(master as i32))?.clone()))
+            })
+            .collect())
+    }
+}
+
+impl Links for NetlinkLinks {
+    fn ensure_dummy(&mut self, name: &str) -> Result<u32, LinkError> {
+        if let Some(i) = self.link_index(name)? {
+            return Ok(i);
+        }
+        let mut info = RtBuffer::<IflaInfo, Buffer>::new();
+        info.push(RtattrBuilder::default().rta_type(IflaInfo::Kind).rta_payload("dummy\0").build().map_err(sock_err)?);
+        let mut attrs = RtBuffer::<Ifla, Buffer>::new();
+        attrs.push(RtattrBuilder::default().rta_type(Ifla::Ifname).rta_payload(format!("{name}\0")).build().map_err(sock_err)?);
+        attrs.push(RtattrBuilder::default().rta_type(Ifla::Linkinfo).rta_payload(info).build().map_err(sock_err)?);
+        let msg = IfinfomsgBuilder::default().ifi_family(RtAddrFamily::Unspecified).rtattrs(attrs).build().map_err(sock_err)?;
+        match self.request(Rtm::Newlink, NlmF::CREATE | NlmF::EXCL | NlmF::ACK, msg, "create link", name) {
+            Err(e) if e.errno() == Some(libc::EEXIST) => {}
+            r => {
+                r?;
+            }
+        }
+        self.link_index(name)?.ok_or_else(|| LinkError::NoLink(name.into()))
+    }
+
+    fn link_index(&mut self, name: &str) -> Result<Option<u32>, LinkError> {
+        let msg = IfinfomsgBuilder::default().ifi_family(RtAddrFamily::Unspecified).build().map_err(sock_err)?;
+        let links = self.request(Rtm::Getlink, NlmF::DUMP, msg, "list links", "")?;
+        Ok(links.iter().find_map(|l| {
+            let n = l.rtattrs().get_attr_handle().get_attr_payload_as_with_len::<String>(Ifla::Ifname).ok()?;
+            (n.trim_end_matches('\0') == name).then_some(*l.ifi_index() as u32)
+        }))
+    }
+
+    fn delete_link(&mut self, name: &str) -> Result<(), LinkError> {
+        let Some(index) = self.link_index(name)? else {
+            return Ok(());
+        };
+        let msg = IfinfomsgBuilder::default().ifi_family(RtAddrFamily::Unspecified).ifi_index(index as i32).build().map_err(sock_err)?;
+        match self.request(Rtm::Dellink, NlmF::ACK, msg, "delete link", name) {
+            Err(e) if e.errno() == Some(libc::ENODEV) => Ok(()),
+            r => r.map(drop),
+        }
+    }
+
+    fn addresses(&mut self, ifindex: u32) -> Result<BTreeSet<IpAddr>, LinkError> {
+        let msg = IfaddrmsgBuilder::default()
+            .ifa_family(RtAddrFamily::Unspecified)
+            .ifa_prefixlen(0)
+            .ifa_scope(RtScope::Universe)
+            .ifa_index(0)
+            .build()
+            .map_err(sock_err)?;
+        let all = self.request(Rtm::Getaddr, NlmF::DUMP, msg, "list addresses", "")?;
+        Ok(all
+            .iter()
+            .filter(|a| *a.ifa_index() == ifindex)
+            .filter_map(|a| {
+                let pick = |ty| a.rtattrs().iter().find(|r| *r.rta_type() == ty);
+                let attr = pick(Ifa::Local).or_else(|| pick(Ifa::Address))?;
+                addr_from(*a.ifa_family(), attr.rta_payload().as_ref())
+            })
+            .collect())
+    }
+
+    fn add_address(&mut self, ifindex: u32, addr: IpAddr) -> Result<(), LinkError> {
+        match self.request(Rtm::Newaddr, NlmF::CREATE | NlmF::EXCL | NlmF::ACK, Self::addr_msg(ifindex, addr)?, "add address", &addr.to_string()) {
+            Err(e) if e.errno() == Some(libc::EEXIST) => Ok(()),
+            r => r.map(drop),
+        }
+    }
+
+    fn del_address(&mut self, ifindex: u32, addr: IpAddr) -> Result<(), LinkError> {
+        match self.request(Rtm::Deladdr, NlmF::ACK, Self::addr_msg(ifindex, addr)?, "delete address", &addr.to_string()) {
+            Err(e) if matches!(e.errno(), Some(libc::EADDRNOTAVAIL) | Some(libc::ENODEV)) => Ok(()),
+            r => r.map(drop),
+        }
+    }
+}
+
+#[derive(Default, Debug)]
+pub struct FakeLinks {
+    pub links: BTreeMap<String, (u32, BTreeSet<IpAddr>)>,
+}
+
+impl Links for FakeLinks {
+    fn ensure_dummy(&mut self, name: &str) -> Result<u32, LinkError> {
+        let next = self.links.len() as u32 + 10;
+        Ok(self.links.entry(name.into()).or_insert((next, BTreeSet::new())).0)
+    }
+    fn link_index(&mut self, name: &str) -> Result<Option<u32>, LinkError> {
+        Ok(self.links.get(name).map(|l| l.0))
+    }
+    fn delete_link(&mut self, name: &str) -> Result<(), LinkError> {
+        self.links.remove(name);
+        Ok(())
+    }
+    fn addresses(&mut self, ifindex: u32) -> Result<BTreeSet<IpAddr>, LinkError> {
+        Ok(self.links.values().find(|l| l.0 == ifindex).map(|l| l.1.clone()).unwrap_or_default())
+    }
+    fn add_address(&mut self, ifindex: u32, addr: IpAddr) -> Result<(), LinkError> {
+        let l = self.links.values_mut().find(|l| l.0 == ifindex).ok_or_else(|| LinkError::NoLink(ifindex.to_string()))?;
+        l.1.insert(addr);
+        Ok(())
+    }
+    fn del_address(&mut self, ifindex: u32, addr: IpAddr) -> Result<(), LinkError> {
+        if let Some(l) = self.links.values_mut().find(|l| l.0 == ifindex) {
+            l.1.remove(&addr);
+        }
+        Ok(())
+    }
+}

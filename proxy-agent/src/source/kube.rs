@@ -1,0 +1,376 @@
+//! The Kubernetes source: kube-rs watchers on Services, EndpointSlices and this node, feeding
+//! the same `Objects` the manifest directory does. Change trackers collapse the previous and
+//! current state of each object between syncs (kube-proxy's semantics), and nothing counts as
+//! synced until every watch has listed once, so a restart never programs an empty world.
+use std::{
+    collections::BTreeMap,
+    sync::{Arc, Condvar, Mutex},
+    time::{Duration, SystemTime},
+};
+
+use futures::StreamExt;
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
+use kube::{
+    runtime::{watcher, WatchStreamExt},
+    Api, Client, Resource, ResourceExt,
+};
+use tracing::{info, warn};
+
+use crate::model::objects::{ObjectName, Objects};
+
+/// kube-proxy's label selectors: services of another proxy, and headless slices, are not ours.
+pub const SERVICE_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name";
+pub const SLICE_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
+pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+
+/// Pending changes of one kind of object since the last sync, collapsed: an object changed and
+/// changed back is no change; several updates are one.
+#[derive(Debug)]
+pub struct Tracker<T> {
+    pending: BTreeMap<ObjectName, (Option<T>, Option<T>)>,
+    pub total: u64,
+}
+
+impl<T> Default for Tracker<T> {
+    fn default() -> Self {
+        Self { pending: BTreeMap::new(), total: 0 }
+    }
+}
+
+impl<T: PartialEq> Tracker<T> {
+    pub fn record(&mut self, name: ObjectName, previous: Option<T>, current: Option<T>) {
+        // Every real change counts (kube-proxy's *_changes_total); pending ones collapse.
+        if previous != current {
+            self.total += 1;
+        }
+        if let Some(entry) = self.pending.get_mut(&name) {
+            entry.1 = current;
+            if entry.0 == entry.1 {
+                self.pending.remove(&name);
+            }
+        } else if previous != current {
+            self.pending.insert(name, (previous, current));
+        }
+    }
+    pub fn pending(&self) -> usize {
+        self.pending.len()
+    }
+    pub fn take(&mut self) -> Vec<ObjectName> {
+        std::mem::take(&mut self.pending).into_keys().collect()
+    }
+    /// The pending changes with their previous and current state.
+    pub fn take_entries(&mut self) -> Vec<(ObjectName, Option<T>, Option<T>)> {
+        std::mem::take(&mut self.pending).into_iter().map(|(n, (p, c))| (n, p, c)).collect()
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct KubeState {
+    pub objects: Objects,
+    pub node: Option<Node>,
+    pub services_synced: bool,
+    pub slices_synced: bool,
+    pub node_synced: bool,
+    pub service_changes: Tracker<Version>,
+    pub slice_changes: Tracker<Version>,
+    /// last-change-trigger-time of the slices changed since the last sync.
+    pub trigger_times: Vec<SystemTime>,
+    /// When the oldest change not yet synced arrived (health: kube-proxy's QueuedUpdate).
+    pub oldest_pending: Option<std::time::Instant>,
+    pub generation: u64,
+}
+
+impl KubeState {
+    /// The services whose desired state may differ since the last call: changed services and
+    /// the owners of changed slices (before and after the change). Clears the trackers.
+    pub fn take_changed_services(&mut self) -> std::collections::BTreeSet<ObjectName> {
+        let mut out: std::collections::BTreeSet<ObjectName> = self.service_changes.take().into_iter().collect();
+        for ((ns, _), prev, cur) in self.slice_changes.take_entries() {
+            for v in [prev, cur].into_iter().flatten() {
+                if let Some(owner) = v.owner {
+                    out.insert((ns.clone(), owner));
+                }
+            }
+        }
+        out
+    }
+
+    pub fn synced(&self) -> bool {
+        self.services_synced && self.slices_synced && self.node_synced
+    }
+    fn touched(&mut self) {
+        self.generation += 1;
+        self.oldest_pending.get_or_insert_with(std::time::Instant::now);
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct Shared {
+    pub state: Mutex<KubeState>,
+    pub changed: Condvar,
+}
+
+impl Shared {
+    /// Waits up to `timeout` for a change after `generation`; returns the current generation.
+    pub fn wait(&self, generation: u64, timeout: Duration) -> u64 {
+        let st = self.state.lock().unwrap();
+        let (st, _) = self.changed.wait_timeout_while(st, timeout, |s| s.generation == generation).unwrap();
+        st.generation
+    }
+}
+
+/// What a tracker keeps of an object (not the object: at 10,000 services that would double the
+/// cache): its resourceVersion, which every change renews, and a slice's owning Service.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Version {
+    rv: Option<String>,
+    owner: Option<String>,
+}
+
+fn version<K: Resource>(o: &K) -> Version {
+    Version { rv: o.meta().resource_version.clone(), owner: o.labels().get(crate::model::SERVICE_NAME_LABEL).cloned() }
+}
+
+/// Drops what kpr never reads and what can dwarf the rest of an object.
+fn slim<K: Resource>(mut o: K) -> K {
+    let m = o.meta_mut();
+    m.managed_fields = None;
+    if let Some(a) = m.annotations.as_mut() {
+        a.remove("kubectl.kubernetes.io/last-applied-configuration");
+    }
+    o
+}
+
+fn name_of<K: Resource>(o: &K) -> ObjectName {
+    (o.namespace().unwrap_or_default(), o.name_any())
+}
+
+fn trigger_time(s: &EndpointSlice) -> Option<SystemTime> {
+    let v = s.annotations().get(TRIGGER_TIME_ANNOTATION)?;
+    let t = chrono_like_parse(v)?;
+    Some(t)
+}
+
+/// RFC 3339 "2006-01-02T15:04:05Z" (what the endpoint controllers write), without a date crate.
+fn chrono_like_parse(s: &str) -> Option<SystemTime> {
+    let s = s.trim();
+    let (date, time) = s.split_once('T')?;
+    let mut d = date.split('-').map(|p| p.parse::<i64>().ok());
+    let (y, m, day) = (d.next()??, d.next()??, d.next()??);
+    let time = time.trim_end_matches('Z');
+    let (hms, frac) = time.split_once('.').unwrap_or((time, "0"));
+    let mut t = hms.split(':').map(|p| p.parse::<i64>().ok());
+    let (hh, mm, ss) = (t.next()??, t.next()??, t.next()??);
+    // Days from civil (Howard Hinnant's algorithm).
+    let y2 = if m <= 2 { y - 1 } else { y };
+    let era = if y2 >= 0 { y2 } else { y2 - 399 } / 400;
+    let yoe = y2 - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let secs = days * 86_400 + hh * 3600 + mm * 60 + ss;
+    let nanos = format!("{frac:0<9}")[..9].parse::<u64>().ok()?;
+    if secs < 0 {
+        return None;
+    }
+    Some(SystemTime::UNIX_EPOCH + Duration::from_secs(secs as u64) + Duration::from_nanos(nanos))
+}
+
+enum Kind {
+    Service(watcher::Event<Service>),
+    Slice(watcher::Event<EndpointSlice>),
+    Node(watcher::Event<Node>),
+}
+
+/// Per-stream buffers for re-lists (Init .. InitDone), applied atomically at InitDone.
+#[derive(Default)]
+struct Relist {
+    services: Option<BTreeMap<ObjectName, Service>>,
+    slices: Option<BTreeMap<ObjectName, EndpointSlice>>,
+    node: Option<Option<Node>>,
+}
+
+/// Replaces `cache` with a re-listed set, recording every difference; `changed` sees each
+/// object that is new or different.
+fn replace_all<K: Resource>(cache: &mut BTreeMap<ObjectName, K>, fresh: BTreeMap<ObjectName, K>, tracker: &mut Tracker<Version>, mut changed: impl FnMut(&K)) {
+    let old = std::mem::replace(cache, fresh);
+    for (n, o) in &old {
+        if !cache.contains_key(n) {
+            tracker.record(n.clone(), Some(version(o)), None);
+        }
+    }
+    for (n, o) in cache.iter() {
+        let prev = old.get(n).map(version);
+        let cur = version(o);
+        if prev.as_ref() != Some(&cur) {
+            changed(o);
+        }
+        tracker.record(n.clone(), prev, Some(cur));
+    }
+}
+
+fn upsert<K: Resource>(cache: &mut BTreeMap<ObjectName, K>, tracker: &mut Tracker<Version>, o: K) {
+    let o = slim(o);
+    let n = name_of(&o);
+    let v = version(&o);
+    let prev = cache.insert(n.clone(), o);
+    tracker.record(n, prev.as_ref().map(version), Some(v));
+}
+
+fn remove<K: Resource>(cache: &mut BTreeMap<ObjectName, K>, tracker: &mut Tracker<Version>, o: &K) {
+    let n = name_of(o);
+    let prev = cache.remove(&n);
+    tracker.record(n, prev.as_ref().map(version), None);
+}
+
+fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
+    let mut guard = shared.state.lock().unwrap();
+    let st = &mut *guard;
+    // Init and InitApply only fill a buffer: nothing changes until InitDone swaps it in.
+    let changed = !matches!(
+        &ev,
+        Kind::Service(watcher::Event::Init | watcher::Event::InitApply(_))
+            | Kind::Slice(watcher::Event::Init | watcher::Event::InitApply(_))
+            | Kind::Node(watcher::Event::Init | watcher::Event::InitApply(_))
+    );
+    match ev {
+        Kind::Service(e) => match e {
+            watcher::Event::Init => relist.services = Some(BTreeMap::new()),
+            watcher::Event::InitApply(o) => {
+                relist.services.get_or_insert_with(BTreeMap::new).insert(name_of(&o), slim(o));
+            }
+            watcher::Event::InitDone => {
+                let fresh = relist.services.take().unwrap_or_default();
+                replace_all(&mut st.objects.services, fresh, &mut st.service_changes, |_| {});
+                if !st.services_synced {
+                    info!(services = st.objects.services.len(), "services listed");
+                }
+                st.services_synced = true;
+            }
+            watcher::Event::Apply(o) => upsert(&mut st.objects.services, &mut st.service_changes, o),
+            watcher::Event::Delete(o) => remove(&mut st.objects.services, &mut st.service_changes, &o),
+        },
+        Kind::Slice(e) => match e {
+            watcher::Event::Init => relist.slices = Some(BTreeMap::new()),
+            watcher::Event::InitApply(o) => {
+                relist.slices.get_or_insert_with(BTreeMap::new).insert(name_of(&o), slim(o));
+            }
+            watcher::Event::InitDone => {
+                let fresh = relist.slices.take().unwrap_or_default();
+                let triggers = &mut st.trigger_times;
+                replace_all(&mut st.objects.slices, fresh, &mut st.slice_changes, |o| triggers.extend(trigger_time(o)));
+                if !st.slices_synced {
+                    info!(slices = st.objects.slices.len(), "endpoint slices listed");
+                }
+                st.slices_synced = true;
+            }
+            watcher::Event::Apply(o) => {
+                st.trigger_times.extend(trigger_time(&o));
+                upsert(&mut st.objects.slices, &mut st.slice_changes, o);
+            }
+            watcher::Event::Delete(o) => remove(&mut st.objects.slices, &mut st.slice_changes, &o),
+        },
+        Kind::Node(e) => match e {
+            watcher::Event::Init => relist.node = Some(None),
+            watcher::Event::InitApply(o) => relist.node = Some(Some(o)),
+            watcher::Event::InitDone => {
+                st.node = relist.node.take().flatten();
+                st.node_synced = true;
+            }
+            watcher::Event::Apply(o) => st.node = Some(o),
+            watcher::Event::Delete(_) => st.node = None,
+        },
+    }
+    if changed {
+        st.touched();
+        shared.changed.notify_all();
+    }
+}
+
+/// Runs the three watches until the runtime stops. Errors are logged and retried with backoff
+/// (410 Gone leads to a re-list, inside kube-rs's watcher).
+pub async fn run(client: Client, node_name: String, shared: Arc<Shared>) {
+    let services =
+        watcher(Api::<Service>::all(client.clone()), watcher::Config::default().labels(SERVICE_SELECTOR)).default_backoff().map(|r| r.map(Kind::Service));
+    let slices =
+        watcher(Api::<EndpointSlice>::all(client.clone()), watcher::Config::default().labels(SLICE_SELECTOR)).default_backoff().map(|r| r.map(Kind::Slice));
+    let node_cfg = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
+    let nodes = watcher(Api::<Node>::all(client), node_cfg).default_backoff().map(|r| r.map(Kind::Node));
+    let mut all = std::pin::pin!(futures::stream::select(futures::stream::select(services, slices), nodes));
+    let mut relist = Relist::default();
+    while let Some(ev) = all.next().await {
+        match ev {
+            Ok(k) => apply(&shared, &mut relist, k),
+            Err(e) => warn!(error = %e, "watch failed; retrying"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tracker_collapses() {
+        let mut t: Tracker<u32> = Tracker::default();
+        let n = ("ns".to_string(), "a".to_string());
+        t.record(n.clone(), Some(1), Some(2));
+        t.record(n.clone(), Some(2), Some(3));
+        assert_eq!(t.pending(), 1);
+        t.record(n.clone(), Some(3), Some(1));
+        assert_eq!(t.pending(), 0, "changed back: nothing pending");
+        t.record(n.clone(), None, Some(5));
+        assert_eq!(t.take(), vec![n]);
+        assert_eq!(t.pending(), 0);
+    }
+
+    #[test]
+    fn trigger_time_parses_rfc3339() {
+        let t = chrono_like_parse("2024-02-29T12:34:56Z").unwrap();
+        assert_eq!(t.duration_since(SystemTime::UNIX_EPOCH).unwrap().as_secs(), 1_709_210_096);
+        let t = chrono_like_parse("1970-01-01T00:00:01.5Z").unwrap();
+        assert_eq!(t.duration_since(SystemTime::UNIX_EPOCH).unwrap().as_millis(), 1500);
+    }
+}
+
+/// Publishes Kubernetes Events (events.k8s.io/v1, type Warning) for objects kpr could not
+/// program, so `kubectl describe service` shows why.
+pub async fn publish_events(client: Client, node_name: String, mut rx: tokio::sync::mpsc::UnboundedReceiver<crate::model::objects::ObjectError>) {
+    use k8s_openapi::api::core::v1::ObjectReference;
+    use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+    let recorder = Recorder::new(client, Reporter { controller: "kpr".into(), instance: Some(node_name) });
+    while let Some(e) = rx.recv().await {
+        let Some((kind, rest)) = e.object.split_once(' ') else {
+            continue;
+        };
+        let Some((ns, name)) = rest.split_once('/') else {
+            continue;
+        };
+        let api_version = match kind {
+            "Service" => "v1",
+            "EndpointSlice" => "discovery.k8s.io/v1",
+            _ => continue,
+        };
+        let reference = ObjectReference {
+            api_version: Some(api_version.into()),
+            kind: Some(kind.into()),
+            namespace: Some(ns.into()),
+            name: Some(name.into()),
+            ..Default::default()
+        };
+        let ev = Event {
+            type_: EventType::Warning,
+            reason: "FieldNotProgrammed".into(),
+            note: Some(format!("field {}: {}", e.field, e.message)),
+            action: "Programming".into(),
+            secondary: None,
+        };
+        if let Err(err) = recorder.publish(&ev, &reference).await {
+            warn!(error = %err, object = %e.object, "cannot publish event");
+        }
+    }
+}

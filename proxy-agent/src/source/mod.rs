@@ -1,0 +1,3 @@
+//! Where Services, EndpointSlices and the Node come from.
+pub mod kube;
+pub mod manifests;
