@@ -9,6 +9,7 @@
 //! - `host/`: the node's other kernel interfaces (interfaces, sysctls, netfilter);
 //! - `serve/`: what the agent serves (metrics, health, healthCheckNodePorts);
 //! - `settings/`: flags, kube-proxy's configuration file and their precedence;
+//! - `stats.rs`: the figures the loop and the data planes keep for metrics and health;
 //! - `agent.rs`: the loop that ties a source to a data plane.
 pub mod agent;
 pub mod dataplane;
@@ -19,3 +20,7 @@ pub mod netlink;
 pub mod serve;
 pub mod settings;
 pub mod source;
+pub mod stats;
+
+/// Set by SIGTERM/SIGINT: the loop and the collector stop; programs and maps stay.
+pub static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);

@@ -1,20 +1,26 @@
 //! `kpr`: the node agent and its operator commands.
-use std::{net::IpAddr, path::PathBuf, sync::atomic::Ordering, time::Duration};
+use std::{
+    path::PathBuf,
+    sync::{atomic::Ordering, Arc, Mutex},
+    time::Duration,
+};
 
 use anyhow::{Context, Result};
-use aya::programs::XdpMode;
 use clap::{Parser, Subcommand, ValueEnum};
-use std::sync::Arc;
 
 use proxy_agent::{
-    agent::{Agent, AgentConfig, Source, STOP},
+    agent::{Agent, LoopSettings},
     dataplane::ebpf::kernel::{self, KernelMaps},
     dataplane::ebpf::view,
+    dataplane::{self, ebpf::plane::EbpfPlane, ipvs::plane::IpvsPlane, Dataplane},
     host::netif,
-    model::Scheduler,
+    host::sysctl::{self, ProcSysctls, Sysctls},
     serve::metrics,
-    settings::kube_proxy as config,
+    settings,
     source::kube as kube_source,
+    source::{DirSource, KubeSource},
+    stats::{SharedStats, Stats},
+    STOP,
 };
 
 #[derive(Parser)]
@@ -39,17 +45,10 @@ enum LogFormat {
     Json,
 }
 
-#[derive(Clone, Copy, ValueEnum)]
-enum XdpModeArg {
-    Auto,
-    Native,
-    Generic,
-}
-
 #[derive(Subcommand)]
 enum Cmd {
     /// Run the agent: program the fast path from the manifests and keep it in sync.
-    Run(RunArgs),
+    Run(Box<settings::Flags>),
     /// Remove every program link and map this agent pinned. Idempotent.
     Cleanup {
         /// Also remove kube-proxy's leftovers: KUBE-* iptables chains and the rules jumping to
@@ -97,102 +96,18 @@ enum Cmd {
     },
 }
 
-#[derive(clap::Args)]
-struct RunArgs {
-    /// kube-proxy's KubeProxyConfiguration file, read unchanged. Flags given explicitly win.
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// Directory of Service and EndpointSlice manifests (YAML or JSON), watched for changes,
-    /// instead of the Kubernetes API.
-    #[arg(long)]
-    manifests: Option<PathBuf>,
-    /// kubeconfig for the Kubernetes API (default: $KUBECONFIG, ~/.kube/config, or in-cluster).
-    #[arg(long)]
-    kubeconfig: Option<PathBuf>,
-    /// /healthz and /livez [default: 0.0.0.0:10256; config healthzBindAddress]; "" disables.
-    #[arg(long)]
-    healthz_bind_address: Option<String>,
-    /// /metrics [default: 127.0.0.1:10249; config metricsBindAddress]; "" disables.
-    #[arg(long)]
-    metrics_bind_address: Option<String>,
-    /// Least seconds between event-driven syncs [default: 1; config minSyncPeriod].
-    #[arg(long)]
-    min_sync_period: Option<f64>,
-    /// Uplink interface(s): XDP for traffic from outside the node.
-    #[arg(long = "uplink")]
-    uplinks: Vec<String>,
-    /// Pod-facing interface(s): TC ingress.
-    #[arg(long = "pod-iface")]
-    pod_ifaces: Vec<String>,
-    /// Attach TC to every interface whose name starts with this (e.g. veth, cali, lxc).
-    #[arg(long = "pod-iface-prefix")]
-    pod_iface_prefixes: Vec<String>,
-    /// cgroup v2 whose processes get connect-time balancing (the node's own traffic to
-    /// services): "auto" = the cgroup2 root, "none" = off, or a path.
-    #[arg(long, default_value = "auto")]
-    cgroup: String,
-    /// This node's name (endpoints on it are local).
-    #[arg(long, env = "NODE_NAME", default_value = "")]
-    node_name: String,
-    /// This node's zone for topology hints (the Node's topology.kubernetes.io/zone wins).
-    #[arg(long)]
-    node_zone: Option<String>,
-    /// NodePort addresses (default: the uplinks' IPv4 addresses).
-    #[arg(long = "node-ip")]
-    node_ips: Vec<IpAddr>,
-    /// Source address for masqueraded traffic (default: the first NodePort address).
-    #[arg(long)]
-    snat_ip: Option<IpAddr>,
-    /// Pod CIDR; traffic from outside it to a ClusterIP is masqueraded, as kube-proxy does.
-    #[arg(long)]
-    cluster_cidr: Option<ipnet::IpNet>,
-    /// How a local client is told from one outside the cluster: ClusterCIDR, NodeCIDR (the
-    /// Node's podCIDR), BridgeInterface, InterfaceNamePrefix [default: ClusterCIDR; config
-    /// detectLocalMode].
-    #[arg(long)]
-    detect_local_mode: Option<String>,
-    /// detectLocalMode BridgeInterface: the pods' bridge [config detectLocal.bridgeInterface].
-    #[arg(long)]
-    pod_bridge_interface: Option<String>,
-    /// detectLocalMode InterfaceNamePrefix [config detectLocal.interfaceNamePrefix].
-    #[arg(long)]
-    pod_interface_name_prefix: Option<String>,
-    #[arg(long)]
-    masquerade_all: bool,
-    /// Default scheduler (per Service: annotation kpr.io/scheduler) [default: random].
-    #[arg(long)]
-    scheduler: Option<String>,
-    #[arg(long, value_enum, default_value_t = XdpModeArg::Auto)]
-    xdp_mode: XdpModeArg,
-    /// Full resync period, seconds [default: 30].
-    #[arg(long)]
-    sync_period: Option<u64>,
-    /// Data plane: ebpf (the fast path), ipvs (IPVS + BPF set matching), auto (ebpf where the
-    /// kernel loads it, else ipvs) [default: ebpf; config mode].
-    #[arg(long)]
-    mode: Option<String>,
-    /// IPVS mode: set arp_ignore=1/arp_announce=2 (MetalLB L2, DR) [config ipvs.strictARP].
-    #[arg(long)]
-    strict_arp: bool,
-    /// Sync once and exit (programs and maps stay).
-    #[arg(long)]
-    once: bool,
-    /// Assured flows the conntrack map holds (LRU) [default: 524288].
-    #[arg(long)]
-    max_conntrack: Option<u32>,
-    /// TCP flows before their handshake completes (their own LRU) [default: 131072].
-    #[arg(long)]
-    max_conntrack_embryonic: Option<u32>,
-}
-
-fn init_logs(format: LogFormat) {
+/// Logs to stderr; KPR_LOG (a tracing filter) wins over `verbosity` (kube-proxy's -v). Colour
+/// only on a terminal: a file or a pipe gets plain text.
+fn init_logs(format: LogFormat, verbosity: u32) {
+    use std::io::IsTerminal;
     use tracing_subscriber::{layer::SubscriberExt, util::SubscriberInitExt};
-    let filter = tracing_subscriber::EnvFilter::try_from_env("KPR_LOG").unwrap_or_else(|_| "info".into());
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KPR_LOG").unwrap_or_else(|_| metrics::verbosity_to_filter(&verbosity.to_string()).into());
+    let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
     // The level can change at run time (PUT /debug/flags/v on the metrics listener).
     let (filter, handle) = tracing_subscriber::reload::Layer::new(filter);
     let registry = tracing_subscriber::registry().with(filter);
     match format {
-        LogFormat::Human => registry.with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr)).init(),
+        LogFormat::Human => registry.with(tracing_subscriber::fmt::layer().with_ansi(ansi).with_writer(std::io::stderr)).init(),
         LogFormat::Json => registry.with(tracing_subscriber::fmt::layer().json().with_writer(std::io::stderr)).init(),
     }
     metrics::set_log_level_hook(Box::new(move |level: &str| {
@@ -216,143 +131,19 @@ fn main() -> Result<()> {
     if let Some(ns) = &cli.netns {
         netif::enter_netns(ns).with_context(|| format!("cannot enter network namespace {ns} (needs CAP_SYS_ADMIN)"))?;
     }
-    init_logs(cli.log_format);
-    match cli.cmd {
-        Cmd::Run(a) => {
-            let explicit = (a.scheduler.is_some(), a.sync_period.is_some());
-            let mode_flag = a.mode.as_deref().map(|m| m.parse::<proxy_agent::agent::Mode>().map_err(anyhow::Error::msg).context("--mode")).transpose()?;
-            let config_file = a.config.clone();
-            let cgroup = match a.cgroup.as_str() {
-                "none" => None,
-                "auto" => Some(kernel::cgroup2_root().context("no cgroup v2 hierarchy found for --cgroup auto (use --cgroup none or a path)")?),
-                p => Some(PathBuf::from(p)),
-            };
-            let source_dir = a.manifests.clone();
-            let detect_local_flags = (a.detect_local_mode.clone(), a.pod_bridge_interface.clone(), a.pod_interface_name_prefix.clone());
-            let kubeconfig = a.kubeconfig.clone();
-            let addrs = (a.healthz_bind_address.clone(), a.metrics_bind_address.clone());
-            let min_sync = a.min_sync_period;
-            let cfg = AgentConfig {
-                cgroup,
-                source: Source::Dir(PathBuf::new()),
-                pin_dir: cli.pin_dir,
-                uplinks: a.uplinks,
-                pod_ifaces: a.pod_ifaces,
-                pod_iface_prefixes: a.pod_iface_prefixes,
-                node_name: a.node_name,
-                node_zone: a.node_zone,
-                nodeport_addresses: a.node_ips,
-                snat_ip: a.snat_ip,
-                cluster_cidr: a.cluster_cidr,
-                masquerade_all: a.masquerade_all,
-                scheduler: match &a.scheduler {
-                    Some(s) => s.parse::<Scheduler>().map_err(anyhow::Error::msg).context("--scheduler")?,
-                    None => Scheduler::Random,
-                },
-                xdp_mode: match a.xdp_mode {
-                    XdpModeArg::Auto => XdpMode::Default,
-                    XdpModeArg::Native => XdpMode::Driver,
-                    XdpModeArg::Generic => XdpMode::Skb,
-                },
-                sync_period: Duration::from_secs(a.sync_period.unwrap_or(30)),
-                mode: mode_flag.unwrap_or_default(),
-                ipvs: proxy_agent::agent::IpvsModeConfig { strict_arp: a.strict_arp, ..Default::default() },
-                once: a.once,
-                capacities: kernel::Capacities {
-                    conntrack: a.max_conntrack.unwrap_or(proxy_common::limits::MAX_CONNTRACK),
-                    conntrack_new: a.max_conntrack_embryonic.unwrap_or(proxy_common::limits::MAX_CONNTRACK_NEW),
-                    ..Default::default()
-                },
-                ..AgentConfig::default()
-            };
-            let mut cfg = cfg;
-            let mut healthz = addrs.0.unwrap_or_else(|| "0.0.0.0:10256".into());
-            let mut metrics_addr = addrs.1.unwrap_or_else(|| "127.0.0.1:10249".into());
-            if let Some(s) = min_sync {
-                cfg.min_sync_period = Duration::from_secs_f64(s);
-            }
-            let mut detect_local = detect_local_flags.clone();
-            if let Some(path) = &config_file {
-                let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-                let kp = config::parse(&path.display().to_string(), &text)?;
-                detect_local.0 = detect_local.0.or(kp.detect_local_mode.clone());
-                detect_local.1 = detect_local.1.or(kp.detect_local_bridge.clone());
-                detect_local.2 = detect_local.2.or(kp.detect_local_prefix.clone());
-                // The mode first: what applies (the fast path's scheduler) depends on it.
-                if mode_flag.is_none() {
-                    cfg.mode = match kp.mode.as_str() {
-                        "ipvs" => proxy_agent::agent::Mode::Ipvs,
-                        "auto" => proxy_agent::agent::Mode::Auto,
-                        _ => proxy_agent::agent::Mode::Ebpf,
-                    };
-                }
-                apply_kube_proxy_config(&mut cfg, &kp, explicit);
-                if a_flags_unset(&config_file, &healthz) {
-                    if let Some(h) = &kp.healthz_bind_address {
-                        healthz = h.clone();
-                    }
-                }
-                if let Some(m) = &kp.metrics_bind_address {
-                    metrics_addr = m.clone();
-                }
-                if min_sync.is_none() {
-                    if let Some(d) = kp.ipvs.min_sync_period.filter(|d| !d.is_zero()) {
-                        cfg.min_sync_period = d;
-                    }
-                }
-            }
-            cfg.detect_local =
-                proxy_agent::agent::DetectLocal::from_config(detect_local.0.as_deref().unwrap_or(""), detect_local.1.as_deref(), detect_local.2.as_deref())
-                    .map_err(anyhow::Error::msg)
-                    .context("--detect-local-mode")?;
-            let parse_addr = |flag: &str, s: &str| -> Result<Option<std::net::SocketAddr>> {
-                if s.is_empty() {
-                    return Ok(None);
-                }
-                s.parse().map(Some).with_context(|| format!("--{flag} {s:?} is not IP:port"))
-            };
-            let healthz_addr = parse_addr("healthz-bind-address", &healthz)?;
-            let metrics_sock = parse_addr("metrics-bind-address", &metrics_addr)?;
-
-            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-            let mut events = None;
-            cfg.source = match source_dir {
-                Some(dir) => Source::Dir(dir),
-                None => {
-                    let client = rt.block_on(kube_client(kubeconfig.as_deref()))?;
-                    if cfg.node_name.is_empty() {
-                        cfg.node_name = hostname();
-                    }
-                    let shared = Arc::new(kube_source::Shared::default());
-                    rt.spawn(kube_source::run(client.clone(), cfg.node_name.clone(), shared.clone()));
-                    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-                    rt.spawn(kube_source::publish_events(client, cfg.node_name.clone(), rx));
-                    events = Some(tx);
-                    Source::Kube(shared)
-                }
-            };
-            unsafe {
-                libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
-                libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
-            }
-            let pin_dir = cfg.pin_dir.clone();
-            let mut agent = Agent::new(cfg).context("starting the agent")?;
-            rt.block_on(metrics::serve(healthz_addr, metrics_sock, agent.stats.clone(), pin_dir))?;
-            let stats = agent.stats.clone();
-            let healthy: proxy_agent::serve::healthcheck::Healthy = Arc::new(move || stats.lock().unwrap().healthy(std::time::Instant::now()));
-            agent.health_checks = Some(proxy_agent::serve::healthcheck::HealthChecks::new(rt.handle().clone(), healthy));
-            agent.events = events;
-            agent.attach_interfaces();
-            agent.run();
-            rt.shutdown_timeout(Duration::from_secs(1));
-        }
+    if !matches!(cli.cmd, Cmd::Run(_)) {
+        init_logs(cli.log_format, 0);
+    }
+    let Cli { pin_dir, log_format, cmd, .. } = cli;
+    match cmd {
+        Cmd::Run(flags) => run(pin_dir, log_format, &flags)?,
         Cmd::Cleanup { kube_proxy, keep_kpr } => {
             if !keep_kpr {
                 // IPVS mode's state, where the kernel has IPVS.
                 match proxy_agent::dataplane::ipvs::client::NetlinkIpvs::connect() {
                     Ok(mut ipvs) => {
                         let mut links = proxy_agent::netlink::rtnl::NetlinkLinks::connect()?;
-                        let local: Vec<IpAddr> = netif::interfaces().iter().flat_map(|i| netif::ipv4_addresses(i)).collect();
+                        let local: Vec<std::net::IpAddr> = netif::interfaces().iter().flat_map(|i| netif::ipv4_addresses(i)).collect();
                         for d in proxy_agent::dataplane::ipvs::sync::cleanup(&mut ipvs, &mut links, &local)? {
                             println!("{d}");
                         }
@@ -360,15 +151,15 @@ fn main() -> Result<()> {
                     Err(proxy_agent::dataplane::ipvs::client::IpvsError::NoIpvs) => {}
                     Err(e) => return Err(e).context("reading IPVS for cleanup"),
                 }
-                match proxy_agent::dataplane::ipvs::rules::remove(&mut proxy_agent::migration::SystemNetfilter) {
+                match proxy_agent::dataplane::ipvs::rules::remove(&mut proxy_agent::host::netfilter::SystemNetfilter) {
                     Ok(done) => done.iter().for_each(|d| println!("{d}")),
                     Err(e) => tracing::warn!(error = %e, "netfilter rules not checked"),
                 }
-                let removed = kernel::cleanup(&cli.pin_dir).with_context(|| format!("cleaning {}", cli.pin_dir.display()))?;
-                println!("removed {} pinned objects under {}", removed.len(), cli.pin_dir.display());
+                let removed = kernel::cleanup(&pin_dir).with_context(|| format!("cleaning {}", pin_dir.display()))?;
+                println!("removed {} pinned objects under {}", removed.len(), pin_dir.display());
             }
             if kube_proxy {
-                let done = proxy_agent::migration::cleanup(&mut proxy_agent::migration::SystemNetfilter)
+                let done = proxy_agent::migration::cleanup(&mut proxy_agent::host::netfilter::SystemNetfilter)
                     .context("removing kube-proxy's leftovers (is kube-proxy still running? stop its DaemonSet first)")?;
                 if done.is_empty() {
                     println!("no kube-proxy leftovers found");
@@ -383,15 +174,15 @@ fn main() -> Result<()> {
             clap_complete::generate(shell, &mut Cli::command(), "kpr", &mut std::io::stdout());
         }
         Cmd::Status { json, healthz } => {
-            let maps = KernelMaps::open(&cli.pin_dir)?;
-            let links = kernel::attached_links(&cli.pin_dir);
+            let maps = KernelMaps::open(&pin_dir)?;
+            let links = kernel::attached_links(&pin_dir);
             let counters = view::counters(&maps)?;
             let services = maps_len(&maps)?;
             let health = agent_health(&healthz);
             let last_sync = health.as_ref().map(|h| h["lastUpdated"].as_str().unwrap_or("").to_string());
             // The agent says its mode; without it, IPVS mode shows as a pinned loop-back match.
             let mode = health.as_ref().and_then(|h| h["mode"].as_str().map(str::to_string)).unwrap_or_else(|| {
-                if cli.pin_dir.join(proxy_common::prog_names::LOOPBACK).exists() {
+                if pin_dir.join(proxy_common::prog_names::LOOPBACK).exists() {
                     "ipvs".into()
                 } else {
                     "ebpf".into()
@@ -401,14 +192,14 @@ fn main() -> Result<()> {
                 let v = serde_json::json!({
                     "mode": mode,
                     "agent": health,
-                    "pin_dir": cli.pin_dir,
+                    "pin_dir": pin_dir,
                     "links": links.iter().map(|(i, h)| serde_json::json!({"iface": i, "hook": h.tag()})).collect::<Vec<_>>(),
                     "frontends": services,
                     "counters": counters.iter().map(|(k, v)| (k.to_string(), *v)).collect::<std::collections::BTreeMap<_, _>>(),
                 });
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
-                println!("mode: {mode}   pins: {}   fast-path frontends: {services}", cli.pin_dir.display());
+                println!("mode: {mode}   pins: {}   fast-path frontends: {services}", pin_dir.display());
                 if mode == "ipvs" {
                     println!("IPVS mode: `kpr ipvs` (or ipvsadm -Ln) for virtual servers, `kpr ipset` for the sets");
                 }
@@ -426,7 +217,7 @@ fn main() -> Result<()> {
             }
         }
         Cmd::Services { json } => {
-            let maps = KernelMaps::open(&cli.pin_dir)?;
+            let maps = KernelMaps::open(&pin_dir)?;
             let rows = view::services(&maps)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&rows)?);
@@ -436,7 +227,7 @@ fn main() -> Result<()> {
         }
         Cmd::Ipset { json, name } => {
             use proxy_agent::dataplane::ipvs::sets::SetMaps as _;
-            let maps = proxy_agent::dataplane::ipvs::sets::KernelSetMaps::open(&cli.pin_dir)?;
+            let maps = proxy_agent::dataplane::ipvs::sets::KernelSetMaps::open(&pin_dir)?;
             let mut list = proxy_agent::dataplane::ipvs::sets::listing(&maps.read()?);
             if let Some(n) = &name {
                 list.retain(|s| &s.name == n);
@@ -449,7 +240,7 @@ fn main() -> Result<()> {
             }
         }
         Cmd::Ipvs { json, stats } => {
-            let mut ipvs = proxy_agent::agent::connect_ipvs().context("reading IPVS (needs CAP_NET_ADMIN)")?;
+            let mut ipvs = proxy_agent::dataplane::ipvs::plane::connect_ipvs().context("reading IPVS (needs CAP_NET_ADMIN)")?;
             let rows = proxy_agent::dataplane::ipvs::view::virtual_servers(&mut ipvs)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&rows)?);
@@ -467,7 +258,7 @@ fn main() -> Result<()> {
             }
         }
         Cmd::Conntrack { json } => {
-            let maps = KernelMaps::open(&cli.pin_dir)?;
+            let maps = KernelMaps::open(&pin_dir)?;
             let rows = view::conntrack(&maps, kernel::monotonic_ns())?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&rows)?);
@@ -479,13 +270,95 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-/// The config file's healthzBindAddress applies only when the flag kept its default.
-fn a_flags_unset(config: &Option<PathBuf>, healthz: &str) -> bool {
-    config.is_some() && healthz == "0.0.0.0:10256"
+/// `kpr run`: settings, host setup, the data plane, the servers, then the loop.
+fn run(pin_dir: PathBuf, log_format: LogFormat, flags: &settings::Flags) -> Result<()> {
+    let file = match &flags.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            let name = path.display().to_string();
+            let parsed = settings::kube_proxy::parse(&name, &text)?;
+            Some((name, parsed))
+        }
+        None => None,
+    };
+    let (s, notes) = settings::resolve(flags, file.as_ref().map(|(n, k)| (n.as_str(), k.clone())))?;
+    init_logs(log_format, s.verbosity);
+    for n in &notes {
+        tracing::warn!("{n}");
+    }
+    host_setup(&s);
+    let node_name = s.node_name.clone().unwrap_or_else(hostname);
+    let cgroup = match &s.cgroup {
+        settings::Cgroup::None => None,
+        settings::Cgroup::Auto => Some(kernel::cgroup2_root().context("no cgroup v2 hierarchy found for --cgroup auto (use --cgroup none or a path)")?),
+        settings::Cgroup::Path(p) => Some(p.clone()),
+    };
+    let stats: SharedStats = Arc::new(Mutex::new(Stats::new(s.sync_period * 2)));
+    let (mode, plane) = dataplane::choose(
+        s.mode,
+        || Ok(Box::new(EbpfPlane::start(&s, pin_dir.clone(), cgroup.clone(), stats.clone())?) as Box<dyn Dataplane>),
+        || Ok(Box::new(IpvsPlane::start(&s, pin_dir.clone(), cgroup.clone(), stats.clone())?) as Box<dyn Dataplane>),
+    )
+    .context("starting the data plane")?;
+    tracing::info!(mode = mode.name(), requested = s.mode.name(), "data plane mode");
+
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    match rt.block_on(metrics::serve(s.healthz_bind_address, s.metrics_bind_address, stats.clone(), pin_dir)) {
+        Ok(()) => {}
+        Err(e) if s.bind_address_hard_fail => return Err(e.into()),
+        Err(e) => tracing::error!(error = %e, "serving without it (bindAddressHardFail is off)"),
+    }
+    let health_stats = stats.clone();
+    let healthy: proxy_agent::serve::healthcheck::Healthy = Arc::new(move || health_stats.lock().unwrap().healthy(std::time::Instant::now()));
+    let health_checks = proxy_agent::serve::healthcheck::HealthChecks::new(rt.handle().clone(), healthy);
+    unsafe {
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+    }
+    let cfg = LoopSettings::new(&s, node_name.clone());
+    match &s.manifests {
+        Some(dir) => {
+            let mut agent = Agent::new(cfg, DirSource::new(dir.clone()), plane, stats);
+            agent.health_checks = Some(health_checks);
+            agent.run();
+        }
+        None => {
+            let client = rt.block_on(kube_client(s.kubeconfig.as_deref(), s.k8s_api_server.as_deref()))?;
+            let shared = Arc::new(kube_source::Shared::default());
+            rt.spawn(kube_source::run(client.clone(), node_name.clone(), shared.clone()));
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            rt.spawn(kube_source::publish_events(client, node_name, rx));
+            let mut agent = Agent::new(cfg, KubeSource::new(shared), plane, stats);
+            agent.health_checks = Some(health_checks);
+            agent.events = Some(tx);
+            agent.run();
+        }
+    }
+    rt.shutdown_timeout(Duration::from_secs(1));
+    Ok(())
 }
 
-async fn kube_client(kubeconfig: Option<&std::path::Path>) -> Result<kube::Client> {
-    let config = match kubeconfig {
+/// What kube-proxy sets on the node whatever its mode: its OOM score and the kernel's
+/// conntrack table (which still tracks every flow kpr balances). Failures are warnings: in a
+/// cluster the DaemonSet's init container sets the sysctls.
+fn host_setup(s: &settings::Settings) {
+    if let Err(e) = std::fs::write("/proc/self/oom_score_adj", s.oom_score_adj.to_string()) {
+        tracing::warn!(error = %e, value = s.oom_score_adj, "cannot set oom_score_adj");
+    }
+    let cpus = std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1);
+    let current = ProcSysctls.get("net.netfilter.nf_conntrack_max").ok().and_then(|v| v.parse().ok());
+    let list = sysctl::conntrack_sysctls(&s.conntrack, cpus, current);
+    if let Some((_, max)) = list.iter().find(|(k, _)| *k == "net.netfilter.nf_conntrack_max") {
+        // kube-proxy sizes the hash table a quarter of the maximum.
+        if let Ok(max) = max.parse::<u64>() {
+            let _ = std::fs::write("/sys/module/nf_conntrack/parameters/hashsize", (max / 4).to_string());
+        }
+    }
+    sysctl::apply(&mut ProcSysctls, &list);
+}
+
+async fn kube_client(kubeconfig: Option<&std::path::Path>, api_server: Option<&str>) -> Result<kube::Client> {
+    let mut config = match kubeconfig {
         Some(p) => {
             let kc = kube::config::Kubeconfig::read_from(p).with_context(|| format!("reading kubeconfig {}", p.display()))?;
             kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default()).await?
@@ -494,69 +367,16 @@ async fn kube_client(kubeconfig: Option<&std::path::Path>) -> Result<kube::Clien
             .await
             .context("no Kubernetes API configuration (in-cluster, $KUBECONFIG or ~/.kube/config); give --kubeconfig, or --manifests DIR to run from files")?,
     };
+    // The API server's real address: a cold node cannot reach the `kubernetes` Service's
+    // ClusterIP before kpr has programmed it.
+    if let Some(url) = api_server {
+        config.cluster_url = url.parse().with_context(|| format!("--k8s-api-server {url:?} is not a URL (https://host:port)"))?;
+    }
     Ok(kube::Client::try_from(config)?)
 }
 
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_lowercase()).unwrap_or_default()
-}
-
-/// Values from a KubeProxyConfiguration fill what the flags left unset.
-/// `explicit`: whether --scheduler and --sync-period were given.
-fn apply_kube_proxy_config(cfg: &mut AgentConfig, kp: &config::KubeProxyConfig, explicit: (bool, bool)) {
-    for w in &kp.warnings {
-        tracing::warn!("{w}");
-    }
-    if cfg.cluster_cidr.is_none() {
-        cfg.cluster_cidr = kp.cluster_cidrs.iter().find(|n| n.addr().is_ipv4()).copied();
-    }
-    cfg.masquerade_all |= kp.masquerade_all.unwrap_or(false);
-    if cfg.node_name.is_empty() {
-        if let Some(h) = &kp.hostname_override {
-            cfg.node_name = h.clone();
-        }
-    }
-    if !explicit.0 {
-        match kp.fast_path_scheduler() {
-            Some(Ok(s)) => cfg.scheduler = s,
-            // In IPVS mode IPVS itself uses it: nothing to warn about.
-            Some(Err(w)) if cfg.mode != proxy_agent::agent::Mode::Ipvs => tracing::warn!("{w}"),
-            _ => {}
-        }
-    }
-    let nonzero = |d: Option<Duration>| d.filter(|d| !d.is_zero());
-    if !explicit.1 {
-        if let Some(d) = nonzero(kp.ipvs.sync_period) {
-            cfg.sync_period = d;
-        }
-    }
-    if let Some(d) = nonzero(kp.ipvs.tcp_timeout) {
-        cfg.ct_tcp_timeout_s = d.as_secs().max(1) as u32;
-        cfg.ipvs.timeouts.tcp_s = cfg.ct_tcp_timeout_s;
-    }
-    if let Some(d) = nonzero(kp.ipvs.tcp_fin_timeout) {
-        cfg.ct_closing_timeout_s = d.as_secs().max(1) as u32;
-        cfg.ipvs.timeouts.tcp_fin_s = cfg.ct_closing_timeout_s;
-    }
-    if let Some(d) = nonzero(kp.ipvs.udp_timeout) {
-        cfg.ct_udp_timeout_s = d.as_secs().max(1) as u32;
-        cfg.ipvs.timeouts.udp_s = cfg.ct_udp_timeout_s;
-    }
-    cfg.ipvs.scheduler = kp.ipvs.scheduler.clone();
-    cfg.ipvs.strict_arp |= kp.ipvs.strict_arp.unwrap_or(false);
-    cfg.ipvs.exclude_cidrs = kp.ipvs.exclude_cidrs.clone();
-    if cfg.nodeport_addresses.is_empty() && !kp.node_port_addresses.is_empty() {
-        let all: Vec<IpAddr> = cfg.uplinks.iter().flat_map(|u| netif::ipv4_addresses(u)).collect();
-        cfg.nodeport_addresses = kp.select_node_port_addresses(&all);
-    }
-    if kp.masquerade_bit.is_some_and(|b| b != 14) {
-        tracing::warn!("masqueradeBit {:?}: the eBPF fast path masquerades itself and marks 0x4000 for compatibility only", kp.masquerade_bit);
-    }
-    for (field, v) in [("healthzBindAddress", &kp.healthz_bind_address), ("metricsBindAddress", &kp.metrics_bind_address)] {
-        if let Some(v) = v {
-            tracing::warn!("{field} {v}: kpr does not serve health or metrics endpoints yet");
-        }
-    }
 }
 
 /// The agent's /healthz JSON (status 200 or 503), or None when nothing answers.

@@ -2,62 +2,7 @@
 //! chains and the rules jumping to them, its ipsets, its kube-ipvs0 device) so that kpr is the
 //! only service proxy. Everything else on the node is left alone. Writes go through the
 //! `Netfilter` trait: the real one runs the node's iptables-save/-restore and ipset.
-use std::process::{Command, Stdio};
-
-#[derive(Debug, thiserror::Error)]
-#[error("{cmd}: {message}")]
-pub struct CleanupError {
-    pub cmd: String,
-    pub message: String,
-}
-
-pub trait Netfilter {
-    /// `iptables-save -t table` output of one backend ("iptables-legacy", "iptables-nft", ...).
-    fn save(&self, backend: &str, table: &str) -> Result<String, CleanupError>;
-    /// Applies an iptables-restore input with --noflush.
-    fn restore(&mut self, backend: &str, input: &str) -> Result<(), CleanupError>;
-    fn ipsets(&self) -> Result<Vec<String>, CleanupError>;
-    fn destroy_ipset(&mut self, name: &str) -> Result<(), CleanupError>;
-    fn delete_link(&mut self, name: &str) -> Result<bool, CleanupError>;
-}
-
-fn run(cmd: &str, args: &[&str], stdin: Option<&str>) -> Result<String, CleanupError> {
-    let mut c = Command::new(cmd);
-    c.args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() });
-    let mut child = c.spawn().map_err(|e| CleanupError { cmd: cmd.into(), message: e.to_string() })?;
-    if let Some(input) = stdin {
-        use std::io::Write;
-        let _ = child.stdin.take().unwrap().write_all(input.as_bytes());
-    }
-    let out = child.wait_with_output().map_err(|e| CleanupError { cmd: cmd.into(), message: e.to_string() })?;
-    if !out.status.success() {
-        return Err(CleanupError { cmd: format!("{cmd} {}", args.join(" ")), message: String::from_utf8_lossy(&out.stderr).trim().to_string() });
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-pub struct SystemNetfilter;
-
-impl Netfilter for SystemNetfilter {
-    fn save(&self, backend: &str, table: &str) -> Result<String, CleanupError> {
-        run(&format!("{backend}-save"), &["-t", table], None)
-    }
-    fn restore(&mut self, backend: &str, input: &str) -> Result<(), CleanupError> {
-        run(&format!("{backend}-restore"), &["--noflush"], Some(input)).map(|_| ())
-    }
-    fn ipsets(&self) -> Result<Vec<String>, CleanupError> {
-        Ok(run("ipset", &["list", "-n"], None)?.lines().map(str::to_string).collect())
-    }
-    fn destroy_ipset(&mut self, name: &str) -> Result<(), CleanupError> {
-        run("ipset", &["destroy", name], None).map(|_| ())
-    }
-    fn delete_link(&mut self, name: &str) -> Result<bool, CleanupError> {
-        if run("ip", &["link", "show", name], None).is_err() {
-            return Ok(false);
-        }
-        run("ip", &["link", "del", name], None).map(|_| true)
-    }
-}
+use crate::host::netfilter::{Netfilter, NetfilterError as CleanupError};
 
 /// The iptables-restore input that removes kube-proxy's chains of one table (given its
 /// iptables-save output), or None when there are none.

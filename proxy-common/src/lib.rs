@@ -24,79 +24,34 @@ pub const MARK_MASQ: u32 = 0x4000;
 /// through `map_names`. The `_V<n>` suffix changes whenever the key or value layout of that map
 /// changes, so an agent never reuses a pinned map of an older layout.
 #[macro_export]
+#[rustfmt::skip]
 macro_rules! map_name {
-    (SERVICES) => {
-        "KPR_SVC_V2"
-    };
-    (SLOTS) => {
-        "KPR_SLOT_V2"
-    };
-    (MAGLEV) => {
-        "KPR_MAGLEV_V1"
-    };
-    (BACKENDS) => {
-        "KPR_BE_V2"
-    };
+    (SERVICES) => { "KPR_SVC_V2" };
+    (SLOTS) => { "KPR_SLOT_V2" };
+    (MAGLEV) => { "KPR_MAGLEV_V1" };
+    (BACKENDS) => { "KPR_BE_V2" };
     // V3: the key carries the hook direction, one flow has up to four entries.
-    (CONNTRACK) => {
-        "KPR_CT_V3"
-    };
-    (CONNTRACK_NEW) => {
-        "KPR_CT_NEW_V1"
-    };
-    (IFACES) => {
-        "KPR_IFACE_V1"
-    };
-    (AFFINITY) => {
-        "KPR_AFF_V1"
-    };
-    (SOURCE_RANGES) => {
-        "KPR_SRCRNG_V1"
-    };
-    (RR_STATE) => {
-        "KPR_RR_V1"
-    };
+    (CONNTRACK) => { "KPR_CT_V3" };
+    (CONNTRACK_NEW) => { "KPR_CT_NEW_V1" };
+    (IFACES) => { "KPR_IFACE_V1" };
+    (AFFINITY) => { "KPR_AFF_V1" };
+    (SOURCE_RANGES) => { "KPR_SRCRNG_V1" };
+    (RR_STATE) => { "KPR_RR_V1" };
     // V2: the SNAT port range.
-    (CONFIG) => {
-        "KPR_CFG_V2"
-    };
-    (COUNTERS) => {
-        "KPR_CNT_V4"
-    };
-    (SOCK_REV) => {
-        "KPR_SOCK_REV_V1"
-    };
-    (BACKEND_NEW) => {
-        "KPR_BE_NEW_V1"
-    };
-    (FLOW_CACHE_GEN) => {
-        "KPR_FC_GEN_V1"
-    };
-    (SET_IP_PORT) => {
-        "KPR_SET_IPP_V1"
-    };
-    (SET_IP_PORT_IP) => {
-        "KPR_SET_IPPI_V1"
-    };
-    (SET_IP_PORT_NET) => {
-        "KPR_SET_IPPN_V1"
-    };
-    (SET_PORT) => {
-        "KPR_SET_PORT_V1"
-    };
-    (SET_IP) => {
-        "KPR_SET_IP_V1"
-    };
+    (CONFIG) => { "KPR_CFG_V2" };
+    (COUNTERS) => { "KPR_CNT_V4" };
+    (SOCK_REV) => { "KPR_SOCK_REV_V1" };
+    (BACKEND_NEW) => { "KPR_BE_NEW_V1" };
+    (FLOW_CACHE_GEN) => { "KPR_FC_GEN_V1" };
+    (SET_IP_PORT) => { "KPR_SET_IPP_V1" };
+    (SET_IP_PORT_IP) => { "KPR_SET_IPPI_V1" };
+    (SET_IP_PORT_NET) => { "KPR_SET_IPPN_V1" };
+    (SET_PORT) => { "KPR_SET_PORT_V1" };
+    (SET_IP) => { "KPR_SET_IP_V1" };
     // Per-CPU scratch space, never pinned.
-    (CT_SCRATCH) => {
-        "KPR_CT_SCRATCH"
-    };
-    (FLOW_CACHE) => {
-        "KPR_FLOW_CACHE"
-    };
-    (CLOCK) => {
-        "KPR_CLOCK"
-    };
+    (CT_SCRATCH) => { "KPR_CT_SCRATCH" };
+    (FLOW_CACHE) => { "KPR_FLOW_CACHE" };
+    (CLOCK) => { "KPR_CLOCK" };
 }
 
 /// The map names for user space (see `map_name!`).
@@ -153,46 +108,21 @@ pub mod map_names {
 /// Every program's name, listed once (see `map_name!`): proxy-ebpf's `program!` exports each
 /// program under it, and the agent finds it by it.
 #[macro_export]
+#[rustfmt::skip]
 macro_rules! prog_name {
-    (TC_INGRESS) => {
-        "kpr_tc_ingress"
-    };
-    (TC_EGRESS) => {
-        "kpr_tc_egress"
-    };
-    (XDP_INGRESS) => {
-        "kpr_xdp_ingress"
-    };
-    (TC_PASS) => {
-        "kpr_tc_pass"
-    };
-    (XDP_PASS) => {
-        "kpr_xdp_pass"
-    };
-    (CONNECT4) => {
-        "kpr_connect4"
-    };
-    (SENDMSG4) => {
-        "kpr_sendmsg4"
-    };
-    (RECVMSG4) => {
-        "kpr_recvmsg4"
-    };
-    (GETPEERNAME4) => {
-        "kpr_getpeername4"
-    };
-    (CONNECT4_IPVS) => {
-        "kpr_connect4_ipvs"
-    };
-    (SENDMSG4_IPVS) => {
-        "kpr_sendmsg4_ipvs"
-    };
-    (TC_IPSET) => {
-        "kpr_tc_ipset"
-    };
-    (LOOPBACK) => {
-        "kpr_loopback"
-    };
+    (TC_INGRESS) => { "kpr_tc_ingress" };
+    (TC_EGRESS) => { "kpr_tc_egress" };
+    (XDP_INGRESS) => { "kpr_xdp_ingress" };
+    (TC_PASS) => { "kpr_tc_pass" };
+    (XDP_PASS) => { "kpr_xdp_pass" };
+    (CONNECT4) => { "kpr_connect4" };
+    (SENDMSG4) => { "kpr_sendmsg4" };
+    (RECVMSG4) => { "kpr_recvmsg4" };
+    (GETPEERNAME4) => { "kpr_getpeername4" };
+    (CONNECT4_IPVS) => { "kpr_connect4_ipvs" };
+    (SENDMSG4_IPVS) => { "kpr_sendmsg4_ipvs" };
+    (TC_IPSET) => { "kpr_tc_ipset" };
+    (LOOPBACK) => { "kpr_loopback" };
 }
 
 /// The program names for user space (see `prog_name!`).

@@ -256,15 +256,10 @@ impl Lab {
                 let tag = if i == 0 { prefix.to_string() } else { format!("{prefix}-b") };
                 let cgroup = root.join(format!("kpr-{tag}"));
                 let _ = std::fs::create_dir_all(&cgroup);
-                Node {
-                    name: node_name(i),
-                    ns: ns.clone(),
-                    ip: node_ips[i].into(),
-                    pins: PinDir::new(&tag),
-                    agent: None,
-                    agent_log: std::env::temp_dir().join(format!("{tag}-agent.log")),
-                    cgroup,
-                }
+                // A log of this lab only (the name repeats across runs).
+                let agent_log = std::env::temp_dir().join(format!("{tag}-agent.log"));
+                let _ = std::fs::remove_file(&agent_log);
+                Node { name: node_name(i), ns: ns.clone(), ip: node_ips[i].into(), pins: PinDir::new(&tag), agent: None, agent_log, cgroup }
             })
             .collect();
         // A NIC takes the frames an uplink's XDP_TX sends back; a veth peer only with an XDP

@@ -240,7 +240,7 @@ fn health_says_unhealthy_when_syncs_keep_failing() {
     assert!(lab.agent_log().contains("sync failed; retrying"), "{}", lab.agent_log());
     // Retried with a back-off, not in a busy loop.
     let failures = lab.agent_log().matches("sync failed").count();
-    assert!(failures < 10, "{failures} failed syncs in 4 s");
+    assert!(failures < 10, "{failures} failed syncs in 4 s: {}", lab.agent_log());
     std::fs::rename(&moved, &dir).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     while !get(10256, "/healthz").contains(" 200 ") {

@@ -1,3 +1,164 @@
-//! The data planes: one folder per mode.
+//! The data planes, one folder per mode, behind one interface (kube-proxy's Proxier per mode):
+//! the agent hands a `Dataplane` the desired state, full or per changed frontend, and each mode
+//! projects it into its own kernel objects, reading the kernel's state and applying the
+//! difference.
+//!
+//! - `ebpf/`: the fast path: the BPF object's loader, pinned maps and links, sync, views,
+//!   collectors. IPVS mode loads the same object for its set-matching programs.
+//! - `ipvs/`: the IPVS client, its sync, kube-proxy's sets (as BPF maps) and fixed netfilter
+//!   rules, and the `ipvsadm`-like view.
 pub mod ebpf;
 pub mod ipvs;
+
+use std::{collections::BTreeSet, net::IpAddr, time::Duration};
+
+use ipnet::IpNet;
+
+use crate::{
+    model::{DesiredState, FrontendKey},
+    settings::Mode,
+};
+
+/// What a data plane needs to know of the node at a sync.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeContext {
+    /// The addresses NodePorts answer on; the first is the primary IP.
+    pub nodeport_addresses: Vec<IpAddr>,
+    /// The node's primary IP (masquerade's address where no interface gives one).
+    pub primary_ip: Option<IpAddr>,
+    /// The Node's IPv4 pod CIDR (detectLocalMode NodeCIDR).
+    pub pod_cidr: Option<IpNet>,
+}
+
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct SyncStats {
+    pub frontends: usize,
+    pub backends: usize,
+    pub writes: usize,
+    pub deletes: usize,
+    /// Per-frontend failures; the other frontends were still programmed.
+    pub errors: Vec<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DataplaneError {
+    #[error(transparent)]
+    Kernel(#[from] ebpf::kernel::KernelError),
+    #[error(transparent)]
+    Map(#[from] ebpf::maps::MapError),
+    #[error("no address for NodePorts and SNAT: give --node-ip or an uplink with an IPv4 address")]
+    NoNodeAddress,
+    #[error(transparent)]
+    Ipvs(#[from] ipvs::client::IpvsError),
+    #[error(transparent)]
+    IpvsSync(#[from] ipvs::sync::IpvsSyncError),
+    #[error("{0}")]
+    Link(#[from] crate::netlink::rtnl::LinkError),
+    #[error("installing the fixed netfilter rules (needs iptables with the bpf, ipvs and addrtype matches): {0}")]
+    Netfilter(crate::host::netfilter::NetfilterError),
+    #[error("mode auto: the eBPF fast path does not load ({fast_path}) and IPVS is not usable ({ipvs})")]
+    NoMode { fast_path: String, ipvs: String },
+}
+
+/// One mode's data plane.
+pub trait Dataplane {
+    /// The mode in force.
+    fn mode(&self) -> Mode;
+    /// Called every second: attach to interfaces that appeared, let go of those that left, keep
+    /// what the programs know of each interface current.
+    fn reconcile_interfaces(&mut self);
+    /// Programs `desired`: everything, repairing drift (`touched` None), or only the touched
+    /// frontends' difference from the last sync.
+    fn sync(&mut self, desired: &DesiredState, node: &NodeContext, touched: Option<&BTreeSet<FrontendKey>>) -> Result<SyncStats, DataplaneError>;
+    /// How soon the next full sync is wanted regardless of syncPeriod (IPVS mode re-checks
+    /// draining destinations every few seconds).
+    fn full_sync_within(&self) -> Option<Duration> {
+        None
+    }
+}
+
+impl<D: Dataplane + ?Sized> Dataplane for Box<D> {
+    fn mode(&self) -> Mode {
+        (**self).mode()
+    }
+    fn reconcile_interfaces(&mut self) {
+        (**self).reconcile_interfaces()
+    }
+    fn sync(&mut self, desired: &DesiredState, node: &NodeContext, touched: Option<&BTreeSet<FrontendKey>>) -> Result<SyncStats, DataplaneError> {
+        (**self).sync(desired, node, touched)
+    }
+    fn full_sync_within(&self) -> Option<Duration> {
+        (**self).full_sync_within()
+    }
+}
+
+/// Picks the data plane for `requested`: Auto tries the fast path first, then IPVS. The two
+/// starters are passed in, so the choice is tested without a kernel.
+pub fn choose<T>(
+    requested: Mode,
+    ebpf: impl FnOnce() -> Result<T, DataplaneError>,
+    ipvs: impl FnOnce() -> Result<T, DataplaneError>,
+) -> Result<(Mode, T), DataplaneError> {
+    match requested {
+        Mode::Ebpf => ebpf().map(|d| (Mode::Ebpf, d)),
+        Mode::Ipvs => ipvs().map(|d| (Mode::Ipvs, d)),
+        Mode::Auto => match ebpf() {
+            Ok(d) => Ok((Mode::Ebpf, d)),
+            Err(fast) => match ipvs() {
+                Ok(d) => {
+                    tracing::warn!(error = %fast, "mode auto: the eBPF fast path does not load on this kernel; using IPVS");
+                    Ok((Mode::Ipvs, d))
+                }
+                Err(e) => Err(DataplaneError::NoMode { fast_path: fast.to_string(), ipvs: e.to_string() }),
+            },
+        },
+    }
+}
+
+/// An in-memory data plane for the agent loop's tests: records every sync, and fails the
+/// next `fail` of them.
+#[derive(Debug, Default)]
+pub struct FakeDataplane {
+    pub mode: Mode,
+    /// (full?, touched frontends, frontends in the desired state) per sync call.
+    pub syncs: Vec<(bool, usize, usize)>,
+    pub fail: usize,
+    pub reconciled: usize,
+    pub full_within: Option<Duration>,
+}
+
+impl Dataplane for FakeDataplane {
+    fn mode(&self) -> Mode {
+        self.mode
+    }
+    fn reconcile_interfaces(&mut self) {
+        self.reconciled += 1;
+    }
+    fn sync(&mut self, desired: &DesiredState, _node: &NodeContext, touched: Option<&BTreeSet<FrontendKey>>) -> Result<SyncStats, DataplaneError> {
+        self.syncs.push((touched.is_none(), touched.map_or(0, BTreeSet::len), desired.frontends.len()));
+        if self.fail > 0 {
+            self.fail -= 1;
+            return Err(DataplaneError::NoNodeAddress);
+        }
+        Ok(SyncStats { frontends: desired.frontends.len(), ..Default::default() })
+    }
+    fn full_sync_within(&self) -> Option<Duration> {
+        self.full_within
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_prefers_the_fast_path_and_falls_back_to_ipvs() {
+        let ok = |m: Mode| move || -> Result<Mode, DataplaneError> { Ok(m) };
+        let no = || -> Result<Mode, DataplaneError> { Err(DataplaneError::NoNodeAddress) };
+        assert_eq!(choose(Mode::Auto, ok(Mode::Ebpf), ok(Mode::Ipvs)).unwrap().0, Mode::Ebpf);
+        assert_eq!(choose(Mode::Auto, no, ok(Mode::Ipvs)).unwrap().0, Mode::Ipvs);
+        assert!(matches!(choose(Mode::Auto, no, no), Err(DataplaneError::NoMode { .. })));
+        assert!(choose(Mode::Ebpf, no, ok(Mode::Ipvs)).is_err(), "an explicit mode never falls back");
+        assert_eq!(choose(Mode::Ipvs, no, ok(Mode::Ipvs)).unwrap().0, Mode::Ipvs);
+    }
+}

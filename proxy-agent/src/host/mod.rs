@@ -1,3 +1,4 @@
-//! The node's kernel interfaces other than netlink: interfaces, sysctls.
+//! The node's kernel interfaces other than netlink: interfaces, sysctls, netfilter.
+pub mod netfilter;
 pub mod netif;
 pub mod sysctl;

@@ -45,6 +45,44 @@ impl Sysctls for FakeSysctls {
     }
 }
 
+/// Sets what differs; a failure is a warning (in a cluster the init container sets them, as
+/// /proc/sys is read-only in an unprivileged container).
+pub fn apply<K: AsRef<str>, V: AsRef<str>>(sysctls: &mut dyn Sysctls, list: &[(K, V)]) {
+    for (k, v) in list {
+        let (k, v) = (k.as_ref(), v.as_ref());
+        if let Err(e) = sysctls.set(k, v) {
+            tracing::warn!(error = %e, "cannot set {k}={v}: set it on the host (the DaemonSet's init container does)");
+        }
+    }
+}
+
+/// kube-proxy's conntrack settings for the kernel's table, which still tracks every flow kpr
+/// balances: nf_conntrack_max = max(maxPerCore × CPUs, min) (only ever raised, as kube-proxy
+/// does) and the timeouts that are set. `current_max` is the table's size now.
+pub fn conntrack_sysctls(c: &crate::settings::ConntrackSettings, cpus: u32, current_max: Option<u64>) -> Vec<(&'static str, String)> {
+    let mut out = Vec::new();
+    if c.max_per_core > 0 {
+        let max = u64::from(c.max_per_core) * u64::from(cpus.max(1));
+        let max = max.max(u64::from(c.min));
+        if current_max.is_none_or(|cur| max > cur) {
+            out.push(("net.netfilter.nf_conntrack_max", max.to_string()));
+        }
+    }
+    let secs = |d: std::time::Duration| d.as_secs().to_string();
+    out.push(("net.netfilter.nf_conntrack_tcp_timeout_established", secs(c.tcp_established)));
+    out.push(("net.netfilter.nf_conntrack_tcp_timeout_close_wait", secs(c.tcp_close_wait)));
+    if c.tcp_be_liberal {
+        out.push(("net.netfilter.nf_conntrack_tcp_be_liberal", "1".into()));
+    }
+    if let Some(d) = c.udp {
+        out.push(("net.netfilter.nf_conntrack_udp_timeout", secs(d)));
+    }
+    if let Some(d) = c.udp_stream {
+        out.push(("net.netfilter.nf_conntrack_udp_timeout_stream", secs(d)));
+    }
+    out
+}
+
 /// What the fast path needs on the node: forwarding. (Masquerade happens at egress, so no packet
 /// arrives with the node's own address as its source.) In a cluster the DaemonSet's init
 /// container sets it, since /proc/sys is read-only in an unprivileged container; the agent sets

@@ -180,6 +180,7 @@ fn main() {
         slots: (6 * max + 64).max(4096),
         conntrack: 1_048_576,
         conntrack_new: 262_144,
+        affinity: 65_536,
     };
     let mut dp = Datapath::load(pins.path(), caps).expect("load");
     dp.load_ipset().expect("load the IPVS-mode set matching");

@@ -104,6 +104,7 @@ fn control_plane(n: u32) -> Cp {
         slots: 20 * n + 64,
         conntrack: 65_536,
         conntrack_new: 16_384,
+        affinity: 16_384,
     };
     let _dp = Datapath::load(pins.path(), caps).expect("load");
     let mut maps = KernelMaps::open(pins.path()).expect("maps");

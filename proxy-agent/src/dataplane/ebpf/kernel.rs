@@ -67,29 +67,7 @@ impl Hook {
     }
 }
 
-/// Capacities of the maps, set at load time.
-#[derive(Clone, Copy, Debug)]
-pub struct Capacities {
-    pub services: u32,
-    pub frontends: u32,
-    pub backends: u32,
-    pub slots: u32,
-    pub conntrack: u32,
-    pub conntrack_new: u32,
-}
-
-impl Default for Capacities {
-    fn default() -> Self {
-        Self {
-            services: limits::MAX_SERVICES,
-            frontends: limits::MAX_FRONTENDS,
-            backends: limits::MAX_BACKENDS,
-            slots: limits::MAX_SLOTS,
-            conntrack: limits::MAX_CONNTRACK,
-            conntrack_new: limits::MAX_CONNTRACK_NEW,
-        }
-    }
-}
+pub use crate::settings::Capacities;
 
 fn is_bpffs(path: &Path) -> bool {
     let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
@@ -141,6 +119,7 @@ impl Datapath {
             .map_max_entries(map_names::SLOTS, caps.slots)
             .map_max_entries(map_names::CONNTRACK, caps.conntrack)
             .map_max_entries(map_names::CONNTRACK_NEW, caps.conntrack_new)
+            .map_max_entries(map_names::AFFINITY, caps.affinity)
             .load(EBPF_OBJECT)
             .map_err(KernelError::Load)?;
         Ok(Self { ebpf, pin_dir: pin_dir.into(), tc_program: prog_names::TC_INGRESS })

@@ -1,11 +1,14 @@
-//! eBPF mode: the fast path's object, its pinned maps and links, their sync, views and
-//! collectors.
+//! eBPF mode: the fast path's object (`kernel`: loader, pins, links), its maps behind one
+//! seam (`maps`, with a fake), their sync by difference, the `Dataplane` (`plane`), the
+//! views of `kpr services`/`conntrack`, and the collectors (conntrack, affinity, endpoints).
 pub mod affinity_gc;
 pub mod bpf_batch;
 pub mod conntrack;
 pub mod endpoint_cleanup;
+pub mod interfaces;
 pub mod kernel;
 pub mod maglev;
 pub mod maps;
+pub mod plane;
 pub mod sync;
 pub mod view;

@@ -7,7 +7,7 @@ use std::path::Path;
 
 use proxy_common::MARK_MASQ;
 
-use crate::migration::{CleanupError, Netfilter};
+use crate::host::netfilter::{Netfilter, NetfilterError};
 
 pub const NAT_CHAIN: &str = "KPR-POSTROUTING";
 pub const FILTER_CHAIN: &str = "KPR-FORWARD";
@@ -41,7 +41,7 @@ fn has_jump(saved: &str, chain: &str, target: &str) -> bool {
 }
 
 /// Installs (or refreshes) the chains and the jumps to them.
-pub fn install(nf: &mut dyn Netfilter, loopback_pin: &Path) -> Result<(), CleanupError> {
+pub fn install(nf: &mut dyn Netfilter, loopback_pin: &Path) -> Result<(), NetfilterError> {
     nf.restore(BACKEND, &rules(loopback_pin))?;
     let mut jumps = String::new();
     for (table, hook, chain) in [("nat", "POSTROUTING", NAT_CHAIN), ("filter", "FORWARD", FILTER_CHAIN)] {
@@ -56,7 +56,7 @@ pub fn install(nf: &mut dyn Netfilter, loopback_pin: &Path) -> Result<(), Cleanu
 }
 
 /// Removes the jumps and the chains; idempotent. Returns what went.
-pub fn remove(nf: &mut dyn Netfilter) -> Result<Vec<String>, CleanupError> {
+pub fn remove(nf: &mut dyn Netfilter) -> Result<Vec<String>, NetfilterError> {
     let mut done = Vec::new();
     for (table, hook, chain) in [("nat", "POSTROUTING", NAT_CHAIN), ("filter", "FORWARD", FILTER_CHAIN)] {
         let saved = nf.save(BACKEND, table)?;

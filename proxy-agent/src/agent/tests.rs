@@ -1,0 +1,164 @@
+//! The loop with a fake source and a fake data plane, on a clock the test moves.
+use std::sync::{Arc, Mutex};
+
+use super::*;
+use crate::{
+    dataplane::FakeDataplane,
+    source::{manifests, FakeSource},
+    stats::Stats,
+};
+
+fn service(name: &str, vip: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: demo}}\nspec: {{clusterIP: {vip}, ports: [{{name: http, port: 80, targetPort: 8080}}]}}\n---\n\
+         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, namespace: demo, labels: {{kubernetes.io/service-name: {name}}}}}\n\
+         addressType: IPv4\nports: [{{name: http, port: 8080}}]\nendpoints: [{{addresses: [10.244.1.2], conditions: {{ready: true}}}}]\n---\n"
+    )
+}
+
+fn agent(services: usize) -> Agent<FakeSource, FakeDataplane> {
+    let mut report = manifests::LoadReport::default();
+    let text: String = (0..services).map(|i| service(&format!("s{i}"), &format!("10.96.0.{}", i + 1))).collect();
+    manifests::load_text("t.yaml", &text, &mut report);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    let source = FakeSource { objects: report.objects, ready: true, ..Default::default() };
+    let mut cfg = LoopSettings::new(&Settings::default(), "node-a".into());
+    cfg.sync_period = Duration::from_secs(30);
+    cfg.min_sync_period = Duration::from_secs(1);
+    cfg.burst_syncs = 2;
+    Agent::new(cfg, source, FakeDataplane::default(), Arc::new(Mutex::new(Stats::new(Duration::from_secs(60)))))
+}
+
+fn changed(names: &[&str]) -> Option<BTreeSet<(String, String)>> {
+    Some(names.iter().map(|n| ("demo".to_string(), n.to_string())).collect())
+}
+
+const W: Duration = Duration::ZERO;
+
+#[test]
+fn nothing_is_programmed_before_the_source_has_listed() {
+    let mut a = agent(2);
+    a.source.ready = false;
+    let t0 = Instant::now();
+    assert_eq!(a.step(t0, W), Step::Waiting);
+    assert_eq!(a.step(t0 + Duration::from_secs(60), W), Step::Waiting);
+    assert!(a.dataplane.syncs.is_empty());
+    assert!(a.stats.lock().unwrap().pending_since.is_some(), "health sees the wait");
+    a.source.ready = true;
+    assert_eq!(a.step(t0 + Duration::from_secs(61), W), Step::Synced { full: true });
+}
+
+#[test]
+fn changes_sync_incrementally_between_full_syncs() {
+    let mut a = agent(3);
+    let t0 = Instant::now();
+    assert_eq!(a.step(t0, W), Step::Synced { full: true });
+    // A ClusterIP is two frontends (looked up from pods and from outside the node).
+    assert_eq!(a.dataplane.syncs[0], (true, 0, 6));
+    assert_eq!(a.step(t0 + Duration::from_millis(100), W), Step::Idle, "no change, no sync");
+    a.source.pending = changed(&["s1"]);
+    assert_eq!(a.step(t0 + Duration::from_secs(2), W), Step::Synced { full: false });
+    // One service changed: its frontends touched; the desired state still holds all three.
+    assert_eq!(a.dataplane.syncs[1], (false, 2, 6));
+    // syncPeriod later: a full sync repairs drift, changes or not.
+    assert_eq!(a.step(t0 + Duration::from_secs(31), W), Step::Synced { full: true });
+    assert_eq!(a.dataplane.syncs.len(), 3);
+}
+
+#[test]
+fn a_failed_sync_is_retried_with_a_backoff_and_the_retry_is_full() {
+    let mut a = agent(2);
+    let t0 = Instant::now();
+    assert_eq!(a.step(t0, W), Step::Synced { full: true });
+    a.dataplane.fail = 2;
+    a.source.pending = changed(&["s0"]);
+    assert_eq!(a.step(t0 + Duration::from_secs(2), W), Step::Failed);
+    assert!(a.stats.lock().unwrap().failing_since.is_some());
+    // Not before the back-off (1 s), even with more changes.
+    a.source.pending = changed(&["s1"]);
+    assert_eq!(a.step(t0 + Duration::from_millis(2500), W), Step::Idle);
+    assert_eq!(a.step(t0 + Duration::from_millis(3100), W), Step::Failed);
+    // The back-off doubled: 2 s now.
+    assert_eq!(a.step(t0 + Duration::from_millis(4500), W), Step::Idle);
+    // The changes were consumed by the failed attempts: only a full sync knows what to write.
+    assert_eq!(a.step(t0 + Duration::from_millis(5200), W), Step::Synced { full: true });
+    assert_eq!(a.stats.lock().unwrap().sync_failures_total, 2);
+    assert!(a.stats.lock().unwrap().failing_since.is_none());
+    assert!(a.stats.lock().unwrap().pending_since.is_none());
+}
+
+#[test]
+fn an_unreadable_source_fails_the_sync_without_touching_the_data_plane() {
+    let mut a = agent(1);
+    let t0 = Instant::now();
+    a.step(t0, W);
+    a.source.unavailable = Some("gone".into());
+    a.source.pending = changed(&["s0"]);
+    assert_eq!(a.step(t0 + Duration::from_secs(2), W), Step::Failed);
+    assert_eq!(a.dataplane.syncs.len(), 1, "the kernel keeps what it has");
+    a.source.unavailable = None;
+    assert_eq!(a.step(t0 + Duration::from_secs(4), W), Step::Synced { full: true });
+}
+
+#[test]
+fn a_change_of_the_node_makes_the_sync_full() {
+    let mut a = agent(1);
+    let t0 = Instant::now();
+    a.step(t0, W);
+    let mut node = Node::default();
+    node.metadata.resource_version = Some("7".into());
+    a.source.node = Some(node);
+    a.source.pending = changed(&[]);
+    assert_eq!(a.step(t0 + Duration::from_secs(2), W), Step::Synced { full: true });
+    a.source.pending = changed(&["s0"]);
+    assert_eq!(a.step(t0 + Duration::from_secs(4), W), Step::Synced { full: false });
+}
+
+#[test]
+fn event_driven_syncs_are_bounded_by_min_sync_period() {
+    let mut a = agent(1);
+    let t0 = Instant::now();
+    a.step(t0, W);
+    // The first sync took one token of the burst of two; one more at once, then one a second.
+    let mut synced = 0;
+    for i in 1..=10 {
+        a.source.pending = changed(&["s0"]);
+        if matches!(a.step(t0 + Duration::from_millis(i * 10), W), Step::Synced { .. }) {
+            synced += 1;
+        }
+    }
+    assert_eq!(synced, 1, "a burst, then minSyncPeriod");
+    assert!(matches!(a.step(t0 + Duration::from_millis(1200), W), Step::Synced { .. }));
+}
+
+#[test]
+fn a_data_plane_can_ask_for_full_syncs_sooner() {
+    let mut a = agent(1);
+    let t0 = Instant::now();
+    a.step(t0, W);
+    assert_eq!(a.step(t0 + Duration::from_secs(3), W), Step::Idle);
+    a.dataplane.full_within = Some(Duration::from_secs(2));
+    assert_eq!(a.step(t0 + Duration::from_secs(3), W), Step::Synced { full: true });
+}
+
+#[test]
+fn interfaces_are_reconciled_every_second() {
+    let mut a = agent(1);
+    a.source.ready = false;
+    let t0 = Instant::now();
+    for ms in [0, 300, 600, 900, 1000, 1500, 2100] {
+        a.step(t0 + Duration::from_millis(ms), W);
+    }
+    assert_eq!(a.dataplane.reconciled, 3);
+}
+
+#[test]
+fn limiter_allows_a_burst_then_one_per_interval() {
+    let t0 = Instant::now();
+    let mut l = Limiter::new(Duration::from_secs(1), 2, t0);
+    assert!(l.try_take(t0));
+    assert!(l.try_take(t0));
+    assert!(!l.try_take(t0 + Duration::from_millis(100)));
+    assert!(l.try_take(t0 + Duration::from_millis(1200)));
+    assert!(!l.try_take(t0 + Duration::from_millis(1300)));
+}

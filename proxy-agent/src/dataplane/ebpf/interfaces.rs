@@ -1,0 +1,146 @@
+//! Which program runs on which interface, kept current as interfaces come and go, and what the
+//! programs know of each interface (KPR_IFACE: masquerade address, local by detectLocalMode).
+//! Both modes use it: the fast path's hooks, or IPVS mode's set matching.
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+    path::PathBuf,
+};
+
+use aya::programs::XdpMode;
+use proxy_common::IfaceInfo;
+use tracing::{error, info, warn};
+
+use crate::{
+    dataplane::ebpf::{
+        kernel::{self, Datapath, Hook, KernelMaps},
+        maps::DatapathMaps,
+    },
+    host::netif,
+    settings::{DetectLocal, Settings, XdpModeArg},
+};
+
+pub struct Interfaces {
+    pin_dir: PathBuf,
+    uplinks: Vec<String>,
+    pod_ifaces: Vec<String>,
+    pod_iface_prefixes: Vec<String>,
+    xdp_mode: XdpMode,
+    detect_local: DetectLocal,
+    /// The fast path (XDP + TC both ways, per-interface masquerade) or IPVS mode's set
+    /// matching (TC ingress only).
+    fast_path: bool,
+    /// iptables.snatNodeInternalIP: masquerade with the primary IP on every interface.
+    snat_node_internal_ip: bool,
+    attached: BTreeSet<(String, Hook)>,
+    /// What KPR_IFACE holds.
+    ifaces: BTreeMap<u32, IfaceInfo>,
+}
+
+impl Interfaces {
+    pub fn new(s: &Settings, pin_dir: PathBuf, fast_path: bool) -> Self {
+        Self {
+            pin_dir,
+            uplinks: s.uplinks.clone(),
+            pod_ifaces: s.pod_ifaces.clone(),
+            pod_iface_prefixes: s.pod_iface_prefixes.clone(),
+            xdp_mode: match s.xdp_mode {
+                XdpModeArg::Auto => XdpMode::Default,
+                XdpModeArg::Native => XdpMode::Driver,
+                XdpModeArg::Generic => XdpMode::Skb,
+            },
+            detect_local: s.detect_local.clone(),
+            fast_path,
+            snat_node_internal_ip: s.snat_node_internal_ip,
+            attached: BTreeSet::new(),
+            ifaces: BTreeMap::new(),
+        }
+    }
+
+    /// The uplinks' addresses (NodePort addresses by default).
+    pub fn uplink_addresses(&self) -> Vec<IpAddr> {
+        self.uplinks.iter().flat_map(|u| netif::ipv4_addresses(u)).collect()
+    }
+
+    /// The hooks each interface gets: the fast path runs the pipeline's ingress half (XDP on
+    /// uplinks, TC on pod and tunnel interfaces) and its egress half (TC) on all of them; IPVS
+    /// mode the set-matching program at TC ingress everywhere (XDP has no skb mark).
+    fn wanted(&self, present: &[String]) -> Vec<(String, Hook)> {
+        let mut wanted = Vec::new();
+        for u in &self.uplinks {
+            wanted.push((u.clone(), if self.fast_path { Hook::Xdp } else { Hook::TcIngress }));
+            if self.fast_path {
+                wanted.push((u.clone(), Hook::TcEgress));
+            }
+        }
+        for i in present {
+            if self.pod_ifaces.contains(i) || self.pod_iface_prefixes.iter().any(|p| i.starts_with(p.as_str())) {
+                wanted.push((i.clone(), Hook::TcIngress));
+                if self.fast_path {
+                    wanted.push((i.clone(), Hook::TcEgress));
+                }
+            }
+        }
+        wanted
+    }
+
+    /// Attaches to interfaces that do not have the programs yet, detaches from interfaces that
+    /// are gone, and rewrites KPR_IFACE where it changed. Returns whether anything was attached.
+    pub fn reconcile(&mut self, dp: &mut Datapath, maps: &mut KernelMaps) -> bool {
+        let present = netif::interfaces();
+        let wanted = self.wanted(&present);
+        let mut attached_any = false;
+        for (iface, hook) in &wanted {
+            if self.attached.contains(&(iface.clone(), *hook)) {
+                continue;
+            }
+            match dp.attach(iface, *hook, self.xdp_mode) {
+                Ok(()) => {
+                    info!(iface = %iface, hook = hook.tag(), "attached");
+                    self.attached.insert((iface.clone(), *hook));
+                    attached_any = true;
+                }
+                Err(e) => error!(iface = %iface, hook = hook.tag(), error = %e, "attach failed"),
+            }
+        }
+        for (iface, hook) in kernel::attached_links(&self.pin_dir) {
+            if hook != Hook::Cgroup && !present.contains(&iface) {
+                let _ = kernel::detach(&self.pin_dir, &iface, hook);
+                self.attached.retain(|(i, _)| i != &iface);
+            }
+        }
+        let masters = match &self.detect_local {
+            DetectLocal::BridgeInterface(_) => crate::netlink::rtnl::NetlinkLinks::connect().and_then(|mut l| l.masters()).unwrap_or_else(|e| {
+                warn!(error = %e, "cannot read the interfaces' bridges: detectLocalMode BridgeInterface sees no local pods");
+                Default::default()
+            }),
+            _ => Default::default(),
+        };
+        let mut ifaces = BTreeMap::new();
+        for (iface, _) in &wanted {
+            let Some(index) = netif::index(iface) else { continue };
+            let mut info = IfaceInfo::default();
+            // Masquerade uses the address of the interface a flow leaves by, as MASQUERADE
+            // does (a tunnel device's own address, so the remote node routes replies back
+            // through the tunnel); interfaces without one use the node's SNAT address.
+            if self.fast_path && !self.snat_node_internal_ip {
+                if let Some(IpAddr::V4(a)) = netif::ipv4_addresses(iface).first() {
+                    info.snat_addr = u32::from_ne_bytes(a.octets());
+                }
+            }
+            if self.detect_local.is_local(iface, masters.get(iface).map(String::as_str)) {
+                info.flags |= proxy_common::IFACE_F_LOCAL;
+            }
+            if info != IfaceInfo::default() {
+                ifaces.insert(index, info);
+            }
+        }
+        if ifaces != self.ifaces {
+            match maps.set_ifaces(&ifaces) {
+                Ok(()) => self.ifaces = ifaces,
+                Err(e) => warn!(error = %e, "interface information for the data path"),
+            }
+        }
+        attached_any
+    }
+}

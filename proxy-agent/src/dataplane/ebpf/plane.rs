@@ -1,0 +1,254 @@
+//! eBPF mode's `Dataplane`: the fast path's programs on the node's interfaces and cgroup, its
+//! maps synced by difference, and the conntrack collector on its own thread.
+use std::{
+    collections::BTreeSet,
+    path::PathBuf,
+    sync::{atomic::Ordering, mpsc},
+    time::{Duration, Instant},
+};
+
+use proxy_common::{user::addr_words, DatapathConfig, CFG_F_LOCAL_BY_IFACE, CFG_F_MASQUERADE_ALL};
+use tracing::{error, info, warn};
+
+use crate::{
+    dataplane::{
+        ebpf::{
+            affinity_gc::AffinityGc,
+            conntrack::{Gc, Timeouts},
+            endpoint_cleanup,
+            interfaces::Interfaces,
+            kernel::{self, Datapath, KernelConntrack, KernelMaps, KernelSockRev},
+            sync::{RemovedBackend, SyncError, Syncer},
+        },
+        Dataplane, DataplaneError, NodeContext, SyncStats,
+    },
+    host::{
+        netif,
+        sysctl::{self, ProcSysctls, Sysctls},
+    },
+    model::{DesiredState, FrontendKey},
+    netlink::{ctnetlink::NetlinkConntrack, sockdiag::NetlinkSockets},
+    settings::{DetectLocal, Mode, Settings},
+    stats::SharedStats,
+    STOP,
+};
+
+/// The conntrack collector reads at most this many entries of each table per round...
+const GC_BATCH: usize = 16_384;
+/// ...every this often: a full pass over 524,288 entries takes about 8 s.
+const GC_INTERVAL: Duration = Duration::from_millis(250);
+
+pub struct EbpfPlane {
+    dp: Datapath,
+    maps: KernelMaps,
+    syncer: Syncer,
+    interfaces: Interfaces,
+    config: ConfigInputs,
+    /// The collector's inbox: endpoints whose flows go at once.
+    gc: Option<mpsc::Sender<BTreeSet<RemovedBackend>>>,
+}
+
+/// What KPR_CFG is made of. Both modes write it: IPVS mode's programs read the local-client
+/// test (CIDR or interface), masqueradeAll and the namespace cookie.
+pub struct ConfigInputs {
+    masquerade_all: bool,
+    detect_local: DetectLocal,
+    cluster_cidr: Option<ipnet::IpNet>,
+    snat_ip: Option<std::net::IpAddr>,
+    timeouts: Timeouts,
+    /// Masquerade source ports (see sysctl::snat_port_range).
+    snat_ports: (u16, u16),
+    /// This namespace's cookie: connect-time balancing is for its sockets only.
+    host_netns_cookie: u64,
+}
+
+impl ConfigInputs {
+    pub fn new(s: &Settings, timeouts: Timeouts) -> Self {
+        Self {
+            masquerade_all: s.masquerade_all,
+            detect_local: s.detect_local.clone(),
+            cluster_cidr: s.cluster_cidrs.iter().find(|n| n.addr().is_ipv4()).copied(),
+            snat_ip: s.snat_ip,
+            timeouts,
+            snat_ports: masquerade_ports(),
+            host_netns_cookie: host_netns_cookie(),
+        }
+    }
+
+    /// The fast path needs a masquerade address; IPVS mode (which masquerades in netfilter)
+    /// does not.
+    pub fn config(&self, node: &NodeContext, need_snat: bool) -> Result<DatapathConfig, DataplaneError> {
+        let snat = self.snat_ip.or(node.primary_ip).or_else(|| node.nodeport_addresses.first().copied());
+        if snat.is_none() && need_snat {
+            return Err(DataplaneError::NoNodeAddress);
+        }
+        let local_cidr = match self.detect_local {
+            DetectLocal::ClusterCidr => self.cluster_cidr,
+            DetectLocal::NodeCidr => node.pod_cidr,
+            DetectLocal::BridgeInterface(_) | DetectLocal::InterfaceNamePrefix(_) => None,
+        };
+        let (cidr, len) = match local_cidr {
+            Some(net) => (addr_words(net.network()), u32::from(net.prefix_len())),
+            None => ([0; 4], 0),
+        };
+        Ok(DatapathConfig {
+            snat_addr: snat.map(addr_words).unwrap_or_default(),
+            cluster_cidr: cidr,
+            cluster_cidr_len: len,
+            flags: if self.masquerade_all { CFG_F_MASQUERADE_ALL } else { 0 } | if self.detect_local.by_interface() { CFG_F_LOCAL_BY_IFACE } else { 0 },
+            ct_tcp_timeout_s: self.timeouts.tcp,
+            ct_udp_timeout_s: self.timeouts.udp,
+            snat_port_min: self.snat_ports.0,
+            snat_port_max: self.snat_ports.1,
+            _pad: 0,
+            host_netns_cookie: self.host_netns_cookie,
+        })
+    }
+}
+
+impl EbpfPlane {
+    /// Loads the fast path (reusing the maps pinned under `pin_dir`), attaches connect-time
+    /// balancing and starts the collector.
+    pub fn start(s: &Settings, pin_dir: PathBuf, cgroup: Option<PathBuf>, stats: SharedStats) -> Result<Self, DataplaneError> {
+        let mut dp = Datapath::load_object(&pin_dir, s.capacities)?;
+        dp.load_fast_path()?;
+        if let Some(cg) = &cgroup {
+            dp.attach_cgroup(cg, &proxy_common::prog_names::SOCK)?;
+            info!(cgroup = %cg.display(), "connect-time balancing attached");
+        }
+        let maps = KernelMaps::open(&pin_dir)?;
+        let timeouts = Timeouts {
+            tcp: secs(s.conntrack.tcp_established),
+            udp: secs(s.conntrack.fast_path_udp()),
+            closing: secs(s.conntrack.tcp_closing),
+            ..Default::default()
+        };
+        let gc = start_gc(pin_dir.clone(), timeouts, stats);
+        Ok(Self { dp, maps, syncer: Syncer::default(), interfaces: Interfaces::new(s, pin_dir, true), config: ConfigInputs::new(s, timeouts), gc })
+    }
+}
+
+impl Dataplane for EbpfPlane {
+    fn mode(&self) -> Mode {
+        Mode::Ebpf
+    }
+
+    fn reconcile_interfaces(&mut self) {
+        if self.interfaces.reconcile(&mut self.dp, &mut self.maps) {
+            sysctl::apply(&mut ProcSysctls, &sysctl::FAST_PATH_SYSCTLS);
+        }
+    }
+
+    fn sync(&mut self, desired: &DesiredState, node: &NodeContext, touched: Option<&BTreeSet<FrontendKey>>) -> Result<SyncStats, DataplaneError> {
+        let config = self.config.config(node, true)?;
+        let r = match touched {
+            None => self.syncer.sync(&mut self.maps, desired, config),
+            Some(t) => self.syncer.sync_subset(&mut self.maps, desired, config, t),
+        };
+        let st = r.map_err(|e| match e {
+            SyncError::Map(m) => DataplaneError::Map(m),
+        })?;
+        if let (Some(gc), false) = (&self.gc, st.removed.is_empty()) {
+            let _ = gc.send(st.removed.clone());
+        }
+        Ok(SyncStats { frontends: st.frontends, backends: st.backends, writes: st.writes, deletes: st.deletes, errors: st.errors })
+    }
+}
+
+fn secs(d: Duration) -> u32 {
+    d.as_secs().clamp(1, u64::from(u32::MAX)) as u32
+}
+
+/// The node's network namespace cookie, for connect-time balancing of its own processes only.
+fn host_netns_cookie() -> u64 {
+    netif::netns_cookie().unwrap_or_else(|| {
+        warn!("the kernel has no SO_NETNS_COOKIE (Linux < 5.14): connect-time balancing applies to pods' sockets too, with the node's address for their affinity and source ranges");
+        0
+    })
+}
+
+/// The masquerade port range for this node (its namespace's ephemeral range decides).
+fn masquerade_ports() -> (u16, u16) {
+    let local = ProcSysctls.get("net.ipv4.ip_local_port_range").unwrap_or_default();
+    match sysctl::snat_port_range(&local) {
+        Some(r) => {
+            info!(ephemeral = %local, snat_ports = %format!("{}-{}", r.0, r.1), "masquerade source ports");
+            r
+        }
+        None => {
+            let r = (proxy_common::SNAT_PORT_MIN, proxy_common::SNAT_PORT_MAX);
+            warn!(ephemeral = %local, snat_ports = %format!("{}-{}", r.0, r.1), "net.ipv4.ip_local_port_range leaves no 4096 ports outside it and the NodePort range for masquerade: using the default range, which the node's own connections may also use");
+            r
+        }
+    }
+}
+
+/// The conntrack collector's thread: one bounded round every GC_INTERVAL, and at once the
+/// cleanup of endpoints that left their service (sent by the syncs).
+fn start_gc(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats) -> Option<mpsc::Sender<BTreeSet<RemovedBackend>>> {
+    let (tx, rx) = mpsc::channel::<BTreeSet<RemovedBackend>>();
+    let spawned = std::thread::Builder::new().name("kpr-gc".into()).spawn(move || {
+        let (mut tables, balanced) = match (KernelConntrack::open(&pin_dir), KernelSockRev::open(&pin_dir)) {
+            (Ok(t), Ok(b)) => (t, b),
+            (Err(e), _) | (_, Err(e)) => return error!(error = %e, "conntrack collector cannot open its maps; idle flows are not collected"),
+        };
+        let mut kernel_ct = NetlinkConntrack::connect()
+            .map_err(|e| warn!(error = %e, "no ctnetlink: kernel conntrack entries of removed UDP endpoints are left to time out"))
+            .ok();
+        let mut sockets =
+            NetlinkSockets::connect().map_err(|e| warn!(error = %e, "no sock_diag: the node's UDP sockets connected to removed endpoints are not ended")).ok();
+        let mut affinity = AffinityGc::new(&pin_dir);
+        let mut gc = Gc::new(timeouts, GC_BATCH);
+        let mut last_affinity = Instant::now();
+        while !STOP.load(Ordering::Relaxed) {
+            match rx.recv_timeout(GC_INTERVAL) {
+                Ok(removed) => {
+                    let handles = endpoint_cleanup::Handles {
+                        tables: &mut tables,
+                        affinity: &mut affinity,
+                        kernel_conntrack: kernel_ct.as_mut().map(|c| c as &mut dyn crate::netlink::ctnetlink::ConntrackFlusher),
+                        sockets: sockets.as_mut().map(|s| s as &mut dyn crate::netlink::sockdiag::Sockets),
+                        balanced: &balanced,
+                    };
+                    let r = endpoint_cleanup::endpoints_removed(&removed, &mut gc, handles);
+                    info!(
+                        endpoints = removed.len(),
+                        flows = r.flows,
+                        kernel_entries = r.kernel_entries,
+                        sockets = r.sockets,
+                        affinity = r.affinity,
+                        "cleared what held clients to endpoints that left their service"
+                    );
+                    for e in r.errors {
+                        warn!(error = %e, "removed endpoint cleanup");
+                    }
+                    stats.lock().unwrap().gc_flows_total += r.flows as u64;
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => return,
+            }
+            match gc.round(&mut tables, kernel::monotonic_ns()) {
+                Ok(st) => {
+                    if st.flows > 0 {
+                        tracing::debug!(read = st.read, flows = st.flows, entries = st.entries, kept = st.kept, "collected idle flows");
+                    }
+                    stats.lock().unwrap().gc_flows_total += st.flows as u64;
+                }
+                Err(e) => warn!(error = %e, "conntrack gc round failed"),
+            }
+            if last_affinity.elapsed() >= Duration::from_secs(5) {
+                if let Err(e) = affinity.collect(kernel::monotonic_ns()) {
+                    warn!(error = %e, "affinity gc failed");
+                }
+                last_affinity = Instant::now();
+            }
+        }
+    });
+    match spawned {
+        Ok(_) => Some(tx),
+        Err(e) => {
+            error!(error = %e, "cannot start the conntrack collector");
+            None
+        }
+    }
+}

@@ -1,0 +1,168 @@
+//! IPVS mode's `Dataplane`: virtual servers and destinations over netlink, kube-ipvs0's
+//! addresses, kube-proxy's sets as BPF maps read by the set-matching program, and a handful
+//! of fixed netfilter rules.
+use std::{collections::BTreeSet, net::IpAddr, path::PathBuf, time::Duration};
+
+use tracing::{info, warn};
+
+use crate::{
+    dataplane::{
+        ebpf::{
+            interfaces::Interfaces,
+            kernel::{Datapath, KernelMaps},
+            maps::DatapathMaps,
+            plane::ConfigInputs,
+        },
+        ipvs::{
+            client::{Ipvs, IpvsError, NetlinkIpvs, ServiceId, Timeouts},
+            rules,
+            sets::{self, KernelSetMaps, SetMaps, Sets},
+            sync::{self as ipvs_sync, IpvsSettings as SyncSettings, IpvsSyncer},
+        },
+        Dataplane, DataplaneError, NodeContext, SyncStats,
+    },
+    host::{
+        netfilter::SystemNetfilter,
+        sysctl::{self, ProcSysctls},
+    },
+    model::{DesiredState, FrontendKey},
+    netlink::{
+        ctnetlink::{ConntrackFlusher, FakeConntrack, NetlinkConntrack},
+        rtnl::NetlinkLinks,
+    },
+    settings::{Mode, Settings},
+    stats::SharedStats,
+};
+
+/// Draining destinations (weight 0) are re-checked this often, not every syncPeriod.
+const DRAIN_CHECK: Duration = Duration::from_secs(2);
+
+pub struct IpvsPlane {
+    dp: Datapath,
+    maps: KernelMaps,
+    interfaces: Interfaces,
+    ipvs: NetlinkIpvs,
+    links: NetlinkLinks,
+    ct: Option<NetlinkConntrack>,
+    syncer: IpvsSyncer,
+    sets: KernelSetMaps,
+    /// What the set maps hold after the last sync (None: read them at the next one).
+    sets_mirror: Option<Sets>,
+    config: ConfigInputs,
+    terminating: usize,
+    stats: SharedStats,
+}
+
+/// Opens IPVS, loading the module first if the kernel has it as one.
+pub fn connect_ipvs() -> Result<NetlinkIpvs, IpvsError> {
+    match NetlinkIpvs::connect() {
+        Err(IpvsError::NoIpvs) => {
+            let _ = std::process::Command::new("modprobe").arg("ip_vs").status();
+            NetlinkIpvs::connect()
+        }
+        r => r,
+    }
+}
+
+impl IpvsPlane {
+    /// One-time setup: the netlink handles, the set-matching programs and fixed rules, the
+    /// proxier's sysctls, the timeouts.
+    pub fn start(s: &Settings, pin_dir: PathBuf, cgroup: Option<PathBuf>, stats: SharedStats) -> Result<Self, DataplaneError> {
+        let mut ipvs = connect_ipvs()?;
+        let mut dp = Datapath::load_object(&pin_dir, s.capacities)?;
+        let loopback = dp.load_ipset()?;
+        if let Some(cg) = &cgroup {
+            dp.attach_cgroup(cg, &proxy_common::prog_names::SOCK_IPVS)?;
+            info!(cgroup = %cg.display(), "node connections to LB IPs outside their source ranges refused at connect time");
+        }
+        rules::install(&mut SystemNetfilter, &loopback).map_err(DataplaneError::Netfilter)?;
+        let info = ipvs.info()?;
+        info!(version = format!("{}.{}.{}", info.version >> 16, (info.version >> 8) & 0xff, info.version & 0xff), conn_tab = info.conn_tab_size, "IPVS");
+        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+        let kver = sysctl::kernel_version(release.trim()).unwrap_or((0, 0));
+        sysctl::apply(&mut ProcSysctls, &sysctl::ipvs_sysctls(kver, s.ipvs.strict_arp));
+        let secs = |d: Duration| d.as_secs().min(u64::from(u32::MAX)) as u32;
+        let t = Timeouts { tcp_s: secs(s.ipvs.tcp_timeout), tcp_fin_s: secs(s.ipvs.tcp_fin_timeout), udp_s: secs(s.ipvs.udp_timeout) };
+        if t.tcp_s + t.tcp_fin_s + t.udp_s > 0 {
+            ipvs.set_timeouts(&t)?;
+        }
+        let ct = match NetlinkConntrack::connect() {
+            Ok(c) => Some(c),
+            Err(e) => {
+                warn!(error = %e, "no ctnetlink: conntrack entries of removed UDP backends will not be cleared");
+                None
+            }
+        };
+        let settings = SyncSettings { scheduler: s.ipvs.scheduler.clone(), exclude_cidrs: s.ipvs.exclude_cidrs.clone(), ..SyncSettings::default() };
+        Ok(Self {
+            maps: KernelMaps::open(&pin_dir)?,
+            sets: KernelSetMaps::open(&pin_dir)?,
+            interfaces: Interfaces::new(s, pin_dir, false),
+            dp,
+            ipvs,
+            links: NetlinkLinks::connect()?,
+            ct,
+            syncer: IpvsSyncer::new(settings),
+            sets_mirror: None,
+            config: ConfigInputs::new(s, Default::default()),
+            terminating: 0,
+            stats,
+        })
+    }
+}
+
+impl Dataplane for IpvsPlane {
+    fn mode(&self) -> Mode {
+        Mode::Ipvs
+    }
+
+    fn reconcile_interfaces(&mut self) {
+        self.interfaces.reconcile(&mut self.dp, &mut self.maps);
+    }
+
+    fn sync(&mut self, desired: &DesiredState, node: &NodeContext, touched: Option<&BTreeSet<FrontendKey>>) -> Result<SyncStats, DataplaneError> {
+        let node_addrs: &[IpAddr] = &node.nodeport_addresses;
+        self.syncer.settings.node_addresses = node_addrs.to_vec();
+        let vs = ipvs_sync::desired_virtual_servers(desired, &self.syncer.settings);
+        let only: Option<BTreeSet<ServiceId>> =
+            touched.map(|t| t.iter().map(|k| ServiceId::Addr { proto: k.proto.number(), addr: k.ip, port: k.port }).collect());
+        let mut noct = FakeConntrack::default();
+        let ct: &mut dyn ConntrackFlusher = match &mut self.ct {
+            Some(c) => c,
+            None => &mut noct,
+        };
+        let st = self.syncer.sync(&mut self.ipvs, &mut self.links, ct, &vs, only.as_ref())?;
+        let bound: BTreeSet<IpAddr> = vs
+            .values()
+            .filter(|v| v.bind)
+            .filter_map(|v| match v.config.id {
+                ServiceId::Addr { addr, .. } => Some(addr),
+                ServiceId::Fwmark { .. } => None,
+            })
+            .collect();
+        let want = sets::compute(desired, node_addrs, &bound);
+        let have = match (touched, self.sets_mirror.take()) {
+            (Some(_), Some(m)) => m,
+            _ => self.sets.read()?,
+        };
+        let (set_writes, set_deletes) = sets::sync_from(&mut self.sets, &have, &want)?;
+        self.sets_mirror = Some(want);
+        let dcfg = self.config.config(node, false)?;
+        if self.maps.config().ok() != Some(dcfg) {
+            self.maps.set_config(dcfg)?;
+        }
+        self.terminating = st.terminating;
+        self.stats.lock().unwrap().ipvs_terminating = st.terminating as u64;
+        Ok(SyncStats {
+            frontends: st.services,
+            backends: st.dests,
+            writes: st.writes + st.addresses_bound + set_writes,
+            deletes: st.deletes + st.addresses_unbound + set_deletes,
+            errors: st.errors,
+        })
+    }
+
+    fn full_sync_within(&self) -> Option<Duration> {
+        (self.terminating > 0).then_some(DRAIN_CHECK)
+    }
+}

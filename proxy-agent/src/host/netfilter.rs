@@ -1,0 +1,58 @@
+//! The node's netfilter (and ipset), written through a small trait: the real implementation
+//! runs the node's iptables-save/-restore and ipset, as kube-proxy does; tests use a fake.
+use std::process::{Command, Stdio};
+
+#[derive(Debug, thiserror::Error)]
+#[error("{cmd}: {message}")]
+pub struct NetfilterError {
+    pub cmd: String,
+    pub message: String,
+}
+
+pub trait Netfilter {
+    /// `iptables-save -t table` output of one backend ("iptables-legacy", "iptables-nft", ...).
+    fn save(&self, backend: &str, table: &str) -> Result<String, NetfilterError>;
+    /// Applies an iptables-restore input with --noflush.
+    fn restore(&mut self, backend: &str, input: &str) -> Result<(), NetfilterError>;
+    fn ipsets(&self) -> Result<Vec<String>, NetfilterError>;
+    fn destroy_ipset(&mut self, name: &str) -> Result<(), NetfilterError>;
+    fn delete_link(&mut self, name: &str) -> Result<bool, NetfilterError>;
+}
+
+fn run(cmd: &str, args: &[&str], stdin: Option<&str>) -> Result<String, NetfilterError> {
+    let mut c = Command::new(cmd);
+    c.args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() });
+    let mut child = c.spawn().map_err(|e| NetfilterError { cmd: cmd.into(), message: e.to_string() })?;
+    if let Some(input) = stdin {
+        use std::io::Write;
+        let _ = child.stdin.take().unwrap().write_all(input.as_bytes());
+    }
+    let out = child.wait_with_output().map_err(|e| NetfilterError { cmd: cmd.into(), message: e.to_string() })?;
+    if !out.status.success() {
+        return Err(NetfilterError { cmd: format!("{cmd} {}", args.join(" ")), message: String::from_utf8_lossy(&out.stderr).trim().to_string() });
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+pub struct SystemNetfilter;
+
+impl Netfilter for SystemNetfilter {
+    fn save(&self, backend: &str, table: &str) -> Result<String, NetfilterError> {
+        run(&format!("{backend}-save"), &["-t", table], None)
+    }
+    fn restore(&mut self, backend: &str, input: &str) -> Result<(), NetfilterError> {
+        run(&format!("{backend}-restore"), &["--noflush"], Some(input)).map(|_| ())
+    }
+    fn ipsets(&self) -> Result<Vec<String>, NetfilterError> {
+        Ok(run("ipset", &["list", "-n"], None)?.lines().map(str::to_string).collect())
+    }
+    fn destroy_ipset(&mut self, name: &str) -> Result<(), NetfilterError> {
+        run("ipset", &["destroy", name], None).map(|_| ())
+    }
+    fn delete_link(&mut self, name: &str) -> Result<bool, NetfilterError> {
+        if run("ip", &["link", "show", name], None).is_err() {
+            return Ok(false);
+        }
+        run("ip", &["link", "del", name], None).map(|_| true)
+    }
+}
