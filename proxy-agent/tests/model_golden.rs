@@ -164,7 +164,7 @@ fn topology_hints_prefer_the_nodes_zone_only_when_complete() {
     let node = NodeInfo { name: "me".into(), zone: Some("z1".into()), ..Default::default() };
     let d = compute(&r.objects, &node, &ModelConfig::default());
     let backends = |ip: &str| -> Vec<String> {
-        let k = d.frontends.keys().find(|k| k.ip.to_string() == ip && k.scope == 0).unwrap();
+        let k = d.frontends.keys().find(|k| k.ip.to_string() == ip && k.scope == proxy_agent::model::Scope::Internal).unwrap();
         d.frontends[k].backends.iter().map(|b| b.ip.to_string()).collect()
     };
     assert_eq!(backends("10.96.2.1"), ["10.0.0.1"], "PreferClose: own zone");

@@ -2,20 +2,21 @@
 //! figure for BPF map memory.
 use std::{fmt::Write as _, net::IpAddr};
 
-use proxy_agent::model::{BackendKey, DesiredState, Frontend, FrontendKey, FrontendKind, Protocol, Scheduler};
-use proxy_common::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
+use proxy_agent::model::{BackendKey, DesiredState, Frontend, FrontendKey, FrontendKind, Protocol, Scheduler, Scope};
 
 use crate::lab::backend_ip;
 
 /// Sets (or replaces) service `i`'s ClusterIP frontend `vip:80`, both scopes, on `backends`.
 pub fn set_clusterip(d: &mut DesiredState, i: u32, vip: IpAddr, backends: Vec<BackendKey>) {
-    for scope in [SCOPE_INTERNAL, SCOPE_EXTERNAL] {
+    for scope in [Scope::Internal, Scope::External] {
         let fe = Frontend {
             service: format!("bench/s{i}:http"),
             kind: FrontendKind::ClusterIp,
             scheduler: Scheduler::Random,
             affinity_timeout_s: 0,
-            flags: 0,
+            masquerade: false,
+            preserve_source: false,
+            no_local_endpoint: false,
             source_ranges: vec![],
             backends: backends.clone(),
             ipvs: Default::default(),

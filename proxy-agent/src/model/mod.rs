@@ -11,9 +11,7 @@ use std::{
 
 use ipnet::IpNet;
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
-use proxy_common::{
-    limits::MAX_BACKENDS_PER_SERVICE, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT, SVC_F_PRESERVE_SOURCE, SVC_F_SOURCE_RANGES,
-};
+use proxy_common::limits::MAX_BACKENDS_PER_SERVICE;
 
 use crate::model::objects::{ObjectError, Objects};
 
@@ -40,13 +38,6 @@ pub enum Scheduler {
 }
 
 impl Scheduler {
-    pub fn code(self) -> u8 {
-        match self {
-            Scheduler::Random => proxy_common::SCHED_RANDOM,
-            Scheduler::RoundRobin => proxy_common::SCHED_ROUND_ROBIN,
-            Scheduler::Maglev => proxy_common::SCHED_MAGLEV,
-        }
-    }
     pub fn name(self) -> &'static str {
         match self {
             Scheduler::Random => "random",
@@ -93,12 +84,24 @@ pub struct FrontendKey {
     pub ip: IpAddr,
     pub port: u16,
     pub proto: Protocol,
-    pub scope: u8,
+    pub scope: Scope,
 }
 
-impl FrontendKey {
-    pub fn wire(&self) -> proxy_common::ServiceKey {
-        proxy_common::ServiceKey::new(self.ip, self.port, self.proto.number(), self.scope)
+/// Which traffic a frontend answers: from pods and the node's own processes (internal), or
+/// from outside the node (external). The same address and port can have different backends
+/// for each: that is how the traffic policies differ.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Scope {
+    Internal,
+    External,
+}
+
+impl Scope {
+    pub fn name(self) -> &'static str {
+        match self {
+            Scope::Internal => "internal",
+            Scope::External => "external",
+        }
     }
 }
 
@@ -109,12 +112,6 @@ pub struct BackendKey {
     pub proto: Protocol,
 }
 
-impl BackendKey {
-    pub fn wire(&self) -> proxy_common::Backend {
-        proxy_common::Backend::new(self.ip, self.port, self.proto.number())
-    }
-}
-
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Frontend {
     /// "namespace/name:port-name".
@@ -122,7 +119,14 @@ pub struct Frontend {
     pub kind: FrontendKind,
     pub scheduler: Scheduler,
     pub affinity_timeout_s: u32,
-    pub flags: u8,
+    /// Masquerade its connections (hairpin always; externalTrafficPolicy Cluster).
+    pub masquerade: bool,
+    /// Keep the client's address (externalTrafficPolicy Local).
+    pub preserve_source: bool,
+    /// No backend here but some elsewhere (a traffic policy Local frontend): drop, as
+    /// kube-proxy does, instead of rejecting.
+    pub no_local_endpoint: bool,
+    /// loadBalancerSourceRanges (empty: every source).
     pub source_ranges: Vec<IpNet>,
     /// Sorted, deduplicated.
     pub backends: Vec<BackendKey>,
@@ -191,6 +195,14 @@ fn ipvs_options(annotations: Option<&BTreeMap<String, String>>, object: &str, er
         }
     }
     o
+}
+
+/// How a frontend treats the client's address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Policy {
+    Plain,
+    Masquerade,
+    PreserveSource,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -515,11 +527,8 @@ fn service_frontends(ns: &str, name: &str, svc: &Service, slices: &[(&String, &E
 
         // kube-proxy's verdicts without endpoints: a service with none at all rejects; a traffic
         // policy Local frontend whose endpoints are all on other nodes drops.
-        let no_local = if cluster_backends.is_empty() { 0 } else { SVC_F_NO_LOCAL_ENDPOINT };
-        let mut add = |ip: IpAddr, p: u16, scope: u8, kind: FrontendKind, flags: u8, backends: &Vec<BackendKey>, ranges: &[IpNet]| {
+        let mut add = |ip: IpAddr, p: u16, scope: Scope, kind: FrontendKind, policy: Policy, backends: &Vec<BackendKey>, ranges: &[IpNet]| {
             let key = FrontendKey { ip, port: p, proto, scope };
-            let flags = if ranges.is_empty() { flags } else { flags | SVC_F_SOURCE_RANGES };
-            let flags = if backends.is_empty() { flags | no_local } else { flags };
             out.frontends.insert(
                 key,
                 Frontend {
@@ -527,7 +536,9 @@ fn service_frontends(ns: &str, name: &str, svc: &Service, slices: &[(&String, &E
                     kind,
                     scheduler,
                     affinity_timeout_s,
-                    flags,
+                    masquerade: policy == Policy::Masquerade,
+                    preserve_source: policy == Policy::PreserveSource,
+                    no_local_endpoint: backends.is_empty() && !cluster_backends.is_empty(),
                     source_ranges: ranges.to_vec(),
                     backends: backends.clone(),
                     ipvs: ipvs.clone(),
@@ -536,21 +547,21 @@ fn service_frontends(ns: &str, name: &str, svc: &Service, slices: &[(&String, &E
         };
         // External frontends: externalTrafficPolicy decides masquerade and endpoint set for
         // traffic from outside; traffic from inside the cluster goes cluster-wide.
-        let (ext_flags, ext_backends) = if etp_local { (SVC_F_PRESERVE_SOURCE, &local_backends) } else { (SVC_F_MASQ, &cluster_backends) };
-        let int_ext_flags = if etp_local { 0 } else { SVC_F_MASQ };
+        let (ext_flags, ext_backends) = if etp_local { (Policy::PreserveSource, &local_backends) } else { (Policy::Masquerade, &cluster_backends) };
+        let int_ext_flags = if etp_local { Policy::Plain } else { Policy::Masquerade };
         // internalTrafficPolicy applies to all ClusterIP traffic, also what a router sends to the
         // node from outside (kube-proxy's KUBE-SVL chain has no source condition).
         for ip in &cluster_ips {
-            add(*ip, svc_port, SCOPE_INTERNAL, FrontendKind::ClusterIp, 0, &internal_backends, &[]);
-            add(*ip, svc_port, SCOPE_EXTERNAL, FrontendKind::ClusterIp, 0, &internal_backends, &[]);
+            add(*ip, svc_port, Scope::Internal, FrontendKind::ClusterIp, Policy::Plain, &internal_backends, &[]);
+            add(*ip, svc_port, Scope::External, FrontendKind::ClusterIp, Policy::Plain, &internal_backends, &[]);
         }
         if matches!(svc_type, "NodePort" | "LoadBalancer") {
             if let Some(np) = port.node_port {
                 match u16::try_from(np).ok().filter(|p| *p != 0) {
                     Some(np) => {
                         for ip in node.nodeport_addresses.iter().filter(|ip| ip.is_ipv4()) {
-                            add(*ip, np, SCOPE_EXTERNAL, FrontendKind::NodePort, ext_flags, ext_backends, &[]);
-                            add(*ip, np, SCOPE_INTERNAL, FrontendKind::NodePort, int_ext_flags, &cluster_backends, &[]);
+                            add(*ip, np, Scope::External, FrontendKind::NodePort, ext_flags, ext_backends, &[]);
+                            add(*ip, np, Scope::Internal, FrontendKind::NodePort, int_ext_flags, &cluster_backends, &[]);
                         }
                     }
                     None => err(errors, &object, format!("{field}.nodePort"), format!("{np} is not a port")),
@@ -558,12 +569,12 @@ fn service_frontends(ns: &str, name: &str, svc: &Service, slices: &[(&String, &E
             }
         }
         for ip in &external_ips {
-            add(*ip, svc_port, SCOPE_EXTERNAL, FrontendKind::ExternalIp, ext_flags, ext_backends, &[]);
-            add(*ip, svc_port, SCOPE_INTERNAL, FrontendKind::ExternalIp, int_ext_flags, &cluster_backends, &[]);
+            add(*ip, svc_port, Scope::External, FrontendKind::ExternalIp, ext_flags, ext_backends, &[]);
+            add(*ip, svc_port, Scope::Internal, FrontendKind::ExternalIp, int_ext_flags, &cluster_backends, &[]);
         }
         for ip in &lb_ips {
-            add(*ip, svc_port, SCOPE_EXTERNAL, FrontendKind::LoadBalancer, ext_flags, ext_backends, &source_ranges);
-            add(*ip, svc_port, SCOPE_INTERNAL, FrontendKind::LoadBalancer, int_ext_flags, &cluster_backends, &source_ranges);
+            add(*ip, svc_port, Scope::External, FrontendKind::LoadBalancer, ext_flags, ext_backends, &source_ranges);
+            add(*ip, svc_port, Scope::Internal, FrontendKind::LoadBalancer, int_ext_flags, &cluster_backends, &source_ranges);
         }
     }
 }
@@ -596,19 +607,17 @@ impl DesiredState {
     pub fn dump(&self) -> String {
         let mut s = String::new();
         for (k, f) in &self.frontends {
-            let scope = if k.scope == SCOPE_EXTERNAL { "external" } else { "internal" };
+            let scope = k.scope.name();
             let mut flags = Vec::new();
-            if f.flags & SVC_F_MASQ != 0 {
-                flags.push("masq");
-            }
-            if f.flags & SVC_F_PRESERVE_SOURCE != 0 {
-                flags.push("preserve-source");
-            }
-            if f.flags & SVC_F_SOURCE_RANGES != 0 {
-                flags.push("source-ranges");
-            }
-            if f.flags & SVC_F_NO_LOCAL_ENDPOINT != 0 {
-                flags.push("no-local-endpoint");
+            for (set, name) in [
+                (f.masquerade, "masq"),
+                (f.preserve_source, "preserve-source"),
+                (!f.source_ranges.is_empty(), "source-ranges"),
+                (f.no_local_endpoint, "no-local-endpoint"),
+            ] {
+                if set {
+                    flags.push(name);
+                }
             }
             let flags = if flags.is_empty() { "-".to_string() } else { flags.join(",") };
             let _ = writeln!(

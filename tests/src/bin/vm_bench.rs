@@ -36,7 +36,6 @@ use proxy_agent::{
     netlink::ctnetlink::FakeConntrack,
     netlink::rtnl::{Links, NetlinkLinks, IPVS_DUMMY},
 };
-use proxy_common::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
 fn vip(i: u32) -> IpAddr {
     IpAddr::from((0x0a60_0000u32 + 256 + i).to_be_bytes()) // 10.96.1.0 + i
@@ -118,8 +117,10 @@ fn control_plane(n: u32) -> Cp {
     for r in 0..changes {
         let i = r * n / changes;
         change(&mut d, i, r);
-        let touched: BTreeSet<FrontendKey> =
-            [SCOPE_INTERNAL, SCOPE_EXTERNAL].into_iter().map(|scope| FrontendKey { ip: vip(i), port: 80, proto: Protocol::Tcp, scope }).collect();
+        let touched: BTreeSet<FrontendKey> = [proxy_agent::model::Scope::Internal, proxy_agent::model::Scope::External]
+            .into_iter()
+            .map(|scope| FrontendKey { ip: vip(i), port: 80, proto: Protocol::Tcp, scope })
+            .collect();
         let t = Instant::now();
         bsync.sync_subset(&mut maps, &d, cfg, &touched).expect("map change");
         times.push(t.elapsed().as_secs_f64() * 1e3);

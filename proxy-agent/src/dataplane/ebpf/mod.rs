@@ -12,3 +12,4 @@ pub mod maps;
 pub mod plane;
 pub mod sync;
 pub mod view;
+pub mod wire;

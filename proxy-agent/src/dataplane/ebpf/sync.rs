@@ -9,8 +9,8 @@ use proxy_common::{
 };
 
 use crate::{
-    dataplane::ebpf::maglev,
     dataplane::ebpf::maps::{DatapathMaps, MapError, SrcRange},
+    dataplane::ebpf::{maglev, wire},
     model::{DesiredState, Frontend, FrontendKey},
 };
 
@@ -209,7 +209,7 @@ impl Syncer {
         let mut live_backends: std::collections::HashSet<u32> = std::collections::HashSet::new();
         for f in desired.frontends.values() {
             for b in &f.backends {
-                let wire = b.wire();
+                let wire = wire::backend(b);
                 let id = self.backend_id(wire);
                 if live_backends.insert(id) && m.backends.get(&id) != Some(&wire) {
                     maps.put_backend(id, wire)?;
@@ -233,7 +233,7 @@ impl Syncer {
         }
 
         // Stale frontends, then their slots, then slots of nothing.
-        let wanted: std::collections::HashSet<ServiceKey> = desired.frontends.keys().map(|fk| fk.wire()).collect();
+        let wanted: std::collections::HashSet<ServiceKey> = desired.frontends.keys().map(wire::service_key).collect();
         let stale: Vec<(ServiceKey, ServiceValue)> = m.services.iter().filter(|(k, _)| !wanted.contains(k)).map(|(k, v)| (*k, *v)).collect();
         for (key, v) in stale {
             let old = current_ids(&m, &key);
@@ -301,13 +301,13 @@ impl Syncer {
         st: &mut SyncStats,
         desired_ranges: &mut BTreeSet<SrcRange>,
     ) -> Result<Option<(u32, Vec<u32>)>, SyncError> {
-        let key = fk.wire();
+        let key = wire::service_key(fk);
         let Some(service_id) = self.alloc_service_id(key) else {
             st.errors.push(format!("{} {}:{}: no free service id (capacity {})", f.service, fk.ip, fk.port, self.max_services));
             return Ok(None);
         };
-        let ids: Vec<u32> = f.backends.iter().map(|b| self.backend_ids[&b.wire()]).collect();
-        let mut scheduler = f.scheduler.code();
+        let ids: Vec<u32> = f.backends.iter().map(|b| self.backend_ids[&wire::backend(b)]).collect();
+        let mut scheduler = wire::scheduler(f.scheduler);
         let mut maglev_row = 0;
         if scheduler == SCHED_MAGLEV {
             let row = match self.maglev_rows.get(&service_id) {
@@ -355,7 +355,7 @@ impl Syncer {
             affinity_timeout_s: f.affinity_timeout_s,
             maglev_row,
             scheduler,
-            flags: f.flags,
+            flags: wire::service_flags(f),
             generation: self.generations.get(&service_id).copied().unwrap_or(0),
         };
         if m.services.get(&key) != Some(&value) {
@@ -398,7 +398,7 @@ impl Syncer {
         // Backends first.
         for fk in touched {
             for b in desired.frontends.get(fk).map(|f| f.backends.as_slice()).unwrap_or(&[]) {
-                let wire = b.wire();
+                let wire = wire::backend(b);
                 let id = self.backend_id(wire);
                 if m.backends.get(&id) != Some(&wire) {
                     maps.put_backend(id, wire)?;
@@ -409,7 +409,7 @@ impl Syncer {
         }
         let mut released: BTreeSet<u32> = BTreeSet::new();
         for fk in touched {
-            let key = fk.wire();
+            let key = wire::service_key(fk);
             let old = m.services.get(&key).copied();
             if let Some(v) = old {
                 let old_ids: Vec<u32> = m.slots.get(&v.service_id).map(|s| s.range(1..=v.backend_count).map(|(_, id)| *id).collect()).unwrap_or_default();
@@ -520,7 +520,9 @@ mod tests {
             kind: FrontendKind::ClusterIp,
             scheduler: sched,
             affinity_timeout_s: 0,
-            flags: 0,
+            masquerade: false,
+            preserve_source: false,
+            no_local_endpoint: false,
             source_ranges: vec!["198.18.0.0/24".parse().unwrap()],
             backends: backends.iter().map(|(ip, port)| BackendKey { ip: ip.parse().unwrap(), port: *port, proto: Protocol::Tcp }).collect(),
             ipvs: Default::default(),
@@ -528,7 +530,7 @@ mod tests {
     }
 
     fn key(ip: &str) -> FrontendKey {
-        FrontendKey { ip: ip.parse().unwrap(), port: 80, proto: Protocol::Tcp, scope: 0 }
+        FrontendKey { ip: ip.parse().unwrap(), port: 80, proto: Protocol::Tcp, scope: crate::model::Scope::Internal }
     }
 
     #[test]

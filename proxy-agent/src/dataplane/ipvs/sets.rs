@@ -9,13 +9,13 @@ use std::{
 
 use aya::maps::{lpm_trie::Key, HashMap, LpmTrie, MapData};
 use ipnet::IpNet;
-use proxy_common::{map_names, sets, SetIpPort, SetIpPortIp, SetIpPortNet, SetPort, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_F_PRESERVE_SOURCE};
+use proxy_common::{map_names, sets, SetIpPort, SetIpPortIp, SetIpPortNet, SetPort};
 use serde::Serialize;
 
 use crate::{
     dataplane::ebpf::kernel::{collect, del, op, open_typed},
     dataplane::ebpf::maps::MapError,
-    model::{DesiredState, FrontendKind},
+    model::{DesiredState, FrontendKind, Scope},
 };
 
 /// One member of one of the maps (the map is implied by the variant).
@@ -42,13 +42,13 @@ pub fn compute(desired: &DesiredState, node_addrs: &[IpAddr], bound: &BTreeSet<I
     let mut s = Sets::new();
     let mut add = |e: Entry, bit: u32| *s.entry(e).or_insert(0) |= bit;
     for (k, fe) in &desired.frontends {
-        let wanted_scope = if fe.kind == FrontendKind::ClusterIp { SCOPE_INTERNAL } else { SCOPE_EXTERNAL };
+        let wanted_scope = if fe.kind == FrontendKind::ClusterIp { Scope::Internal } else { Scope::External };
         if k.scope != wanted_scope || !k.ip.is_ipv4() {
             continue;
         }
         let proto = k.proto.number();
         let ipp = Entry::IpPort(SetIpPort::new(k.ip, k.port, proto));
-        let local = fe.flags & SVC_F_PRESERVE_SOURCE != 0;
+        let local = fe.preserve_source;
         match fe.kind {
             FrontendKind::ClusterIp => add(ipp, sets::CLUSTER_IP),
             FrontendKind::ExternalIp => add(ipp, if local { sets::EXTERNAL_IP_LOCAL } else { sets::EXTERNAL_IP }),
@@ -286,15 +286,17 @@ pub fn render(sets: &[SetListing]) -> String {
 mod tests {
     use super::*;
     use crate::model::{BackendKey, Frontend, FrontendKey, IpvsOptions, Protocol, Scheduler};
-    use proxy_common::SVC_F_MASQ;
 
-    fn fe(kind: FrontendKind, flags: u8, ranges: &[&str]) -> Frontend {
+    /// `local`: externalTrafficPolicy Local (the client address kept); else masqueraded.
+    fn fe(kind: FrontendKind, local: bool, ranges: &[&str]) -> Frontend {
         Frontend {
             service: "ns/s:p".into(),
             kind,
             scheduler: Scheduler::Random,
             affinity_timeout_s: 0,
-            flags,
+            masquerade: !local && kind != FrontendKind::ClusterIp,
+            preserve_source: local,
+            no_local_endpoint: false,
             source_ranges: ranges.iter().map(|r| r.parse().unwrap()).collect(),
             backends: vec![BackendKey { ip: "10.244.1.2".parse().unwrap(), port: 8080, proto: Protocol::Tcp }],
             ipvs: IpvsOptions::default(),
@@ -305,13 +307,13 @@ mod tests {
     fn sets_follow_kube_proxy_and_sync_by_difference() {
         let mut d = DesiredState::default();
         let k = |ip: &str, port, scope| FrontendKey { ip: ip.parse().unwrap(), port, proto: Protocol::Tcp, scope };
-        d.frontends.insert(k("10.96.0.1", 80, SCOPE_INTERNAL), fe(FrontendKind::ClusterIp, 0, &[]));
-        d.frontends.insert(k("10.96.0.1", 80, SCOPE_EXTERNAL), fe(FrontendKind::ClusterIp, 0, &[]));
-        d.frontends.insert(k("198.18.0.1", 30080, SCOPE_EXTERNAL), fe(FrontendKind::NodePort, SVC_F_PRESERVE_SOURCE, &[]));
-        d.frontends.insert(k("192.0.2.10", 80, SCOPE_EXTERNAL), fe(FrontendKind::LoadBalancer, SVC_F_MASQ, &["203.0.113.0/24"]));
-        d.frontends.insert(k("192.0.2.20", 80, SCOPE_EXTERNAL), fe(FrontendKind::ExternalIp, SVC_F_MASQ, &[]));
+        d.frontends.insert(k("10.96.0.1", 80, Scope::Internal), fe(FrontendKind::ClusterIp, false, &[]));
+        d.frontends.insert(k("10.96.0.1", 80, Scope::External), fe(FrontendKind::ClusterIp, false, &[]));
+        d.frontends.insert(k("198.18.0.1", 30080, Scope::External), fe(FrontendKind::NodePort, true, &[]));
+        d.frontends.insert(k("192.0.2.10", 80, Scope::External), fe(FrontendKind::LoadBalancer, false, &["203.0.113.0/24"]));
+        d.frontends.insert(k("192.0.2.20", 80, Scope::External), fe(FrontendKind::ExternalIp, false, &[]));
         // A range holding the node's address: the node may reach it.
-        d.frontends.insert(k("192.0.2.11", 80, SCOPE_EXTERNAL), fe(FrontendKind::LoadBalancer, SVC_F_MASQ, &["198.18.0.0/24"]));
+        d.frontends.insert(k("192.0.2.11", 80, Scope::External), fe(FrontendKind::LoadBalancer, false, &["198.18.0.0/24"]));
         d.health_checks.insert(32000, ("ns".into(), "s".into(), 1));
         let bound: BTreeSet<IpAddr> = ["10.96.0.1", "192.0.2.10", "192.0.2.20"].iter().map(|a| a.parse().unwrap()).collect();
         let want = compute(&d, &["198.18.0.1".parse().unwrap()], &bound);

@@ -10,11 +10,10 @@ use std::{
 };
 
 use ipnet::IpNet;
-use proxy_common::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
 use crate::{
     dataplane::ipvs::client::{flags, DestConfig, FwdMethod, Ipvs, IpvsError, ServiceConfig, ServiceId},
-    model::{DesiredState, FrontendKind, IpvsForward, Protocol},
+    model::{DesiredState, FrontendKind, IpvsForward, Protocol, Scope},
     netlink::ctnetlink::ConntrackFlusher,
     netlink::rtnl::{LinkError, Links, IPVS_DUMMY},
 };
@@ -60,7 +59,7 @@ fn proto_number(p: Protocol) -> u8 {
 pub fn desired_virtual_servers(desired: &DesiredState, settings: &IpvsSettings) -> BTreeMap<ServiceId, VirtualServer> {
     let mut out = BTreeMap::new();
     for (key, fe) in &desired.frontends {
-        let wanted_scope = if fe.kind == FrontendKind::ClusterIp { SCOPE_INTERNAL } else { SCOPE_EXTERNAL };
+        let wanted_scope = if fe.kind == FrontendKind::ClusterIp { Scope::Internal } else { Scope::External };
         if key.scope != wanted_scope {
             continue;
         }
@@ -348,7 +347,9 @@ mod tests {
             kind,
             scheduler: Scheduler::Random,
             affinity_timeout_s: 0,
-            flags: 0,
+            masquerade: false,
+            preserve_source: false,
+            no_local_endpoint: false,
             source_ranges: vec![],
             backends: backends.iter().map(|(ip, port)| BackendKey { ip: ip.parse().unwrap(), port: *port, proto }).collect(),
             ipvs: IpvsOptions::default(),
@@ -358,7 +359,7 @@ mod tests {
     fn state(frontends: Vec<(&str, u16, Protocol, Frontend)>) -> DesiredState {
         let mut d = DesiredState::default();
         for (ip, port, proto, f) in frontends {
-            for scope in [SCOPE_INTERNAL, SCOPE_EXTERNAL] {
+            for scope in [Scope::Internal, Scope::External] {
                 d.frontends.insert(FrontendKey { ip: ip.parse().unwrap(), port, proto, scope }, f.clone());
             }
         }

@@ -1,0 +1,44 @@
+//! The model's frontends and backends in the fast path's wire form (proxy-common's map keys,
+//! values and flag bits): the one place the eBPF mode projects the model.
+use proxy_common::{
+    Backend, ServiceKey, SCHED_MAGLEV, SCHED_RANDOM, SCHED_ROUND_ROBIN, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT,
+    SVC_F_PRESERVE_SOURCE, SVC_F_SOURCE_RANGES,
+};
+
+use crate::model::{BackendKey, Frontend, FrontendKey, Scheduler, Scope};
+
+pub fn scope(s: Scope) -> u8 {
+    match s {
+        Scope::Internal => SCOPE_INTERNAL,
+        Scope::External => SCOPE_EXTERNAL,
+    }
+}
+
+pub fn service_key(k: &FrontendKey) -> ServiceKey {
+    ServiceKey::new(k.ip, k.port, k.proto.number(), scope(k.scope))
+}
+
+pub fn backend(b: &BackendKey) -> Backend {
+    Backend::new(b.ip, b.port, b.proto.number())
+}
+
+pub fn scheduler(s: Scheduler) -> u8 {
+    match s {
+        Scheduler::Random => SCHED_RANDOM,
+        Scheduler::RoundRobin => SCHED_ROUND_ROBIN,
+        Scheduler::Maglev => SCHED_MAGLEV,
+    }
+}
+
+/// ServiceValue's flag bits.
+pub fn service_flags(f: &Frontend) -> u8 {
+    [
+        (f.masquerade, SVC_F_MASQ),
+        (f.preserve_source, SVC_F_PRESERVE_SOURCE),
+        (!f.source_ranges.is_empty(), SVC_F_SOURCE_RANGES),
+        (f.no_local_endpoint, SVC_F_NO_LOCAL_ENDPOINT),
+    ]
+    .into_iter()
+    .filter(|(set, _)| *set)
+    .fold(0, |acc, (_, bit)| acc | bit)
+}
