@@ -4,7 +4,7 @@
 //! tunnel. Real TCP and UDP, zero failed connections where traffic should pass.
 use std::path::PathBuf;
 
-use kpr_tests::lab::{errors, per_backend, Cni, Iptables, Lab, LabSpec, NODE_B_IP, NODE_IP};
+use kpr_lab::lab::{errors, per_backend, Cni, Iptables, Lab, LabSpec, NODE_B_IP, NODE_IP};
 
 /// A Service and its EndpointSlice: (address, node) endpoints, each on `target`.
 fn service(name: &str, vip: &str, port: u16, target: u16, proto: &str, eps: &[(&str, &str)], extra_spec: &str) -> String {
@@ -106,7 +106,7 @@ fn two_nodes(prefix: &str, cni: Cni) {
     assert_eq!(errors(&v), 3, "{v}");
     assert!(v["first_error"].as_str().unwrap().contains("refused"), "port unreachable must surface as ECONNREFUSED: {v}");
     // ...and a backend answering host unreachable fails the connect at once.
-    kpr_tests::must(&format!("ip netns exec {} iptables -A INPUT -p tcp --dport 8081 -j REJECT --reject-with icmp-host-unreachable", lab.ns("b4")));
+    kpr_lab::must(&format!("ip netns exec {} iptables -A INPUT -p tcp --dport 8081 -j REJECT --reject-with icmp-host-unreachable", lab.ns("b4")));
     let t = std::time::Instant::now();
     let v = lab.peer("pod", &["burst", "10.96.1.11:80", "tcp", "2"]);
     assert_eq!(errors(&v), 2, "{v}");
@@ -138,7 +138,7 @@ fn path_mtu_discovery_through_the_tunnel() {
         assert_eq!(v["bytes"].as_u64(), Some(4_000_000), "{v}");
     }
     // The client learnt the tunnel's MTU for the VIP.
-    let route = kpr_tests::must(&format!("ip -n {} route get 10.96.1.10", lab.ns("pod")));
+    let route = kpr_lab::must(&format!("ip -n {} route get 10.96.1.10", lab.ns("pod")));
     assert!(route.contains("mtu 1450"), "{route}");
 }
 
@@ -212,7 +212,7 @@ fn netfilter_matrix_calico_like_policy_chain() {
 
 #[test]
 fn netfilter_matrix_kube_proxy_rules_still_loaded_no_double_masquerade() {
-    use kpr_tests::iptables::{render, Svc};
+    use kpr_lab::iptables::{render, Svc};
     let svc = |name: &str, vip: &str, bes: &[&str]| Svc {
         name: format!("e2e/{name}:p"),
         vip: vip.into(),

@@ -2,7 +2,7 @@
 //! agent, from a pod (TC) and from outside the node (XDP), to three backend namespaces.
 use std::{path::PathBuf, time::Duration};
 
-use kpr_tests::lab::{errors, per_backend, Lab, NODE_IP};
+use kpr_lab::lab::{errors, per_backend, Lab, NODE_IP};
 
 fn examples_copy(name: &str) -> PathBuf {
     let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples");
@@ -139,7 +139,7 @@ fn sigkill_of_the_agent_during_traffic_fails_no_connection() {
 
 #[test]
 fn cleanup_removes_kube_proxys_leftovers_and_nothing_else() {
-    use kpr_tests::{must, Netns, PinDir};
+    use kpr_lab::{must, Netns, PinDir};
     let _ns = Netns::create(&["kpe7-node"]);
     let x = |c: &str| must(&format!("ip netns exec kpe7-node {c}"));
     x("iptables -t nat -N KUBE-SERVICES");
@@ -154,7 +154,7 @@ fn cleanup_removes_kube_proxys_leftovers_and_nothing_else() {
     x("ipset create MINE-SET hash:ip");
     x("ip link add kube-ipvs0 type veth peer name kipvs-peer");
     let pins = PinDir::new("kpe7");
-    let out = must(&format!("{} --netns kpe7-node --pin-dir {} cleanup --kube-proxy", kpr_tests::sibling_bin("kpr").display(), pins.path().display()));
+    let out = must(&format!("{} --netns kpe7-node --pin-dir {} cleanup --kube-proxy", kpr_lab::sibling_bin("kpr").display(), pins.path().display()));
     assert!(out.contains("KUBE-* chains") && out.contains("ipset KUBE-CLUSTER-IP destroyed") && out.contains("kube-ipvs0"), "{out}");
     let nat = x("iptables-save -t nat");
     assert!(!nat.contains("KUBE-"), "{nat}");
@@ -165,6 +165,6 @@ fn cleanup_removes_kube_proxys_leftovers_and_nothing_else() {
     assert!(!x("ip -br link").contains("kube-ipvs0"));
     // Idempotent.
     let again =
-        must(&format!("{} --netns kpe7-node --pin-dir {} cleanup --kube-proxy --keep-kpr", kpr_tests::sibling_bin("kpr").display(), pins.path().display()));
+        must(&format!("{} --netns kpe7-node --pin-dir {} cleanup --kube-proxy --keep-kpr", kpr_lab::sibling_bin("kpr").display(), pins.path().display()));
     assert!(again.contains("no kube-proxy leftovers found") && !again.contains("pinned objects"), "{again}");
 }

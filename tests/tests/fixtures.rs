@@ -5,7 +5,7 @@
 //! of the interface it arrives on (`tc`/`xdp` here) and the egress program of the one it leaves
 //! by (`out`); netfilter sees it in between.
 use aya::programs::{TestRun, TestRunOptions};
-use kpr_tests::{
+use kpr_lab::{
     datapath_config, ip,
     packet::{icmp_error, parse, Frame, ACK, FIN, ICMP, SYN, TCP, UDP},
     Loaded,
@@ -105,13 +105,13 @@ fn out(dp: &mut Datapath, f: &[u8]) -> (u32, Vec<u8>) {
 }
 
 /// As a frame again, to send on.
-fn frame(p: &kpr_tests::packet::Parsed, flags: u8) -> Frame {
+fn frame(p: &kpr_lab::packet::Parsed, flags: u8) -> Frame {
     Frame { src: p.src, dst: p.dst, ..Frame::tcp("0.0.0.0", p.sport, "0.0.0.0", p.dport, flags) }
 }
 
 /// A TCP handshake from a pod through a ClusterIP (SYN and its DNAT, the SYN-ACK's reverse DNAT
 /// at egress, the ACK that makes the flow assured): returns the ACK's rewritten packet.
-fn handshake(l: &mut Loaded, client: &str, port: u16, vip: &str, vport: u16) -> kpr_tests::packet::Parsed {
+fn handshake(l: &mut Loaded, client: &str, port: u16, vip: &str, vport: u16) -> kpr_lab::packet::Parsed {
     let (_, o) = tc(&mut l.dp, &Frame::tcp(client, port, vip, vport, SYN));
     let fwd = parse(&o);
     let synack = Frame { src: fwd.dst, dst: fwd.src, ..Frame::tcp("0.0.0.0", fwd.dport, "0.0.0.0", fwd.sport, SYN | ACK) };
@@ -187,7 +187,7 @@ fn flow_keeps_its_backend_after_the_backend_set_changes() {
     let full = slice("web", 8080, "TCP", &WEB);
     let y = manifests().replace(&full, &slice("web", 8080, "TCP", &[other]));
     assert_ne!(y, manifests());
-    let d = kpr_tests::desired(&y, &node);
+    let d = kpr_lab::desired(&y, &node);
     l.syncer.sync(&mut l.maps, &d, datapath_config(NODE_IP, Some(("10.244.0.0", 16)))).unwrap();
     let (v, out2) = tc(&mut l.dp, &Frame::tcp("10.244.0.6", 41000, "10.96.0.10", 80, ACK));
     assert_eq!(v, TC_ACT_OK);
@@ -515,7 +515,7 @@ fn flow_cache_answers_established_packets_and_never_outlives_a_tuple_reuse() {
     let node = NodeInfo { name: "node-a".into(), nodeport_addresses: vec![ip(NODE_IP)], ..Default::default() };
     let rest: Vec<&str> = WEB.iter().copied().filter(|b| *b != first.to_string()).collect();
     let y = manifests().replace(&slice("web", 8080, "TCP", &WEB), &slice("web", 8080, "TCP", &rest));
-    l.syncer.sync(&mut l.maps, &kpr_tests::desired(&y, &node), cfg).unwrap();
+    l.syncer.sync(&mut l.maps, &kpr_lab::desired(&y, &node), cfg).unwrap();
     on_cpu(0);
     let second = handshake(&mut l, "10.244.0.30", 52000, "10.96.0.10", 80).dst;
     assert_ne!(second, first);
@@ -591,7 +591,7 @@ fn icmp_errors_about_translated_flows_are_translated_back() {
     let q = &o[14 + 20 + 8..];
     let mut quote = q[..20].to_vec();
     quote.extend_from_slice(&q[20..40]);
-    let tcp_ok = kpr_tests::packet::parse(&[&o[..14], &quote[..]].concat()).l4_csum_ok;
+    let tcp_ok = kpr_lab::packet::parse(&[&o[..14], &quote[..]].concat()).l4_csum_ok;
     assert!(tcp_ok, "the quoted TCP checksum must follow the quote's rewrite");
 
     // A masqueraded flow: host unreachable from the backend to the node's address is reversed
@@ -696,12 +696,12 @@ fn a_service_id_given_to_another_frontend_never_inherits_its_affinity() {
     let gone = manifests()
         .replace(&svc("sticky", "10.96.0.11", 80, "TCP", "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\n", ""), "")
         .replace(&slice("sticky", 8080, "TCP", &BACKENDS), "");
-    l.syncer.sync(&mut l.maps, &kpr_tests::desired(&gone, &node), cfg).unwrap();
+    l.syncer.sync(&mut l.maps, &kpr_lab::desired(&gone, &node), cfg).unwrap();
     let other = BACKENDS.iter().find(|b| **b != pinned.to_string()).unwrap();
     let mut y = gone.clone();
     y += &svc("fresh", "10.96.0.19", 80, "TCP", "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\n", "");
     y += &slice("fresh", 8080, "TCP", &[other]);
-    l.syncer.sync(&mut l.maps, &kpr_tests::desired(&y, &node), cfg).unwrap();
+    l.syncer.sync(&mut l.maps, &kpr_lab::desired(&y, &node), cfg).unwrap();
     let reused = l.maps.services().unwrap().into_iter().find(|(k, _)| k.ip() == ip("10.96.0.19") && k.scope == 0).unwrap().1;
     assert_eq!(reused.service_id, stale[0].0.service_id, "the fixture needs the id reused");
     // The old entry is still there (the agent's purge has not run, say): it must not count.

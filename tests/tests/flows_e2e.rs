@@ -9,7 +9,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use kpr_tests::lab::{errors, per_backend, Lab, CLIENT_IP};
+use kpr_lab::lab::{errors, per_backend, Lab, CLIENT_IP};
 
 fn service(name: &str, vip: &str, port: u16, target: u16, proto: &str, eps: &[(&str, &str)], extra_spec: &str, annotations: &str) -> String {
     let eps: String = eps.iter().map(|(a, n)| format!("- {{addresses: [\"{a}\"], conditions: {{ready: true}}, nodeName: {n}}}\n")).collect();

@@ -3,7 +3,7 @@
 //! outage during which forwarding goes on.
 use std::{path::PathBuf, process::Command, time::Duration};
 
-use kpr_tests::{
+use kpr_lab::{
     fake_api::start_in_netns,
     lab::{errors, per_backend, Lab},
 };
@@ -15,7 +15,7 @@ fn get(lab: &Lab, addr: &str, path: &str) -> (String, String) {
 fn http(lab: &Lab, addr: &str, path: &str, put: Option<&str>) -> (String, String) {
     let o = Command::new("ip")
         .args(["netns", "exec", &lab.ns("node")])
-        .arg(kpr_tests::sibling_bin("kpr-lab-peer"))
+        .arg(kpr_lab::sibling_bin("kpr-lab-peer"))
         .args(["get", addr, path])
         .args(put)
         .output()

@@ -4,7 +4,7 @@
 //! maps (the fake map writer) must hold exactly that state.
 use std::{sync::Arc, time::Duration};
 
-use kpr_tests::fake_api::{FakeApi, Kind};
+use kpr_lab::fake_api::{FakeApi, Kind};
 use proxy_agent::{
     dataplane::ebpf::maps::FakeMaps,
     dataplane::ebpf::sync::Syncer,

@@ -3,7 +3,7 @@
 //! pod), and forwards real traffic from a pod and from a node process.
 use std::{path::PathBuf, process::Command};
 
-use kpr_tests::{
+use kpr_lab::{
     lab::{errors, per_backend, Lab},
     must, sh,
 };

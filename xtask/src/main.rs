@@ -220,7 +220,7 @@ fn real_main() -> Result<()> {
             ensure_toolchain()?;
             mount_bpffs();
             let mut b = cargo();
-            b.args(["build", "--release", "-p", "proxy-agent", "-p", "kpr-tests", "--bins"]);
+            b.args(["build", "--release", "-p", "proxy-agent", "-p", "kpr-lab", "--bins"]);
             run(b, "building kpr and the lab tools (the first build takes a few minutes)")?;
             let mut c = Command::new(root().join("target/release/kpr-lab"));
             c.current_dir(root()).args(&args);
@@ -246,7 +246,7 @@ fn real_main() -> Result<()> {
                 bail!("unknown bench part {unknown:?} (packet, scale, ab, vm)");
             }
             let mut b = cargo();
-            b.args(["build", "--release", "-p", "kpr-tests", "-p", "proxy-agent", "--bins"]);
+            b.args(["build", "--release", "-p", "kpr-bench", "-p", "kpr-lab", "-p", "proxy-agent", "--bins"]);
             run(b, "building kpr and the benchmarks")?;
             let out = root().join("target/bench");
             std::fs::create_dir_all(&out)?;

@@ -164,7 +164,7 @@ fn build_vm_tests(root: &Path) -> Result<()> {
     crate::ensure_toolchain()?;
     let mut b = crate::cargo();
     // kpr is proxy-agent's binary, so both packages are selected.
-    b.args(["build", "--release", "-p", "kpr-tests", "-p", "proxy-agent", "--bin", "kpr-vm-tests", "--bin", "kpr", "--bin", "kpr-lab-peer"]);
+    b.args(["build", "--release", "-p", "kpr-tests", "-p", "kpr-lab", "-p", "proxy-agent", "--bin", "kpr-vm-tests", "--bin", "kpr", "--bin", "kpr-lab-peer"]);
     crate::run(b, "building kpr-vm-tests and kpr")
 }
 

@@ -11,7 +11,7 @@ use std::{
 };
 
 use anyhow::{ensure, Context, Result};
-use kpr_tests::{
+use kpr_lab::{
     lab::{errors, per_backend, Cni, Lab, LabSpec, NODE_IP},
     must, sh,
 };

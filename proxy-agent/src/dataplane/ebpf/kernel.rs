@@ -318,11 +318,11 @@ pub fn detach(pin_dir: &Path, iface: &str, hook: Hook) -> io::Result<()> {
     }
 }
 
-/// Removes everything the agent created under `pin_dir`: links (detaching the programs),
-/// then maps. Idempotent.
+/// Removes everything the agent created under `pin_dir` and on this namespace's interfaces:
+/// TC filters (kernels before TCX, 6.6, attach TC programs as netlink filters, which no pin
+/// holds), then links (detaching the programs), then maps. Idempotent.
 pub fn cleanup(pin_dir: &Path) -> io::Result<Vec<PathBuf>> {
     let mut removed = Vec::new();
-    // Kernels before TCX (6.6) attach TC programs as netlink filters, which no pin holds.
     for iface in crate::host::netif::interfaces() {
         for name in TC_PROGRAMS {
             for at in [TcAttachType::Ingress, TcAttachType::Egress] {
@@ -332,6 +332,13 @@ pub fn cleanup(pin_dir: &Path) -> io::Result<Vec<PathBuf>> {
             }
         }
     }
+    removed.extend(unpin_all(pin_dir)?);
+    Ok(removed)
+}
+
+/// Unpins every link and map under `pin_dir` (interfaces untouched). Idempotent.
+pub fn unpin_all(pin_dir: &Path) -> io::Result<Vec<PathBuf>> {
+    let mut removed = Vec::new();
     for sub in [pin_dir.join("links"), pin_dir.to_path_buf()] {
         let Ok(rd) = std::fs::read_dir(&sub) else {
             continue;

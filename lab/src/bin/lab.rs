@@ -9,7 +9,7 @@ use std::{
     time::Duration,
 };
 
-use kpr_tests::lab::{errors, per_backend, Cni, Lab, LabSpec, NODE_IP};
+use kpr_lab::lab::{errors, per_backend, Cni, Lab, LabSpec, NODE_IP};
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 

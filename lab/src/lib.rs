@@ -1,7 +1,5 @@
-//! Shared helpers of kpr's kernel tests: root/bpffs checks, pin-directory and namespace guards
+//! The lab and the tests' shared harness: root/bpffs checks, pin-directory and namespace guards
 //! that clean up on drop (also when a test fails), and the packet builder.
-pub mod bench;
-pub mod chart;
 pub mod fake_api;
 pub mod iptables;
 pub mod lab;
@@ -54,7 +52,9 @@ impl PinDir {
 
 impl Drop for PinDir {
     fn drop(&mut self) {
-        let _ = kernel::cleanup(&self.0);
+        // Pins only: the lab's interfaces go with their namespaces, and the machine's own are
+        // never touched.
+        let _ = kernel::unpin_all(&self.0);
     }
 }
 

@@ -21,8 +21,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use kpr_tests::{
-    bench::{bpf_map_memlock, clusterip_manifests, clusterips, median, set_clusterip},
+use kpr_bench::{bpf_map_memlock, clusterip_manifests, clusterips, median, set_clusterip};
+use kpr_lab::{
     datapath_config,
     lab::{Cni, Lab, LabSpec, NODE_IP},
     must, sh, PinDir,
@@ -153,8 +153,8 @@ fn program_ipvs(dir: &Path) {
     assert!(st.errors.is_empty(), "{:?}", st.errors);
     let bound: BTreeSet<IpAddr> = vs.keys().filter_map(|id| if let ServiceId::Addr { addr, .. } = id { Some(*addr) } else { None }).collect();
     let sets = proxy_agent::dataplane::ipvs::sets::listing(&proxy_agent::dataplane::ipvs::sets::compute(&d, &node.nodeport_addresses, &bound));
-    pipe("ipset", &["restore"], &kpr_tests::iptables::ipset_restore(&sets));
-    pipe("iptables-restore", &["--noflush"], &kpr_tests::iptables::render_ipvs_mode("10.244.0.0/16"));
+    pipe("ipset", &["restore"], &kpr_lab::iptables::ipset_restore(&sets));
+    pipe("iptables-restore", &["--noflush"], &kpr_lab::iptables::render_ipvs_mode("10.244.0.0/16"));
 }
 
 fn pipe(cmd: &str, args: &[&str], input: &str) {
@@ -325,7 +325,7 @@ fn main() {
     if let Some(path) = opt("--svg") {
         let series = [("ipvs+iptables", "#d9534f"), ("ipvs+bpf", "#f0ad4e"), ("ebpf", "#2b7bb9")];
         let by: BTreeMap<(u32, &str), f64> = tr.iter().map(|t| ((t.n, t.mode), t.rate)).collect();
-        let svg = kpr_tests::chart::bars("IPVS guest: new TCP connections per second through a ClusterIP (higher is better)", &tr_sizes, &series, |n, m| {
+        let svg = kpr_bench::chart::bars("IPVS guest: new TCP connections per second through a ClusterIP (higher is better)", &tr_sizes, &series, |n, m| {
             by.get(&(n, m)).copied()
         });
         std::fs::write(&path, svg).unwrap();

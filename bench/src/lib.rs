@@ -1,10 +1,12 @@
 //! What the benchmarks share: ClusterIP desired states and manifests, medians, the kernel's
 //! figure for BPF map memory.
+pub mod chart;
+
 use std::{fmt::Write as _, net::IpAddr};
 
 use proxy_agent::model::{BackendKey, DesiredState, Frontend, FrontendKey, FrontendKind, Protocol, Scheduler, Scope};
 
-use crate::lab::backend_ip;
+use kpr_lab::lab::backend_ip;
 
 /// Sets (or replaces) service `i`'s ClusterIP frontend `vip:80`, both scopes, on `backends`.
 pub fn set_clusterip(d: &mut DesiredState, i: u32, vip: IpAddr, backends: Vec<BackendKey>) {

@@ -10,7 +10,7 @@ use std::{
     time::Instant,
 };
 
-use kpr_tests::{
+use kpr_lab::{
     iptables::{render, Svc},
     lab::{backend_ip, Lab},
 };
@@ -24,7 +24,7 @@ fn services(n: u32) -> Vec<Svc> {
 }
 
 fn manifests(n: u32) -> String {
-    kpr_tests::bench::clusterip_manifests(n, "ab", vip)
+    kpr_bench::clusterip_manifests(n, "ab", vip)
 }
 
 struct Row {
@@ -57,7 +57,7 @@ fn client_ports(lab: &Lab, mode: &str) {
         "ebpf" => "25000 39999",
         _ => "40000 59999",
     };
-    kpr_tests::must(&format!("ip netns exec {} sysctl -qw net.ipv4.ip_local_port_range='{range}'", lab.ns("pod")));
+    kpr_lab::must(&format!("ip netns exec {} sysctl -qw net.ipv4.ip_local_port_range='{range}'", lab.ns("pod")));
 }
 
 /// Each cell starts from a clean kernel conntrack. The load generator reuses its ports within
@@ -66,7 +66,7 @@ fn client_ports(lab: &Lab, mode: &str) {
 /// tuple is the same, and a new flow whose reply tuple another entry holds is dropped until
 /// that entry times out (the same holds for a live migration; see docs/operations.md).
 fn fresh_conntrack(lab: &Lab) {
-    kpr_tests::must(&format!("ip netns exec {} conntrack -F 2>/dev/null || true", lab.ns("node")));
+    kpr_lab::must(&format!("ip netns exec {} conntrack -F 2>/dev/null || true", lab.ns("node")));
 }
 
 /// One iptables-restore of the whole nat table (it replaces the table, as a kube-proxy full
@@ -91,7 +91,7 @@ fn svg(rows: &[Row]) -> String {
     let mut sizes: Vec<u32> = rows.iter().map(|r| r.services).collect();
     sizes.dedup();
     let series = [("direct", "#888888"), ("ebpf", "#2b7bb9"), ("iptables", "#d9534f")];
-    kpr_tests::chart::bars("New TCP connections per second through a ClusterIP (higher is better)", &sizes, &series, |n, m| {
+    kpr_bench::chart::bars("New TCP connections per second through a ClusterIP (higher is better)", &sizes, &series, |n, m| {
         rows.iter().find(|r| r.services == n && r.mode == m).map(|r| r.rate)
     })
 }

@@ -10,8 +10,8 @@ use aya::{
     maps::{HashMap as AyaHashMap, MapData},
     programs::{TestRun, TestRunOptions},
 };
-use kpr_tests::{
-    bench::median,
+use kpr_bench::median;
+use kpr_lab::{
     datapath_config,
     packet::{Frame, ACK, SYN},
     PinDir,
@@ -30,7 +30,7 @@ fn vip(i: u32) -> std::net::IpAddr {
 
 /// N services on 3 endpoints each, spread over 60,000 addresses of 10.244.0.0/16.
 fn desired(n: u32) -> DesiredState {
-    kpr_tests::bench::clusterips(n, 3, vip, 0x0af4_0002, 60_000)
+    kpr_bench::clusterips(n, 3, vip, 0x0af4_0002, 60_000)
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -103,7 +103,7 @@ fn tcp(src: Ipv4Addr, sport: u16, dst: Ipv4Addr, dport: u16, flags: u8) -> Vec<u
 
 /// The (src, sport, dst, dport) of a frame.
 fn tuple(f: &[u8]) -> (Ipv4Addr, u16, Ipv4Addr, u16) {
-    let p = kpr_tests::packet::parse(f);
+    let p = kpr_lab::packet::parse(f);
     (p.src, p.sport, p.dst, p.dport)
 }
 

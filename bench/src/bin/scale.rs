@@ -10,7 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use kpr_tests::{
+use kpr_lab::{
     fake_api::{FakeApi, Kind},
     PinDir,
 };
@@ -63,7 +63,7 @@ fn main() {
     api.kubeconfig(&dir.join("kubeconfig"));
     let log = dir.join("agent.log");
     let start = Instant::now();
-    let mut agent = Command::new(kpr_tests::sibling_bin("kpr"))
+    let mut agent = Command::new(kpr_lab::sibling_bin("kpr"))
         .arg("--pin-dir")
         .arg(pins.path())
         .args(["run", "--kubeconfig"])
@@ -144,7 +144,7 @@ fn main() {
         std::thread::sleep(Duration::from_millis(20));
     }
     let hwm = vm_hwm_kb(agent.id());
-    let maps_bytes = kpr_tests::bench::bpf_map_memlock(&agent.id().to_string());
+    let maps_bytes = kpr_bench::bpf_map_memlock(&agent.id().to_string());
     let _ = agent.kill();
     let _ = agent.wait();
     println!(
