@@ -133,6 +133,8 @@ pub struct Agent<S: Source, D: Dataplane> {
     /// Where objects that cannot be programmed are sent as Kubernetes Events (kube source).
     pub events: Option<tokio::sync::mpsc::UnboundedSender<ObjectError>>,
     reported: BTreeSet<String>,
+    /// The same for frontends that did not fit in a full map.
+    reported_full: BTreeSet<String>,
     /// The desired state last programmed, updated per changed service between full syncs.
     last_desired: Option<DesiredState>,
     last_node_version: Option<String>,
@@ -141,7 +143,7 @@ pub struct Agent<S: Source, D: Dataplane> {
 
 impl<S: Source, D: Dataplane> Agent<S, D> {
     pub fn new(cfg: LoopSettings, source: S, dataplane: D, stats: SharedStats) -> Self {
-        stats.lock().unwrap().mode = dataplane.mode().name();
+        stats.lock().unwrap().set_mode(dataplane.mode().name());
         let timing = Timing {
             limiter: Limiter::new(cfg.min_sync_period, cfg.burst_syncs, Instant::now()),
             last_full: None,
@@ -159,6 +161,7 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
             health_checks: None,
             events: None,
             reported: BTreeSet::new(),
+            reported_full: BTreeSet::new(),
             last_desired: None,
             last_node_version: None,
             timing,
@@ -199,6 +202,7 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
             }
             if poll == Poll::Changed {
                 self.timing.dirty = true;
+                stats.m.last_queued_timestamp.set(unix_seconds(SystemTime::now()));
             }
             if self.timing.dirty {
                 stats.pending_since.get_or_insert(now);
@@ -265,7 +269,7 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
         let (desired, touched, node, node_version, source_errors, triggers) = match taken {
             Ok(t) => t,
             Err(why) => {
-                self.stats.lock().unwrap().sync_failures_total += 1;
+                self.stats.lock().unwrap().m.sync_failures_total.inc();
                 return Err(SyncError::Source(why));
             }
         };
@@ -312,29 +316,51 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
         let result = self.dataplane.sync(desired, node, touched);
         let elapsed = start.elapsed();
         let mut stats = self.stats.lock().unwrap();
-        stats.syncs_total += 1;
+        stats.m.syncs_total.inc();
         let st = match result {
             Ok(st) => st,
             Err(e) => {
-                stats.sync_failures_total += 1;
+                stats.m.sync_failures_total.inc();
                 return Err(e);
             }
         };
         for e in &st.errors {
             warn!(error = %e, "frontend not programmed");
         }
+        // A full map: an Event on the Service (once while it lasts) and a metric per frontend.
+        let full: Vec<ObjectError> = st.full.iter().map(|(map, service)| map_full_error(map, service)).collect();
+        for (map, _) in &st.full {
+            stats.m.map_full_total.with_label_values(&[map]).inc();
+        }
+        if let Some(tx) = &self.events {
+            for e in full.iter().filter(|e| !self.reported_full.contains(&e.to_string())) {
+                let _ = tx.send(e.clone());
+            }
+        }
+        let now_full = full.iter().map(|e| e.to_string());
+        if touched.is_none() {
+            self.reported_full = now_full.collect();
+        } else {
+            self.reported_full.extend(now_full);
+        }
         if let Some(hc) = &mut self.health_checks {
             for e in hc.update(&desired.health_checks) {
                 warn!(error = %e, "health check server");
             }
         }
-        stats.sync_duration.observe(elapsed.as_secs_f64());
+        let secs = elapsed.as_secs_f64();
+        stats.m.sync_duration.observe(secs);
+        if touched.is_none() { &stats.m.sync_full_duration } else { &stats.m.sync_partial_duration }.observe(secs);
         let now = SystemTime::now();
         stats.last_sync = Some(now);
-        stats.rejected_objects = problems.len() as u64;
+        stats.m.last_sync_timestamp.set(unix_seconds(now));
+        stats.m.rejected_objects.set(problems.len() as i64);
+        for (i, policy) in ["internal", "external"].into_iter().enumerate() {
+            stats.m.no_local_endpoints.with_label_values(&[policy]).set(desired.no_local_endpoints.values().filter(|p| p[i]).count() as i64);
+        }
         for t in triggers {
             if let Ok(d) = now.duration_since(*t) {
-                stats.network_programming.observe(d.as_secs_f64());
+                stats.m.network_programming.observe(d.as_secs_f64());
             }
         }
         info!(
@@ -348,6 +374,22 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
         );
         Ok(st)
     }
+}
+
+/// A frontend ("namespace/name:port") that did not fit in `map`, as an Event's content.
+fn map_full_error(map: &'static str, service: &str) -> ObjectError {
+    let (name, port) = service.rsplit_once(':').unwrap_or((service, ""));
+    ObjectError {
+        source: "kpr".into(),
+        object: format!("Service {name}"),
+        field: format!("spec.ports[{port}]"),
+        message: format!("not programmed on this node: map {map} is full (raise its capacity: docs/configuration.md); every other service is"),
+        reason: crate::model::objects::MAP_FULL,
+    }
+}
+
+fn unix_seconds(t: SystemTime) -> f64 {
+    t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs_f64()
 }
 
 /// The node's addresses, primary first: the given primary IP, the Node's InternalIPs then

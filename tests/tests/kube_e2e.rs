@@ -98,6 +98,43 @@ fn agent_on_the_kubernetes_api_forwards_serves_health_and_metrics_and_survives_a
     let (status, body) = get(&lab, "127.0.0.1:32001", "/");
     assert!(status.contains("503") && body.contains("\"localEndpoints\":0"), "{status} {body}");
 
+    // kube-proxy's metric set, the process's, kpr's map fill; /proxyMode.
+    let (_, m) = get(&lab, "127.0.0.1:10249", "/metrics");
+    assert_eq!(metric(&m, "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"external\"}"), 1.0, "{m}");
+    assert!(metric(&m, "kubeproxy_proxy_healthz_total{code=\"200\"}") >= 1.0, "{m}");
+    assert!(metric(&m, "kubeproxy_sync_partial_proxy_rules_duration_seconds_count") >= 1.0, "{m}");
+    assert!(metric(&m, "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds") > 1.0e9, "{m}");
+    assert!(metric(&m, "process_resident_memory_bytes") > 1.0e6, "{m}");
+    assert!(metric(&m, "kpr_map_capacity{map=\"KPR_SVC_V2\"}") >= 1024.0, "{m}");
+    assert!(
+        m.contains("# TYPE kubeproxy_network_programming_duration_seconds histogram")
+            && m.contains("kubeproxy_network_programming_duration_seconds_bucket{le=\"0.25\"}"),
+        "{m}"
+    );
+    let (status, mode) = get(&lab, "127.0.0.1:10249", "/proxyMode");
+    assert!(status.contains("200") && mode.trim() == "ebpf", "{status} {mode}");
+    // Every metric the shipped Grafana dashboard queries is served.
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/grafana/kpr-dashboard.json")).unwrap()).unwrap();
+    let mut names = std::collections::BTreeSet::new();
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            let expr = target["expr"].as_str().unwrap();
+            for word in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':')) {
+                if ["kpr_", "kubeproxy_", "process_"].iter().any(|p| word.starts_with(p)) {
+                    names.insert(word.to_string());
+                }
+            }
+        }
+    }
+    assert!(names.len() >= 20, "{names:?}");
+    for name in &names {
+        assert!(
+            m.lines().any(|l| l.starts_with(&format!("{name} ")) || l.starts_with(&format!("{name}{{"))),
+            "the dashboard queries {name}, which /metrics does not serve"
+        );
+    }
+
     // `kpr status` shows the last sync from the agent's health endpoint.
     let status = Command::new(&lab.kpr).args(["--netns", &lab.ns("node"), "--pin-dir"]).arg(lab.pins.path()).arg("status").output().unwrap();
     let status = String::from_utf8_lossy(&status.stdout).to_string();

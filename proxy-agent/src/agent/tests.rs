@@ -82,7 +82,7 @@ fn a_failed_sync_is_retried_with_a_backoff_and_the_retry_is_full() {
     assert_eq!(a.step(t0 + Duration::from_millis(4500), W), Step::Idle);
     // The changes were consumed by the failed attempts: only a full sync knows what to write.
     assert_eq!(a.step(t0 + Duration::from_millis(5200), W), Step::Synced { full: true });
-    assert_eq!(a.stats.lock().unwrap().sync_failures_total, 2);
+    assert_eq!(a.stats.lock().unwrap().m.sync_failures_total.get(), 2);
     assert!(a.stats.lock().unwrap().failing_since.is_none());
     assert!(a.stats.lock().unwrap().pending_since.is_none());
 }
@@ -161,4 +161,20 @@ fn limiter_allows_a_burst_then_one_per_interval() {
     assert!(!l.try_take(t0 + Duration::from_millis(100)));
     assert!(l.try_take(t0 + Duration::from_millis(1200)));
     assert!(!l.try_take(t0 + Duration::from_millis(1300)));
+}
+
+#[test]
+fn a_full_map_is_an_event_once_and_a_metric_each_time() {
+    let mut a = agent(1);
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    a.events = Some(tx);
+    a.dataplane.full = vec![(proxy_common::map_names::BACKENDS, "demo/s0:http".into())];
+    let t0 = Instant::now();
+    assert_eq!(a.step(t0, W), Step::Synced { full: true });
+    let e = rx.try_recv().expect("an Event");
+    assert_eq!((e.reason, e.object.as_str(), e.field.as_str()), (crate::model::objects::MAP_FULL, "Service demo/s0", "spec.ports[http]"));
+    a.source.pending = changed(&["s0"]);
+    assert_eq!(a.step(t0 + Duration::from_secs(2), W), Step::Synced { full: false });
+    assert!(rx.try_recv().is_err(), "once while it lasts");
+    assert_eq!(a.stats.lock().unwrap().m.map_full_total.with_label_values(&[proxy_common::map_names::BACKENDS]).get(), 2);
 }

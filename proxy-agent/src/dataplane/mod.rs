@@ -38,6 +38,8 @@ pub struct SyncStats {
     pub deletes: usize,
     /// Per-frontend failures; the other frontends were still programmed.
     pub errors: Vec<String>,
+    /// (map, "namespace/name:port") of each frontend that did not fit in a full map.
+    pub full: Vec<(&'static str, String)>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -125,6 +127,8 @@ pub struct FakeDataplane {
     pub fail: usize,
     pub reconciled: usize,
     pub full_within: Option<Duration>,
+    /// Reported by every sync as not fitting in a full map.
+    pub full: Vec<(&'static str, String)>,
 }
 
 impl Dataplane for FakeDataplane {
@@ -140,7 +144,7 @@ impl Dataplane for FakeDataplane {
             self.fail -= 1;
             return Err(DataplaneError::NoNodeAddress);
         }
-        Ok(SyncStats { frontends: desired.frontends.len(), ..Default::default() })
+        Ok(SyncStats { frontends: desired.frontends.len(), full: self.full.clone(), ..Default::default() })
     }
     fn full_sync_within(&self) -> Option<Duration> {
         self.full_within

@@ -225,6 +225,9 @@ pub struct DesiredState {
     /// healthCheckNodePort -> (namespace/name, local ready endpoints): what the health check
     /// servers of externalTrafficPolicy Local services answer.
     pub health_checks: BTreeMap<u16, (String, String, usize)>,
+    /// Services with a Local traffic policy and no local endpoint, by (namespace, name): which
+    /// policies ([internal, external]) are so (kube-proxy's no_local_endpoints metric).
+    pub no_local_endpoints: BTreeMap<(String, String), [bool; 2]>,
     pub errors: Vec<ObjectError>,
 }
 
@@ -241,7 +244,13 @@ struct Ep {
 }
 
 fn err(errors: &mut Vec<ObjectError>, object: &str, field: impl Into<String>, message: impl Into<String>) {
-    errors.push(ObjectError { source: "model".into(), object: object.into(), field: field.into(), message: message.into() });
+    errors.push(ObjectError {
+        source: "model".into(),
+        object: object.into(),
+        field: field.into(),
+        message: message.into(),
+        reason: crate::model::objects::FIELD_NOT_PROGRAMMED,
+    });
 }
 
 /// KEP-1669: ready endpoints; when none, the serving-and-terminating ones.
@@ -513,6 +522,11 @@ fn service_frontends(ns: &str, name: &str, svc: &Service, slices: &[(&String, &E
         let local: Vec<&Ep> = eps.iter().filter(|e| e.local).collect();
         let local_backends = to_keys_of(proto, usable(&local, publish_not_ready));
         let internal_backends = if itp_local { local_backends.clone() } else { cluster_backends.clone() };
+        if (itp_local || etp_local) && local_backends.is_empty() {
+            let e = out.no_local_endpoints.entry((ns.to_string(), name.to_string())).or_default();
+            e[0] |= itp_local;
+            e[1] |= etp_local;
+        }
         // DR and TUN cannot change the port: the real server sees the service port.
         let mut ipvs = ipvs.clone();
         if ipvs.forward != IpvsForward::Nat && eps.iter().any(|e| e.port != svc_port) {
@@ -597,6 +611,8 @@ impl DesiredState {
         });
         touched.extend(partial.frontends.keys().copied());
         self.health_checks.retain(|_, (ns, n, _)| !names.contains(&(ns.clone(), n.clone())));
+        self.no_local_endpoints.retain(|k, _| !names.contains(k));
+        self.no_local_endpoints.extend(partial.no_local_endpoints);
         self.frontends.extend(partial.frontends);
         self.health_checks.extend(partial.health_checks);
         self.errors = partial.errors;

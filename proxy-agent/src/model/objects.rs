@@ -20,7 +20,14 @@ pub struct ObjectError {
     pub object: String,
     pub field: String,
     pub message: String,
+    /// The Event's reason.
+    pub reason: &'static str,
 }
+
+/// A field kpr cannot program (the object is wrong, or kpr does not support it).
+pub const FIELD_NOT_PROGRAMMED: &str = "FieldNotProgrammed";
+/// A map had no room for the object's frontends or endpoints.
+pub const MAP_FULL: &str = "MapFull";
 
 impl fmt::Display for ObjectError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -1,8 +1,6 @@
 //! Health and metrics, with kube-proxy's semantics and metric names where they exist, plus the
 //! data path's own figures read from the maps at scrape time.
 use std::{
-    collections::BTreeMap,
-    fmt::Write as _,
     net::SocketAddr,
     path::PathBuf,
     time::{Instant, SystemTime},
@@ -12,27 +10,16 @@ use axum::{extract::State, http::StatusCode, response::IntoResponse, routing::ge
 use proxy_common::user::{port_host, v4_addr, words_addr};
 use tracing::error;
 
+use prometheus::{Encoder, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
+
 use crate::{
-    dataplane::ebpf::{kernel::KernelMaps, maps::DatapathMaps, view},
+    dataplane::ebpf::{
+        kernel::{self, KernelMaps},
+        maps::DatapathMaps,
+        view,
+    },
     stats::{SharedStats, Stats},
 };
-
-fn rfc3339(t: SystemTime) -> String {
-    let secs = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs() as i64;
-    let days = secs.div_euclid(86_400);
-    let rem = secs.rem_euclid(86_400);
-    // Civil from days (Howard Hinnant).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
-}
 
 #[derive(Clone)]
 struct App {
@@ -43,101 +30,99 @@ struct App {
 async fn healthz(State(app): State<App>, livez: bool) -> impl IntoResponse {
     let st = app.stats.lock().unwrap();
     let healthy = st.healthy(Instant::now()) && (livez || st.node_eligible);
-    let body = serde_json::json!({
+    let rfc3339 = |t: SystemTime| humantime::format_rfc3339_seconds(t).to_string();
+    let mut body = serde_json::json!({
         "lastUpdated": st.last_sync.map(rfc3339).unwrap_or_default(),
-        "mode": st.mode,
         "currentTime": rfc3339(SystemTime::now()),
-        "nodeEligible": st.node_eligible,
+        "mode": st.mode,
     });
+    if !livez {
+        body["nodeEligible"] = serde_json::json!(st.node_eligible);
+    }
     let code = if healthy { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let counter = if livez { &st.m.livez_total } else { &st.m.healthz_total };
+    counter.with_label_values(&[code.as_str()]).inc();
     (code, [("content-type", "application/json")], body.to_string())
 }
 
-/// Prometheus text for the agent's and the data path's figures.
-pub fn render(stats: &Stats, maps: Option<&dyn DatapathMaps>) -> String {
-    let mut o = String::new();
-    stats.sync_duration.render(&mut o, "kubeproxy_sync_proxy_rules_duration_seconds", "SyncProxyRules latency in seconds");
-    stats.network_programming.render(&mut o, "kubeproxy_network_programming_duration_seconds", "In Cluster Network Programming Latency in seconds");
-    let gauge = |o: &mut String, name: &str, help: &str, kind: &str, v: f64| {
-        let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
+/// kube-proxy's /proxyMode: the mode's name, as text.
+async fn proxy_mode(State(app): State<App>) -> impl IntoResponse {
+    let mode = app.stats.lock().unwrap().mode;
+    ([("content-type", "text/plain")], mode.to_string())
+}
+
+/// The data path's figures, read from the maps now: packets by what the programs did, map fill
+/// and capacity, flows per table and backend, new connections per backend.
+pub fn datapath_families(maps: &dyn DatapathMaps, capacities: &[(&'static str, u32)]) -> Vec<prometheus::proto::MetricFamily> {
+    let r = Registry::new();
+    let vec_counter = |name: &str, help: &str, label: &str| {
+        let v = IntCounterVec::new(Opts::new(name, help), &[label]).unwrap();
+        r.register(Box::new(v.clone())).unwrap();
+        v
     };
-    let last = stats.last_sync.map(|t| t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs_f64()).unwrap_or(0.0);
-    gauge(&mut o, "kubeproxy_sync_proxy_rules_last_timestamp_seconds", "The last time proxy rules were successfully synced", "gauge", last);
-    gauge(&mut o, "kubeproxy_sync_proxy_rules_service_changes_pending", "Pending proxy rules Service changes", "gauge", stats.service_changes_pending as f64);
-    gauge(&mut o, "kubeproxy_sync_proxy_rules_service_changes_total", "Cumulative proxy rules Service changes", "counter", stats.service_changes_total as f64);
-    gauge(
-        &mut o,
-        "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
-        "Pending proxy rules Endpoint changes",
-        "gauge",
-        stats.endpoint_changes_pending as f64,
-    );
-    gauge(
-        &mut o,
-        "kubeproxy_sync_proxy_rules_endpoint_changes_total",
-        "Cumulative proxy rules Endpoint changes",
-        "counter",
-        stats.endpoint_changes_total as f64,
-    );
-    gauge(&mut o, "kpr_syncs_total", "Syncs of the data plane, successful or not", "counter", stats.syncs_total as f64);
-    gauge(&mut o, "kpr_sync_failures_total", "Syncs that failed (retried on the next change or period)", "counter", stats.sync_failures_total as f64);
-    gauge(
-        &mut o,
-        "kpr_ipvs_terminating_destinations",
-        "IPVS destinations at weight 0 waiting for their connections to end",
-        "gauge",
-        stats.ipvs_terminating as f64,
-    );
-    gauge(&mut o, "kpr_conntrack_gc_flows_total", "Flows deleted by the conntrack collector", "counter", stats.gc_flows_total as f64);
-    gauge(&mut o, "kpr_rejected_objects", "Service and EndpointSlice fields skipped as invalid in the last sync", "gauge", stats.rejected_objects as f64);
-    let Some(maps) = maps else { return o };
+    let vec_gauge = |name: &str, help: &str, label: &str| {
+        let v = IntGaugeVec::new(Opts::new(name, help), &[label]).unwrap();
+        r.register(Box::new(v.clone())).unwrap();
+        v
+    };
+    let packets = vec_counter("kpr_datapath_packets_total", "Packets by what the data path did with them", "reason");
     if let Ok(counters) = view::counters(maps) {
-        let _ = writeln!(o, "# HELP kpr_datapath_packets_total Packets by what the data path did with them\n# TYPE kpr_datapath_packets_total counter");
         for (k, v) in counters {
-            let _ = writeln!(o, "kpr_datapath_packets_total{{reason=\"{k}\"}} {v}");
+            packets.with_label_values(&[k]).inc_by(v);
         }
     }
+    let entries = vec_gauge("kpr_map_entries", "Entries in each BPF map", "map");
+    let capacity = vec_gauge("kpr_map_capacity", "Entries each BPF map can hold (its max_entries)", "map");
+    for (name, n) in capacities {
+        capacity.with_label_values(&[name]).set(i64::from(*n));
+    }
     let backends = maps.backends();
-    let sizes = [
+    for (name, n) in [
         (proxy_common::map_names::SERVICES, maps.services().map(|v| v.len()).ok()),
         (proxy_common::map_names::SLOTS, maps.slots().map(|v| v.len()).ok()),
         (proxy_common::map_names::BACKENDS, backends.as_ref().map(|v| v.len()).ok()),
         (proxy_common::map_names::AFFINITY, maps.affinity().map(|v| v.len()).ok()),
-    ];
-    let _ = writeln!(o, "# HELP kpr_map_entries Entries in each BPF map\n# TYPE kpr_map_entries gauge");
-    for (name, n) in sizes {
+    ] {
         if let Some(n) = n {
-            let _ = writeln!(o, "kpr_map_entries{{map=\"{name}\"}} {n}");
+            entries.with_label_values(&[name]).set(n as i64);
         }
     }
-    if let Ok(backends) = backends {
-        let _ = writeln!(o, "# HELP kpr_backend_new_connections_total New connections sent to each backend\n# TYPE kpr_backend_new_connections_total counter");
+    let new_connections = vec_counter("kpr_backend_new_connections_total", "New connections sent to each backend", "backend");
+    if let Ok(backends) = &backends {
         for (id, b) in backends {
-            if let Ok(n) = maps.backend_new_connections(id) {
-                let _ = writeln!(o, "kpr_backend_new_connections_total{{backend=\"{}:{}\"}} {n}", words_addr(b.addr), port_host(b.port));
+            if let Ok(n) = maps.backend_new_connections(*id) {
+                new_connections.with_label_values(&[&format!("{}:{}", words_addr(b.addr), port_host(b.port))]).inc_by(n);
             }
         }
     }
-    let mut per_backend: BTreeMap<String, u64> = BTreeMap::new();
-    let _ = writeln!(o, "# HELP kpr_conntrack_flows Tracked flows, by table (embryonic: TCP before its handshake completed)\n# TYPE kpr_conntrack_flows gauge");
+    let flows = vec_gauge("kpr_conntrack_flows", "Tracked flows, by table (embryonic: TCP before its handshake completed)", "table");
+    let per_backend = vec_gauge("kpr_backend_flows", "Tracked flows per backend (active and idle until collected)", "backend");
     for table in crate::dataplane::ebpf::maps::Table::ALL {
-        let Ok(entries) = maps.conntrack().entries(table) else {
-            continue;
-        };
-        let _ = writeln!(o, "kpr_map_entries{{map=\"{}\"}} {}", table.map_name(), entries.len());
-        let flows = crate::dataplane::ebpf::conntrack::assemble(&entries);
+        let Ok(list) = maps.conntrack().entries(table) else { continue };
+        entries.with_label_values(&[table.map_name()]).set(list.len() as i64);
+        let assembled = crate::dataplane::ebpf::conntrack::assemble(&list);
         let mut n = 0;
-        for (_, v) in flows.iter().filter_map(|f| f.forward.as_ref()) {
-            *per_backend.entry(format!("{}:{}", v4_addr(v.new_daddr), port_host(v.new_dport))).or_default() += 1;
+        for (_, v) in assembled.iter().filter_map(|f| f.forward.as_ref()) {
+            per_backend.with_label_values(&[&format!("{}:{}", v4_addr(v.new_daddr), port_host(v.new_dport))]).inc();
             n += 1;
         }
-        let _ = writeln!(o, "kpr_conntrack_flows{{table=\"{}\"}} {n}", table.name());
+        flows.with_label_values(&[table.name()]).set(n);
     }
-    let _ = writeln!(o, "# HELP kpr_backend_flows Tracked flows per backend (active and idle until collected)\n# TYPE kpr_backend_flows gauge");
-    for (b, n) in per_backend {
-        let _ = writeln!(o, "kpr_backend_flows{{backend=\"{b}\"}} {n}");
+    r.gather()
+}
+
+/// Prometheus text: the agent's registry (kube-proxy's metrics, kpr's, the process's) and the
+/// data path's figures.
+pub fn render(stats: &Stats, maps: Option<&dyn DatapathMaps>, capacities: &[(&'static str, u32)]) -> String {
+    let mut families = stats.m.registry.gather();
+    if let Some(maps) = maps {
+        families.extend(datapath_families(maps, capacities));
     }
-    o
+    let mut buf = Vec::new();
+    if let Err(e) = TextEncoder::new().encode(&families, &mut buf) {
+        error!(error = %e, "encoding metrics");
+    }
+    String::from_utf8(buf).unwrap_or_default()
 }
 
 type LevelHook = Box<dyn Fn(&str) -> Result<(), String> + Send + Sync>;
@@ -170,9 +155,10 @@ async fn set_verbosity(body: String) -> impl IntoResponse {
 
 async fn metrics(State(app): State<App>) -> impl IntoResponse {
     let maps = KernelMaps::open(&app.pin_dir).ok();
+    let capacities = kernel::map_capacities(&app.pin_dir);
     let st = app.stats.lock().unwrap();
-    let body = render(&st, maps.as_ref().map(|m| m as &dyn DatapathMaps));
-    ([("content-type", "text/plain; version=0.0.4")], body)
+    let body = render(&st, maps.as_ref().map(|m| m as &dyn DatapathMaps), &capacities);
+    ([("content-type", prometheus::TEXT_FORMAT)], body)
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -201,6 +187,7 @@ pub async fn serve(healthz_addr: Option<SocketAddr>, metrics_addr: Option<Socket
         let l = tokio::net::TcpListener::bind(addr).await.map_err(|err| BindError { addr, what: "/metrics", flag: "metrics-bind-address", err })?;
         let r = Router::new()
             .route("/metrics", get(metrics))
+            .route("/proxyMode", get(proxy_mode))
             .route("/healthz", get(|s| healthz(s, false)))
             .route("/debug/flags/v", axum::routing::put(set_verbosity))
             .with_state(app);
@@ -242,15 +229,28 @@ mod tests {
     }
 
     #[test]
-    fn renders_kube_proxy_names() {
-        let mut s = Stats::new(Duration::from_secs(60));
-        s.sync_duration.observe(0.003);
-        s.last_sync = Some(SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000));
-        let text = render(&s, Some(&crate::dataplane::ebpf::maps::FakeMaps::default()));
-        assert!(text.contains("kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.004\"} 1"));
-        assert!(text.contains("kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.002\"} 0"));
-        assert!(text.contains("kubeproxy_sync_proxy_rules_last_timestamp_seconds 1700000000"));
-        assert!(text.contains("kpr_datapath_packets_total{reason=\"new_flow\"} 0"));
-        assert_eq!(rfc3339(SystemTime::UNIX_EPOCH + Duration::from_secs(1_709_210_096)), "2024-02-29T12:34:56Z");
+    fn renders_kube_proxy_names_types_and_buckets() {
+        let s = Stats::new(Duration::from_secs(60));
+        s.m.sync_duration.observe(0.003);
+        s.m.last_sync_timestamp.set(1_700_000_000.0);
+        s.m.network_programming.observe(0.3);
+        let text = render(&s, Some(&crate::dataplane::ebpf::maps::FakeMaps::default()), &[("KPR_SVC_V2", 42)]);
+        for line in [
+            "# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram",
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.004\"} 1",
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.002\"} 0",
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds 1700000000",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"0.25\"} 0",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"0.5\"} 1",
+            "# TYPE kubeproxy_sync_proxy_rules_endpoint_changes_total counter",
+            "# TYPE kubeproxy_sync_full_proxy_rules_duration_seconds histogram",
+            "# TYPE kubeproxy_sync_partial_proxy_rules_duration_seconds histogram",
+            "# TYPE kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds gauge",
+            "kpr_datapath_packets_total{reason=\"new_flow\"} 0",
+            "kpr_map_capacity{map=\"KPR_SVC_V2\"} 42",
+        ] {
+            assert!(text.contains(line), "no {line:?} in\n{text}");
+        }
+        assert!(text.contains("process_cpu_seconds_total"), "process metrics");
     }
 }

@@ -364,7 +364,7 @@ pub async fn publish_events(client: Client, node_name: String, mut rx: tokio::sy
         };
         let ev = Event {
             type_: EventType::Warning,
-            reason: "FieldNotProgrammed".into(),
+            reason: e.reason.into(),
             note: Some(format!("field {}: {}", e.field, e.message)),
             action: "Programming".into(),
             secondary: None,

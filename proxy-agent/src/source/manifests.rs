@@ -53,7 +53,13 @@ pub fn load_dir(dir: &Path) -> Result<LoadReport, SourceError> {
         let source = file.display().to_string();
         match std::fs::read_to_string(&file) {
             Ok(text) => load_text(&source, &text, &mut report),
-            Err(e) => report.errors.push(ObjectError { source, object: "-".into(), field: "-".into(), message: format!("cannot read: {e}") }),
+            Err(e) => report.errors.push(ObjectError {
+                source,
+                object: "-".into(),
+                field: "-".into(),
+                message: format!("cannot read: {e}"),
+                reason: crate::model::objects::FIELD_NOT_PROGRAMMED,
+            }),
         }
     }
     Ok(report)
@@ -70,6 +76,7 @@ pub fn load_text(source: &str, text: &str, report: &mut LoadReport) {
                     object: format!("document {}", i + 1),
                     field: "-".into(),
                     message: format!("not YAML/JSON: {e}"),
+                    reason: crate::model::objects::FIELD_NOT_PROGRAMMED,
                 });
                 // The rest of the stream cannot be resynchronised.
                 return;
@@ -129,13 +136,25 @@ fn add_value(source: &str, value: serde_yaml::Value, report: &mut LoadReport) {
 
 fn typed<T: DeserializeOwned>(source: &str, object: &str, value: serde_yaml::Value, report: &mut LoadReport) -> Option<T> {
     if str_at(&value, &["metadata", "name"]).unwrap_or("").is_empty() {
-        report.errors.push(ObjectError { source: source.into(), object: object.into(), field: "metadata.name".into(), message: "missing".into() });
+        report.errors.push(ObjectError {
+            source: source.into(),
+            object: object.into(),
+            field: "metadata.name".into(),
+            message: "missing".into(),
+            reason: crate::model::objects::FIELD_NOT_PROGRAMMED,
+        });
         return None;
     }
     match serde_path_to_error::deserialize::<_, T>(value) {
         Ok(v) => Some(v),
         Err(e) => {
-            report.errors.push(ObjectError { source: source.into(), object: object.into(), field: e.path().to_string(), message: e.inner().to_string() });
+            report.errors.push(ObjectError {
+                source: source.into(),
+                object: object.into(),
+                field: e.path().to_string(),
+                message: e.inner().to_string(),
+                reason: crate::model::objects::FIELD_NOT_PROGRAMMED,
+            });
             None
         }
     }

@@ -128,10 +128,10 @@ impl Source for KubeSource {
 
     fn observe(&self, stats: &mut Stats) {
         let st = self.shared.state.lock().unwrap();
-        stats.service_changes_pending = st.service_changes.pending() as u64;
-        stats.endpoint_changes_pending = st.slice_changes.pending() as u64;
-        stats.service_changes_total = st.service_changes.total;
-        stats.endpoint_changes_total = st.slice_changes.total;
+        stats.m.service_changes_pending.set(st.service_changes.pending() as i64);
+        stats.m.endpoint_changes_pending.set(st.slice_changes.pending() as i64);
+        crate::stats::counter_to(&stats.m.service_changes_total, st.service_changes.total);
+        crate::stats::counter_to(&stats.m.endpoint_changes_total, st.slice_changes.total);
         stats.node_eligible = st.node.as_ref().is_none_or(|n| n.metadata.deletion_timestamp.is_none());
     }
 }

@@ -105,6 +105,14 @@ impl Datapath {
         for dir in [pin_dir.to_path_buf(), pin_dir.join("links")] {
             std::fs::create_dir_all(&dir).map_err(|err| KernelError::PinDir { path: dir.clone(), err })?;
         }
+        for (map, have, want) in capacity_mismatches(pin_dir, &caps) {
+            tracing::warn!(
+                map,
+                pinned = have,
+                wanted = want,
+                "a pinned map keeps its capacity: run `kpr cleanup` on this node (forwarding stops until the agent is back) for the new one to apply"
+            );
+        }
         for name in map_names::RETIRED {
             if std::fs::remove_file(pin_dir.join(name)).is_ok() {
                 tracing::info!(map = name, "removed the pin of a map an earlier version used");
@@ -336,6 +344,36 @@ pub fn cleanup(pin_dir: &Path) -> io::Result<Vec<PathBuf>> {
     Ok(removed)
 }
 
+/// Each pinned map's capacity (max_entries), for `kpr_map_capacity`.
+pub fn map_capacities(pin_dir: &Path) -> Vec<(&'static str, u32)> {
+    map_names::ALL
+        .iter()
+        .chain(map_names::SETS.iter())
+        .filter_map(|name| aya::maps::MapInfo::from_pin(pin_dir.join(name)).ok().map(|i| (*name, i.max_entries())))
+        .collect()
+}
+
+/// The maps whose pinned copy holds a different capacity than the settings ask for: a pinned
+/// map keeps its size (the object reuses it), so such a change needs `kpr cleanup` first.
+pub fn capacity_mismatches(pin_dir: &Path, caps: &Capacities) -> Vec<(&'static str, u32, u32)> {
+    let wanted = [
+        (map_names::SERVICES, caps.frontends),
+        (map_names::RR_STATE, caps.services),
+        (map_names::BACKENDS, caps.backends),
+        (map_names::SLOTS, caps.slots),
+        (map_names::CONNTRACK, caps.conntrack),
+        (map_names::CONNTRACK_NEW, caps.conntrack_new),
+        (map_names::AFFINITY, caps.affinity),
+    ];
+    wanted
+        .into_iter()
+        .filter_map(|(name, want)| {
+            let have = aya::maps::MapInfo::from_pin(pin_dir.join(name)).ok()?.max_entries();
+            (have != want).then_some((name, have, want))
+        })
+        .collect()
+}
+
 /// Unpins every link and map under `pin_dir` (interfaces untouched). Idempotent.
 pub fn unpin_all(pin_dir: &Path) -> io::Result<Vec<PathBuf>> {
     let mut removed = Vec::new();
@@ -363,9 +401,9 @@ pub fn unpin_all(pin_dir: &Path) -> io::Result<Vec<PathBuf>> {
 
 pub(crate) fn op(map: &'static str, op: &'static str, e: AyaMapError) -> MapError {
     let source = match e {
-        // The kernel's "Argument list too long" on an update means the map is at capacity.
-        AyaMapError::SyscallError(s) if s.io_error.raw_os_error() == Some(libc::E2BIG) => {
-            io::Error::new(s.io_error.kind(), "the map is full (E2BIG): the cluster needs more entries than its capacity (see the README's capacities)")
+        // An update of a hash map at capacity fails with E2BIG, of an LPM trie with ENOSPC.
+        AyaMapError::SyscallError(s) if op == "update" && matches!(s.io_error.raw_os_error(), Some(libc::E2BIG | libc::ENOSPC)) => {
+            return MapError::Full { map }
         }
         AyaMapError::SyscallError(s) => s.io_error,
         other => io::Error::other(other.to_string()),

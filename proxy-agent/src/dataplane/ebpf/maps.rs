@@ -14,6 +14,19 @@ pub enum MapError {
     Missing(&'static str),
     #[error("map {map}: {message}")]
     Other { map: &'static str, message: String },
+    /// An insert into a map at its capacity (E2BIG for hash maps, ENOSPC for LPM tries).
+    #[error("map {map} is full: raise its capacity (see docs/configuration.md)")]
+    Full { map: &'static str },
+}
+
+impl MapError {
+    /// The map, when this error is its being full.
+    pub fn full_map(&self) -> Option<&'static str> {
+        match self {
+            MapError::Full { map } => Some(map),
+            _ => None,
+        }
+    }
 }
 
 pub type SrcRange = (u32, SourceRangeKey);
@@ -71,6 +84,17 @@ pub struct FakeMaps {
     pub ifaces: BTreeMap<u32, IfaceInfo>,
     pub affinity: BTreeMap<AffinityKey, AffinityValue>,
     pub writes: usize,
+    /// Capacities, by map name (absent: unbounded), as the kernel's max_entries.
+    pub capacity: BTreeMap<&'static str, usize>,
+}
+
+impl FakeMaps {
+    fn room(&self, map: &'static str, len: usize, new_key: bool) -> Result<(), MapError> {
+        match self.capacity.get(map) {
+            Some(cap) if new_key && len >= *cap => Err(MapError::Full { map }),
+            _ => Ok(()),
+        }
+    }
 }
 
 impl DatapathMaps for FakeMaps {
@@ -78,6 +102,7 @@ impl DatapathMaps for FakeMaps {
         Ok(self.services.iter().map(|(k, v)| (*k, *v)).collect())
     }
     fn put_service(&mut self, k: ServiceKey, v: ServiceValue) -> Result<(), MapError> {
+        self.room(map_names::SERVICES, self.services.len(), !self.services.contains_key(&k))?;
         self.writes += 1;
         self.services.insert(k, v);
         Ok(())
@@ -91,6 +116,7 @@ impl DatapathMaps for FakeMaps {
         Ok(self.slots.iter().map(|(k, v)| (*k, *v)).collect())
     }
     fn put_slot(&mut self, k: SlotKey, id: u32) -> Result<(), MapError> {
+        self.room(map_names::SLOTS, self.slots.len(), !self.slots.contains_key(&k))?;
         self.writes += 1;
         self.slots.insert(k, id);
         Ok(())
@@ -104,6 +130,7 @@ impl DatapathMaps for FakeMaps {
         Ok(self.backends.iter().map(|(k, v)| (*k, *v)).collect())
     }
     fn put_backend(&mut self, id: u32, b: Backend) -> Result<(), MapError> {
+        self.room(map_names::BACKENDS, self.backends.len(), !self.backends.contains_key(&id))?;
         self.writes += 1;
         self.backends.insert(id, b);
         Ok(())

@@ -151,7 +151,7 @@ impl Dataplane for EbpfPlane {
         if let (Some(gc), false) = (&self.gc, st.removed.is_empty()) {
             let _ = gc.send(st.removed.clone());
         }
-        Ok(SyncStats { frontends: st.frontends, backends: st.backends, writes: st.writes, deletes: st.deletes, errors: st.errors })
+        Ok(SyncStats { frontends: st.frontends, backends: st.backends, writes: st.writes, deletes: st.deletes, errors: st.errors, full: st.full })
     }
 }
 
@@ -222,7 +222,7 @@ fn start_gc(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats) -> Option<
                     for e in r.errors {
                         warn!(error = %e, "removed endpoint cleanup");
                     }
-                    stats.lock().unwrap().gc_flows_total += r.flows as u64;
+                    stats.lock().unwrap().m.gc_flows_total.inc_by(r.flows as u64);
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => return,
@@ -232,7 +232,7 @@ fn start_gc(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats) -> Option<
                     if st.flows > 0 {
                         tracing::debug!(read = st.read, flows = st.flows, entries = st.entries, kept = st.kept, "collected idle flows");
                     }
-                    stats.lock().unwrap().gc_flows_total += st.flows as u64;
+                    stats.lock().unwrap().m.gc_flows_total.inc_by(st.flows as u64);
                 }
                 Err(e) => warn!(error = %e, "conntrack gc round failed"),
             }

@@ -28,6 +28,8 @@ pub struct SyncStats {
     pub deletes: usize,
     /// Per-frontend failures; the other frontends were still programmed.
     pub errors: Vec<String>,
+    /// (map, service) for each frontend that did not fit in a full map.
+    pub full: Vec<(&'static str, String)>,
     /// Backends that left a frontend: their sessionAffinity entries go at once, and a UDP
     /// frontend's flows are ended (a UDP client has no handshake that would move it elsewhere).
     pub removed: BTreeSet<RemovedBackend>,
@@ -205,35 +207,14 @@ impl Syncer {
             st.writes += 1;
         }
 
-        // Backends first: a slot must never point to a backend that is not there yet.
-        let mut live_backends: std::collections::HashSet<u32> = std::collections::HashSet::new();
-        for f in desired.frontends.values() {
-            for b in &f.backends {
-                let wire = wire::backend(b);
-                let id = self.backend_id(wire);
-                if live_backends.insert(id) && m.backends.get(&id) != Some(&wire) {
-                    maps.put_backend(id, wire)?;
-                    m.backends.insert(id, wire);
-                    st.writes += 1;
-                }
-            }
-        }
+        // What stays: every backend and frontend the desired state names.
+        let wanted: std::collections::HashSet<ServiceKey> = desired.frontends.keys().map(wire::service_key).collect();
+        let live_backends: std::collections::HashSet<u32> =
+            desired.frontends.values().flat_map(|f| f.backends.iter()).map(|b| self.backend_id(wire::backend(b))).collect();
         st.backends = live_backends.len();
 
-        let mut desired_ranges: BTreeSet<SrcRange> = BTreeSet::new();
-        let mut live_services: std::collections::HashSet<u32> = std::collections::HashSet::new();
-        let mut refs: HashMap<u32, u32> = HashMap::new();
-        for (fk, f) in &desired.frontends {
-            if let Some((service_id, ids)) = self.program_frontend(maps, &mut m, fk, f, full, &mut st, &mut desired_ranges)? {
-                live_services.insert(service_id);
-                for id in ids {
-                    *refs.entry(id).or_insert(0) += 1;
-                }
-            }
-        }
-
-        // Stale frontends, then their slots, then slots of nothing.
-        let wanted: std::collections::HashSet<ServiceKey> = desired.frontends.keys().map(wire::service_key).collect();
+        // Deletes that cannot break anything go first, so a full map makes room before the
+        // inserts: frontends nobody wants (and their slots), and backends no slot points to.
         let stale: Vec<(ServiceKey, ServiceValue)> = m.services.iter().filter(|(k, _)| !wanted.contains(k)).map(|(k, v)| (*k, *v)).collect();
         for (key, v) in stale {
             let old = current_ids(&m, &key);
@@ -245,18 +226,83 @@ impl Syncer {
                 self.release_service_id(&key);
             }
         }
-        let dead: Vec<u32> = m.slots.keys().filter(|id| !live_services.contains(id)).copied().collect();
+        let held: std::collections::HashSet<u32> = m.services.values().map(|v| v.service_id).collect();
+        let dead: Vec<u32> = m.slots.keys().filter(|id| !held.contains(id)).copied().collect();
         for service_id in dead {
             for slot in m.slots.remove(&service_id).unwrap_or_default().keys() {
                 maps.del_slot(SlotKey { service_id, slot: *slot })?;
                 st.deletes += 1;
             }
         }
-        let gone: Vec<u32> = m.backends.keys().filter(|id| !live_backends.contains(id)).copied().collect();
-        for id in gone {
+        let referenced: std::collections::HashSet<u32> = m.slots.values().flat_map(|s| s.values().copied()).collect();
+        let unreferenced: Vec<u32> = m.backends.keys().filter(|id| !live_backends.contains(id) && !referenced.contains(id)).copied().collect();
+        for id in unreferenced {
             maps.del_backend(id)?;
             m.backends.remove(&id);
             st.deletes += 1;
+        }
+
+        let mut desired_ranges: BTreeSet<SrcRange> = BTreeSet::new();
+        let mut live_services: std::collections::HashSet<u32> = std::collections::HashSet::new();
+        let mut refs: HashMap<u32, u32> = HashMap::new();
+        // Frontends that met a full map: tried again once the rest made room.
+        let mut retry: Vec<(&FrontendKey, &Frontend)> = Vec::new();
+        for pass in 0..2 {
+            let todo: Vec<(&FrontendKey, &Frontend)> = if pass == 0 { desired.frontends.iter().collect() } else { std::mem::take(&mut retry) };
+            for (fk, f) in todo {
+                // Its backends first: a slot must never point to a backend that is not there.
+                match self.put_backends(maps, &mut m, f, &mut st) {
+                    Ok(()) => {}
+                    Err(SyncError::Map(e)) if e.full_map().is_some() && pass == 0 => {
+                        retry.push((fk, f));
+                        continue;
+                    }
+                    Err(SyncError::Map(e)) if e.full_map().is_some() => {
+                        st.full.push((e.full_map().unwrap_or("-"), f.service.clone()));
+                        st.errors.push(format!("{} {}:{}: {e}", f.service, fk.ip, fk.port));
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                }
+                match self.program_frontend(maps, &mut m, fk, f, full, &mut st, &mut desired_ranges) {
+                    Ok(Some((service_id, ids))) => {
+                        live_services.insert(service_id);
+                        for id in ids {
+                            *refs.entry(id).or_insert(0) += 1;
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(SyncError::Map(e)) if e.full_map().is_some() && pass == 0 => retry.push((fk, f)),
+                    Err(SyncError::Map(e)) if e.full_map().is_some() => {
+                        st.full.push((e.full_map().unwrap_or("-"), f.service.clone()));
+                        st.errors.push(format!("{} {}:{}: {e}", f.service, fk.ip, fk.port));
+                    }
+                    Err(e) => return Err(e),
+                }
+                // A frontend left as it was keeps its slots (and backends) alive.
+                if let Some(v) = m.services.get(&wire::service_key(fk)) {
+                    live_services.insert(v.service_id);
+                }
+            }
+            // What the programmed frontends no longer point to goes now, before the retries.
+            let dead: Vec<u32> =
+                m.slots.keys().filter(|id| !live_services.contains(id) && !m.services.values().any(|v| v.service_id == **id)).copied().collect();
+            for service_id in dead {
+                for slot in m.slots.remove(&service_id).unwrap_or_default().keys() {
+                    maps.del_slot(SlotKey { service_id, slot: *slot })?;
+                    st.deletes += 1;
+                }
+            }
+            let referenced: std::collections::HashSet<u32> = m.slots.values().flat_map(|s| s.values().copied()).collect();
+            let gone: Vec<u32> = m.backends.keys().filter(|id| !live_backends.contains(id) && !referenced.contains(id)).copied().collect();
+            for id in gone {
+                maps.del_backend(id)?;
+                m.backends.remove(&id);
+                st.deletes += 1;
+            }
+            if retry.is_empty() {
+                break;
+            }
         }
         self.backend_ids.retain(|_, id| live_backends.contains(id));
 
@@ -286,6 +332,20 @@ impl Syncer {
         self.backend_refs = refs;
         self.mirror = Some(m);
         Ok(st)
+    }
+
+    /// Writes the backends `f` needs that the maps do not hold yet.
+    fn put_backends(&mut self, maps: &mut dyn DatapathMaps, m: &mut Mirror, f: &Frontend, st: &mut SyncStats) -> Result<(), SyncError> {
+        for b in &f.backends {
+            let wire = wire::backend(b);
+            let id = self.backend_id(wire);
+            if m.backends.get(&id) != Some(&wire) {
+                maps.put_backend(id, wire)?;
+                m.backends.insert(id, wire);
+                st.writes += 1;
+            }
+        }
+        Ok(())
     }
 
     /// Programs one frontend against the mirror. Returns its service id and backend ids, or
@@ -386,9 +446,25 @@ impl Syncer {
         config: DatapathConfig,
         touched: &BTreeSet<FrontendKey>,
     ) -> Result<SyncStats, SyncError> {
-        let Some(mut m) = self.mirror.take() else {
+        let Some(m) = self.mirror.take() else {
             return self.sync(maps, desired, config);
         };
+        match self.apply_subset(maps, desired, config, touched, m) {
+            // A full map: the full sync makes room (deletes first) and reports what still
+            // does not fit, per frontend.
+            Err(SyncError::Map(e)) if e.full_map().is_some() => self.sync(maps, desired, config),
+            r => r,
+        }
+    }
+
+    fn apply_subset(
+        &mut self,
+        maps: &mut dyn DatapathMaps,
+        desired: &DesiredState,
+        config: DatapathConfig,
+        touched: &BTreeSet<FrontendKey>,
+        mut m: Mirror,
+    ) -> Result<SyncStats, SyncError> {
         let mut st = SyncStats::default();
         if m.config != config {
             maps.set_config(config)?;
@@ -531,6 +607,59 @@ mod tests {
 
     fn key(ip: &str) -> FrontendKey {
         FrontendKey { ip: ip.parse().unwrap(), port: 80, proto: Protocol::Tcp, scope: crate::model::Scope::Internal }
+    }
+
+    fn state(frontends: &[(&str, &[(&str, u16)])]) -> DesiredState {
+        let mut d = DesiredState::default();
+        for (vip, backends) in frontends {
+            let mut f = frontend(backends, Scheduler::Random);
+            f.service = format!("ns/{vip}:http");
+            f.source_ranges.clear();
+            d.frontends.insert(key(vip), f);
+        }
+        d
+    }
+
+    #[test]
+    fn a_full_backend_map_makes_room_before_it_inserts() {
+        let mut maps = FakeMaps::default();
+        maps.capacity.insert(proxy_common::map_names::BACKENDS, 4);
+        let mut s = Syncer::default();
+        let before = state(&[("10.96.0.1", &[("10.244.1.1", 80), ("10.244.1.2", 80)]), ("10.96.0.2", &[("10.244.2.1", 80), ("10.244.2.2", 80)])]);
+        s.sync(&mut maps, &before, DatapathConfig::default()).unwrap();
+        assert_eq!(maps.backends.len(), 4);
+        // One service shrinks, the other grows: the total fits, but only once the shrinking
+        // one's backend is gone; the growing one (written first) meets a full map.
+        let after = state(&[("10.96.0.1", &[("10.244.1.1", 80)]), ("10.96.0.2", &[("10.244.2.1", 80), ("10.244.2.2", 80), ("10.244.2.3", 80)])]);
+        for incremental in [false, true] {
+            let (from, to) = if incremental { (&after, &before) } else { (&before, &after) };
+            let st = if incremental {
+                s.sync_subset(&mut maps, to, DatapathConfig::default(), &[key("10.96.0.1"), key("10.96.0.2")].into()).unwrap()
+            } else {
+                s.sync(&mut maps, to, DatapathConfig::default()).unwrap()
+            };
+            assert!(st.errors.is_empty() && st.full.is_empty(), "{:?}", st.errors);
+            let mut fresh = FakeMaps::default();
+            Syncer::default().sync(&mut fresh, to, DatapathConfig::default()).unwrap();
+            assert_eq!(maps.backends.len(), fresh.backends.len(), "{from:?} -> {to:?}");
+            assert_eq!(maps.services.len(), 2);
+        }
+    }
+
+    #[test]
+    fn what_does_not_fit_is_reported_per_frontend_and_the_rest_is_programmed() {
+        let mut maps = FakeMaps::default();
+        maps.capacity.insert(proxy_common::map_names::BACKENDS, 3);
+        let mut s = Syncer::default();
+        let d = state(&[("10.96.0.1", &[("10.244.1.1", 80), ("10.244.1.2", 80)]), ("10.96.0.2", &[("10.244.2.1", 80), ("10.244.2.2", 80)])]);
+        let st = s.sync(&mut maps, &d, DatapathConfig::default()).unwrap();
+        assert_eq!(st.full, vec![(proxy_common::map_names::BACKENDS, "ns/10.96.0.2:http".to_string())]);
+        assert_eq!(maps.services.len(), 1, "the first service is programmed");
+        // Room appears (the capacity is raised): the next sync programs the rest.
+        maps.capacity.insert(proxy_common::map_names::BACKENDS, 4);
+        let st = s.sync(&mut maps, &d, DatapathConfig::default()).unwrap();
+        assert!(st.full.is_empty());
+        assert_eq!(maps.services.len(), 2);
     }
 
     #[test]

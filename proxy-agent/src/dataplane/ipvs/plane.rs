@@ -152,13 +152,14 @@ impl Dataplane for IpvsPlane {
             self.maps.set_config(dcfg)?;
         }
         self.terminating = st.terminating;
-        self.stats.lock().unwrap().ipvs_terminating = st.terminating as u64;
+        self.stats.lock().unwrap().m.ipvs_terminating.set(st.terminating as i64);
         Ok(SyncStats {
             frontends: st.services,
             backends: st.dests,
             writes: st.writes + st.addresses_bound + set_writes,
             deletes: st.deletes + st.addresses_unbound + set_deletes,
             errors: st.errors,
+            full: Vec::new(),
         })
     }
 
