@@ -159,8 +159,21 @@ fn main() -> Result<()> {
                 println!("removed {} pinned objects under {}", removed.len(), pin_dir.display());
             }
             if kube_proxy {
-                let done = proxy_agent::migration::cleanup(&mut proxy_agent::host::netfilter::SystemNetfilter)
+                // kpr's own IPVS mode owns kube-ipvs0 and its virtual servers now: leave them.
+                let kpr_ipvs = keep_kpr && pin_dir.join(proxy_common::prog_names::LOOPBACK).exists();
+                let mut ipvs = proxy_agent::dataplane::ipvs::client::NetlinkIpvs::connect().ok();
+                let mut links = proxy_agent::netlink::rtnl::NetlinkLinks::connect()?;
+                let local: Vec<std::net::IpAddr> = netif::interfaces().iter().flat_map(|i| netif::ipv4_addresses(i)).collect();
+                let handles = (!kpr_ipvs).then(|| proxy_agent::migration::IpvsHandles {
+                    ipvs: ipvs.as_mut().map(|i| i as &mut dyn proxy_agent::dataplane::ipvs::client::Ipvs),
+                    links: &mut links,
+                    node_addresses: &local,
+                });
+                let done = proxy_agent::migration::cleanup(&mut proxy_agent::host::netfilter::SystemNetfilter, handles)
                     .context("removing kube-proxy's leftovers (is kube-proxy still running? stop its DaemonSet first)")?;
+                if kpr_ipvs {
+                    println!("kpr runs in IPVS mode here: kube-ipvs0 and its virtual servers are kpr's now and stay");
+                }
                 if done.is_empty() {
                     println!("no kube-proxy leftovers found");
                 }

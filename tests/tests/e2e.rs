@@ -142,26 +142,56 @@ fn cleanup_removes_kube_proxys_leftovers_and_nothing_else() {
     use kpr_lab::{must, Netns, PinDir};
     let _ns = Netns::create(&["kpe7-node"]);
     let x = |c: &str| must(&format!("ip netns exec kpe7-node {c}"));
+    // kube-proxy's: iptables mode chains, IPVS mode's, its ipsets, its nftables table, kube-ipvs0.
     x("iptables -t nat -N KUBE-SERVICES");
+    x("iptables -t nat -N KUBE-SVC-ABCDEF");
     x("iptables -t nat -N KUBE-MARK-MASQ");
     x("iptables -t nat -A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000");
+    x("iptables -t nat -A KUBE-SERVICES -j KUBE-SVC-ABCDEF");
     x("iptables -t nat -A PREROUTING -m comment --comment kubernetes-service-portals -j KUBE-SERVICES");
-    x("iptables -t nat -N MINE");
-    x("iptables -t nat -A PREROUTING -j MINE");
+    x("iptables -t filter -N KUBE-FORWARD");
+    x("iptables -t filter -A FORWARD -j KUBE-FORWARD");
+    x("iptables -t mangle -N KUBE-PROXY-CANARY");
+    x("ipset create KUBE-CLUSTER-IP hash:ip,port");
+    x("ipset create KUBE-NODE-PORT-TCP bitmap:port range 0-65535");
+    x("nft add table ip kube-proxy");
+    x("ip link add kube-ipvs0 type veth peer name kipvs-peer"); // (this kernel has no dummy links)
+                                                                // Others': kubelet's chains, a CNI's KUBE-* set, another nftables table, the node's own rules.
     x("iptables -t filter -N KUBE-FIREWALL");
     x("iptables -t filter -A INPUT -j KUBE-FIREWALL");
-    x("ipset create KUBE-CLUSTER-IP hash:ip,port");
+    x("iptables -t mangle -N KUBE-KUBELET-CANARY");
+    x("iptables -t nat -N KUBE-MARK-DROP");
+    x("iptables -t nat -N MINE");
+    x("iptables -t nat -A PREROUTING -j MINE");
+    x("ipset create KUBE-MYCNI-PODS hash:ip");
     x("ipset create MINE-SET hash:ip");
-    x("ip link add kube-ipvs0 type veth peer name kipvs-peer");
+    x("nft add table inet mycni");
     let pins = PinDir::new("kpe7");
     let out = must(&format!("{} --netns kpe7-node --pin-dir {} cleanup --kube-proxy", kpr_lab::sibling_bin("kpr").display(), pins.path().display()));
-    assert!(out.contains("KUBE-* chains") && out.contains("ipset KUBE-CLUSTER-IP destroyed") && out.contains("kube-ipvs0"), "{out}");
+    assert!(
+        out.contains("removed kube-proxy's")
+            && out.contains("ipset KUBE-CLUSTER-IP destroyed")
+            && out.contains("kube-ipvs0")
+            && out.contains("nftables table ip kube-proxy"),
+        "{out}"
+    );
     let nat = x("iptables-save -t nat");
-    assert!(!nat.contains("KUBE-"), "{nat}");
-    assert!(nat.contains(":MINE") && nat.contains("-A PREROUTING -j MINE"), "others' rules stay: {nat}");
-    assert!(!x("iptables-save -t filter").contains("KUBE-"));
-    let sets = x("ipset list -n");
-    assert_eq!(sets.trim(), "MINE-SET");
+    for gone in ["KUBE-SERVICES", "KUBE-SVC-ABCDEF", "KUBE-MARK-MASQ"] {
+        assert!(!nat.contains(gone), "{gone} stayed: {nat}");
+    }
+    assert!(nat.contains(":MINE") && nat.contains("-A PREROUTING -j MINE") && nat.contains(":KUBE-MARK-DROP"), "others' rules stay: {nat}");
+    let filter = x("iptables-save -t filter");
+    assert!(
+        !filter.contains("KUBE-FORWARD") && filter.contains(":KUBE-FIREWALL") && filter.contains("-A INPUT -j KUBE-FIREWALL"),
+        "kubelet's KUBE-FIREWALL stays: {filter}"
+    );
+    let mangle = x("iptables-save -t mangle");
+    assert!(!mangle.contains("KUBE-PROXY-CANARY") && mangle.contains("KUBE-KUBELET-CANARY"), "{mangle}");
+    let mut sets: Vec<String> = x("ipset list -n").lines().map(str::to_string).collect();
+    sets.sort();
+    assert_eq!(sets, ["KUBE-MYCNI-PODS", "MINE-SET"]);
+    let tables = x("nft list tables");
+    assert!(!tables.contains("kube-proxy") && tables.contains("table inet mycni"), "{tables}");
     assert!(!x("ip -br link").contains("kube-ipvs0"));
     // Idempotent.
     let again =

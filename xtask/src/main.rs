@@ -126,9 +126,15 @@ fn mount_bpffs() {
 fn ensure_toolchain() -> Result<()> {
     let have_toolchain = ebpf_build::debian_toolchain() || ebpf_build::nightly_with_rust_src();
     let mut missing_tools: Vec<&str> = Vec::new();
-    for (tool, pkg) in
-        [("ip", "iproute2"), ("mountpoint", "util-linux"), ("setpriv", "util-linux"), ("iptables", "iptables"), ("ipset", "ipset"), ("conntrack", "conntrack")]
-    {
+    for (tool, pkg) in [
+        ("ip", "iproute2"),
+        ("mountpoint", "util-linux"),
+        ("setpriv", "util-linux"),
+        ("iptables", "iptables"),
+        ("ipset", "ipset"),
+        ("conntrack", "conntrack"),
+        ("nft", "nftables"),
+    ] {
         if !Command::new("sh").arg("-c").arg(format!("command -v {tool} >/dev/null")).status().map(|s| s.success()).unwrap_or(false) {
             missing_tools.push(pkg);
         }

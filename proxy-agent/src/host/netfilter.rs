@@ -16,7 +16,9 @@ pub trait Netfilter {
     fn restore(&mut self, backend: &str, input: &str) -> Result<(), NetfilterError>;
     fn ipsets(&self) -> Result<Vec<String>, NetfilterError>;
     fn destroy_ipset(&mut self, name: &str) -> Result<(), NetfilterError>;
-    fn delete_link(&mut self, name: &str) -> Result<bool, NetfilterError>;
+    /// nftables tables as (family, name); an error where `nft` is not installed.
+    fn nft_tables(&self) -> Result<Vec<(String, String)>, NetfilterError>;
+    fn delete_nft_table(&mut self, family: &str, name: &str) -> Result<(), NetfilterError>;
 }
 
 fn run(cmd: &str, args: &[&str], stdin: Option<&str>) -> Result<String, NetfilterError> {
@@ -49,10 +51,16 @@ impl Netfilter for SystemNetfilter {
     fn destroy_ipset(&mut self, name: &str) -> Result<(), NetfilterError> {
         run("ipset", &["destroy", name], None).map(|_| ())
     }
-    fn delete_link(&mut self, name: &str) -> Result<bool, NetfilterError> {
-        if run("ip", &["link", "show", name], None).is_err() {
-            return Ok(false);
-        }
-        run("ip", &["link", "del", name], None).map(|_| true)
+    fn nft_tables(&self) -> Result<Vec<(String, String)>, NetfilterError> {
+        Ok(run("nft", &["list", "tables"], None)?
+            .lines()
+            .filter_map(|l| {
+                let mut w = l.split_whitespace();
+                (w.next() == Some("table")).then(|| (w.next().unwrap_or("").to_string(), w.next().unwrap_or("").to_string()))
+            })
+            .collect())
+    }
+    fn delete_nft_table(&mut self, family: &str, name: &str) -> Result<(), NetfilterError> {
+        run("nft", &["delete", "table", family, name], None).map(|_| ())
     }
 }
