@@ -102,8 +102,13 @@ fn matches(obj: &Value, labels: Option<&str>, fields: Option<&str>) -> bool {
 
 impl FakeApi {
     pub async fn start() -> Self {
+        Self::start_on("127.0.0.1:0").await
+    }
+
+    /// Listens on `bind` (e.g. "0.0.0.0:0": reachable at the namespace's addresses).
+    pub async fn start_on(bind: &str) -> Self {
         let (events, _) = broadcast::channel(4096);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let listener = tokio::net::TcpListener::bind(bind).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let api = FakeApi { db: Arc::new(Mutex::new(Db { rv: 100, ..Default::default() })), events, addr };
         let app = Router::new()
@@ -115,6 +120,10 @@ impl FakeApi {
             .with_state(api.clone());
         tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
         api
+    }
+
+    pub fn port(&self) -> u16 {
+        self.addr.port()
     }
 
     pub fn url(&self) -> String {
@@ -284,13 +293,18 @@ async fn handle(State(api): State<FakeApi>, Query(q): Query<HashMap<String, Stri
 /// Starts a FakeApi inside a network namespace (its listener lives there; the handle works from
 /// anywhere). The runtime thread lives as long as the process.
 pub fn start_in_netns(ns: &str) -> FakeApi {
+    start_in_netns_on(ns, "127.0.0.1:0")
+}
+
+/// The same, listening on `bind`.
+pub fn start_in_netns_on(ns: &str, bind: &str) -> FakeApi {
     let (tx, rx) = std::sync::mpsc::channel();
-    let ns = ns.to_string();
+    let (ns, bind) = (ns.to_string(), bind.to_string());
     std::thread::spawn(move || {
         proxy_agent::host::netif::enter_netns(&ns).expect("enter netns");
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
         rt.block_on(async move {
-            tx.send(FakeApi::start().await).unwrap();
+            tx.send(FakeApi::start_on(&bind).await).unwrap();
             futures::future::pending::<()>().await;
         });
     });
@@ -313,9 +327,15 @@ impl FakeApi {
 
     /// A kubeconfig file pointing at this server (plain HTTP, no credentials).
     pub fn kubeconfig(&self, path: &std::path::Path) {
+        self.kubeconfig_for(path, &self.url());
+    }
+
+    /// A kubeconfig naming `server` (e.g. the `kubernetes` Service's ClusterIP, as a pod's
+    /// in-cluster configuration does).
+    pub fn kubeconfig_for(&self, path: &std::path::Path, server: &str) {
         let text = format!(
             "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster: {{server: \"{}\"}}\ncontexts:\n- name: fake\n  context: {{cluster: fake, user: fake}}\ncurrent-context: fake\nusers:\n- name: fake\n  user: {{}}\n",
-            self.url()
+            server
         );
         std::fs::write(path, text).unwrap();
     }

@@ -357,7 +357,7 @@ impl Lab {
         for i in 1..self.nodes.len() {
             let mut cmd = self.agent_command(i, &["--manifests".as_ref(), m.as_os_str()]);
             let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.nodes[i].agent_log).unwrap();
-            let child = cmd.env("NO_COLOR", "1").stdout(Stdio::null()).stderr(log).spawn().expect("start kpr");
+            let child = cmd.stdout(Stdio::null()).stderr(log).spawn().expect("start kpr");
             self.nodes[i].agent = Some(child);
         }
     }
@@ -378,7 +378,7 @@ impl Lab {
     /// Starts node A's agent from a command of the caller's (e.g. under reduced capabilities).
     pub fn start_agent_command(&mut self, mut cmd: Command) {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.agent_log).unwrap();
-        let child = cmd.env("NO_COLOR", "1").stdout(Stdio::null()).stderr(log).spawn().expect("start kpr");
+        let child = cmd.stdout(Stdio::null()).stderr(log).spawn().expect("start kpr");
         self.agent = Some(child);
     }
 

@@ -49,6 +49,11 @@ enum LogFormat {
 enum Cmd {
     /// Run the agent: program the fast path from the manifests and keep it in sync.
     Run(Box<settings::Flags>),
+    /// What needs more privileges than the agent has, for the DaemonSet's privileged init
+    /// container: mount bpffs where the host has none, set the sysctls (forwarding, kube-proxy's
+    /// conntrack settings, IPVS mode's) and load IPVS mode's modules. Takes `run`'s flags and
+    /// configuration file, so the values are the agent's.
+    PrepareHost(Box<settings::Flags>),
     /// Remove every program link and map this agent pinned. Idempotent.
     Cleanup {
         /// Also remove kube-proxy's leftovers: KUBE-* iptables chains and the rules jumping to
@@ -131,12 +136,13 @@ fn main() -> Result<()> {
     if let Some(ns) = &cli.netns {
         netif::enter_netns(ns).with_context(|| format!("cannot enter network namespace {ns} (needs CAP_SYS_ADMIN)"))?;
     }
-    if !matches!(cli.cmd, Cmd::Run(_)) {
+    if !matches!(cli.cmd, Cmd::Run(_) | Cmd::PrepareHost(_)) {
         init_logs(cli.log_format, 0);
     }
     let Cli { pin_dir, log_format, cmd, .. } = cli;
     match cmd {
         Cmd::Run(flags) => run(pin_dir, log_format, &flags)?,
+        Cmd::PrepareHost(flags) => prepare_host(&pin_dir, &flags)?,
         Cmd::Cleanup { kube_proxy, keep_kpr } => {
             if !keep_kpr {
                 // IPVS mode's state, where the kernel has IPVS.
@@ -285,16 +291,7 @@ fn main() -> Result<()> {
 
 /// `kpr run`: settings, host setup, the data plane, the servers, then the loop.
 fn run(pin_dir: PathBuf, log_format: LogFormat, flags: &settings::Flags) -> Result<()> {
-    let file = match &flags.config {
-        Some(path) => {
-            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-            let name = path.display().to_string();
-            let parsed = settings::kube_proxy::parse(&name, &text)?;
-            Some((name, parsed))
-        }
-        None => None,
-    };
-    let (s, notes) = settings::resolve(flags, file.as_ref().map(|(n, k)| (n.as_str(), k.clone())))?;
+    let (s, notes) = read_settings(flags)?;
     init_logs(log_format, s.verbosity);
     for n in &notes {
         tracing::warn!("{n}");
@@ -348,6 +345,52 @@ fn run(pin_dir: PathBuf, log_format: LogFormat, flags: &settings::Flags) -> Resu
         }
     }
     rt.shutdown_timeout(Duration::from_secs(1));
+    Ok(())
+}
+
+fn read_settings(flags: &settings::Flags) -> Result<(settings::Settings, Vec<String>)> {
+    let file = match &flags.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            let name = path.display().to_string();
+            let parsed = settings::kube_proxy::parse(&name, &text)?;
+            Some((name, parsed))
+        }
+        None => None,
+    };
+    Ok(settings::resolve(flags, file.as_ref().map(|(n, k)| (n.as_str(), k.clone())))?)
+}
+
+/// `kpr prepare-host`: the init container's work, from the same settings as `run`.
+fn prepare_host(pin_dir: &std::path::Path, flags: &settings::Flags) -> Result<()> {
+    init_logs(LogFormat::Human, 0);
+    let (s, _) = read_settings(flags)?;
+    let bpffs = pin_dir.parent().unwrap_or(std::path::Path::new("/sys/fs/bpf"));
+    let mounted = std::fs::read_to_string("/proc/mounts")
+        .unwrap_or_default()
+        .lines()
+        .any(|l| l.split_whitespace().nth(1) == bpffs.to_str() && l.split_whitespace().nth(2) == Some("bpf"));
+    if !mounted {
+        std::fs::create_dir_all(bpffs)?;
+        let c = |s: &str| std::ffi::CString::new(s).unwrap();
+        let target = c(&bpffs.display().to_string());
+        if unsafe { libc::mount(c("bpf").as_ptr(), target.as_ptr(), c("bpf").as_ptr(), 0, std::ptr::null()) } != 0 {
+            return Err(std::io::Error::last_os_error()).with_context(|| format!("mounting bpffs on {}", bpffs.display()));
+        }
+        println!("mounted bpffs on {}", bpffs.display());
+    }
+    host_setup(&s);
+    sysctl::apply(&mut ProcSysctls, &sysctl::FAST_PATH_SYSCTLS);
+    if matches!(s.mode, settings::Mode::Ipvs | settings::Mode::Auto) {
+        for m in sysctl::IPVS_MODULES {
+            if !std::process::Command::new("modprobe").arg(m).status().is_ok_and(|st| st.success()) {
+                tracing::warn!(module = m, "cannot load (built in, or missing from /lib/modules)");
+            }
+        }
+        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+        sysctl::apply(&mut ProcSysctls, &sysctl::ipvs_sysctls(sysctl::kernel_version(release.trim()).unwrap_or((0, 0)), s.ipvs.strict_arp));
+    }
+    println!("host prepared for mode {}", s.mode);
     Ok(())
 }
 

@@ -104,6 +104,15 @@ fn daemonset_privileges_ports_and_mounts() {
     let cm: ConfigMap = one();
     let text = cm.data.unwrap()["config.conf"].clone();
     let kp = proxy_agent::settings::kube_proxy::parse("configmap", &text).expect("the ConfigMap's KubeProxyConfiguration is valid");
+    // It resolves without a note: every field it sets is one kpr uses.
+    let (_, notes) = proxy_agent::settings::resolve(&Default::default(), Some(("configmap", kp.clone()))).expect("it resolves");
+    assert!(notes.is_empty(), "{notes:?}");
+    // The init container prepares the host from the same configuration, in the same image.
+    let ds: DaemonSet = one();
+    let init = &ds.spec.as_ref().unwrap().template.spec.as_ref().unwrap().init_containers.as_ref().unwrap()[0];
+    assert_eq!(init.image, c.image);
+    assert_eq!(init.args.clone().unwrap(), vec!["prepare-host".to_string(), "--config=/etc/kpr/config.conf".into()]);
+    assert!(mounts.iter().any(|m| m.mount_path == "/run/xtables.lock"), "iptables' lock is the host's");
     let port_of = |a: &Option<String>| a.as_deref().unwrap().rsplit(':').next().unwrap().parse::<i32>().unwrap();
     let healthz = port_of(&kp.healthz_bind_address);
     let metrics = port_of(&kp.metrics_bind_address);

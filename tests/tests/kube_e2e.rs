@@ -196,3 +196,49 @@ fn agent_on_the_kubernetes_api_forwards_serves_health_and_metrics_and_survives_a
     lab.wait_backends("10.96.0.10:80", 3);
     let _ = std::fs::remove_dir_all(&empty);
 }
+
+/// A node whose maps are empty (a new node, or after a reboot) must reach the API server
+/// before anything programs the `kubernetes` Service's ClusterIP: through the ClusterIP alone
+/// it never starts; with the API server's real address (--k8s-api-server, as the DaemonSet
+/// sets it) it programs everything, that ClusterIP included.
+#[test]
+fn a_cold_node_reaches_the_api_server_at_its_real_address() {
+    use kpr_lab::{fake_api::start_in_netns_on, lab::NODE_IP};
+    let dir = std::env::temp_dir().join(format!("kpr-kube-cold-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut lab = Lab::build("kpe8", &dir);
+    // The API server listens on the node's address (host network), as a control-plane node's does.
+    let api = start_in_netns_on(&lab.ns("node"), "0.0.0.0:0");
+    let port = api.port();
+    api.apply_yaml(&format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: kubernetes, namespace: default}}\nspec: {{clusterIP: 10.96.0.1, ports: [{{name: https, port: 443, targetPort: {port}}}]}}\n---\n\
+         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: kubernetes, namespace: default, labels: {{kubernetes.io/service-name: kubernetes}}}}\n\
+         addressType: IPv4\nports: [{{name: https, port: {port}}}]\nendpoints: [{{addresses: [{NODE_IP}], conditions: {{ready: true}}}}]\n"
+    ));
+    api.apply_yaml(&std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples/web.yaml")).unwrap());
+    api.apply_yaml("apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\n");
+    // A pod's in-cluster configuration: the Service's ClusterIP.
+    let kubeconfig = dir.join("kubeconfig");
+    api.kubeconfig_for(&kubeconfig, "http://10.96.0.1:443");
+
+    lab.start_agent_with(&["--kubeconfig".as_ref(), kubeconfig.as_os_str()]);
+    std::thread::sleep(Duration::from_secs(5));
+    assert_eq!(lab.services().as_array().map(|a| a.len()), Some(0), "nothing can be programmed: {}", lab.agent_log());
+    lab.kill_agent();
+
+    let real = format!("http://{NODE_IP}:{port}");
+    lab.start_agent_with(&["--kubeconfig".as_ref(), kubeconfig.as_os_str(), "--k8s-api-server".as_ref(), real.as_ref()]);
+    lab.wait_backends("10.96.0.1:443", 1);
+    lab.wait_backends("10.96.0.10:80", 3);
+    // And now pods reach the API server through its ClusterIP.
+    let o = Command::new("ip")
+        .args(["netns", "exec", &lab.ns("pod")])
+        .arg(kpr_lab::sibling_bin("kpr-lab-peer"))
+        .args(["get", "10.96.0.1:443", "/api/v1/nodes"])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.starts_with("HTTP/1.") && out.contains(" 200") && out.contains("node-a"), "{out}");
+    drop(lab);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -75,6 +75,14 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Build kpr's container image from a minimal root file system (deploy/image/rootfs.sh:
+    /// the agent, busybox, modprobe, iptables, ipset, nft, ipvsadm and their libraries) with
+    /// buildah and deploy/Containerfile (root). The root file system stays in target/image/.
+    Image {
+        /// The image's name and tag.
+        #[arg(long, default_value = concat!("kpr:", env!("CARGO_PKG_VERSION")))]
+        tag: String,
+    },
     /// Fuzz the IPVS netlink reply decoder (proxy-agent/fuzz) with cargo-fuzz and rustup's
     /// nightly, installing either where missing.
     Fuzz {
@@ -126,16 +134,22 @@ fn mount_bpffs() {
 fn ensure_toolchain() -> Result<()> {
     let have_toolchain = ebpf_build::debian_toolchain() || ebpf_build::nightly_with_rust_src();
     let mut missing_tools: Vec<&str> = Vec::new();
-    for (tool, pkg) in [
-        ("ip", "iproute2"),
-        ("mountpoint", "util-linux"),
-        ("setpriv", "util-linux"),
-        ("iptables", "iptables"),
-        ("ipset", "ipset"),
-        ("conntrack", "conntrack"),
-        ("nft", "nftables"),
+    // (a shell test, the package that makes it pass): the lab's tools, and what the image test
+    // builds kpr's image from (busybox must be the static one: the image has no libc of its own
+    // for it).
+    for (check, pkg) in [
+        ("command -v ip", "iproute2"),
+        ("command -v mountpoint && command -v setpriv", "util-linux"),
+        ("command -v iptables", "iptables"),
+        ("command -v ipset", "ipset"),
+        ("command -v conntrack", "conntrack"),
+        ("command -v nft", "nftables"),
+        ("command -v ipvsadm", "ipvsadm"),
+        ("command -v kmod", "kmod"),
+        ("command -v buildah", "buildah"),
+        ("ldd /bin/busybox 2>&1 | grep -q 'not a dynamic'", "busybox-static"),
     ] {
-        if !Command::new("sh").arg("-c").arg(format!("command -v {tool} >/dev/null")).status().map(|s| s.success()).unwrap_or(false) {
+        if !Command::new("sh").arg("-c").arg(format!("{check} >/dev/null 2>&1")).status().map(|s| s.success()).unwrap_or(false) {
             missing_tools.push(pkg);
         }
     }
@@ -311,6 +325,21 @@ fn real_main() -> Result<()> {
             vm::vm_test(command, Duration::from_secs(timeout_secs), &args)?;
         }
         Cmd::Fuzz { seconds } => fuzz(seconds)?,
+        Cmd::Image { tag } => {
+            require_root("image")?;
+            ensure_toolchain()?;
+            let mut b = cargo();
+            b.args(["build", "--release", "-p", "proxy-agent", "--bin", "kpr"]);
+            run(b, "building kpr")?;
+            let dir = root().join("target/image");
+            let mut r = Command::new(root().join("deploy/image/rootfs.sh"));
+            r.arg(dir.join("rootfs")).arg(root().join("target/release/kpr"));
+            run(r, "assembling the root file system")?;
+            let mut bud = Command::new("buildah");
+            bud.args(["bud", "--layers=false", "-f"]).arg(root().join("deploy/Containerfile")).args(["-t", &tag]).arg(&dir);
+            run(bud, "building the image")?;
+            println!("built {tag} (buildah images; export: podman save -o kpr.tar {tag})");
+        }
     }
     Ok(())
 }

@@ -109,6 +109,10 @@ pub fn kernel_version(release: &str) -> Option<(u32, u32)> {
     Some((it.next()?.parse().ok()?, it.next()?.parse().ok()?))
 }
 
+/// The kernel modules IPVS mode needs (the schedulers kube-proxy loads, conntrack, and the
+/// netfilter matches of kpr's fixed rules).
+pub const IPVS_MODULES: &[&str] = &["ip_vs", "ip_vs_rr", "ip_vs_wrr", "ip_vs_sh", "ip_vs_mh", "nf_conntrack", "xt_bpf", "xt_ipvs", "xt_addrtype"];
+
 /// The sysctls of kube-proxy's IPVS proxier, with its kernel-version conditions:
 /// conn_reuse_mode=0 only on 4.1..5.9 (older kernels lack it; from 5.9 the 1-second stall it
 /// worked around is fixed and 1 is right); ARP settings only with strictARP.

@@ -484,7 +484,10 @@ pub fn resolve(f: &Flags, file: Option<(&str, KubeProxyConfiguration)>) -> Resul
         ("ipvs", &ipv.sync_period, &ipv.min_sync_period),
         ("nftables", &nft.sync_period, &nft.min_sync_period),
     ] {
-        if s != section && (set_duration(*d).is_some() || set_duration(*m).is_some()) {
+        // Another section's periods are fine (a file ready for another mode) unless they
+        // differ from the ones in force: then the reader should know which apply.
+        let differs = |v: &Option<kube::core::Duration>, inforce: Option<Duration>| set_duration(*v).is_some_and(|v| Some(v) != inforce);
+        if s != section && (differs(d, file_sync) || differs(m, file_min_sync)) {
             notes.push(format!("{name}: {s}.syncPeriod/minSyncPeriod do not apply in mode {the_mode} ({section}.* do)"));
         }
     }
