@@ -311,9 +311,17 @@ impl Lab {
 
     /// Loads rules with the lab's iptables front end (`iptables-restore --noflush` syntax).
     pub fn iptables_restore(&self, ns: &str, rules: &str) {
+        self.iptables_restore_with(ns, rules, true);
+    }
+
+    /// The same; without `noflush` the tables named are replaced (as kube-proxy's full syncs
+    /// do). Returns how long iptables-restore took.
+    pub fn iptables_restore_with(&self, ns: &str, rules: &str, noflush: bool) -> Duration {
+        let t = Instant::now();
         let bin = format!("{}-restore", self.spec.iptables.bin());
         let mut c = Command::new("ip")
-            .args(["netns", "exec", ns, &bin, "--noflush"])
+            .args(["netns", "exec", ns, &bin])
+            .args(noflush.then_some("--noflush"))
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -323,6 +331,7 @@ impl Lab {
         c.stdin.take().unwrap().write_all(rules.as_bytes()).unwrap();
         let o = c.wait_with_output().unwrap();
         assert!(o.status.success(), "{bin} in {ns}: {}\n{rules}", String::from_utf8_lossy(&o.stderr));
+        t.elapsed()
     }
 
     /// Runs the lab's iptables (or iptables-save) in a node's namespace.

@@ -85,7 +85,13 @@ fn migrate_from_kube_proxy_and_roll_back() {
     let held = hold(&lab);
     lab.kill_agent();
     lab.cli(&["cleanup"]);
-    assert!(!lab.cli(&["cleanup"]).contains("tc filter"), "nothing of kpr's is left on the interfaces");
+    // At once: no program of kpr's runs on any interface (links are detached, not only unpinned).
+    let attached = kpr_lab::must(&format!("ip netns exec {node} bpftool -j net show"));
+    assert!(!attached.contains("kpr_"), "kpr's programs still attached after cleanup: {attached}");
+    // (bpftool 7.1 does not list TCX links: traffic tells. With neither kpr nor kube-proxy's
+    // rules, nothing answers for the ClusterIP.)
+    let v = lab.peer("pod", &["burst", &format!("{VIP}:80"), "tcp", "1"]);
+    assert_eq!(errors(&v), 1, "a connection to the ClusterIP right after `kpr cleanup` still went through kpr: {v}");
     lab.iptables_restore(&node, &kube_proxy_rules);
     new_connections_work(&lab, "kube-proxy's rules after the rollback");
     check(held, "kpr -> kube-proxy (rollback)");

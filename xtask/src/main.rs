@@ -147,6 +147,7 @@ fn ensure_toolchain() -> Result<()> {
         ("command -v ipvsadm", "ipvsadm"),
         ("command -v kmod", "kmod"),
         ("command -v buildah", "buildah"),
+        ("command -v bpftool", "bpftool"),
         ("ldd /bin/busybox 2>&1 | grep -q 'not a dynamic'", "busybox-static"),
     ] {
         if !Command::new("sh").arg("-c").arg(format!("{check} >/dev/null 2>&1")).status().map(|s| s.success()).unwrap_or(false) {

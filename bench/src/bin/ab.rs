@@ -5,10 +5,7 @@
 //! applying one change. Prints a table, writes JSON and an SVG chart. Figures, not assertions.
 //!
 //!   kpr-ab [--sizes 100,1000,10000,30000] [--seconds 3] [--json FILE] [--svg FILE]
-use std::{
-    process::{Command, Stdio},
-    time::Instant,
-};
+use std::time::Instant;
 
 use kpr_lab::{
     iptables::{render, Svc},
@@ -72,19 +69,7 @@ fn fresh_conntrack(lab: &Lab) {
 /// One iptables-restore of the whole nat table (it replaces the table, as a kube-proxy full
 /// sync does); returns its duration.
 fn restore(lab: &Lab, rules: &str) -> f64 {
-    let t = Instant::now();
-    let mut c = Command::new("ip")
-        .args(["netns", "exec", &lab.ns("node"), "iptables-restore"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("iptables-restore");
-    use std::io::Write;
-    c.stdin.take().unwrap().write_all(rules.as_bytes()).unwrap();
-    let o = c.wait_with_output().unwrap();
-    assert!(o.status.success(), "iptables-restore: {}", String::from_utf8_lossy(&o.stderr));
-    t.elapsed().as_secs_f64()
+    lab.iptables_restore_with(&lab.ns("node"), rules, false).as_secs_f64()
 }
 
 fn svg(rows: &[Row]) -> String {

@@ -1,6 +1,6 @@
-//! The two map operations aya 0.14 lacks, as raw bpf(2) calls on a map's fd:
-//! BPF_MAP_LOOKUP_BATCH (read many entries in one call, resumable) and
-//! BPF_MAP_LOOKUP_AND_DELETE_ELEM (take an entry out atomically). Hash maps only.
+//! The bpf(2) operations aya 0.14 lacks, as raw calls: BPF_MAP_LOOKUP_BATCH (read many
+//! entries in one call, resumable), BPF_MAP_LOOKUP_AND_DELETE_ELEM (take an entry out
+//! atomically; hash maps only), and BPF_LINK_DETACH of a pinned link.
 use std::{
     io,
     os::fd::{AsFd, AsRawFd},
@@ -97,5 +97,42 @@ pub fn insert_new<K: Pod, V: Pod>(fd: impl AsFd, key: &K, value: &V) -> io::Resu
         Ok(()) => Ok(true),
         Err(e) if e.raw_os_error() == Some(libc::EEXIST) => Ok(false),
         Err(e) => Err(e),
+    }
+}
+
+const BPF_OBJ_GET: libc::c_long = 7;
+const BPF_LINK_DETACH: libc::c_long = 34;
+
+/// `union bpf_attr`'s object-pinning member.
+#[repr(C)]
+#[derive(Default)]
+struct ObjAttr {
+    pathname: u64,
+    bpf_fd: u32,
+    file_flags: u32,
+    path_fd: i32,
+    _pad: u32,
+}
+
+/// Detaches the link pinned at `path` now (BPF_LINK_DETACH). Unpinning alone releases it only
+/// when the kernel frees the bpffs inode, after an RCU grace period that lazy RCU can stretch
+/// to seconds, during which the program keeps running.
+pub fn detach_pinned_link(path: &std::path::Path) -> io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(io::Error::other)?;
+    let get = ObjAttr { pathname: c.as_ptr() as u64, ..Default::default() };
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, &get as *const ObjAttr, std::mem::size_of::<ObjAttr>()) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let attr: [u32; 4] = [fd as u32, 0, 0, 0];
+    let r = unsafe { libc::syscall(libc::SYS_bpf, BPF_LINK_DETACH, attr.as_ptr(), std::mem::size_of_val(&attr)) };
+    let err = (r < 0).then(io::Error::last_os_error);
+    unsafe { libc::close(fd as i32) };
+    match err {
+        // Links of kinds without detach (and kernels before 5.9) go with their last reference.
+        Some(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::EINVAL)) => Ok(()),
+        Some(e) => Err(e),
+        None => Ok(()),
     }
 }

@@ -318,9 +318,11 @@ pub fn attached_links(pin_dir: &Path) -> Vec<(String, Hook)> {
     out
 }
 
-/// Detaches one pinned link (unpinning drops the last reference).
+/// Detaches one pinned link, then unpins it.
 pub fn detach(pin_dir: &Path, iface: &str, hook: Hook) -> io::Result<()> {
-    match std::fs::remove_file(link_path(pin_dir, iface, hook)) {
+    let path = link_path(pin_dir, iface, hook);
+    let _ = crate::dataplane::ebpf::bpf_batch::detach_pinned_link(&path);
+    match std::fs::remove_file(path) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
         r => r,
     }
@@ -374,7 +376,8 @@ pub fn capacity_mismatches(pin_dir: &Path, caps: &Capacities) -> Vec<(&'static s
         .collect()
 }
 
-/// Unpins every link and map under `pin_dir` (interfaces untouched). Idempotent.
+/// Detaches and unpins every link, and unpins every map, under `pin_dir` (interfaces
+/// untouched). Idempotent.
 pub fn unpin_all(pin_dir: &Path) -> io::Result<Vec<PathBuf>> {
     let mut removed = Vec::new();
     for sub in [pin_dir.join("links"), pin_dir.to_path_buf()] {
@@ -384,6 +387,10 @@ pub fn unpin_all(pin_dir: &Path) -> io::Result<Vec<PathBuf>> {
         for e in rd.flatten() {
             let p = e.path();
             if p.is_file() || p.is_symlink() || !p.is_dir() {
+                if sub.ends_with("links") {
+                    // Now, not when the kernel gets round to freeing the pin's inode.
+                    let _ = crate::dataplane::ebpf::bpf_batch::detach_pinned_link(&p);
+                }
                 std::fs::remove_file(&p)?;
                 removed.push(p);
             }

@@ -44,6 +44,33 @@ pub struct RemovedBackend {
     pub backend: Backend,
 }
 
+/// Deletes the slots of services no frontend holds (nor `keep_services`), then the backends no
+/// slot points to and no frontend wants: the deletes that cannot break a flow.
+fn delete_unreferenced(
+    maps: &mut dyn DatapathMaps,
+    m: &mut Mirror,
+    keep_services: &std::collections::HashSet<u32>,
+    live_backends: &std::collections::HashSet<u32>,
+    st: &mut SyncStats,
+) -> Result<(), SyncError> {
+    let held: std::collections::HashSet<u32> = m.services.values().map(|v| v.service_id).chain(keep_services.iter().copied()).collect();
+    let dead: Vec<u32> = m.slots.keys().filter(|id| !held.contains(id)).copied().collect();
+    for service_id in dead {
+        for slot in m.slots.remove(&service_id).unwrap_or_default().keys() {
+            maps.del_slot(SlotKey { service_id, slot: *slot })?;
+            st.deletes += 1;
+        }
+    }
+    let referenced: std::collections::HashSet<u32> = m.slots.values().flat_map(|s| s.values().copied()).collect();
+    let gone: Vec<u32> = m.backends.keys().filter(|id| !live_backends.contains(id) && !referenced.contains(id)).copied().collect();
+    for id in gone {
+        maps.del_backend(id)?;
+        m.backends.remove(&id);
+        st.deletes += 1;
+    }
+    Ok(())
+}
+
 /// The backends a frontend had (its slots up to its count).
 fn current_ids(m: &Mirror, key: &ServiceKey) -> Vec<u32> {
     match m.services.get(key) {
@@ -226,21 +253,7 @@ impl Syncer {
                 self.release_service_id(&key);
             }
         }
-        let held: std::collections::HashSet<u32> = m.services.values().map(|v| v.service_id).collect();
-        let dead: Vec<u32> = m.slots.keys().filter(|id| !held.contains(id)).copied().collect();
-        for service_id in dead {
-            for slot in m.slots.remove(&service_id).unwrap_or_default().keys() {
-                maps.del_slot(SlotKey { service_id, slot: *slot })?;
-                st.deletes += 1;
-            }
-        }
-        let referenced: std::collections::HashSet<u32> = m.slots.values().flat_map(|s| s.values().copied()).collect();
-        let unreferenced: Vec<u32> = m.backends.keys().filter(|id| !live_backends.contains(id) && !referenced.contains(id)).copied().collect();
-        for id in unreferenced {
-            maps.del_backend(id)?;
-            m.backends.remove(&id);
-            st.deletes += 1;
-        }
+        delete_unreferenced(maps, &mut m, &Default::default(), &live_backends, &mut st)?;
 
         let mut desired_ranges: BTreeSet<SrcRange> = BTreeSet::new();
         let mut live_services: std::collections::HashSet<u32> = std::collections::HashSet::new();
@@ -285,21 +298,7 @@ impl Syncer {
                 }
             }
             // What the programmed frontends no longer point to goes now, before the retries.
-            let dead: Vec<u32> =
-                m.slots.keys().filter(|id| !live_services.contains(id) && !m.services.values().any(|v| v.service_id == **id)).copied().collect();
-            for service_id in dead {
-                for slot in m.slots.remove(&service_id).unwrap_or_default().keys() {
-                    maps.del_slot(SlotKey { service_id, slot: *slot })?;
-                    st.deletes += 1;
-                }
-            }
-            let referenced: std::collections::HashSet<u32> = m.slots.values().flat_map(|s| s.values().copied()).collect();
-            let gone: Vec<u32> = m.backends.keys().filter(|id| !live_backends.contains(id) && !referenced.contains(id)).copied().collect();
-            for id in gone {
-                maps.del_backend(id)?;
-                m.backends.remove(&id);
-                st.deletes += 1;
-            }
+            delete_unreferenced(maps, &mut m, &live_services, &live_backends, &mut st)?;
             if retry.is_empty() {
                 break;
             }

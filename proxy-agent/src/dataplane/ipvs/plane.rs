@@ -132,14 +132,7 @@ impl Dataplane for IpvsPlane {
             None => &mut noct,
         };
         let st = self.syncer.sync(&mut self.ipvs, &mut self.links, ct, &vs, only.as_ref())?;
-        let bound: BTreeSet<IpAddr> = vs
-            .values()
-            .filter(|v| v.bind)
-            .filter_map(|v| match v.config.id {
-                ServiceId::Addr { addr, .. } => Some(addr),
-                ServiceId::Fwmark { .. } => None,
-            })
-            .collect();
+        let bound = ipvs_sync::bound_addresses(&vs);
         let want = sets::compute(desired, node_addrs, &bound);
         let have = match (touched, self.sets_mirror.take()) {
             (Some(_), Some(m)) => m,

@@ -53,6 +53,17 @@ fn proto_number(p: Protocol) -> u8 {
     p.number()
 }
 
+/// The addresses the virtual servers want bound on kube-ipvs0.
+pub fn bound_addresses(vs: &BTreeMap<ServiceId, VirtualServer>) -> BTreeSet<IpAddr> {
+    vs.values()
+        .filter(|v| v.bind)
+        .filter_map(|v| match v.config.id {
+            ServiceId::Addr { addr, .. } => Some(addr),
+            ServiceId::Fwmark { .. } => None,
+        })
+        .collect()
+}
+
 /// The virtual servers `desired` asks for. ClusterIPs take the internal view of a frontend
 /// (internalTrafficPolicy), node ports, external and load-balancer IPs the external one
 /// (externalTrafficPolicy Local: node-local endpoints only, as kube-proxy's IPVS mode).
@@ -197,14 +208,7 @@ impl IpvsSyncer {
         let mut now_bound = bound.clone();
 
         // Bind first: IPVS only sees packets to local addresses.
-        let want_bound: BTreeSet<IpAddr> = desired
-            .values()
-            .filter(|v| v.bind)
-            .filter_map(|v| match v.config.id {
-                ServiceId::Addr { addr, .. } => Some(addr),
-                ServiceId::Fwmark { .. } => None,
-            })
-            .collect();
+        let want_bound = bound_addresses(desired);
         for addr in want_bound.difference(&bound) {
             match links.add_address(ifindex, *addr) {
                 Ok(()) => {
