@@ -355,6 +355,10 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
         stats.last_sync = Some(now);
         stats.m.last_sync_timestamp.set(unix_seconds(now));
         stats.m.rejected_objects.set(problems.len() as i64);
+        for reason in [crate::model::objects::FIELD_NOT_PROGRAMMED, crate::model::objects::NOT_SUPPORTED, crate::model::objects::MAP_FULL] {
+            let n = problems.iter().filter(|p| p.reason == reason).count() + if reason == crate::model::objects::MAP_FULL { st.full.len() } else { 0 };
+            stats.m.not_programmed.with_label_values(&[reason]).set(n as i64);
+        }
         for (i, policy) in ["internal", "external"].into_iter().enumerate() {
             stats.m.no_local_endpoints.with_label_values(&[policy]).set(desired.no_local_endpoints.values().filter(|p| p[i]).count() as i64);
         }

@@ -42,6 +42,8 @@ pub struct Metrics {
     pub syncs_total: IntCounter,
     pub sync_failures_total: IntCounter,
     pub rejected_objects: IntGauge,
+    /// The same by reason (FieldNotProgrammed: invalid; NotSupported: IPv6, SCTP; MapFull).
+    pub not_programmed: IntGaugeVec,
     pub ipvs_terminating: IntGauge,
     pub gc_flows_total: IntCounter,
     /// Frontends that did not fit in a full map, by map.
@@ -99,6 +101,11 @@ impl Metrics {
             syncs_total: counter("kpr_syncs_total", "Syncs of the data plane, successful or not"),
             sync_failures_total: counter("kpr_sync_failures_total", "Syncs that failed (retried with a back-off)"),
             rejected_objects: gauge("kpr_rejected_objects", "Service and EndpointSlice fields not programmed in the last sync (each also an Event)"),
+            not_programmed: reg(
+                &registry,
+                IntGaugeVec::new(Opts::new("kpr_objects_not_programmed", "Object fields not programmed in the last sync, by the Event's reason"), &["reason"])
+                    .unwrap(),
+            ),
             ipvs_terminating: gauge("kpr_ipvs_terminating_destinations", "IPVS destinations at weight 0 waiting for their connections to end"),
             gc_flows_total: counter("kpr_conntrack_gc_flows_total", "Flows deleted by the conntrack collector"),
             map_full_total: counter_vec("kpr_map_full_total", "Frontends or backends not programmed because a map was full", &["map"]),
@@ -112,6 +119,9 @@ impl Metrics {
         }
         for policy in ["internal", "external"] {
             m.no_local_endpoints.with_label_values(&[policy]);
+        }
+        for reason in [crate::model::objects::FIELD_NOT_PROGRAMMED, crate::model::objects::NOT_SUPPORTED, crate::model::objects::MAP_FULL] {
+            m.not_programmed.with_label_values(&[reason]);
         }
         // Only Linux has /proc for the process collector.
         #[cfg(target_os = "linux")]

@@ -282,3 +282,60 @@ endpoints: [{addresses: [10.244.1.2]}]
     assert!(has("Service a/bad", "metadata.annotations[kpr.io/ipvs-forward]"), "{errs:#?}");
     assert_eq!(errs.len(), 3, "{errs:#?}");
 }
+
+/// A dual-stack Service: its IPv4 half is programmed, and every IPv6 part (addresses, the IPv6
+/// EndpointSlice) and an SCTP port are reported with the NotSupported reason, not skipped in
+/// silence.
+#[test]
+fn ipv6_and_sctp_parts_are_reported_not_skipped() {
+    let text = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: dual, namespace: g}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.3.1
+  clusterIPs: [10.96.3.1, "fd00::3:1"]
+  ipFamilies: [IPv4, IPv6]
+  externalIPs: ["2001:db8::1"]
+  ports: [{name: http, port: 80, nodePort: 30080}, {name: sig, port: 9, protocol: SCTP}]
+status: {loadBalancer: {ingress: [{ip: 192.0.2.30}, {ip: "2001:db8::30"}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: dual-4, namespace: g, labels: {kubernetes.io/service-name: dual}}
+addressType: IPv4
+ports: [{name: http, port: 8080}]
+endpoints: [{addresses: [10.244.1.30], conditions: {ready: true}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: dual-6, namespace: g, labels: {kubernetes.io/service-name: dual}}
+addressType: IPv6
+ports: [{name: http, port: 8080}]
+endpoints: [{addresses: ["fd00:10:244::30"], conditions: {ready: true}}]
+"#;
+    let mut r = LoadReport::default();
+    load_text("dual.yaml", text, &mut r);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    let node = NodeInfo { name: "me".into(), nodeport_addresses: vec!["198.18.0.1".parse().unwrap()], zone: None };
+    let d = compute(&r.objects, &node, &ModelConfig::default());
+    assert!(d.frontends.keys().all(|k| k.ip.is_ipv4()));
+    assert!(
+        d.frontends.keys().any(|k| k.ip.to_string() == "10.96.3.1") && d.frontends.keys().any(|k| k.ip.to_string() == "192.0.2.30"),
+        "the IPv4 half is programmed"
+    );
+    let reported: Vec<(String, String, &str)> = d.errors.iter().map(|e| (e.object.clone(), e.field.clone(), e.reason)).collect();
+    for (object, field) in [
+        ("Service g/dual", "spec.clusterIPs"),
+        ("Service g/dual", "spec.externalIPs[0]"),
+        ("Service g/dual", "status.loadBalancer.ingress[1].ip"),
+        ("Service g/dual", "spec.ports[1].protocol"),
+        ("EndpointSlice g/dual-6", "addressType"),
+    ] {
+        assert!(
+            reported.iter().any(|(o, f, reason)| o == object && f == field && *reason == proxy_agent::model::objects::NOT_SUPPORTED),
+            "{object} {field} not reported: {reported:?}"
+        );
+    }
+}

@@ -4,14 +4,18 @@
 
 use libfuzzer_sys::fuzz_target;
 
-// The module's own sources: the fuzz crate can't afford to depend on proxy-agent.
+// The module's own sources: the fuzz crate can't afford to depend on proxy-agent. The client
+// reaches the shared netlink pieces as `crate::netlink::...`, so they sit at the same path here.
 #[allow(dead_code, unused_imports)]
-#[path = "../../src/ipvs/mod.rs"]
+#[path = "../../src/dataplane/ipvs/client/mod.rs"]
 mod ipvs;
 
 #[allow(dead_code)]
-#[path = "../../src/nlsock.rs"]
-mod nlsock;
+#[path = "../../src/netlink"]
+mod netlink {
+    pub mod attrs;
+    pub mod socket;
+}
 
 use ipvs::{
     wire::{self, cmd, Reply},
@@ -23,7 +27,7 @@ const FAMILIES: [u16; 2] = [libc::AF_INET as u16, libc::AF_INET6 as u16];
 fuzz_target!(|data: &[u8]| {
     // The attribute walker always advances and stops after its first error.
     let mut n = 0;
-    for a in wire::attrs("fuzz", data) {
+    for a in netlink::attrs::attrs("fuzz", data) {
         n += 1;
         if a.is_err() {
             break;

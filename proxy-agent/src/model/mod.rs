@@ -243,6 +243,19 @@ struct Ep {
     zones: Option<Vec<String>>,
 }
 
+/// A valid part of an object that kpr does not program yet (reported, never skipped in silence).
+fn unsupported(errors: &mut Vec<ObjectError>, object: &str, field: impl Into<String>, message: impl Into<String>) {
+    errors.push(ObjectError {
+        source: "model".into(),
+        object: object.into(),
+        field: field.into(),
+        message: message.into(),
+        reason: crate::model::objects::NOT_SUPPORTED,
+    });
+}
+
+const NO_IPV6: &str = "IPv6 is not programmed yet (IPv4 only); the IPv4 parts of this Service are";
+
 fn err(errors: &mut Vec<ObjectError>, object: &str, field: impl Into<String>, message: impl Into<String>) {
     errors.push(ObjectError {
         source: "model".into(),
@@ -356,7 +369,10 @@ fn service_frontends(ns: &str, name: &str, svc: &Service, slices: &[(&String, &E
             Err(_) => err(errors, &object, format!("spec.clusterIPs[{i}]"), format!("{s:?} is not an IP address")),
         }
     }
-    // The fast path is IPv4 today.
+    // IPv4 only today: the IPv6 ones are reported.
+    for ip in cluster_ips.iter().filter(|ip| ip.is_ipv6()) {
+        unsupported(errors, &object, "spec.clusterIPs", format!("{ip}: {NO_IPV6}"));
+    }
     cluster_ips.retain(IpAddr::is_ipv4);
 
     let svc_type = spec.type_.as_deref().unwrap_or("ClusterIP");
@@ -396,7 +412,7 @@ fn service_frontends(ns: &str, name: &str, svc: &Service, slices: &[(&String, &E
     for (i, s) in spec.external_ips.iter().flatten().enumerate() {
         match s.parse::<IpAddr>() {
             Ok(ip) if ip.is_ipv4() => external_ips.push(ip),
-            Ok(_) => {}
+            Ok(ip) => unsupported(errors, &object, format!("spec.externalIPs[{i}]"), format!("{ip}: {NO_IPV6}")),
             Err(_) => err(errors, &object, format!("spec.externalIPs[{i}]"), format!("{s:?} is not an IP address")),
         }
     }
@@ -412,7 +428,7 @@ fn service_frontends(ns: &str, name: &str, svc: &Service, slices: &[(&String, &E
             if let Some(s) = &ing.ip {
                 match s.parse::<IpAddr>() {
                     Ok(ip) if ip.is_ipv4() => lb_ips.push(ip),
-                    Ok(_) => {}
+                    Ok(ip) => unsupported(errors, &object, format!("status.loadBalancer.ingress[{i}].ip"), format!("{ip}: {NO_IPV6}")),
                     Err(_) => err(errors, &object, format!("status.loadBalancer.ingress[{i}].ip"), format!("{s:?} is not an IP address")),
                 }
             }
@@ -422,6 +438,7 @@ fn service_frontends(ns: &str, name: &str, svc: &Service, slices: &[(&String, &E
     for (i, s) in spec.load_balancer_source_ranges.iter().flatten().enumerate() {
         match s.trim().parse::<IpNet>() {
             Ok(net) if net.addr().is_ipv4() => source_ranges.push(net.trunc()),
+            // An IPv6 range restricts IPv6 clients only, which are not served yet.
             Ok(_) => {}
             Err(_) => err(errors, &object, format!("spec.loadBalancerSourceRanges[{i}]"), format!("{s:?} is not a CIDR")),
         }
@@ -450,7 +467,7 @@ fn service_frontends(ns: &str, name: &str, svc: &Service, slices: &[(&String, &E
         let proto = match Protocol::from_name(port.protocol.as_deref().unwrap_or("TCP")) {
             Some(p @ (Protocol::Tcp | Protocol::Udp)) => p,
             Some(Protocol::Sctp) => {
-                err(errors, &object, format!("{field}.protocol"), "SCTP is not supported by the eBPF fast path; port skipped");
+                unsupported(errors, &object, format!("{field}.protocol"), "SCTP is not programmed yet; port skipped");
                 continue;
             }
             None => {
@@ -474,6 +491,11 @@ fn service_frontends(ns: &str, name: &str, svc: &Service, slices: &[(&String, &E
         for (slice_name, slice) in slices {
             let sobj = format!("EndpointSlice {ns}/{slice_name}");
             if slice.address_type != "IPv4" {
+                if slice.address_type == "IPv6" {
+                    unsupported(errors, &sobj, "addressType", format!("IPv6 endpoints are not programmed yet (IPv4 only); port {port_name:?}"));
+                } else {
+                    unsupported(errors, &sobj, "addressType", format!("{:?} endpoints are not programmed (IPv4 only)", slice.address_type));
+                }
                 continue;
             }
             let target = slice

@@ -28,6 +28,8 @@ pub struct ObjectError {
 pub const FIELD_NOT_PROGRAMMED: &str = "FieldNotProgrammed";
 /// A map had no room for the object's frontends or endpoints.
 pub const MAP_FULL: &str = "MapFull";
+/// A valid part kpr does not program yet (IPv6, SCTP).
+pub const NOT_SUPPORTED: &str = "NotSupported";
 
 impl fmt::Display for ObjectError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
