@@ -64,14 +64,17 @@ pub fn median(mut v: Vec<f64>) -> f64 {
 /// The kernel's figure for the BPF maps a process holds (`pid`, or "self"): the `memlock` of
 /// each map descriptor in its fdinfo.
 pub fn bpf_map_memlock(pid: &str) -> u64 {
-    let mut total = 0;
+    // A map the process holds through several fds (the object, the map handles, the
+    // collector's) counts once: by its id.
+    let mut by_id: std::collections::BTreeMap<u64, u64> = std::collections::BTreeMap::new();
     for e in std::fs::read_dir(format!("/proc/{pid}/fdinfo")).into_iter().flatten().flatten() {
         let Ok(info) = std::fs::read_to_string(e.path()) else {
             continue;
         };
-        if info.contains("map_type:") {
-            total += info.lines().find_map(|l| l.strip_prefix("memlock:")).and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(0);
+        let field = |name: &str| info.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.trim().parse::<u64>().ok());
+        if let (Some(id), Some(memlock)) = (field("map_id:"), field("memlock:")) {
+            by_id.insert(id, memlock);
         }
     }
-    total
+    by_id.values().sum()
 }

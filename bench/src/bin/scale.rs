@@ -82,7 +82,9 @@ fn main() {
             "--min-sync-period",
             "0",
         ])
-        .env("NO_COLOR", "1")
+        // Room for what the cluster needs: the capacities are flags.
+        .args(["--max-backends", &(n * e + n * e / 4).max(proxy_common::limits::MAX_BACKENDS).to_string()])
+        .args(["--max-services", &(n + n / 4).max(proxy_common::limits::MAX_SERVICES).to_string()])
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
