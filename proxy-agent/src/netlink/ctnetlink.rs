@@ -6,15 +6,12 @@ use std::net::IpAddr;
 
 use neli::{
     consts::{nl::NlmF, socket::NlFamily},
-    nl::{NlPayload, NlmsghdrBuilder},
-    socket::synchronous::NlSocketHandle,
     types::Buffer,
-    utils::Groups,
 };
 
 use crate::{
     netlink::attrs::attrs,
-    netlink::socket::{exchange, NlError},
+    netlink::socket::{NlError, RawSocket},
 };
 
 /// (protocol, service address, service port, endpoint address, endpoint port).
@@ -107,27 +104,17 @@ pub fn decode_tuple(p: &[u8]) -> Option<Tuple> {
 }
 
 pub struct NetlinkConntrack {
-    sock: NlSocketHandle,
-    seq: u32,
+    sock: RawSocket,
 }
 
 impl NetlinkConntrack {
     pub fn connect() -> Result<Self, String> {
-        let sock = NlSocketHandle::connect(NlFamily::Netfilter, None, Groups::empty()).map_err(|e| e.to_string())?;
-        Ok(NetlinkConntrack { sock, seq: 0 })
+        Ok(NetlinkConntrack { sock: RawSocket::connect(NlFamily::Netfilter)? })
     }
 
     /// One ctnetlink request; the bodies of its answers (after their nfgenmsg header).
     fn request(&mut self, msg_type: u16, flags: NlmF, body: Vec<u8>) -> Result<Vec<Buffer>, NlError> {
-        self.seq = self.seq.wrapping_add(1);
-        let msg = NlmsghdrBuilder::default()
-            .nl_type((NFNL_SUBSYS_CTNETLINK << 8) | msg_type)
-            .nl_flags(NlmF::REQUEST | flags)
-            .nl_seq(self.seq)
-            .nl_payload(NlPayload::Payload(Buffer::from(body)))
-            .build()
-            .map_err(|e| NlError::Socket(e.to_string()))?;
-        exchange(&self.sock, &msg)
+        self.sock.request((NFNL_SUBSYS_CTNETLINK << 8) | msg_type, flags, body)
     }
 
     /// Every IPv4 entry: its original-direction attribute (raw, for a delete), both tuples.

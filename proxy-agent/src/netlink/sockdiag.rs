@@ -5,15 +5,9 @@
 //! Only sockets kpr balanced are touched: their cookies are in KPR_SOCK_REV_V1.
 use std::{collections::BTreeSet, net::Ipv4Addr};
 
-use neli::{
-    consts::{nl::NlmF, socket::NlFamily},
-    nl::{NlPayload, NlmsghdrBuilder},
-    socket::synchronous::NlSocketHandle,
-    types::Buffer,
-    utils::Groups,
-};
+use neli::consts::{nl::NlmF, socket::NlFamily};
 
-use crate::netlink::socket::{exchange, NlError};
+use crate::netlink::socket::{NlError, RawSocket};
 
 const SOCK_DIAG_BY_FAMILY: u16 = 20;
 const SOCK_DESTROY: u16 = 21;
@@ -48,8 +42,7 @@ pub fn end_balanced(sockets: &mut dyn Sockets, dst: Ipv4Addr, dport: u16, cookie
 }
 
 pub struct NetlinkSockets {
-    sock: NlSocketHandle,
-    seq: u32,
+    sock: RawSocket,
 }
 
 /// struct inet_diag_req_v2 for IPv4 UDP, every state, with the socket id given.
@@ -89,21 +82,9 @@ fn decode(msg: &[u8]) -> Option<UdpSocket> {
 
 impl NetlinkSockets {
     pub fn connect() -> Result<Self, String> {
-        let sock = NlSocketHandle::connect(NlFamily::SockOrInetDiag, None, Groups::empty()).map_err(|e| e.to_string())?;
-        Ok(Self { sock, seq: 0 })
+        Ok(Self { sock: RawSocket::connect(NlFamily::SockOrInetDiag)? })
     }
 
-    fn exchange(&mut self, ty: u16, flags: NlmF, body: Vec<u8>) -> Result<Vec<Buffer>, NlError> {
-        self.seq = self.seq.wrapping_add(1);
-        let msg = NlmsghdrBuilder::default()
-            .nl_type(ty)
-            .nl_flags(NlmF::REQUEST | flags)
-            .nl_seq(self.seq)
-            .nl_payload(NlPayload::Payload(Buffer::from(body)))
-            .build()
-            .map_err(|e| NlError::Socket(e.to_string()))?;
-        exchange(&self.sock, &msg)
-    }
 }
 
 fn describe(e: NlError) -> String {
@@ -116,11 +97,11 @@ fn describe(e: NlError) -> String {
 
 impl Sockets for NetlinkSockets {
     fn udp_connected_to(&mut self, dst: Ipv4Addr, dport: u16) -> Result<Vec<UdpSocket>, String> {
-        let answers = self.exchange(SOCK_DIAG_BY_FAMILY, NlmF::DUMP, request(None)).map_err(describe)?;
+        let answers = self.sock.request(SOCK_DIAG_BY_FAMILY, NlmF::DUMP, request(None)).map_err(describe)?;
         Ok(answers.iter().filter_map(|b| decode(b.as_ref())).filter(|s| s.dst == dst && s.dport == dport).collect())
     }
     fn destroy(&mut self, s: &UdpSocket) -> Result<(), String> {
-        match self.exchange(SOCK_DESTROY, NlmF::ACK, request(Some(s))) {
+        match self.sock.request(SOCK_DESTROY, NlmF::ACK, request(Some(s))) {
             Ok(_) | Err(NlError::Errno(libc::ENOENT)) => Ok(()),
             Err(e) => Err(describe(e)),
         }

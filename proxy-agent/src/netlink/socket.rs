@@ -1,11 +1,17 @@
-//! One request/answer exchange on a neli socket: the loop the IPVS, rtnetlink and ctnetlink
-//! clients share (sequence matching, dumps up to NLMSG_DONE, ACKs, errno replies).
+//! One request/answer exchange on a neli socket: the loop the IPVS, rtnetlink, ctnetlink and
+//! sock_diag clients share (sequence matching, dumps up to NLMSG_DONE, ACKs, errno replies),
+//! and a socket of raw-bytes messages for the families kpr encodes itself.
 use std::fmt::Debug;
 
 use neli::{
-    consts::nl::{NlType, Nlmsg},
-    nl::{NlPayload, Nlmsghdr},
+    consts::{
+        nl::{NlType, NlmF, Nlmsg},
+        socket::NlFamily,
+    },
+    nl::{NlPayload, Nlmsghdr, NlmsghdrBuilder},
     socket::synchronous::NlSocketHandle,
+    types::Buffer,
+    utils::Groups,
     FromBytesWithInput, Size, ToBytes,
 };
 
@@ -47,5 +53,32 @@ where
                 NlPayload::DumpExtAck(_) | NlPayload::Empty => {}
             }
         }
+    }
+}
+
+/// A netlink socket whose messages are raw bytes after the netlink header (the families kpr
+/// encodes itself: ctnetlink, sock_diag), numbering its requests.
+pub struct RawSocket {
+    sock: NlSocketHandle,
+    seq: u32,
+}
+
+impl RawSocket {
+    pub fn connect(family: NlFamily) -> Result<Self, String> {
+        let sock = NlSocketHandle::connect(family, None, Groups::empty()).map_err(|e| e.to_string())?;
+        Ok(Self { sock, seq: 0 })
+    }
+
+    /// One request of type `ty`; the payloads of its answers.
+    pub fn request(&mut self, ty: u16, flags: NlmF, body: Vec<u8>) -> Result<Vec<Buffer>, NlError> {
+        self.seq = self.seq.wrapping_add(1);
+        let msg = NlmsghdrBuilder::default()
+            .nl_type(ty)
+            .nl_flags(NlmF::REQUEST | flags)
+            .nl_seq(self.seq)
+            .nl_payload(NlPayload::Payload(Buffer::from(body)))
+            .build()
+            .map_err(|e| NlError::Socket(e.to_string()))?;
+        exchange(&self.sock, &msg)
     }
 }
