@@ -252,9 +252,11 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
                 return Err(why);
             }
             let node_version = input.node.and_then(|n| n.metadata.resource_version.clone());
-            let info = node_info(cfg, input.node);
+            // The uplinks' addresses are read once a sync.
+            let addresses = node_addresses(cfg, input.node);
+            let info = node_info(cfg, input.node, &addresses);
             let node =
-                NodeContext { nodeport_addresses: info.nodeport_addresses.clone(), primary_ip: primary_ip(cfg, input.node), pod_cidr: pod_cidr(input.node) };
+                NodeContext { nodeport_addresses: info.nodeport_addresses.clone(), primary_ip: addresses.first().copied(), pod_cidr: pod_cidr(input.node) };
             let full = periodic || last.is_none() || node_version != last_node_version || input.changed.is_none();
             let (desired, touched) = match (last, input.changed) {
                 (Some(mut d), Some(changed)) if !full => {
@@ -355,7 +357,7 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
         stats.last_sync = Some(now);
         stats.m.last_sync_timestamp.set(unix_seconds(now));
         stats.m.rejected_objects.set(problems.len() as i64);
-        for reason in [crate::model::objects::FIELD_NOT_PROGRAMMED, crate::model::objects::NOT_SUPPORTED, crate::model::objects::MAP_FULL] {
+        for reason in crate::model::objects::REASONS {
             let n = problems.iter().filter(|p| p.reason == reason).count() + if reason == crate::model::objects::MAP_FULL { st.full.len() } else { 0 };
             stats.m.not_programmed.with_label_values(&[reason]).set(n as i64);
         }
@@ -412,13 +414,9 @@ fn node_addresses(cfg: &LoopSettings, node: Option<&Node>) -> Vec<IpAddr> {
     out
 }
 
-fn primary_ip(cfg: &LoopSettings, node: Option<&Node>) -> Option<IpAddr> {
-    node_addresses(cfg, node).first().copied()
-}
-
-fn node_info(cfg: &LoopSettings, node: Option<&Node>) -> NodeInfo {
+fn node_info(cfg: &LoopSettings, node: Option<&Node>, addresses: &[IpAddr]) -> NodeInfo {
     let zone = node.and_then(|n| n.metadata.labels.as_ref()).and_then(|l| l.get(model::ZONE_LABEL)).cloned().or_else(|| cfg.node_zone.clone());
-    let nodeport_addresses = cfg.node_port_addresses.select(&node_addresses(cfg, node)).into_iter().filter(IpAddr::is_ipv4).collect();
+    let nodeport_addresses = cfg.node_port_addresses.select(addresses).into_iter().filter(IpAddr::is_ipv4).collect();
     NodeInfo { name: cfg.node_name.clone(), nodeport_addresses, zone }
 }
 

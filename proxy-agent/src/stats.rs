@@ -120,7 +120,7 @@ impl Metrics {
         for policy in ["internal", "external"] {
             m.no_local_endpoints.with_label_values(&[policy]);
         }
-        for reason in [crate::model::objects::FIELD_NOT_PROGRAMMED, crate::model::objects::NOT_SUPPORTED, crate::model::objects::MAP_FULL] {
+        for reason in crate::model::objects::REASONS {
             m.not_programmed.with_label_values(&[reason]);
         }
         // Only Linux has /proc for the process collector.

@@ -30,6 +30,8 @@ pub const FIELD_NOT_PROGRAMMED: &str = "FieldNotProgrammed";
 pub const MAP_FULL: &str = "MapFull";
 /// A valid part kpr does not program yet (IPv6, SCTP).
 pub const NOT_SUPPORTED: &str = "NotSupported";
+/// Every reason kpr gives an Event.
+pub const REASONS: [&str; 3] = [FIELD_NOT_PROGRAMMED, NOT_SUPPORTED, MAP_FULL];
 
 impl fmt::Display for ObjectError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -118,18 +118,12 @@ impl Datapath {
                 tracing::info!(map = name, "removed the pin of a map an earlier version used");
             }
         }
-        let ebpf = EbpfLoader::new()
-            .default_map_pin_directory(pin_dir)
-            .map_max_entries(map_names::SERVICES, caps.frontends)
-            .map_max_entries(map_names::RR_STATE, caps.services)
-            .map_max_entries(map_names::BACKENDS, caps.backends)
-            .map_max_entries(map_names::BACKEND_NEW, caps.backends)
-            .map_max_entries(map_names::SLOTS, caps.slots)
-            .map_max_entries(map_names::CONNTRACK, caps.conntrack)
-            .map_max_entries(map_names::CONNTRACK_NEW, caps.conntrack_new)
-            .map_max_entries(map_names::AFFINITY, caps.affinity)
-            .load(EBPF_OBJECT)
-            .map_err(KernelError::Load)?;
+        let mut loader = EbpfLoader::new();
+        loader.default_map_pin_directory(pin_dir);
+        for (name, n) in sized_maps(&caps) {
+            loader.map_max_entries(name, n);
+        }
+        let ebpf = loader.load(EBPF_OBJECT).map_err(KernelError::Load)?;
         Ok(Self { ebpf, pin_dir: pin_dir.into(), tc_program: prog_names::TC_INGRESS })
     }
 
@@ -346,6 +340,20 @@ pub fn cleanup(pin_dir: &Path) -> io::Result<Vec<PathBuf>> {
     Ok(removed)
 }
 
+/// The maps whose capacity the settings give, with it.
+fn sized_maps(caps: &Capacities) -> [(&'static str, u32); 8] {
+    [
+        (map_names::SERVICES, caps.frontends),
+        (map_names::RR_STATE, caps.services),
+        (map_names::BACKENDS, caps.backends),
+        (map_names::BACKEND_NEW, caps.backends),
+        (map_names::SLOTS, caps.slots),
+        (map_names::CONNTRACK, caps.conntrack),
+        (map_names::CONNTRACK_NEW, caps.conntrack_new),
+        (map_names::AFFINITY, caps.affinity),
+    ]
+}
+
 /// Each pinned map's capacity (max_entries), for `kpr_map_capacity`.
 pub fn map_capacities(pin_dir: &Path) -> Vec<(&'static str, u32)> {
     map_names::ALL
@@ -358,16 +366,7 @@ pub fn map_capacities(pin_dir: &Path) -> Vec<(&'static str, u32)> {
 /// The maps whose pinned copy holds a different capacity than the settings ask for: a pinned
 /// map keeps its size (the object reuses it), so such a change needs `kpr cleanup` first.
 pub fn capacity_mismatches(pin_dir: &Path, caps: &Capacities) -> Vec<(&'static str, u32, u32)> {
-    let wanted = [
-        (map_names::SERVICES, caps.frontends),
-        (map_names::RR_STATE, caps.services),
-        (map_names::BACKENDS, caps.backends),
-        (map_names::SLOTS, caps.slots),
-        (map_names::CONNTRACK, caps.conntrack),
-        (map_names::CONNTRACK_NEW, caps.conntrack_new),
-        (map_names::AFFINITY, caps.affinity),
-    ];
-    wanted
+    sized_maps(caps)
         .into_iter()
         .filter_map(|(name, want)| {
             let have = aya::maps::MapInfo::from_pin(pin_dir.join(name)).ok()?.max_entries();
