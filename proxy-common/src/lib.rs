@@ -299,6 +299,13 @@ pub const PROTO_TCP: u8 = Protocol::Tcp as u8;
 pub const PROTO_UDP: u8 = Protocol::Udp as u8;
 pub const PROTO_SCTP: u8 = Protocol::Sctp as u8;
 
+/// Kubernetes' default NodePort range (--service-node-port-range).
+pub const NODE_PORT_MIN: u16 = 30_000;
+pub const NODE_PORT_MAX: u16 = 32_767;
+
+/// IPVS mode's scheduler where neither the configuration nor the Service names one (kube-proxy's).
+pub const IPVS_DEFAULT_SCHEDULER: &str = "rr";
+
 /// The schedulers of Linux IPVS (ip_vs_<name>.ko), as kube-proxy's ipvs.scheduler names them.
 pub const IPVS_SCHEDULERS: [&str; 13] = ["rr", "wrr", "lc", "wlc", "lblc", "lblcr", "dh", "sh", "sed", "nq", "mh", "fo", "ovf"];
 

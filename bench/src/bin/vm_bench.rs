@@ -31,7 +31,8 @@ use proxy_agent::{
     dataplane::ebpf::kernel::{Capacities, Datapath, KernelMaps},
     dataplane::ebpf::sync::Syncer,
     dataplane::ipvs::client::{Ipvs, NetlinkIpvs, ServiceId},
-    dataplane::ipvs::sync::{desired_virtual_servers, IpvsSettings, IpvsSyncer},
+    dataplane::ipvs::desired::{desired_virtual_servers, SyncSettings},
+    dataplane::ipvs::sync::IpvsSyncer,
     model::{self, BackendKey, DesiredState, FrontendKey, NodeInfo, Protocol},
     netlink::ctnetlink::FakeConntrack,
     netlink::rtnl::{Links, NetlinkLinks, IPVS_DUMMY},
@@ -72,7 +73,7 @@ fn control_plane(n: u32) -> Cp {
     let mut ipvs = NetlinkIpvs::connect().expect("IPVS");
     ipvs.flush().expect("flush");
     let mut links = NetlinkLinks::connect().expect("rtnetlink");
-    let settings = IpvsSettings::default();
+    let settings = SyncSettings::default();
     let mut syncer = IpvsSyncer::new(settings.clone());
     let mut ct = FakeConntrack::default();
     let mut d = desired(n, 10);
@@ -139,7 +140,7 @@ fn program_ipvs(dir: &Path) {
     let report = proxy_agent::source::manifests::load_dir(dir).expect("manifests");
     let node = NodeInfo { name: "node-a".into(), nodeport_addresses: vec![NODE_IP.parse().unwrap()], zone: None };
     let d = model::compute(&report.objects, &node, &Default::default());
-    let settings = IpvsSettings { node_addresses: node.nodeport_addresses.clone(), ..Default::default() };
+    let settings = SyncSettings { node_addresses: node.nodeport_addresses.clone(), ..Default::default() };
     let vs = desired_virtual_servers(&d, &settings);
     // kube-proxy's IPVS proxier sysctls (vs.conntrack=1 is what lets MASQUERADE see IPVS's NAT).
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();

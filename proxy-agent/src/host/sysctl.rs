@@ -96,8 +96,8 @@ pub const FAST_PATH_SYSCTLS: [(&str, &str); 1] = [("net.ipv4.ip_forward", "1")];
 pub fn snat_port_range(local: &str) -> Option<(u16, u16)> {
     let mut it = local.split_whitespace().map(|p| p.parse::<u32>());
     let (lo, hi) = (it.next()?.ok()?, it.next()?.ok()?);
-    let below = (1024, lo.min(30_000).saturating_sub(1));
-    let above = (hi.max(32_767) + 1, 65_535);
+    let below = (1024, lo.min(u32::from(proxy_common::NODE_PORT_MIN)).saturating_sub(1));
+    let above = (hi.max(u32::from(proxy_common::NODE_PORT_MAX)) + 1, 65_535);
     let size = |(a, b): (u32, u32)| if b >= a { b - a + 1 } else { 0 };
     let best = if size(below) >= size(above) { below } else { above };
     (size(best) >= 4096).then(|| (best.0 as u16, best.1 as u16))

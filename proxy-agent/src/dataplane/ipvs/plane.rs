@@ -17,7 +17,8 @@ use crate::{
             client::{Ipvs, IpvsError, NetlinkIpvs, ServiceId, Timeouts},
             rules,
             sets::{self, KernelSetMaps, SetMaps, Sets},
-            sync::{self as ipvs_sync, IpvsSettings as SyncSettings, IpvsSyncer},
+            desired::{bound_addresses, desired_virtual_servers, SyncSettings},
+            sync::IpvsSyncer,
         },
         Dataplane, DataplaneError, NodeContext, SyncStats,
     },
@@ -123,7 +124,7 @@ impl Dataplane for IpvsPlane {
     fn sync(&mut self, desired: &DesiredState, node: &NodeContext, touched: Option<&BTreeSet<FrontendKey>>) -> Result<SyncStats, DataplaneError> {
         let node_addrs: &[IpAddr] = &node.nodeport_addresses;
         self.syncer.settings.node_addresses = node_addrs.to_vec();
-        let vs = ipvs_sync::desired_virtual_servers(desired, &self.syncer.settings);
+        let vs = desired_virtual_servers(desired, &self.syncer.settings);
         let only: Option<BTreeSet<ServiceId>> =
             touched.map(|t| t.iter().map(|k| ServiceId::Addr { proto: k.proto.number(), addr: k.ip, port: k.port }).collect());
         let mut noct = FakeConntrack::default();
@@ -132,7 +133,7 @@ impl Dataplane for IpvsPlane {
             None => &mut noct,
         };
         let st = self.syncer.sync(&mut self.ipvs, &mut self.links, ct, &vs, only.as_ref())?;
-        let bound = ipvs_sync::bound_addresses(&vs);
+        let bound = bound_addresses(&vs);
         let want = sets::compute(desired, node_addrs, &bound);
         let have = match (touched, self.sets_mirror.take()) {
             (Some(_), Some(m)) => m,

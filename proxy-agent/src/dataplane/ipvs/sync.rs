@@ -1,123 +1,19 @@
-//! IPVS mode's sync: the desired virtual servers (from the model), the kernel's (listed), and
-//! the difference applied. Graceful termination is derived from the kernel's state each sync,
+//! IPVS mode's sync: the desired virtual servers (desired.rs), the kernel's (listed), and the
+//! difference applied. Graceful termination is derived from the kernel's state each sync,
 //! so it survives an agent restart: a destination that is no longer wanted first gets weight 0,
 //! and is deleted once it has no active or inactive connections (UDP/SCTP: at once, with its
 //! conntrack entries, so no client keeps sending into a removed backend).
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::IpAddr,
-    ops::RangeInclusive,
 };
 
-use ipnet::IpNet;
-
+use crate::dataplane::ipvs::desired::{bound_addresses, SyncSettings, VirtualServer};
 use crate::{
     dataplane::ipvs::client::{flags, DestConfig, FwdMethod, Ipvs, IpvsError, ServiceConfig, ServiceId},
-    model::{DesiredState, FrontendKind, IpvsForward, Protocol, Scope},
     netlink::ctnetlink::ConntrackFlusher,
     netlink::rtnl::{LinkError, Links, IPVS_DUMMY},
 };
-
-pub const DEFAULT_SCHEDULER: &str = "rr";
-pub const DEFAULT_NODE_PORT_RANGE: RangeInclusive<u16> = 30000..=32767;
-
-#[derive(Clone, Debug)]
-pub struct IpvsSettings {
-    pub scheduler: String,
-    /// Virtual servers in these ranges are never deleted (kube-proxy's ipvs.excludeCIDRs).
-    pub exclude_cidrs: Vec<IpNet>,
-    /// Node addresses NodePorts listen on; a virtual server on one of them within
-    /// `node_port_range` is ours.
-    pub node_addresses: Vec<IpAddr>,
-    pub node_port_range: RangeInclusive<u16>,
-}
-
-impl Default for IpvsSettings {
-    fn default() -> Self {
-        IpvsSettings { scheduler: DEFAULT_SCHEDULER.into(), exclude_cidrs: vec![], node_addresses: vec![], node_port_range: DEFAULT_NODE_PORT_RANGE }
-    }
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct VirtualServer {
-    pub config: ServiceConfig,
-    pub dests: BTreeMap<(IpAddr, u16), DestConfig>,
-    /// Bound on kube-ipvs0 (ClusterIP, externalIP, LoadBalancer); NodePorts use node addresses.
-    pub bind: bool,
-    /// "namespace/name:port", for logs.
-    pub service: String,
-}
-
-/// Removes connection-tracking entries of a removed UDP/SCTP destination.
-fn proto_number(p: Protocol) -> u8 {
-    p.number()
-}
-
-/// The addresses the virtual servers want bound on kube-ipvs0.
-pub fn bound_addresses(vs: &BTreeMap<ServiceId, VirtualServer>) -> BTreeSet<IpAddr> {
-    vs.values()
-        .filter(|v| v.bind)
-        .filter_map(|v| match v.config.id {
-            ServiceId::Addr { addr, .. } => Some(addr),
-            ServiceId::Fwmark { .. } => None,
-        })
-        .collect()
-}
-
-/// The virtual servers `desired` asks for. ClusterIPs take the internal view of a frontend
-/// (internalTrafficPolicy), node ports, external and load-balancer IPs the external one
-/// (externalTrafficPolicy Local: node-local endpoints only, as kube-proxy's IPVS mode).
-pub fn desired_virtual_servers(desired: &DesiredState, settings: &IpvsSettings) -> BTreeMap<ServiceId, VirtualServer> {
-    let mut out = BTreeMap::new();
-    for (key, fe) in &desired.frontends {
-        let wanted_scope = if fe.kind == FrontendKind::ClusterIp { Scope::Internal } else { Scope::External };
-        if key.scope != wanted_scope {
-            continue;
-        }
-        let id = ServiceId::Addr { proto: proto_number(key.proto), addr: key.ip, port: key.port };
-        let (svc_flags, timeout_s, netmask) = if fe.affinity_timeout_s > 0 {
-            (flags::PERSISTENT, fe.affinity_timeout_s, if key.ip.is_ipv4() { u32::MAX } else { 128 })
-        } else {
-            (0, 0, if key.ip.is_ipv4() { u32::MAX } else { 128 })
-        };
-        let fwd = match fe.ipvs.forward {
-            IpvsForward::Nat => FwdMethod::Masq,
-            IpvsForward::DirectRouting => FwdMethod::Route,
-            IpvsForward::Tunnel => FwdMethod::Tunnel,
-        };
-        let dests = fe
-            .backends
-            .iter()
-            .map(|b| {
-                let weight = fe.ipvs.weights.get(&b.ip).copied().unwrap_or(1);
-                ((b.ip, b.port), DestConfig::new(b.ip, b.port, fwd, weight))
-            })
-            .collect();
-        out.insert(
-            id,
-            VirtualServer {
-                config: ServiceConfig {
-                    id,
-                    scheduler: fe.ipvs.scheduler.clone().unwrap_or_else(|| settings.scheduler.clone()),
-                    flags: svc_flags,
-                    timeout_s,
-                    netmask,
-                    pe_name: None,
-                },
-                dests,
-                // kube-proxy's shouldBind: an ExternalIP or LB IP that is a node address is the
-                // node's already; binding it on kube-ipvs0 too would take it over.
-                bind: match fe.kind {
-                    FrontendKind::NodePort => false,
-                    FrontendKind::ExternalIp | FrontendKind::LoadBalancer => !settings.node_addresses.contains(&key.ip),
-                    FrontendKind::ClusterIp => true,
-                },
-                service: fe.service.clone(),
-            },
-        );
-    }
-    out
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum IpvsSyncError {
@@ -142,7 +38,7 @@ pub struct IpvsSyncStats {
 }
 
 pub struct IpvsSyncer {
-    pub settings: IpvsSettings,
+    pub settings: SyncSettings,
     /// kube-ipvs0's index and addresses as of the last sync: an incremental sync trusts them
     /// (listing 10,000 addresses per change would make a change O(N)); a full sync re-lists.
     link_cache: Option<(u32, BTreeSet<IpAddr>)>,
@@ -168,7 +64,7 @@ fn service_differs(want: &ServiceConfig, have: &ServiceConfig) -> bool {
 }
 
 impl IpvsSyncer {
-    pub fn new(settings: IpvsSettings) -> Self {
+    pub fn new(settings: SyncSettings) -> Self {
         IpvsSyncer { settings, link_cache: None }
     }
 
@@ -335,12 +231,35 @@ impl IpvsSyncer {
     }
 }
 
+/// `kpr cleanup` in IPVS mode: deletes the virtual servers the agent owns (on kube-ipvs0's
+/// addresses or on `node_addresses`), then kube-ipvs0 itself. Other virtual servers stay.
+/// Returns what went.
+pub fn cleanup(ipvs: &mut dyn Ipvs, links: &mut dyn Links, node_addresses: &[IpAddr]) -> Result<Vec<String>, IpvsSyncError> {
+    let mut done = Vec::new();
+    let bound = match links.link_index(IPVS_DUMMY)? {
+        Some(i) => links.addresses(i)?,
+        None => BTreeSet::new(),
+    };
+    let syncer = IpvsSyncer::new(SyncSettings { node_addresses: node_addresses.to_vec(), ..Default::default() });
+    for s in ipvs.services()? {
+        if syncer.owned(&s.config.id, &bound) {
+            ipvs.del_service(&s.config.id)?;
+            done.push(format!("deleted IPVS service {}", s.config.id));
+        }
+    }
+    if links.link_index(IPVS_DUMMY)?.is_some() {
+        links.delete_link(IPVS_DUMMY)?;
+        done.push(format!("deleted link {IPVS_DUMMY} ({} addresses)", bound.len()));
+    }
+    Ok(done)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::{
-        dataplane::ipvs::client::FakeIpvs,
-        model::{BackendKey, Frontend, FrontendKey, IpvsOptions, Scheduler},
+        dataplane::ipvs::{client::FakeIpvs, desired::desired_virtual_servers},
+        model::{BackendKey, DesiredState, Frontend, FrontendKey, FrontendKind, IpvsForward, IpvsOptions, Protocol, Scheduler, Scope},
         netlink::ctnetlink::FakeConntrack,
         netlink::rtnl::FakeLinks,
     };
@@ -379,7 +298,7 @@ mod tests {
 
     impl World {
         fn new() -> Self {
-            let settings = IpvsSettings { node_addresses: vec!["198.18.0.1".parse().unwrap()], ..Default::default() };
+            let settings = SyncSettings { node_addresses: vec!["198.18.0.1".parse().unwrap()], ..Default::default() };
             World { ipvs: FakeIpvs::default(), links: FakeLinks::default(), ct: FakeConntrack::default(), syncer: IpvsSyncer::new(settings) }
         }
         fn sync(&mut self, d: &DesiredState) -> IpvsSyncStats {
@@ -525,27 +444,4 @@ mod tests {
         w.sync(&state(vec![("192.0.2.50", 80, Protocol::Tcp, f)]));
         assert_eq!(w.ipvs.writes, vec!["update-service TCP 192.0.2.50:80"]);
     }
-}
-
-/// `kpr cleanup` in IPVS mode: deletes the virtual servers the agent owns (on kube-ipvs0's
-/// addresses or on `node_addresses`), then kube-ipvs0 itself. Other virtual servers stay.
-/// Returns what went.
-pub fn cleanup(ipvs: &mut dyn Ipvs, links: &mut dyn Links, node_addresses: &[IpAddr]) -> Result<Vec<String>, IpvsSyncError> {
-    let mut done = Vec::new();
-    let bound = match links.link_index(IPVS_DUMMY)? {
-        Some(i) => links.addresses(i)?,
-        None => BTreeSet::new(),
-    };
-    let syncer = IpvsSyncer::new(IpvsSettings { node_addresses: node_addresses.to_vec(), ..Default::default() });
-    for s in ipvs.services()? {
-        if syncer.owned(&s.config.id, &bound) {
-            ipvs.del_service(&s.config.id)?;
-            done.push(format!("deleted IPVS service {}", s.config.id));
-        }
-    }
-    if links.link_index(IPVS_DUMMY)?.is_some() {
-        links.delete_link(IPVS_DUMMY)?;
-        done.push(format!("deleted link {IPVS_DUMMY} ({} addresses)", bound.len()));
-    }
-    Ok(done)
 }
