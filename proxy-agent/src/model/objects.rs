@@ -38,3 +38,12 @@ impl fmt::Display for ObjectError {
         write!(f, "{}: {}: field {}: {}", self.source, self.object, self.field, self.message)
     }
 }
+
+/// A valid part of an object that kpr does not program yet (reported, never skipped in silence).
+pub(crate) fn unsupported(errors: &mut Vec<ObjectError>, object: &str, field: impl Into<String>, message: impl Into<String>) {
+    errors.push(ObjectError { source: "model".into(), object: object.into(), field: field.into(), message: message.into(), reason: NOT_SUPPORTED });
+}
+
+pub(crate) fn err(errors: &mut Vec<ObjectError>, object: &str, field: impl Into<String>, message: impl Into<String>) {
+    errors.push(ObjectError { source: "model".into(), object: object.into(), field: field.into(), message: message.into(), reason: FIELD_NOT_PROGRAMMED });
+}
