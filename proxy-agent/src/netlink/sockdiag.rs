@@ -84,7 +84,6 @@ impl NetlinkSockets {
     pub fn connect() -> Result<Self, String> {
         Ok(Self { sock: RawSocket::connect(NlFamily::SockOrInetDiag)? })
     }
-
 }
 
 fn describe(e: NlError) -> String {

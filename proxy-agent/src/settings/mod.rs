@@ -14,9 +14,9 @@ use std::{
 };
 
 pub use flags::{Flags, XdpModeArg};
-pub use values::*;
 use ipnet::IpNet;
 use kube_proxy::KubeProxyConfiguration;
+pub use values::*;
 
 use crate::model::Scheduler;
 

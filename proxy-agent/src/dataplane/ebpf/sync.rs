@@ -264,7 +264,8 @@ impl Syncer {
             let todo: Vec<(&FrontendKey, &Frontend)> = if pass == 0 { desired.frontends.iter().collect() } else { std::mem::take(&mut retry) };
             for (fk, f) in todo {
                 // Its backends first: a slot must never point to a backend that is not there.
-                let programmed = self.put_backends(maps, &mut m, f, &mut st).and_then(|()| self.program_frontend(maps, &mut m, fk, f, full, &mut st, &mut desired_ranges));
+                let programmed =
+                    self.put_backends(maps, &mut m, f, &mut st).and_then(|()| self.program_frontend(maps, &mut m, fk, f, full, &mut st, &mut desired_ranges));
                 match programmed {
                     Ok(Some((service_id, ids))) => {
                         live_services.insert(service_id);

@@ -30,7 +30,12 @@ pub struct SyncSettings {
 
 impl Default for SyncSettings {
     fn default() -> Self {
-        SyncSettings { scheduler: proxy_common::IPVS_DEFAULT_SCHEDULER.into(), exclude_cidrs: vec![], node_addresses: vec![], node_port_range: DEFAULT_NODE_PORT_RANGE }
+        SyncSettings {
+            scheduler: proxy_common::IPVS_DEFAULT_SCHEDULER.into(),
+            exclude_cidrs: vec![],
+            node_addresses: vec![],
+            node_port_range: DEFAULT_NODE_PORT_RANGE,
+        }
     }
 }
 
