@@ -8,7 +8,7 @@ use std::{
 use neli::{
     consts::{
         nl::NlmF,
-        rtnl::{Ifa, Ifla, IflaInfo, RtAddrFamily, RtScope, Rtm},
+        rtnl::{Ifa, IfaF, Ifla, IflaInfo, RtAddrFamily, RtScope, Rtm},
         socket::NlFamily,
     },
     nl::{NlPayload, NlmsghdrBuilder},
@@ -49,14 +49,23 @@ pub trait Links {
     fn link_index(&mut self, name: &str) -> Result<Option<u32>, LinkError>;
     fn delete_link(&mut self, name: &str) -> Result<(), LinkError>;
     fn addresses(&mut self, ifindex: u32) -> Result<BTreeSet<IpAddr>, LinkError>;
+    /// Idempotent (an address already there is success).
     fn add_address(&mut self, ifindex: u32, addr: IpAddr) -> Result<(), LinkError>;
     /// Idempotent.
     fn del_address(&mut self, ifindex: u32, addr: IpAddr) -> Result<(), LinkError>;
+    /// Adds (`add`) or deletes each of `addrs`, each with its own outcome. The kernel's
+    /// implementation pipelines them (many per sendmsg): kube-ipvs0 holds an address per
+    /// Service.
+    fn change_addresses(&mut self, ifindex: u32, add: bool, addrs: &[IpAddr]) -> Vec<Result<(), LinkError>> {
+        addrs.iter().map(|a| if add { self.add_address(ifindex, *a) } else { self.del_address(ifindex, *a) }).collect()
+    }
 }
 
 pub struct NetlinkLinks {
     sock: NlSocketHandle,
     seq: u32,
+    /// Requests in flight per sendmsg (1: one at a time).
+    depth: usize,
 }
 
 fn sock_err(e: impl std::fmt::Display) -> LinkError {
@@ -66,7 +75,14 @@ fn sock_err(e: impl std::fmt::Display) -> LinkError {
 impl NetlinkLinks {
     pub fn connect() -> Result<Self, LinkError> {
         let sock = NlSocketHandle::connect(NlFamily::Route, None, Groups::empty()).map_err(sock_err)?;
-        Ok(NetlinkLinks { sock, seq: 0 })
+        Ok(NetlinkLinks { sock, seq: 0, depth: crate::netlink::socket::PIPELINE_DEPTH })
+    }
+
+    /// Changes addresses one request at a time, each waiting for its answer (the benchmark's
+    /// baseline).
+    pub fn one_at_a_time(mut self) -> Self {
+        self.depth = 1;
+        self
     }
 
     /// One request; the typed replies of a dump, or none after an ACK (`flags` ask for one).
@@ -98,7 +114,11 @@ impl NetlinkLinks {
         for ty in [Ifa::Local, Ifa::Address] {
             attrs.push(RtattrBuilder::default().rta_type(ty).rta_payload(bytes.clone()).build().map_err(sock_err)?);
         }
+        // IPv6: no duplicate address detection, which would hold a VIP tentative (unusable)
+        // for a second or more; the address is the node's alone.
+        let flags = if addr.is_ipv6() { IfaF::NODAD } else { IfaF::empty() };
         IfaddrmsgBuilder::default()
+            .ifa_flags(flags)
             .ifa_family(family)
             .ifa_prefixlen(prefix)
             .ifa_scope(RtScope::Universe)
@@ -197,16 +217,54 @@ impl Links for NetlinkLinks {
     }
 
     fn add_address(&mut self, ifindex: u32, addr: IpAddr) -> Result<(), LinkError> {
-        match self.request(Rtm::Newaddr, NlmF::CREATE | NlmF::EXCL | NlmF::ACK, Self::addr_msg(ifindex, addr)?, "add address", &addr.to_string()) {
-            Err(e) if e.errno() == Some(libc::EEXIST) => Ok(()),
-            r => r.map(drop),
-        }
+        self.change_addresses(ifindex, true, &[addr]).pop().unwrap_or(Ok(()))
     }
 
     fn del_address(&mut self, ifindex: u32, addr: IpAddr) -> Result<(), LinkError> {
-        match self.request(Rtm::Deladdr, NlmF::ACK, Self::addr_msg(ifindex, addr)?, "delete address", &addr.to_string()) {
-            Err(e) if matches!(e.errno(), Some(libc::EADDRNOTAVAIL) | Some(libc::ENODEV)) => Ok(()),
-            r => r.map(drop),
+        self.change_addresses(ifindex, false, &[addr]).pop().unwrap_or(Ok(()))
+    }
+
+    fn change_addresses(&mut self, ifindex: u32, add: bool, addrs: &[IpAddr]) -> Vec<Result<(), LinkError>> {
+        let (ty, flags, op, harmless): (_, _, _, &[i32]) = if add {
+            (Rtm::Newaddr, NlmF::CREATE | NlmF::EXCL, "add address", &[libc::EEXIST])
+        } else {
+            (Rtm::Deladdr, NlmF::empty(), "delete address", &[libc::EADDRNOTAVAIL, libc::ENODEV])
+        };
+        let mut msgs = Vec::with_capacity(addrs.len());
+        for addr in addrs {
+            self.seq = self.seq.wrapping_add(1);
+            let msg = Self::addr_msg(ifindex, *addr).and_then(|m| {
+                NlmsghdrBuilder::default()
+                    .nl_type(ty)
+                    .nl_flags(NlmF::REQUEST | NlmF::ACK | flags)
+                    .nl_seq(self.seq)
+                    .nl_payload(NlPayload::Payload(m))
+                    .build()
+                    .map_err(sock_err)
+            });
+            match msg {
+                Ok(m) => msgs.push(m),
+                Err(e) => return addrs.iter().map(|_| Err(LinkError::Socket(e.to_string()))).collect(),
+            }
+        }
+        match crate::netlink::socket::pipeline(&self.sock, &msgs, self.depth) {
+            Ok(answers) => addrs
+                .iter()
+                .zip(answers)
+                .map(|(addr, a)| match a {
+                    Err(errno) if !harmless.contains(&errno) => {
+                        Err(LinkError::Kernel { op, object: addr.to_string(), err: std::io::Error::from_raw_os_error(errno) })
+                    }
+                    _ => Ok(()),
+                })
+                .collect(),
+            Err(e) => {
+                let e = match e {
+                    NlError::Errno(errno) => std::io::Error::from_raw_os_error(errno).to_string(),
+                    NlError::Socket(s) => s,
+                };
+                addrs.iter().map(|_| Err(LinkError::Socket(e.clone()))).collect()
+            }
         }
     }
 }

@@ -1,7 +1,8 @@
 //! One request/answer exchange on a neli socket: the loop the IPVS, rtnetlink, ctnetlink and
-//! sock_diag clients share (sequence matching, dumps up to NLMSG_DONE, ACKs, errno replies),
-//! and a socket of raw-bytes messages for the families kpr encodes itself.
-use std::fmt::Debug;
+//! sock_diag clients share (sequence matching, dumps up to NLMSG_DONE, ACKs, errno replies);
+//! pipelined requests (many per sendmsg, an answer each); and a socket of raw-bytes messages
+//! for the families kpr encodes itself.
+use std::{collections::HashMap, fmt::Debug, io::Cursor, os::fd::AsRawFd};
 
 use neli::{
     consts::{
@@ -54,6 +55,65 @@ where
             }
         }
     }
+}
+
+/// Request bytes per sendmsg: under the default send buffer (a datagram larger than sk_sndbuf
+/// is refused).
+const PIPELINE_BYTES: usize = 32 << 10;
+/// Requests per sendmsg: every answer is an skb of about 1 KiB of receive buffer (its
+/// truesize, whatever its length), so 128 in flight stay well inside the default 208 KiB; more
+/// and the kernel drops answers (the socket reports ENOBUFS).
+pub const PIPELINE_DEPTH: usize = 128;
+
+/// Sends `msgs` (each asking for an ACK, with distinct sequence numbers) up to `depth` per
+/// sendmsg (`PIPELINE_DEPTH`; 1: one at a time, each waiting for its answer) and
+/// returns each one's outcome, in order: Ok, or the kernel's errno. The kernel runs the
+/// messages of a datagram one after another and answers each, so a failure costs only its own
+/// message; a later message that depends on it (a destination of a service that failed) fails
+/// on its own errno.
+pub fn pipeline<T, P>(sock: &NlSocketHandle, msgs: &[Nlmsghdr<T, P>], depth: usize) -> Result<Vec<Result<(), i32>>, NlError>
+where
+    T: NlType + Debug,
+    P: Size + ToBytes + Debug,
+{
+    let socket = |e: &dyn std::fmt::Display| NlError::Socket(e.to_string());
+    let mut out = Vec::with_capacity(msgs.len());
+    let mut next = 0;
+    while next < msgs.len() {
+        let start = next;
+        let mut buf = Vec::with_capacity(PIPELINE_BYTES);
+        while next < msgs.len() && (buf.is_empty() || (next - start < depth && buf.len() + msgs[next].padded_size() <= PIPELINE_BYTES)) {
+            let mut c = Cursor::new(vec![0; msgs[next].padded_size()]);
+            msgs[next].to_bytes(&mut c).map_err(|e| socket(&e))?;
+            buf.extend_from_slice(c.get_ref());
+            next += 1;
+        }
+        // SAFETY: a plain send(2) of an owned, initialised buffer on the socket's descriptor.
+        let sent = unsafe { libc::send(sock.as_raw_fd(), buf.as_ptr().cast(), buf.len(), 0) };
+        if sent < 0 {
+            return Err(NlError::Socket(format!("sendmsg: {}", std::io::Error::last_os_error())));
+        }
+        let index: HashMap<u32, usize> = (start..next).map(|i| (*msgs[i].nl_seq(), i - start)).collect();
+        let mut answers: Vec<Option<Result<(), i32>>> = vec![None; next - start];
+        let mut waiting = answers.len();
+        while waiting > 0 {
+            let (got, _) = sock.recv::<u16, Buffer>().map_err(|e| socket(&e))?;
+            for m in got {
+                let m = m.map_err(|e| socket(&e))?;
+                let Some(&i) = index.get(m.nl_seq()) else { continue };
+                let answer = match m.nl_payload() {
+                    NlPayload::Ack(_) => Ok(()),
+                    NlPayload::Err(e) => Err(-*e.error()),
+                    _ => continue,
+                };
+                if answers[i].replace(answer).is_none() {
+                    waiting -= 1;
+                }
+            }
+        }
+        out.extend(answers.into_iter().flatten());
+    }
+    Ok(out)
 }
 
 /// A netlink socket whose messages are raw bytes after the netlink header (the families kpr

@@ -15,7 +15,7 @@ use kpr_lab::{
     lab::{errors, per_backend, Cni, Lab, LabSpec, NODE_IP},
     must, sh,
 };
-use proxy_agent::dataplane::ipvs::client::{flags, DestConfig, FwdMethod, Ipvs, NetlinkIpvs, ServiceConfig, ServiceId, Timeouts, TunType};
+use proxy_agent::dataplane::ipvs::client::{flags, DestConfig, FwdMethod, Ipvs, NetlinkIpvs, ServiceConfig, ServiceId, Timeouts, TunType, Write};
 
 const PREFIX: &str = "kvm";
 
@@ -136,6 +136,57 @@ fn client_api() -> Result<()> {
     ipvs.set_timeouts(&Timeouts { tcp_s: 900, tcp_fin_s: 120, udp_s: 300 })?;
     ipvs.flush()?;
     ensure!(ipvsadm(None, "-Sn").trim().is_empty(), "flush left services");
+    Ok(())
+}
+
+/// Pipelined writes (many per sendmsg): each write gets its own outcome, a failure in the middle
+/// costs only itself, and a batch larger than one datagram lands whole (ipvsadm the oracle).
+fn pipelined_writes() -> Result<()> {
+    let mut ipvs = NetlinkIpvs::connect()?;
+    ipvs.flush()?;
+    let svc = |a: &str| ServiceConfig {
+        id: ServiceId::Addr { proto: 6, addr: a.parse().unwrap(), port: 80 },
+        scheduler: "rr".into(),
+        flags: 0,
+        timeout_s: 0,
+        netmask: u32::MAX,
+        pe_name: None,
+    };
+    let (a, missing) = (svc("10.2.0.1"), svc("10.2.0.2"));
+    let dest = |ip: &str| DestConfig::new(ip.parse().unwrap(), 8080, FwdMethod::Masq, 1);
+    let writes = vec![
+        Write::AddService(a.clone()),
+        Write::AddService(a.clone()),
+        Write::AddDest(a.id, dest("10.3.0.1")),
+        Write::AddDest(missing.id, dest("10.3.0.2")),
+        Write::DelDest(a.id, "10.3.0.9".parse()?, 8080),
+        Write::AddDest(a.id, dest("10.3.0.3")),
+    ];
+    let errnos: Vec<Option<i32>> = ipvs.apply(&writes).iter().map(|r| r.as_ref().err().map(|e| e.errno().unwrap_or(-1))).collect();
+    ensure!(
+        errnos == [None, Some(libc::EEXIST), None, Some(libc::ESRCH), None, None],
+        "per-write outcomes {errnos:?}: want the second add EEXIST, the destination of a missing service ESRCH, the rest ok"
+    );
+    expect_lines(
+        "after a batch with failures",
+        &ipvsadm(None, "-Sn"),
+        &["-A -t 10.2.0.1:80 -s rr", "-a -t 10.2.0.1:80 -r 10.3.0.1:8080 -m -w 1", "-a -t 10.2.0.1:80 -r 10.3.0.3:8080 -m -w 1"],
+    )?;
+    // 2,000 services x 5 destinations: far more than one datagram's worth of requests.
+    let mut big = Vec::new();
+    for i in 0..2000u32 {
+        let s = svc(&format!("10.4.{}.{}", i / 250, i % 250 + 1));
+        big.push(Write::AddService(s.clone()));
+        for j in 1..=5 {
+            big.push(Write::AddDest(s.id, dest(&format!("10.5.{}.{j}", i % 250))));
+        }
+    }
+    let failed = ipvs.apply(&big).into_iter().filter(Result::is_err).count();
+    ensure!(failed == 0, "{failed} of {} pipelined writes failed", big.len());
+    let sn = ipvsadm(None, "-Sn");
+    let (services, dests) = (sn.lines().filter(|l| l.starts_with("-A ")).count(), sn.lines().filter(|l| l.starts_with("-a ")).count());
+    ensure!((services, dests) == (2001, 10_002), "ipvsadm shows {services} services and {dests} destinations, want 2001 and 10002");
+    ipvs.flush()?;
     Ok(())
 }
 
@@ -560,6 +611,9 @@ fn main() {
     let wanted = |name: &str| filter.is_empty() || name.contains(&filter);
     if wanted("client_api") {
         run("client_api", client_api());
+    }
+    if wanted("pipelined_writes") {
+        run("pipelined_writes", pipelined_writes());
     }
     if wanted("lab") {
         let setup = (|| -> Result<Lab> {

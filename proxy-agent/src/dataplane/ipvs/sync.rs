@@ -10,7 +10,7 @@ use std::{
 
 use crate::dataplane::ipvs::desired::{bound_addresses, SyncSettings, VirtualServer};
 use crate::{
-    dataplane::ipvs::client::{flags, DestConfig, FwdMethod, Ipvs, IpvsError, ServiceConfig, ServiceId},
+    dataplane::ipvs::client::{flags, DestConfig, FwdMethod, Ipvs, IpvsError, ServiceConfig, ServiceId, Write},
     netlink::ctnetlink::ConntrackFlusher,
     netlink::rtnl::{LinkError, Links, IPVS_DUMMY},
 };
@@ -105,8 +105,9 @@ impl IpvsSyncer {
 
         // Bind first: IPVS only sees packets to local addresses.
         let want_bound = bound_addresses(desired);
-        for addr in want_bound.difference(&bound) {
-            match links.add_address(ifindex, *addr) {
+        let to_bind: Vec<IpAddr> = want_bound.difference(&bound).copied().collect();
+        for (addr, r) in to_bind.iter().zip(links.change_addresses(ifindex, true, &to_bind)) {
+            match r {
                 Ok(()) => {
                     st.addresses_bound += 1;
                     now_bound.insert(*addr);
@@ -131,12 +132,15 @@ impl IpvsSyncer {
             None => desired.keys().chain(actual.keys()).copied().collect::<BTreeSet<_>>().into_iter().collect(),
             Some(ids) => ids.iter().copied().collect(),
         };
+        // Plan every write (reading each existing service's destinations), then send them all
+        // pipelined; each write succeeds or fails alone.
+        let mut plan = Vec::new();
         for id in scope {
             let r = match (desired.get(&id), actual.get(&id)) {
-                (Some(want), have) => self.sync_service(ipvs, ct, want, have, &mut st),
+                (Some(want), have) => self.plan_service(ipvs, want, have, &mut st, &mut plan),
                 (None, Some(_)) if self.owned(&id, &bound) || self.owned(&id, &want_bound) => {
-                    st.deletes += 1;
-                    ipvs.del_service(&id)
+                    plan.push(Write::DelService(id));
+                    Ok(())
                 }
                 _ => Ok(()),
             };
@@ -144,14 +148,33 @@ impl IpvsSyncer {
                 st.errors.push(format!("{id}: {e}"));
             }
         }
+        for (w, r) in plan.iter().zip(ipvs.apply(&plan)) {
+            if let Err(e) = r {
+                st.errors.push(e.to_string());
+                continue;
+            }
+            if !w.is_delete() {
+                st.writes += 1;
+                continue;
+            }
+            st.deletes += 1;
+            // A datagram destination went at once: forget its conntrack entries too, so no
+            // client keeps sending into it.
+            if let Write::DelDest(ServiceId::Addr { proto, addr: vip, port: vport }, addr, port) = *w {
+                if proto != libc::IPPROTO_TCP as u8 {
+                    if let Err(e) = ct.flush(proto, vip, vport, addr, port) {
+                        st.errors.push(format!("{w}: clearing conntrack: {e}"));
+                    }
+                }
+            }
+        }
 
         // Unbind addresses no virtual server needs (a full sync sees them all).
         if only.is_none() || !bound.is_subset(&want_bound) {
-            for addr in bound.difference(&want_bound) {
-                if self.settings.exclude_cidrs.iter().any(|c| c.contains(addr)) {
-                    continue;
-                }
-                match links.del_address(ifindex, *addr) {
+            let to_unbind: Vec<IpAddr> =
+                bound.difference(&want_bound).filter(|a| !self.settings.exclude_cidrs.iter().any(|c| c.contains(*a))).copied().collect();
+            for (addr, r) in to_unbind.iter().zip(links.change_addresses(ifindex, false, &to_unbind)) {
+                match r {
                     Ok(()) => {
                         st.addresses_unbound += 1;
                         now_bound.remove(addr);
@@ -164,67 +187,55 @@ impl IpvsSyncer {
         Ok(st)
     }
 
-    fn sync_service(
+    /// The writes that make the kernel's `have` (None: absent) into `want`, appended to `plan`.
+    /// Only reads here (the service's destinations); an error is a failed read.
+    fn plan_service(
         &mut self,
         ipvs: &mut dyn Ipvs,
-        ct: &mut dyn ConntrackFlusher,
         want: &VirtualServer,
         have: Option<&ServiceConfig>,
         st: &mut IpvsSyncStats,
+        plan: &mut Vec<Write>,
     ) -> Result<(), IpvsError> {
         let id = want.config.id;
         let actual_dests = match have {
             None => {
-                ipvs.add_service(&want.config)?;
-                st.writes += 1;
+                plan.push(Write::AddService(want.config.clone()));
                 BTreeMap::new()
             }
             Some(have) => {
                 if service_differs(&want.config, have) {
-                    ipvs.update_service(&want.config)?;
-                    st.writes += 1;
+                    plan.push(Write::UpdateService(want.config.clone()));
                 }
                 ipvs.dests(&id)?.into_iter().map(|d| ((d.config.addr, d.config.port), d)).collect()
             }
         };
         for (k, d) in &want.dests {
-            let r = match actual_dests.get(k) {
-                None => ipvs.add_dest(&id, d).map(|_| st.writes += 1),
+            match actual_dests.get(k) {
+                None => plan.push(Write::AddDest(id, d.clone())),
                 // A real server that comes back (or changed weight/method) gets its config back.
-                Some(cur) if dest_differs(d, &cur.config) => ipvs.update_dest(&id, d).map(|_| st.writes += 1),
-                Some(_) => Ok(()),
-            };
-            if let Err(e) = r {
-                st.errors.push(format!("{id} -> {}:{}: {e}", d.addr, d.port));
+                Some(cur) if dest_differs(d, &cur.config) => plan.push(Write::UpdateDest(id, d.clone())),
+                Some(_) => {}
             }
         }
-        let ServiceId::Addr { proto, addr: vip, port: vport } = id else {
+        let ServiceId::Addr { proto, .. } = id else {
             return Ok(());
         };
         for (k, cur) in actual_dests.iter().filter(|(k, _)| !want.dests.contains_key(k)) {
             let (addr, port) = *k;
-            let r = if proto != libc::IPPROTO_TCP as u8 {
+            if proto != libc::IPPROTO_TCP as u8 {
                 // Datagram "connections" never close: waiting would black-hole the clients
-                // still sending; remove now and forget their conntrack entries.
-                ipvs.del_dest(&id, addr, port).map(|_| {
-                    st.deletes += 1;
-                    if let Err(e) = ct.flush(proto, vip, vport, addr, port) {
-                        st.errors.push(format!("{id} -> {addr}:{port}: clearing conntrack: {e}"));
-                    }
-                })
+                // still sending; remove now (and their conntrack entries, once it is gone).
+                plan.push(Write::DelDest(id, addr, port));
             } else if cur.config.weight != 0 {
                 let mut quiesced = cur.config.clone();
                 quiesced.weight = 0;
                 st.terminating += 1;
-                ipvs.update_dest(&id, &quiesced).map(|_| st.writes += 1)
+                plan.push(Write::UpdateDest(id, quiesced));
             } else if cur.active_conns + cur.inactive_conns == 0 {
-                ipvs.del_dest(&id, addr, port).map(|_| st.deletes += 1)
+                plan.push(Write::DelDest(id, addr, port));
             } else {
                 st.terminating += 1;
-                Ok(())
-            };
-            if let Err(e) = r {
-                st.errors.push(format!("{id} -> {addr}:{port}: {e}"));
             }
         }
         Ok(())

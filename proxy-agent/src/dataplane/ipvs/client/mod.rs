@@ -198,9 +198,66 @@ impl IpvsError {
     }
 }
 
+/// One change to the kernel's virtual servers: what `Ipvs::apply` pipelines.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Write {
+    AddService(ServiceConfig),
+    UpdateService(ServiceConfig),
+    DelService(ServiceId),
+    AddDest(ServiceId, DestConfig),
+    UpdateDest(ServiceId, DestConfig),
+    DelDest(ServiceId, IpAddr, u16),
+}
+
+impl Write {
+    pub fn is_delete(&self) -> bool {
+        matches!(self, Write::DelService(_) | Write::DelDest(..))
+    }
+    pub fn op(&self) -> &'static str {
+        match self {
+            Write::AddService(_) => "add service",
+            Write::UpdateService(_) => "update service",
+            Write::DelService(_) => "delete service",
+            Write::AddDest(..) => "add destination",
+            Write::UpdateDest(..) => "update destination",
+            Write::DelDest(..) => "delete destination",
+        }
+    }
+    /// What it writes, in ipvsadm's notation.
+    pub fn object(&self) -> String {
+        match self {
+            Write::AddService(s) | Write::UpdateService(s) => s.id.to_string(),
+            Write::DelService(id) => id.to_string(),
+            Write::AddDest(id, d) | Write::UpdateDest(id, d) => format!("{id} -> {}:{}", d.addr, d.port),
+            Write::DelDest(id, addr, port) => format!("{id} -> {addr}:{port}"),
+        }
+    }
+}
+
+impl fmt::Display for Write {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}", self.op(), self.object())
+    }
+}
+
 /// The IPVS operations the agent and the CLI use. Deletes are idempotent (a missing object is
 /// success); adds of an existing object fail with EEXIST.
 pub trait Ipvs {
+    /// Every write in order, each with its own outcome: a failure never stops the ones after it.
+    /// The kernel's implementation pipelines them (many per sendmsg); this one writes one by one.
+    fn apply(&mut self, writes: &[Write]) -> Vec<Result<(), IpvsError>> {
+        writes
+            .iter()
+            .map(|w| match w {
+                Write::AddService(s) => self.add_service(s),
+                Write::UpdateService(s) => self.update_service(s),
+                Write::DelService(id) => self.del_service(id),
+                Write::AddDest(id, d) => self.add_dest(id, d),
+                Write::UpdateDest(id, d) => self.update_dest(id, d),
+                Write::DelDest(id, addr, port) => self.del_dest(id, *addr, *port),
+            })
+            .collect()
+    }
     fn info(&mut self) -> Result<Info, IpvsError>;
     fn services(&mut self) -> Result<Vec<Service>, IpvsError>;
     fn service(&mut self, id: &ServiceId) -> Result<Option<Service>, IpvsError>;

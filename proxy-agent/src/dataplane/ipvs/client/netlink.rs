@@ -19,13 +19,15 @@ use crate::netlink::socket::NlError;
 use super::{
     kernel_err,
     wire::{self, cmd, Attr, Reply},
-    Dest, DestConfig, Info, Ipvs, IpvsError, Service, ServiceConfig, ServiceId, Timeouts,
+    Dest, DestConfig, Info, Ipvs, IpvsError, Service, ServiceConfig, ServiceId, Timeouts, Write,
 };
 
 pub struct NetlinkIpvs {
     sock: NlSocketHandle,
     family: u16,
     seq: u32,
+    /// Requests in flight per sendmsg (1: one at a time).
+    depth: usize,
 }
 
 fn sock_err(e: impl std::fmt::Display) -> IpvsError {
@@ -39,9 +41,15 @@ impl NetlinkIpvs {
         // Large dumps (tens of thousands of services) arrive as many datagrams; a bigger buffer
         // keeps the kernel from dropping any while we decode.
         let _ = sock.set_recv_buffer_size(4 << 20);
-        let mut me = NetlinkIpvs { sock, family: 0, seq: 0 };
+        let mut me = NetlinkIpvs { sock, family: 0, seq: 0, depth: crate::netlink::socket::PIPELINE_DEPTH };
         me.family = me.resolve_family()?;
         Ok(me)
+    }
+
+    /// Writes one request at a time, each waiting for its answer (the benchmark's baseline).
+    pub fn one_at_a_time(mut self) -> Self {
+        self.depth = 1;
+        self
     }
 
     fn next_seq(&mut self) -> u32 {
@@ -82,10 +90,7 @@ impl NetlinkIpvs {
     /// Sends one request and collects the generic netlink bodies of its replies: every message
     /// of a dump up to NLMSG_DONE, or up to the ACK of a plain request.
     fn request(&mut self, command: u8, dump: bool, attrs: Vec<Attr>, op: &'static str, object: &dyn std::fmt::Display) -> Result<Vec<Buffer>, IpvsError> {
-        let seq = self.next_seq();
-        let genl = GenlmsghdrBuilder::<u8, u16>::default().cmd(command).version(wire::VERSION).attrs(wire::buffer(attrs)).build().map_err(sock_err)?;
-        let flags = if dump { NlmF::REQUEST | NlmF::DUMP } else { NlmF::REQUEST | NlmF::ACK };
-        let msg = NlmsghdrBuilder::default().nl_type(self.family).nl_flags(flags).nl_seq(seq).nl_payload(NlPayload::Payload(genl)).build().map_err(sock_err)?;
+        let msg = self.message(command, if dump { NlmF::REQUEST | NlmF::DUMP } else { NlmF::REQUEST | NlmF::ACK }, attrs)?;
         match crate::netlink::socket::exchange::<_, _, Buffer>(&self.sock, &msg) {
             Ok(bodies) => Ok(bodies),
             Err(NlError::Errno(errno)) => Err(kernel_err(op, object, errno)),
@@ -93,20 +98,77 @@ impl NetlinkIpvs {
         }
     }
 
-    fn decode_all(&self, op: &'static str, bodies: Vec<Buffer>, svc_af: u16) -> Result<Vec<Reply>, IpvsError> {
-        bodies.iter().map(|b| wire::decode_reply(b.as_ref(), svc_af).map_err(|err| IpvsError::Decode { op, err })).collect()
+    fn message(&mut self, command: u8, flags: NlmF, attrs: Vec<Attr>) -> Result<neli::nl::Nlmsghdr<u16, Genlmsghdr<u8, u16>>, IpvsError> {
+        let seq = self.next_seq();
+        let genl = GenlmsghdrBuilder::<u8, u16>::default().cmd(command).version(wire::VERSION).attrs(wire::buffer(attrs)).build().map_err(sock_err)?;
+        NlmsghdrBuilder::default().nl_type(self.family).nl_flags(flags).nl_seq(seq).nl_payload(NlPayload::Payload(genl)).build().map_err(sock_err)
     }
 
-    /// Deletes are idempotent: a missing object is what the caller wanted.
-    fn ignore_missing(r: Result<Vec<Buffer>, IpvsError>) -> Result<(), IpvsError> {
-        match r {
-            Err(e) if matches!(e.errno(), Some(libc::ESRCH) | Some(libc::ENOENT)) => Ok(()),
-            r => r.map(drop),
-        }
+    /// A write's command and attributes.
+    fn encode(w: &Write) -> Result<(u8, Vec<Attr>), IpvsError> {
+        Ok(match w {
+            Write::AddService(s) => (cmd::NEW_SERVICE, vec![wire::service_attr(s)?]),
+            Write::UpdateService(s) => (cmd::SET_SERVICE, vec![wire::service_attr(s)?]),
+            Write::DelService(id) => (cmd::DEL_SERVICE, vec![wire::service_id_attr(id)?]),
+            Write::AddDest(id, d) => (cmd::NEW_DEST, vec![wire::service_id_attr(id)?, wire::dest_attr(d, true)?]),
+            Write::UpdateDest(id, d) => (cmd::SET_DEST, vec![wire::service_id_attr(id)?, wire::dest_attr(d, true)?]),
+            Write::DelDest(id, addr, port) => {
+                let d = DestConfig::new(*addr, *port, super::FwdMethod::Masq, 0);
+                (cmd::DEL_DEST, vec![wire::service_id_attr(id)?, wire::dest_attr(&d, false)?])
+            }
+        })
+    }
+
+    fn apply_one(&mut self, w: Write) -> Result<(), IpvsError> {
+        self.apply(std::slice::from_ref(&w)).pop().unwrap_or(Ok(()))
+    }
+
+    fn decode_all(&self, op: &'static str, bodies: Vec<Buffer>, svc_af: u16) -> Result<Vec<Reply>, IpvsError> {
+        bodies.iter().map(|b| wire::decode_reply(b.as_ref(), svc_af).map_err(|err| IpvsError::Decode { op, err })).collect()
     }
 }
 
 impl Ipvs for NetlinkIpvs {
+    /// Pipelined: many requests per sendmsg, an answer each. Deletes are idempotent (a missing
+    /// object is what the caller wanted).
+    fn apply(&mut self, writes: &[Write]) -> Vec<Result<(), IpvsError>> {
+        let mut out: Vec<Option<Result<(), IpvsError>>> = Vec::with_capacity(writes.len());
+        let mut msgs = Vec::with_capacity(writes.len());
+        let mut sent = Vec::with_capacity(writes.len());
+        for (i, w) in writes.iter().enumerate() {
+            match Self::encode(w).and_then(|(c, attrs)| self.message(c, NlmF::REQUEST | NlmF::ACK, attrs)) {
+                Ok(m) => {
+                    msgs.push(m);
+                    sent.push(i);
+                    out.push(None);
+                }
+                Err(e) => out.push(Some(Err(e))),
+            }
+        }
+        match crate::netlink::socket::pipeline(&self.sock, &msgs, self.depth) {
+            Ok(answers) => {
+                for (i, answer) in sent.into_iter().zip(answers) {
+                    let w = &writes[i];
+                    out[i] = Some(match answer {
+                        Ok(()) => Ok(()),
+                        Err(libc::ESRCH | libc::ENOENT) if w.is_delete() => Ok(()),
+                        Err(errno) => Err(kernel_err(w.op(), w.object(), errno)),
+                    });
+                }
+            }
+            Err(e) => {
+                let e = match e {
+                    NlError::Errno(errno) => kernel_err("write", "", errno).to_string(),
+                    NlError::Socket(s) => s,
+                };
+                for i in sent {
+                    out[i] = Some(Err(IpvsError::Socket(e.clone())));
+                }
+            }
+        }
+        out.into_iter().map(|r| r.unwrap_or(Ok(()))).collect()
+    }
+
     fn info(&mut self) -> Result<Info, IpvsError> {
         let b = self.request(cmd::GET_INFO, false, vec![], "get info", &"")?;
         match self.decode_all("get info", b, 0)?.pop() {
@@ -128,15 +190,15 @@ impl Ipvs for NetlinkIpvs {
     }
 
     fn add_service(&mut self, s: &ServiceConfig) -> Result<(), IpvsError> {
-        self.request(cmd::NEW_SERVICE, false, vec![wire::service_attr(s)?], "add service", &s.id).map(drop)
+        self.apply_one(Write::AddService(s.clone()))
     }
 
     fn update_service(&mut self, s: &ServiceConfig) -> Result<(), IpvsError> {
-        self.request(cmd::SET_SERVICE, false, vec![wire::service_attr(s)?], "update service", &s.id).map(drop)
+        self.apply_one(Write::UpdateService(s.clone()))
     }
 
     fn del_service(&mut self, id: &ServiceId) -> Result<(), IpvsError> {
-        Self::ignore_missing(self.request(cmd::DEL_SERVICE, false, vec![wire::service_id_attr(id)?], "delete service", id))
+        self.apply_one(Write::DelService(*id))
     }
 
     fn dests(&mut self, id: &ServiceId) -> Result<Vec<Dest>, IpvsError> {
@@ -145,19 +207,15 @@ impl Ipvs for NetlinkIpvs {
     }
 
     fn add_dest(&mut self, id: &ServiceId, d: &DestConfig) -> Result<(), IpvsError> {
-        let attrs = vec![wire::service_id_attr(id)?, wire::dest_attr(d, true)?];
-        self.request(cmd::NEW_DEST, false, attrs, "add destination", &format_args!("{id} -> {}:{}", d.addr, d.port)).map(drop)
+        self.apply_one(Write::AddDest(*id, d.clone()))
     }
 
     fn update_dest(&mut self, id: &ServiceId, d: &DestConfig) -> Result<(), IpvsError> {
-        let attrs = vec![wire::service_id_attr(id)?, wire::dest_attr(d, true)?];
-        self.request(cmd::SET_DEST, false, attrs, "update destination", &format_args!("{id} -> {}:{}", d.addr, d.port)).map(drop)
+        self.apply_one(Write::UpdateDest(*id, d.clone()))
     }
 
     fn del_dest(&mut self, id: &ServiceId, addr: IpAddr, port: u16) -> Result<(), IpvsError> {
-        let d = DestConfig::new(addr, port, super::FwdMethod::Masq, 0);
-        let attrs = vec![wire::service_id_attr(id)?, wire::dest_attr(&d, false)?];
-        Self::ignore_missing(self.request(cmd::DEL_DEST, false, attrs, "delete destination", &format_args!("{id} -> {addr}:{port}")))
+        self.apply_one(Write::DelDest(*id, addr, port))
     }
 
     fn flush(&mut self) -> Result<(), IpvsError> {
