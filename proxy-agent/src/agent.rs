@@ -277,8 +277,6 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
         };
         let full = touched.is_none();
         let r = self.program(&desired, &node, touched.as_ref(), &source_errors, &triggers, start, now);
-        let mut desired = desired;
-        desired.errors.clear();
         // The changes were taken from the source: after a failure only a full sync knows what
         // is still to be written.
         self.last_desired = r.is_ok().then_some(desired);
@@ -299,21 +297,18 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
         start: Instant,
         _now: Instant,
     ) -> Result<SyncStats, DataplaneError> {
-        let problems: Vec<&ObjectError> = source_errors.iter().chain(desired.errors.iter()).collect();
+        let problems: Vec<&ObjectError> = source_errors.iter().chain(desired.problems()).collect();
         for e in &problems {
             warn!(error = %e, "object or field not programmed");
         }
         if let Some(tx) = &self.events {
-            // Each problem once while it lasts; again if it comes back after being fixed.
+            // Each problem once while it lasts; again if it comes back after being fixed (the
+            // desired state holds every Service's problems, also after an incremental sync).
             let now: BTreeSet<String> = problems.iter().map(|e| e.to_string()).collect();
             for e in problems.iter().filter(|e| !self.reported.contains(&e.to_string())) {
                 let _ = tx.send((*e).clone());
             }
-            if touched.is_none() {
-                self.reported = now;
-            } else {
-                self.reported.extend(now);
-            }
+            self.reported = now;
         }
         let result = self.dataplane.sync(desired, node, touched);
         let elapsed = start.elapsed();
@@ -357,6 +352,7 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
         stats.last_sync = Some(now);
         stats.m.last_sync_timestamp.set(unix_seconds(now));
         stats.m.rejected_objects.set(problems.len() as i64);
+        stats.not_programmed = problems.iter().map(|e| (*e).clone()).chain(full).collect();
         for reason in crate::model::objects::REASONS {
             let n = problems.iter().filter(|p| p.reason == reason).count() + if reason == crate::model::objects::MAP_FULL { st.full.len() } else { 0 };
             stats.m.not_programmed.with_label_values(&[reason]).set(n as i64);

@@ -74,10 +74,17 @@ enum Cmd {
         #[arg(long, default_value = "127.0.0.1:10256")]
         healthz: String,
     },
-    /// Frontends -> backends, as the kernel maps hold them.
+    /// Frontends -> backends, as the kernel maps hold them, then what the agent could not
+    /// program (object, field, reason; from the agent's /notProgrammed).
     Services {
         #[arg(long)]
         json: bool,
+        /// Only what the agent could not program.
+        #[arg(long)]
+        skipped: bool,
+        /// The agent's health listener.
+        #[arg(long, default_value = "127.0.0.1:10256")]
+        healthz: String,
     },
     /// Tracked flows and their backends.
     Conntrack {
@@ -235,13 +242,32 @@ fn main() -> Result<()> {
                 }
             }
         }
-        Cmd::Services { json } => {
+        Cmd::Services { json, skipped, healthz } => {
+            let not_programmed = || -> Result<serde_json::Value> {
+                agent_get(&healthz, proxy_agent::serve::metrics::NOT_PROGRAMMED_PATH)
+                    .map(|(_, v)| v)
+                    .with_context(|| format!("no agent answers at {healthz} (--healthz): what it could not program is known to it alone"))
+            };
+            if skipped {
+                let list = not_programmed()?;
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&list)?);
+                } else {
+                    print!("{}", render_not_programmed(&list));
+                }
+                return Ok(());
+            }
             let maps = KernelMaps::open(&pin_dir)?;
             let rows = view::services(&maps)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&rows)?);
             } else {
                 print!("{}", view::render_services(&rows));
+                match not_programmed() {
+                    Ok(list) if list.as_array().is_some_and(|l| !l.is_empty()) => print!("\nnot programmed:\n{}", render_not_programmed(&list)),
+                    Ok(_) => {}
+                    Err(e) => println!("\n({e})"),
+                }
             }
         }
         Cmd::Ipset { json, name } => {
@@ -435,19 +461,35 @@ fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_lowercase()).unwrap_or_default()
 }
 
-/// The agent's /healthz JSON (status 200 or 503), or None when nothing answers.
-fn agent_health(addr: &str) -> Option<serde_json::Value> {
+/// GET `path` from the agent at `addr`: (answered 200?, its JSON), or None when nothing
+/// answers.
+fn agent_get(addr: &str, path: &str) -> Option<(bool, serde_json::Value)> {
     use std::io::{Read, Write};
     let addr: std::net::SocketAddr = addr.parse().ok()?;
     let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-    s.write_all(format!("GET /healthz HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes()).ok()?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes()).ok()?;
     let mut resp = String::new();
     s.read_to_string(&mut resp).ok()?;
     let (head, body) = resp.split_once("\r\n\r\n")?;
-    let mut v: serde_json::Value = serde_json::from_str(body).ok()?;
-    v["healthy"] = serde_json::json!(head.lines().next().unwrap_or("").contains(" 200"));
+    Some((head.lines().next().unwrap_or("").contains(" 200"), serde_json::from_str(body).ok()?))
+}
+
+/// The agent's /healthz JSON (status 200 or 503), or None when nothing answers.
+fn agent_health(addr: &str) -> Option<serde_json::Value> {
+    let (ok, mut v) = agent_get(addr, "/healthz")?;
+    v["healthy"] = serde_json::json!(ok);
     Some(v)
+}
+
+/// One line per object and field kpr could not program: reason, object, field, why.
+fn render_not_programmed(list: &serde_json::Value) -> String {
+    let field = |e: &serde_json::Value, k: &str| e[k].as_str().unwrap_or("").to_string();
+    list.as_array()
+        .into_iter()
+        .flatten()
+        .map(|e| format!("  {:<18} {} {}: {}\n", field(e, "reason"), field(e, "object"), field(e, "field"), field(e, "message")))
+        .collect()
 }
 
 fn maps_len(maps: &KernelMaps) -> Result<usize> {

@@ -157,11 +157,23 @@ pub struct Stats {
     pub node_eligible: bool,
     /// The data plane in force.
     pub mode: &'static str,
+    /// What the last sync could not program, each with its object, field and reason (served
+    /// at /notProgrammed for `kpr services`).
+    pub not_programmed: Vec<crate::model::objects::ObjectError>,
 }
 
 impl Stats {
     pub fn new(health_timeout: Duration) -> Self {
-        Self { m: Metrics::new(), last_sync: None, pending_since: None, failing_since: None, health_timeout, node_eligible: true, mode: "ebpf" }
+        Self {
+            m: Metrics::new(),
+            last_sync: None,
+            pending_since: None,
+            failing_since: None,
+            health_timeout,
+            node_eligible: true,
+            mode: "ebpf",
+            not_programmed: Vec::new(),
+        }
     }
 
     pub fn set_mode(&mut self, mode: &'static str) {

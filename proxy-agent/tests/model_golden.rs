@@ -118,7 +118,7 @@ fn traffic_policies_terminating_fallback_and_bad_input() {
     let node = NodeInfo { name: "me".into(), nodeport_addresses: vec!["192.0.2.1".parse().unwrap()], ..Default::default() };
     let d = compute(&r.objects, &node, &ModelConfig::default());
     assert_eq!(d.dump(), GOLDEN, "\n--- got ---\n{}", d.dump());
-    let errors: Vec<String> = d.errors.iter().map(|e| format!("{}: {}", e.object, e.field)).collect();
+    let errors: Vec<String> = d.problems().map(|e| format!("{}: {}", e.object, e.field)).collect();
     assert_eq!(
         errors,
         vec![
@@ -192,8 +192,9 @@ fn publish_not_ready_and_absurd_sizes() {
         d.dump(),
         "frontend 10.96.3.1:80/TCP internal clusterip s/pnr: sched=random affinity=0 flags=- ranges=\n  backend 10.0.0.1:8080\nfrontend 10.96.3.1:80/TCP external clusterip s/pnr: sched=random affinity=0 flags=- ranges=\n  backend 10.0.0.1:8080\n"
     );
-    assert_eq!(d.errors.len(), 1);
-    assert_eq!((d.errors[0].object.as_str(), d.errors[0].field.as_str()), ("Service s/huge", "spec.ports[0]"));
+    let problems: Vec<_> = d.problems().collect();
+    assert_eq!(problems.len(), 1);
+    assert_eq!((problems[0].object.as_str(), problems[0].field.as_str()), ("Service s/huge", "spec.ports[0]"));
 }
 
 #[test]
@@ -275,7 +276,7 @@ endpoints: [{addresses: [10.244.1.2]}]
     let bad = d.frontends.values().find(|f| f.service == "a/bad:p").expect("bad still programmed");
     // Unknown scheduler: the configured one; tun with port != targetPort: NAT.
     assert_eq!((bad.ipvs.scheduler.as_deref(), bad.ipvs.forward), (None, proxy_agent::model::IpvsForward::Nat));
-    let errs: Vec<String> = d.errors.iter().map(|e| e.to_string()).collect();
+    let errs: Vec<String> = d.problems().map(|e| e.to_string()).collect();
     let has = |object: &str, field: &str| errs.iter().any(|e| e.contains(object) && e.contains(field));
     assert!(has("Service a/good", "metadata.annotations[kpr.io/ipvs-weights][1]"), "{errs:#?}");
     assert!(has("Service a/bad", "metadata.annotations[kpr.io/ipvs-scheduler]"), "{errs:#?}");
@@ -325,7 +326,7 @@ endpoints: [{addresses: ["fd00:10:244::30"], conditions: {ready: true}}]
         d.frontends.keys().any(|k| k.ip.to_string() == "10.96.3.1") && d.frontends.keys().any(|k| k.ip.to_string() == "192.0.2.30"),
         "the IPv4 half is programmed"
     );
-    let reported: Vec<(String, String, &str)> = d.errors.iter().map(|e| (e.object.clone(), e.field.clone(), e.reason)).collect();
+    let reported: Vec<(String, String, &str)> = d.problems().map(|e| (e.object.clone(), e.field.clone(), e.reason)).collect();
     for (object, field) in [
         ("Service g/dual", "spec.clusterIPs"),
         ("Service g/dual", "spec.externalIPs[0]"),

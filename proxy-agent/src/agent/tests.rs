@@ -178,3 +178,32 @@ fn a_full_map_is_an_event_once_and_a_metric_each_time() {
     assert!(rx.try_recv().is_err(), "once while it lasts");
     assert_eq!(a.stats.lock().unwrap().m.map_full_total.with_label_values(&[proxy_common::map_names::BACKENDS]).get(), 2);
 }
+
+#[test]
+fn what_is_not_programmed_stays_known_across_incremental_syncs() {
+    let mut a = agent(2);
+    // s0 asks for a scheduler kpr does not have: programmed with the default, and reported.
+    let svc = a.source.objects.services.get_mut(&("demo".to_string(), "s0".to_string())).unwrap();
+    svc.metadata.annotations = Some([(crate::model::SCHEDULER_ANNOTATION.to_string(), "fastest".to_string())].into());
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    a.events = Some(tx);
+    let t0 = Instant::now();
+    assert_eq!(a.step(t0, W), Step::Synced { full: true });
+    let e = rx.try_recv().expect("an Event");
+    assert_eq!((e.object.as_str(), e.field.as_str()), ("Service demo/s0", "metadata.annotations[kpr.io/scheduler]"));
+    let listed = |a: &Agent<FakeSource, FakeDataplane>| a.stats.lock().unwrap().not_programmed.iter().map(|e| e.object.clone()).collect::<Vec<_>>();
+    let gauge =
+        |a: &Agent<FakeSource, FakeDataplane>| a.stats.lock().unwrap().m.not_programmed.with_label_values(&[crate::model::objects::FIELD_NOT_PROGRAMMED]).get();
+    assert_eq!((listed(&a), gauge(&a)), (vec!["Service demo/s0".to_string()], 1));
+    // Another Service changes: s0's problem is still listed and counted, and not sent again.
+    a.source.pending = changed(&["s1"]);
+    assert_eq!(a.step(t0 + Duration::from_secs(2), W), Step::Synced { full: false });
+    assert_eq!((listed(&a), gauge(&a)), (vec!["Service demo/s0".to_string()], 1));
+    assert!(rx.try_recv().is_err(), "once while it lasts");
+    // s0 is fixed: gone from the list and the gauge.
+    let svc = a.source.objects.services.get_mut(&("demo".to_string(), "s0".to_string())).unwrap();
+    svc.metadata.annotations = None;
+    a.source.pending = changed(&["s0"]);
+    assert_eq!(a.step(t0 + Duration::from_secs(4), W), Step::Synced { full: false });
+    assert_eq!((listed(&a), gauge(&a)), (Vec::<String>::new(), 0));
+}

@@ -154,6 +154,10 @@ pub struct DesiredState {
     /// Services with a Local traffic policy and no local endpoint, by (namespace, name): which
     /// policies ([internal, external]) are so (kube-proxy's no_local_endpoints metric).
     pub no_local_endpoints: BTreeMap<(String, String), [bool; 2]>,
+    /// What kpr cannot program of each Service (its fields, its EndpointSlices), by (namespace,
+    /// name): kept per Service so an incremental sync replaces only the changed ones'.
+    pub service_errors: BTreeMap<(String, String), Vec<ObjectError>>,
+    /// Problems of no one Service (an EndpointSlice that names none); complete at every compute.
     pub errors: Vec<ObjectError>,
 }
 
@@ -189,7 +193,12 @@ pub fn compute_filtered(objects: &Objects, node: &NodeInfo, cfg: &ModelConfig, o
     };
     for ((ns, name), svc) in selected {
         let slices = slices_by_svc.get(&(ns.clone(), name.clone())).map(Vec::as_slice).unwrap_or(&[]);
+        let before = out.errors.len();
         service::service_frontends(ns, name, svc, slices, node, cfg, &mut out);
+        let own = out.errors.split_off(before);
+        if !own.is_empty() {
+            out.service_errors.insert((ns.clone(), name.clone()), own);
+        }
     }
     out
 }
@@ -216,8 +225,15 @@ impl DesiredState {
         self.no_local_endpoints.extend(partial.no_local_endpoints);
         self.frontends.extend(partial.frontends);
         self.health_checks.extend(partial.health_checks);
+        self.service_errors.retain(|k, _| !names.contains(k));
+        self.service_errors.extend(partial.service_errors);
         self.errors = partial.errors;
         touched
+    }
+
+    /// Everything kpr cannot program of the objects, each once.
+    pub fn problems(&self) -> impl Iterator<Item = &ObjectError> {
+        self.errors.iter().chain(self.service_errors.values().flatten())
     }
 
     /// Golden text: one line per frontend, one per backend.

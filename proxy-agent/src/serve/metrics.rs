@@ -45,6 +45,22 @@ async fn healthz(State(app): State<App>, livez: bool) -> impl IntoResponse {
     (code, [("content-type", "application/json")], body.to_string())
 }
 
+/// What the last sync could not program (kpr's own): a JSON list of {object, field, reason,
+/// message}, what `kpr services` shows as skipped.
+pub const NOT_PROGRAMMED_PATH: &str = "/notProgrammed";
+
+async fn not_programmed(State(app): State<App>) -> impl IntoResponse {
+    let list: Vec<serde_json::Value> = app
+        .stats
+        .lock()
+        .unwrap()
+        .not_programmed
+        .iter()
+        .map(|e| serde_json::json!({"object": e.object, "field": e.field, "reason": e.reason, "message": e.message}))
+        .collect();
+    ([("content-type", "application/json")], serde_json::Value::from(list).to_string())
+}
+
 /// kube-proxy's /proxyMode: the mode's name, as text.
 async fn proxy_mode(State(app): State<App>) -> impl IntoResponse {
     let mode = app.stats.lock().unwrap().mode;
@@ -176,7 +192,11 @@ pub async fn serve(healthz_addr: Option<SocketAddr>, metrics_addr: Option<Socket
     let app = App { stats, pin_dir };
     if let Some(addr) = healthz_addr {
         let l = tokio::net::TcpListener::bind(addr).await.map_err(|err| BindError { addr, what: "/healthz", flag: "healthz-bind-address", err })?;
-        let r = Router::new().route("/healthz", get(|s| healthz(s, false))).route("/livez", get(|s| healthz(s, true))).with_state(app.clone());
+        let r = Router::new()
+            .route("/healthz", get(|s| healthz(s, false)))
+            .route("/livez", get(|s| healthz(s, true)))
+            .route(NOT_PROGRAMMED_PATH, get(not_programmed))
+            .with_state(app.clone());
         tokio::spawn(async move {
             if let Err(e) = axum::serve(l, r).await {
                 error!(error = %e, "health server stopped");
@@ -188,6 +208,7 @@ pub async fn serve(healthz_addr: Option<SocketAddr>, metrics_addr: Option<Socket
         let r = Router::new()
             .route("/metrics", get(metrics))
             .route("/proxyMode", get(proxy_mode))
+            .route(NOT_PROGRAMMED_PATH, get(not_programmed))
             .route("/healthz", get(|s| healthz(s, false)))
             .route("/debug/flags/v", axum::routing::put(set_verbosity))
             .with_state(app);
