@@ -97,7 +97,7 @@ impl LoopSettings {
             primary_ip: s.primary_ip,
             node_port_addresses: s.node_port_addresses.clone(),
             uplinks: s.uplinks.clone(),
-            model: ModelConfig { default_scheduler: s.scheduler },
+            model: ModelConfig { default_scheduler: s.scheduler, sctp: false },
         }
     }
 }
@@ -142,8 +142,9 @@ pub struct Agent<S: Source, D: Dataplane> {
 }
 
 impl<S: Source, D: Dataplane> Agent<S, D> {
-    pub fn new(cfg: LoopSettings, source: S, dataplane: D, stats: SharedStats) -> Self {
+    pub fn new(mut cfg: LoopSettings, source: S, dataplane: D, stats: SharedStats) -> Self {
         stats.lock().unwrap().set_mode(dataplane.mode().name());
+        cfg.model.sctp = dataplane.programs_sctp();
         let timing = Timing {
             limiter: Limiter::new(cfg.min_sync_period, cfg.burst_syncs, Instant::now()),
             last_full: None,

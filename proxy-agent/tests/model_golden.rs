@@ -340,3 +340,44 @@ endpoints: [{addresses: ["fd00:10:244::30"], conditions: {ready: true}}]
         );
     }
 }
+
+/// SCTP ports where the data plane forwards SCTP (IPVS mode): frontends like TCP's, with the
+/// EndpointSlice's SCTP ports as backends; nothing reported.
+#[test]
+fn sctp_ports_are_programmed_where_the_plane_forwards_sctp() {
+    let text = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: sig, namespace: g}
+spec:
+  type: NodePort
+  clusterIP: 10.96.3.2
+  ports: [{name: s, port: 9000, targetPort: 8080, protocol: SCTP, nodePort: 30090}, {name: t, port: 9000, targetPort: 8080}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: sig-1, namespace: g, labels: {kubernetes.io/service-name: sig}}
+addressType: IPv4
+ports: [{name: s, port: 8080, protocol: SCTP}, {name: t, port: 8080, protocol: TCP}]
+endpoints: [{addresses: [10.244.1.31], conditions: {ready: true}}]
+"#;
+    let mut r = LoadReport::default();
+    load_text("sctp.yaml", text, &mut r);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    let node = NodeInfo { name: "me".into(), nodeport_addresses: vec!["198.18.0.1".parse().unwrap()], zone: None };
+    let d = compute(&r.objects, &node, &ModelConfig { sctp: true, ..Default::default() });
+    assert_eq!(d.problems().count(), 0, "{:?}", d.problems().collect::<Vec<_>>());
+    let dump = d.dump();
+    for line in [
+        "frontend 10.96.3.2:9000/SCTP internal clusterip g/sig:s",
+        "frontend 198.18.0.1:30090/SCTP external nodeport g/sig:s",
+        "frontend 10.96.3.2:9000/TCP internal clusterip g/sig:t",
+    ] {
+        assert!(dump.lines().any(|l| l.starts_with(line)), "{line} missing:\n{dump}");
+    }
+    assert!(dump.contains("  backend 10.244.1.31:8080"), "{dump}");
+    // The same objects where the plane does not forward SCTP: the port is reported, TCP kept.
+    let d = compute(&r.objects, &node, &ModelConfig::default());
+    assert!(d.frontends.keys().all(|k| k.proto == proxy_agent::model::Protocol::Tcp));
+    assert_eq!(d.problems().map(|e| e.field.as_str()).collect::<Vec<_>>(), ["spec.ports[0].protocol"]);
+}

@@ -91,7 +91,7 @@ program!("cgroup/getpeername4" GETPEERNAME4: fn getpeername4(ctx: SockAddrContex
 program!("classifier" TC_IPSET: fn tc_ipset(ctx: TcContext, __sk_buff) -> i32 {
     let mut p = Tc(&mut ctx);
     p.pull_headers();
-    let f = match parse::parse(&mut p) {
+    let f = match parse::parse_with_sctp(&mut p) {
         Parsed::Flow(f) => f,
         _ => return TC_ACT_OK as i32,
     };

@@ -1,6 +1,6 @@
-//! Header parsing: Ethernet -> IPv4 -> TCP/UDP, and ICMP errors quoting a TCP/UDP packet.
-//! Anything else is "not ours" and passes.
-use proxy_common::{PROTO_TCP, PROTO_UDP};
+//! Header parsing: Ethernet -> IPv4 -> TCP/UDP (and SCTP's ports for IPVS mode's set
+//! matching), and ICMP errors quoting a TCP/UDP packet. Anything else is "not ours" and passes.
+use proxy_common::{PROTO_SCTP, PROTO_TCP, PROTO_UDP};
 
 use crate::pkt::{L4Csum, Pkt};
 
@@ -82,6 +82,18 @@ pub enum Parsed {
 
 #[inline(always)]
 pub fn parse<P: Pkt>(p: &P) -> Parsed {
+    parse_l4::<P, false>(p)
+}
+
+/// `parse`, and SCTP as a Flow too (its ports; `csum.off` 0: SCTP's CRC32c is not an internet
+/// checksum to update). For IPVS mode's set matching, which never rewrites a packet.
+#[inline(always)]
+pub fn parse_with_sctp<P: Pkt>(p: &P) -> Parsed {
+    parse_l4::<P, true>(p)
+}
+
+#[inline(always)]
+fn parse_l4<P: Pkt, const SCTP: bool>(p: &P) -> Parsed {
     let Some(ethertype) = p.load::<u16>(12) else {
         return Parsed::Other;
     };
@@ -106,7 +118,8 @@ pub fn parse<P: Pkt>(p: &P) -> Parsed {
     if proto == PROTO_ICMP {
         return parse_icmp_error(p, &w, ihl_bytes);
     }
-    if proto != PROTO_TCP && proto != PROTO_UDP {
+    let sctp = SCTP && proto == PROTO_SCTP;
+    if proto != PROTO_TCP && proto != PROTO_UDP && !sctp {
         return Parsed::Other;
     }
     let tot_len = usize::from(u16::from_be(w[1]));
@@ -121,11 +134,18 @@ pub fn parse<P: Pkt>(p: &P) -> Parsed {
         return Parsed::Fragment;
     }
     let l4_off = IP_OFF + ihl_bytes;
-    let (l4_min, csum_off, udp) = if proto == PROTO_TCP { (20, 16, false) } else { (8, 6, true) };
+    let (l4_min, csum_off, udp) = if proto == PROTO_TCP {
+        (20, 16, false)
+    } else if sctp {
+        (12, 0, false)
+    } else {
+        (8, 6, true)
+    };
     if tot_len < ihl_bytes + l4_min {
         return Parsed::Malformed;
     }
-    // One bounds check per header: TCP up to its flags (and checksum), the whole UDP header.
+    // One bounds check per header: TCP up to its flags (and checksum), the whole UDP header,
+    // SCTP's ports and verification tag.
     let (ports, tcp_flags) = if proto == PROTO_TCP {
         let Some(h) = p.ptr::<[u32; 5]>(l4_off) else {
             return Parsed::Malformed;
@@ -148,7 +168,7 @@ pub fn parse<P: Pkt>(p: &P) -> Parsed {
         daddr,
         sport: ports[0],
         dport: ports[1],
-        csum: L4Csum { off: l4_off + csum_off, udp },
+        csum: L4Csum { off: if sctp { 0 } else { l4_off + csum_off }, udp },
     })
 }
 

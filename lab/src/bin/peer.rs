@@ -1,10 +1,11 @@
 //! kpr-lab-peer: the TCP/UDP servers and clients of the namespace lab and the end-to-end tests.
 //! Every loop is bounded by a count and a deadline.
 //!
-//!   serve  NAME TCP_PORT UDP_PORT          answer every request with NAME ("who": NAME and the
+//!   serve  NAME TCP_PORT UDP_PORT          answer every request with NAME, over TCP and UDP, and over
+//!                                          SCTP on TCP_PORT where the kernel has SCTP ("who": NAME and the
 //!                                          client address it sees; "up N" + N bytes: NAME once read;
 //!                                          "down N": N bytes, then NAME)
-//!   burst  IP:PORT tcp|udp COUNT           COUNT short connections; prints JSON {name: count, "errors": n}
+//!   burst  IP:PORT tcp|udp|sctp COUNT      COUNT short connections; prints JSON {name: count, "errors": n}
 //!   hold   IP:PORT SECONDS                 one TCP connection, a request every 50 ms; prints JSON
 //!   stream IP:PORT SECONDS                 new TCP connections back to back for SECONDS; prints JSON
 //!   rate   IP:PORT SECONDS                 back-to-back short TCP connections; prints JSON with the
@@ -29,7 +30,65 @@ use std::{
     time::{Duration, Instant},
 };
 
+/// A one-to-one (stream) SCTP socket: it reads and writes like a TCP one, so std's TCP types
+/// carry it. None where the kernel has no SCTP.
+fn sctp_socket() -> Option<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: socket(2); the descriptor is owned from here on.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, libc::IPPROTO_SCTP) };
+    (fd >= 0).then(|| unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
+fn sockaddr(a: SocketAddr) -> libc::sockaddr_in {
+    let SocketAddr::V4(a) = a else { panic!("IPv4 only: {a}") };
+    libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: a.port().to_be(),
+        sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(a.ip().octets()) },
+        sin_zero: [0; 8],
+    }
+}
+
+fn sctp_listener(port: u16) -> Option<TcpListener> {
+    use std::os::fd::AsRawFd;
+    let fd = sctp_socket()?;
+    let sa = sockaddr(SocketAddr::from(([0, 0, 0, 0], port)));
+    // SAFETY: bind(2) and listen(2) on our descriptor with a valid sockaddr_in.
+    let ok = unsafe {
+        libc::bind(fd.as_raw_fd(), (&sa as *const libc::sockaddr_in).cast(), std::mem::size_of::<libc::sockaddr_in>() as u32) == 0
+            && libc::listen(fd.as_raw_fd(), 128) == 0
+    };
+    ok.then(|| TcpListener::from(fd))
+}
+
+fn one_sctp(target: SocketAddr) -> Result<String, String> {
+    use std::os::fd::AsRawFd;
+    let fd = sctp_socket().ok_or("no SCTP in this kernel")?;
+    let tv = libc::timeval { tv_sec: 5, tv_usec: 0 };
+    let sa = sockaddr(target);
+    // SAFETY: setsockopt(2) and connect(2) on our descriptor with valid arguments; the send
+    // timeout bounds the connect.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDTIMEO,
+            (&tv as *const libc::timeval).cast(),
+            std::mem::size_of::<libc::timeval>() as u32,
+        );
+        libc::connect(fd.as_raw_fd(), (&sa as *const libc::sockaddr_in).cast(), std::mem::size_of::<libc::sockaddr_in>() as u32)
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error().to_string());
+    }
+    exchange(TcpStream::from(fd))
+}
+
 fn serve(name: String, tcp: u16, udp: u16) {
+    if let Some(l) = sctp_listener(tcp) {
+        let name = name.clone();
+        std::thread::spawn(move || answer_all(l, name));
+    }
     let n2 = name.clone();
     std::thread::spawn(move || {
         let s = UdpSocket::bind(("0.0.0.0", udp)).expect("udp bind");
@@ -42,6 +101,11 @@ fn serve(name: String, tcp: u16, udp: u16) {
     });
     let l = TcpListener::bind(("0.0.0.0", tcp)).expect("tcp bind");
     println!("ready");
+    answer_all(l, name);
+}
+
+/// Answers the connections of `l` (TCP, or SCTP in a TCP type), a thread each.
+fn answer_all(l: TcpListener, name: String) {
     for conn in l.incoming().flatten() {
         let name = name.clone();
         std::thread::spawn(move || {
@@ -81,7 +145,11 @@ fn serve(name: String, tcp: u16, udp: u16) {
 
 fn one_tcp(target: SocketAddr) -> Result<String, String> {
     // Generous timeouts: a broken flow shows up as a reset at once; only a loaded machine is slow.
-    let mut s = TcpStream::connect_timeout(&target, Duration::from_secs(5)).map_err(|e| e.to_string())?;
+    exchange(TcpStream::connect_timeout(&target, Duration::from_secs(5)).map_err(|e| e.to_string())?)
+}
+
+/// One request line, one answer line.
+fn exchange(mut s: TcpStream) -> Result<String, String> {
     s.set_read_timeout(Some(Duration::from_secs(5))).ok();
     s.write_all(b"hi\n").map_err(|e| e.to_string())?;
     let mut r = BufReader::new(s);
@@ -148,7 +216,7 @@ fn main() {
         "serve" => serve(arg(1), arg(2).parse().unwrap(), arg(3).parse().unwrap()),
         "burst" => {
             let target: SocketAddr = arg(1).parse().unwrap();
-            let udp = arg(2) == "udp";
+            let proto = arg(2);
             let count: u64 = arg(3).parse().unwrap();
             let mut t = Tally::default();
             let deadline = Instant::now() + Duration::from_secs(60);
@@ -157,7 +225,11 @@ fn main() {
                     t.fail("burst deadline (60 s) reached".into());
                     break;
                 }
-                t.add(if udp { one_udp(target) } else { one_tcp(target) });
+                t.add(match proto.as_str() {
+                    "udp" => one_udp(target),
+                    "sctp" => one_sctp(target),
+                    _ => one_tcp(target),
+                });
             }
             t.report();
         }

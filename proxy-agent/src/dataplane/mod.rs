@@ -66,6 +66,11 @@ pub enum DataplaneError {
 pub trait Dataplane {
     /// The mode in force.
     fn mode(&self) -> Mode;
+    /// Whether it forwards SCTP (IPVS does; the fast path would have to update SCTP's CRC32c
+    /// when it rewrites ports, and does not yet).
+    fn programs_sctp(&self) -> bool {
+        false
+    }
     /// Called every second: attach to interfaces that appeared, let go of those that left, keep
     /// what the programs know of each interface current.
     fn reconcile_interfaces(&mut self);
@@ -82,6 +87,9 @@ pub trait Dataplane {
 impl<D: Dataplane + ?Sized> Dataplane for Box<D> {
     fn mode(&self) -> Mode {
         (**self).mode()
+    }
+    fn programs_sctp(&self) -> bool {
+        (**self).programs_sctp()
     }
     fn reconcile_interfaces(&mut self) {
         (**self).reconcile_interfaces()

@@ -143,6 +143,9 @@ pub struct NodeInfo {
 #[derive(Clone, Debug, Default)]
 pub struct ModelConfig {
     pub default_scheduler: Scheduler,
+    /// The data plane forwards SCTP (`Dataplane::programs_sctp`); otherwise SCTP ports are
+    /// reported as not supported.
+    pub sctp: bool,
 }
 
 #[derive(Clone, Debug, Default)]

@@ -159,8 +159,9 @@ pub(super) fn service_frontends(
         let field = format!("spec.ports[{i}]");
         let proto = match Protocol::from_name(port.protocol.as_deref().unwrap_or("TCP")) {
             Some(p @ (Protocol::Tcp | Protocol::Udp)) => p,
+            Some(Protocol::Sctp) if cfg.sctp => Protocol::Sctp,
             Some(Protocol::Sctp) => {
-                unsupported(errors, &object, format!("{field}.protocol"), "SCTP is not programmed yet; port skipped");
+                unsupported(errors, &object, format!("{field}.protocol"), "SCTP is programmed in IPVS mode only, not by the eBPF fast path; port skipped");
                 continue;
             }
             None => {

@@ -476,6 +476,50 @@ fn kube_proxy_ipvs_semantics(lab: &Lab) -> Result<()> {
     })
 }
 
+/// An SCTP Service (ClusterIP and NodePort) in IPVS mode: SCTP virtual servers, kube-proxy's
+/// SCTP sets, and real SCTP associations from outside the cluster CIDR, which reach the
+/// backends only masqueraded (they have no route back): the set program matched SCTP.
+fn sctp_service(lab: &Lab) -> Result<()> {
+    let file = lab.manifests.join("sctp.yaml");
+    std::fs::write(
+        &file,
+        "apiVersion: v1\nkind: Service\nmetadata: {name: sig, namespace: demo}\nspec:\n  type: NodePort\n  clusterIP: 10.96.0.60\n  ports: [{name: s, port: 9000, targetPort: 8080, protocol: SCTP, nodePort: 30090}]\n---\n\
+         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: sig-1, namespace: demo, labels: {kubernetes.io/service-name: sig}}\naddressType: IPv4\n\
+         ports: [{name: s, port: 8080, protocol: SCTP}]\nendpoints:\n- {addresses: [10.244.1.2], conditions: {ready: true}}\n- {addresses: [10.244.2.2], conditions: {ready: true}}\n- {addresses: [10.244.3.2], conditions: {ready: true}}\n",
+    )?;
+    let want = [
+        "-A --sctp-service 10.96.0.60:9000 -s rr",
+        "-a --sctp-service 10.96.0.60:9000 -r 10.244.1.2:8080 -m -w 1",
+        "-a --sctp-service 10.96.0.60:9000 -r 10.244.2.2:8080 -m -w 1",
+        "-a --sctp-service 10.96.0.60:9000 -r 10.244.3.2:8080 -m -w 1",
+        "-A --sctp-service 198.18.0.1:30090 -s rr",
+        "-a --sctp-service 198.18.0.1:30090 -r 10.244.1.2:8080 -m -w 1",
+        "-a --sctp-service 198.18.0.1:30090 -r 10.244.2.2:8080 -m -w 1",
+        "-a --sctp-service 198.18.0.1:30090 -r 10.244.3.2:8080 -m -w 1",
+    ];
+    wait_until("the SCTP service in IPVS", 60, || {
+        let s = sn(lab);
+        let ours: Vec<&str> = s.lines().filter(|l| l.contains("--sctp-service")).collect();
+        expect_lines("SCTP virtual servers", &ours.join("\n"), &want)
+    })?;
+    let sets = kpr(lab, &["ipset"])?;
+    for (set, member) in [("KUBE-CLUSTER-IP", "10.96.0.60,sctp:9000"), ("KUBE-NODE-PORT-SCTP-HASH", "198.18.0.1,sctp:30090")] {
+        let block = sets.split("\n\n").find(|b| b.starts_with(&format!("Name: {set}\n"))).with_context(|| format!("set {set} listed:\n{sets}"))?;
+        ensure!(block.lines().any(|l| l == member), "{set} lacks {member}:\n{block}");
+    }
+    for (what, target) in [("client -> ClusterIP SCTP (masqueraded)", "10.96.0.60:9000".to_string()), ("client -> NodePort SCTP", format!("{NODE_IP}:30090"))] {
+        let v = burst(lab, "cl", &target, "sctp", "30");
+        ensure!(errors(&v) == 0 && per_backend(&v).len() == 3, "{what}: {v}");
+        println!("  {what}: {v}");
+    }
+    std::fs::remove_file(&file)?;
+    wait_until("the SCTP virtual servers gone", 60, || {
+        let s = sn(lab);
+        ensure!(!s.contains("--sctp-service"), "{s}");
+        Ok(())
+    })
+}
+
 /// DR and TUN: the real servers hold the VIP themselves and answer the client directly.
 fn dr_and_tun_traffic(lab: &Lab) -> Result<()> {
     let (b2, b3, n, cl) = (lab.ns("b2"), lab.ns("b3"), node(lab), lab.ns("cl"));
@@ -629,6 +673,7 @@ fn main() {
                 run("nat_traffic_with_masquerade", nat_traffic_with_masquerade(&lab));
                 run("scheduler_change", scheduler_change(&lab));
                 run("kube_proxy_ipvs_semantics", kube_proxy_ipvs_semantics(&lab));
+                run("sctp_service", sctp_service(&lab));
                 // The drain is finished after the other checks: TIME_WAIT lasts two minutes.
                 let hold = match graceful_termination(&lab) {
                     Ok(h) => {

@@ -15,9 +15,9 @@ use crate::{
         },
         ipvs::{
             client::{Ipvs, IpvsError, NetlinkIpvs, ServiceId, Timeouts},
+            desired::{bound_addresses, desired_virtual_servers, SyncSettings},
             rules,
             sets::{self, KernelSetMaps, SetMaps, Sets},
-            desired::{bound_addresses, desired_virtual_servers, SyncSettings},
             sync::IpvsSyncer,
         },
         Dataplane, DataplaneError, NodeContext, SyncStats,
@@ -115,6 +115,10 @@ impl IpvsPlane {
 impl Dataplane for IpvsPlane {
     fn mode(&self) -> Mode {
         Mode::Ipvs
+    }
+
+    fn programs_sctp(&self) -> bool {
+        true
     }
 
     fn reconcile_interfaces(&mut self) {

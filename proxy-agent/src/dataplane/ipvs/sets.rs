@@ -257,6 +257,17 @@ pub fn listing(s: &Sets) -> Vec<SetListing> {
         .collect();
     push("KUBE-LOAD-BALANCER-SOURCE-CIDR", "hash:ip,port,net", cidrs);
     for proto in proxy_common::Protocol::ALL {
+        if proto == proxy_common::Protocol::Sctp {
+            // kube-proxy keeps SCTP NodePorts per node address (hash:ip,port): the same
+            // entries, crossed with KPR-NODE-IPS.
+            let per_ip = |bit: u32| -> Vec<String> {
+                let node_ips = ips(sets::NODE_IPS);
+                ports(bit, proto.number()).iter().flat_map(|p| node_ips.iter().map(move |ip| format!("{ip},sctp:{p}"))).collect()
+            };
+            push("KUBE-NODE-PORT-SCTP-HASH", "hash:ip,port", per_ip(sets::NODE_PORT));
+            push("KUBE-NODE-PORT-LOCAL-SCTP-HASH", "hash:ip,port", per_ip(sets::NODE_PORT_LOCAL));
+            continue;
+        }
         push(&format!("KUBE-NODE-PORT-{}", proto.name()), "bitmap:port", ports(sets::NODE_PORT, proto.number()));
         push(&format!("KUBE-NODE-PORT-LOCAL-{}", proto.name()), "bitmap:port", ports(sets::NODE_PORT_LOCAL, proto.number()));
     }
@@ -339,5 +350,20 @@ mod tests {
         let fewer = compute(&d, &["198.18.0.1".parse().unwrap()], &bound);
         assert_eq!(sync(&mut maps, &fewer).unwrap(), (0, 1));
         assert!(render(&listing(&maps.0)).contains("Name: KUBE-EXTERNAL-IP\nType: hash:ip,port\nNumber of entries: 0\n"));
+    }
+
+    #[test]
+    fn sctp_node_ports_are_listed_per_node_address_as_kube_proxy_keeps_them() {
+        let mut d = DesiredState::default();
+        let mut np = fe(FrontendKind::NodePort, false, &[]);
+        np.backends[0].proto = Protocol::Sctp;
+        d.frontends.insert(FrontendKey { ip: "198.18.0.1".parse().unwrap(), port: 30090, proto: Protocol::Sctp, scope: Scope::External }, np);
+        let nodes: Vec<IpAddr> = ["198.18.0.1", "198.18.0.2"].iter().map(|a| a.parse().unwrap()).collect();
+        let list = listing(&compute(&d, &nodes, &BTreeSet::new()));
+        let members = |name: &str| list.iter().find(|s| s.name == name).map(|s| (s.kind, s.members.clone()));
+        assert_eq!(members("KUBE-NODE-PORT-SCTP-HASH"), Some(("hash:ip,port", vec!["198.18.0.1,sctp:30090".to_string(), "198.18.0.2,sctp:30090".to_string()])));
+        assert_eq!(members("KUBE-NODE-PORT-LOCAL-SCTP-HASH").map(|m| m.1.len()), Some(0));
+        assert_eq!(members("KUBE-LOOP-BACK").map(|m| m.1), Some(vec!["10.244.1.2,sctp:8080,10.244.1.2".to_string()]));
+        assert!(members("KUBE-NODE-PORT-SCTP").is_none());
     }
 }
