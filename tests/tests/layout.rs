@@ -6,7 +6,7 @@ use std::{
     path::Path,
 };
 
-/// Module path ("dataplane::ebpf::sync") -> source, main.rs and lib.rs excluded.
+/// Module path ("dataplane::ebpf::sync") -> source, main.rs, lib.rs and src/bin excluded.
 fn modules(root: &Path) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
     let mut stack = vec![root.to_path_buf()];
@@ -14,7 +14,10 @@ fn modules(root: &Path) -> BTreeMap<String, String> {
         for e in std::fs::read_dir(&dir).unwrap().flatten() {
             let p = e.path();
             if p.is_dir() {
-                stack.push(p);
+                // src/bin: the binaries, crates of their own.
+                if p != root.join("bin") {
+                    stack.push(p);
+                }
                 continue;
             }
             let rel = p.strip_prefix(root).unwrap().with_extension("");
