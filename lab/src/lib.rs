@@ -99,7 +99,8 @@ pub fn desired(yaml: &str, node: &NodeInfo) -> DesiredState {
     manifests::load_text("fixture.yaml", yaml, &mut r);
     assert!(r.errors.is_empty(), "{:?}", r.errors);
     let d = model::compute(&r.objects, node, &ModelConfig::default());
-    assert!(d.errors.is_empty(), "{:?}", d.errors);
+    let problems: Vec<_> = d.problems().collect();
+    assert!(problems.is_empty(), "{problems:?}");
     d
 }
 

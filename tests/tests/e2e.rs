@@ -74,6 +74,20 @@ fn clusterip_nodeport_udp_lb_and_reject_on_real_traffic() {
     // The operator views show the kernel state.
     let services = lab.cli(&["services"]);
     assert!(services.contains("10.96.0.10:80") && services.contains("10.244.1.2:8080"), "{services}");
+    // What the agent cannot program is listed with its reason (deploy/examples/dual-stack.yaml),
+    // and the rest of that Service is served.
+    assert!(services.contains("not programmed:") && services.contains("Service demo/web-dual spec.clusterIPs"), "{services}");
+    let skipped: serde_json::Value = serde_json::from_str(&lab.cli(&["services", "--skipped", "--json"])).unwrap();
+    let listed =
+        |object: &str, field: &str| skipped.as_array().unwrap().iter().any(|e| e["object"] == object && e["field"] == field && e["reason"] == "NotSupported");
+    assert!(
+        listed("Service demo/web-dual", "spec.clusterIPs")
+            && listed("Service demo/web-dual", "spec.ports[1].protocol")
+            && listed("EndpointSlice demo/web-dual-6", "addressType"),
+        "{skipped}"
+    );
+    let v = lab.peer("pod", &["burst", "10.96.0.60:80", "tcp", "10"]);
+    assert_eq!((errors(&v), per_backend(&v).len()), (0, 2), "the IPv4 half of the dual-stack Service: {v}");
     let ct = lab.cli(&["conntrack"]);
     assert!(ct.contains("10.96.0.10:80"), "{ct}");
     let status = lab.cli(&["status"]);

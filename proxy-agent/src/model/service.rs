@@ -13,7 +13,7 @@ use crate::model::{
     SERVICE_PROXY_NAME_LABEL,
 };
 
-const NO_IPV6: &str = "IPv6 is not programmed yet (IPv4 only); the IPv4 parts of this Service are";
+const NO_IPV6: &str = "IPv6 is not programmed yet (IPv4 only); the IPv4 parts of this Service are programmed";
 
 /// How a frontend treats the client's address.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
