@@ -16,7 +16,7 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     io::Write as _,
     net::IpAddr,
-    path::Path,
+    path::{Path, PathBuf},
     process::{Command, Stdio},
     time::{Duration, Instant},
 };
@@ -191,7 +191,9 @@ fn program_ipvs(dir: &Path) {
     let d = model::compute(&report.objects, &node, &Default::default());
     let settings = SyncSettings { node_addresses: node.nodeport_addresses.clone(), ..Default::default() };
     let vs = desired_virtual_servers(&d, &settings);
-    // kube-proxy's IPVS proxier sysctls (vs.conntrack=1 is what lets MASQUERADE see IPVS's NAT).
+    // kube-proxy's IPVS proxier sysctls (vs.conntrack=1 is what lets MASQUERADE see IPVS's NAT);
+    // they exist once ip_vs is loaded (a traffic-only run has not loaded it yet).
+    let _ = Command::new("modprobe").arg("ip_vs").status();
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     let kver = proxy_agent::host::sysctl::kernel_version(release.trim()).unwrap_or((0, 0));
     for (k, v) in proxy_agent::host::sysctl::ipvs_sysctls(kver, false) {
@@ -221,9 +223,70 @@ struct Traffic {
     p50: f64,
     p99: f64,
     errors: u64,
+    profile: Option<Profile>,
 }
 
-fn measure(lab: &Lab, target: &str, secs: f64, runs: usize) -> (f64, f64, f64, u64) {
+/// Where the guest's CPUs went during one run, from `perf record -a` (cpu-clock: TCG has no
+/// PMU): each symbol's share, and the shares of the work that differs between the sides.
+struct Profile {
+    /// ("netfilter, IPVS, conntrack, NAT", %), ("BPF programs and maps", %), ("the rest", %).
+    shares: Vec<(&'static str, f64)>,
+    top: Vec<(f64, String)>,
+}
+
+/// The kernel work a side adds to a connection, by symbol name. Everything else (TCP/IP,
+/// sockets, scheduling, the load generator and the servers) is the same work on every side.
+const PROFILE_CLASSES: [(&str, &[&str]); 2] = [
+    (
+        "netfilter, IPVS, conntrack, NAT",
+        &["ip_vs", "ipt_", "nft_", "ip_set", "hash_ip", "bitmap_", "xt_", "nf_", "__nf_", "iptable_", "masquerade", "ipv4_conntrack"],
+    ),
+    ("BPF programs and maps", &["bpf_", "htab_", "__htab", "array_map", "trie_", "lpm_", "__bpf", "___bpf"]),
+];
+
+/// Runs `workload` under `perf record -a`: sampling starts before the workload does and ends
+/// with it (perf's start-up, slow under emulation, is outside the window).
+fn profiled(label: &str, dir: &Path, workload: Command) -> Option<Profile> {
+    let data = dir.join(format!("{label}.data"));
+    let mut rec = Command::new("perf");
+    rec.args(["record", "-e", "cpu-clock", "-a", "-F", "999", "-o"]).arg(&data).arg("--").arg(workload.get_program()).args(workload.get_args());
+    let status = rec.stdout(Stdio::null()).stderr(Stdio::null()).status().map_err(|e| eprintln!("  profile {label}: perf: {e}")).ok()?;
+    if !status.success() {
+        eprintln!("  profile {label}: perf record: {status}");
+        return None;
+    }
+    let report = Command::new("perf").args(["report", "--stdio", "--no-children", "--sort", "sym", "-i"]).arg(&data).output().ok()?;
+    let text = String::from_utf8_lossy(&report.stdout).into_owned();
+    std::fs::write(dir.join(format!("{label}.txt")), &text).ok()?;
+    let rows: Vec<(f64, String)> = text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let mut w = l.split_whitespace();
+            let pct = w.next()?.strip_suffix('%')?.parse().ok()?;
+            let _kind = w.next()?;
+            Some((pct, w.collect::<Vec<_>>().join(" ")))
+        })
+        .collect();
+    let class = |sym: &str| PROFILE_CLASSES.iter().position(|(_, prefixes)| prefixes.iter().any(|p| sym.starts_with(p)));
+    // Shares of the busy time: an idle CPU's samples say nothing about a connection's cost.
+    let idle = |sym: &str| sym.contains("idle") || sym.contains("safe_halt");
+    let busy: f64 = rows.iter().filter(|(_, s)| !idle(s)).map(|(p, _)| p).sum::<f64>().max(1e-9);
+    let mut shares: Vec<(&'static str, f64)> = PROFILE_CLASSES.iter().map(|(name, _)| (*name, 0.0)).collect();
+    let mut rest = 0.0;
+    for (pct, sym) in rows.iter().filter(|(_, s)| !idle(s)) {
+        let pct = pct * 100.0 / busy;
+        match class(sym) {
+            Some(i) => shares[i].1 += pct,
+            None => rest += pct,
+        }
+    }
+    shares.push(("the rest", rest));
+    let rows: Vec<(f64, String)> = rows.into_iter().filter(|(_, s)| !idle(s)).map(|(p, s)| (p * 100.0 / busy, s)).collect();
+    Some(Profile { shares, top: rows.into_iter().take(8).collect() })
+}
+
+fn measure(lab: &Lab, target: &str, secs: f64, runs: usize, profile: Option<(&Path, String)>) -> (f64, f64, f64, u64, Option<Profile>) {
     // One connection first: a side that does not work says why instead of printing zeros.
     let v = lab.peer("cl", &["burst", target, "tcp", "1"]);
     if v["errors"].as_u64() != Some(0) {
@@ -231,6 +294,8 @@ fn measure(lab: &Lab, target: &str, secs: f64, runs: usize) -> (f64, f64, f64, u
     }
     let mut rs = Vec::new();
     let (mut p50s, mut p99s, mut errors) = (Vec::new(), Vec::new(), 0);
+    // One more run under perf, not counted: sampling costs the guest time.
+    let prof = profile.and_then(|(dir, label)| profiled(&label, dir, lab.peer_cmd("cl", &["rate", target, &secs.to_string()])));
     for _ in 0..runs {
         let v = lab.peer("cl", &["rate", target, &secs.to_string()]);
         rs.push(v["rate"].as_f64().unwrap_or(0.0));
@@ -238,7 +303,7 @@ fn measure(lab: &Lab, target: &str, secs: f64, runs: usize) -> (f64, f64, f64, u
         p99s.push(v["p99_us"].as_f64().unwrap_or(0.0));
         errors += v["errors"].as_u64().unwrap_or(0);
     }
-    (median(rs), median(p50s), median(p99s), errors)
+    (median(rs), median(p50s), median(p99s), errors, prof)
 }
 
 fn wait_ipvs(lab: &Lab, target: &str) {
@@ -261,7 +326,7 @@ fn cleanup(lab: &mut Lab) {
     ));
 }
 
-fn traffic(sizes: &[u32], secs: f64, runs: usize) -> Vec<Traffic> {
+fn traffic(sizes: &[u32], secs: f64, runs: usize, profile_dir: Option<&Path>) -> Vec<Traffic> {
     let dir = std::env::temp_dir().join(format!("kpr-vm-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let mut lab = Lab::build_with("kvb", &dir, LabSpec { cni: Cni::Ptp, ..LabSpec::default() });
@@ -279,15 +344,15 @@ fn traffic(sizes: &[u32], secs: f64, runs: usize) -> Vec<Traffic> {
         let target = format!("{}:80", vip(n / 2));
         eprintln!("  {n} services: kube-proxy IPVS (iptables + ipset)");
         must(&format!("ip netns exec {} {} program-ipvs {}", lab.ns("node"), me.display(), dir.display()));
-        let (rate, p50, p99, errors) = measure(&lab, &target, secs, runs);
-        out.push(Traffic { n, mode: "ipvs+iptables", rate, p50, p99, errors });
+        let (rate, p50, p99, errors, profile) = measure(&lab, &target, secs, runs, profile_dir.map(|d| (d, format!("{n}-ipvs+iptables"))));
+        out.push(Traffic { n, mode: "ipvs+iptables", rate, p50, p99, errors, profile });
         cleanup(&mut lab);
         eprintln!("  {n} services: kpr IPVS mode (BPF sets)");
         lab.agent_args = vec!["--mode".into(), "ipvs".into()];
         lab.start_agent();
         wait_ipvs(&lab, &target);
-        let (rate, p50, p99, errors) = measure(&lab, &target, secs, runs);
-        out.push(Traffic { n, mode: "ipvs+bpf", rate, p50, p99, errors });
+        let (rate, p50, p99, errors, profile) = measure(&lab, &target, secs, runs, profile_dir.map(|d| (d, format!("{n}-ipvs+bpf"))));
+        out.push(Traffic { n, mode: "ipvs+bpf", rate, p50, p99, errors, profile });
         cleanup(&mut lab);
         eprintln!("  {n} services: kpr eBPF fast path");
         lab.agent_args = vec!["--mode".into(), "ebpf".into()];
@@ -297,8 +362,8 @@ fn traffic(sizes: &[u32], secs: f64, runs: usize) -> Vec<Traffic> {
             assert!(Instant::now() < deadline, "eBPF never got {target}");
             std::thread::sleep(Duration::from_millis(500));
         }
-        let (rate, p50, p99, errors) = measure(&lab, &target, secs, runs);
-        out.push(Traffic { n, mode: "ebpf", rate, p50, p99, errors });
+        let (rate, p50, p99, errors, profile) = measure(&lab, &target, secs, runs, profile_dir.map(|d| (d, format!("{n}-ebpf"))));
+        out.push(Traffic { n, mode: "ebpf", rate, p50, p99, errors, profile });
         cleanup(&mut lab);
         for t in out.iter().filter(|t| t.n == n) {
             println!("{:>8} {:<14} {:>10.0} {:>9.0} {:>9.0} {:>7}", t.n, t.mode, t.rate, t.p50, t.p99, t.errors);
@@ -332,12 +397,11 @@ fn main() {
     println!("machine: QEMU guest (TCG, emulated CPU: compare ratios only), Linux {} | {ncpu} CPUs", kernel.trim());
 
     println!("\ncontrol plane: N services x 10 endpoints from nothing; 1 change = one service's endpoints replaced (median of 5)");
+    println!("IPVS prog: kpr's pipelined netlink (up to 128 requests per sendmsg), of which binding kube-ipvs0's addresses; 1-by-1: one request at a time, as");
+    println!("before (and as kube-proxy); each in a fresh network namespace. Goal at 30,000: < 60 s");
     println!(
-        "IPVS prog: kpr's pipelined netlink (many requests per sendmsg); 1-by-1: one request at a time, as before (and as kube-proxy); goal at 30,000: < 60 s"
-    );
-    println!(
-        "{:>8} {:>14} {:>14} {:>9} {:>14} {:>14} {:>14} {:>10} {:>12}",
-        "services", "IPVS 1-by-1 s", "IPVS prog (s)", "speedup", "IPVS 1 chg ms", "maps prog (s)", "maps 1 chg ms", "prog ratio", "BPF map MiB"
+        "{:>8} {:>14} {:>14} {:>10} {:>9} {:>14} {:>14} {:>14} {:>10} {:>12}",
+        "services", "IPVS 1-by-1 s", "IPVS prog (s)", "of it bind", "speedup", "IPVS 1 chg ms", "maps prog (s)", "maps 1 chg ms", "prog ratio", "BPF map MiB"
     );
     let mut cps = Vec::new();
     for &n in &cp_sizes {
@@ -362,7 +426,13 @@ fn main() {
     if !tr_sizes.is_empty() {
         println!("\ntraffic: new TCP connections from outside the cluster CIDR to a ClusterIP (masqueraded), {secs} s x {runs} runs, medians");
         println!("{:>8} {:<14} {:>10} {:>9} {:>9} {:>7}", "services", "mode", "conn/s", "p50 µs", "p99 µs", "errors");
-        tr = traffic(&tr_sizes, secs, runs);
+        let profile_dir = opt("--profile").map(PathBuf::from);
+        if let Some(d) = &profile_dir {
+            std::fs::create_dir_all(d).unwrap();
+            // BPF programs by name in the profile.
+            let _ = std::fs::write("/proc/sys/net/core/bpf_jit_kallsyms", "1");
+        }
+        tr = traffic(&tr_sizes, secs, runs, profile_dir.as_deref());
         println!();
         for &n in &tr_sizes {
             let get = |m: &str| tr.iter().find(|t| t.n == n && t.mode == m).map(|t| t.rate).unwrap_or(0.0);
@@ -372,6 +442,30 @@ fn main() {
                 get("ipvs+bpf") / base,
                 get("ebpf") / base
             );
+        }
+        if tr.iter().any(|t| t.profile.is_some()) {
+            println!("\nwhere the guest's CPUs go during a run (perf record -a, cpu-clock; one extra run per side, not in the rates above):");
+            println!("{:>8} {:<14} {:>12} {:>12} {:>10}  top symbols", "services", "mode", "nf/IPVS/NAT", "BPF", "the rest");
+            for t in &tr {
+                let Some(p) = &t.profile else { continue };
+                let top: Vec<String> = p.top.iter().take(4).map(|(pct, s)| format!("{s} {pct:.1}%")).collect();
+                println!("{:>8} {:<14} {:>11.1}% {:>11.1}% {:>9.1}%  {}", t.n, t.mode, p.shares[0].1, p.shares[1].1, p.shares[2].1, top.join(", "));
+            }
+            for &n in &tr_sizes {
+                let share = |m: &str| tr.iter().find(|t| t.n == n && t.mode == m).and_then(|t| t.profile.as_ref()).map(|p| p.shares[0].1 + p.shares[1].1);
+                if let (Some(kp), Some(fast)) = (share("ipvs+iptables"), share("ebpf")) {
+                    // Amdahl: a connection costs the same TCP work C on both sides plus the
+                    // side's own share s: T = C / (1 - s), so T_kp / T_ebpf = (1 - s_ebpf) / (1 - s_kp).
+                    let (kp, fast) = (kp / 100.0, fast / 100.0);
+                    println!(
+                        "{n:>8} services: netfilter/IPVS/BPF work is {:.1}% of busy CPU with kube-proxy's IPVS, {:.1}% with the fast path: predicted ratio {:.2}x; ceiling (a fast path costing nothing) {:.2}x",
+                        kp * 100.0,
+                        fast * 100.0,
+                        (1.0 - fast) / (1.0 - kp).max(1e-9),
+                        1.0 / (1.0 - kp).max(1e-9)
+                    );
+                }
+            }
         }
     }
     if let Some(path) = opt("--json") {
