@@ -1,7 +1,10 @@
 //! What a Service's annotations ask of kpr (scheduler, IPVS options), checked field by field.
 use std::{collections::BTreeMap, net::IpAddr};
 
-use crate::model::objects::{err, ObjectError};
+use crate::model::{
+    objects::{err, ObjectError},
+    Scheduler,
+};
 
 pub const SCHEDULER_ANNOTATION: &str = "kpr.io/scheduler";
 /// IPVS mode: the scheduler of this Service's virtual servers (rr, wrr, lc, ...).
@@ -73,4 +76,16 @@ pub(crate) fn ipvs_options(annotations: Option<&BTreeMap<String, String>>, objec
         }
     }
     o
+}
+
+/// The fast path's scheduler: the annotation's, else the configured one (an unknown name is
+/// reported and the configured one used).
+pub(crate) fn scheduler(annotations: Option<&BTreeMap<String, String>>, default: Scheduler, object: &str, errors: &mut Vec<ObjectError>) -> Scheduler {
+    match annotations.and_then(|a| a.get(SCHEDULER_ANNOTATION)) {
+        None => default,
+        Some(s) => s.parse().unwrap_or_else(|e: String| {
+            err(errors, object, format!("metadata.annotations[{SCHEDULER_ANNOTATION}]"), format!("{e}; using {}", default.name()));
+            default
+        }),
+    }
 }

@@ -1,7 +1,12 @@
 //! Which endpoints of a Service port a frontend uses: readiness (KEP-1669) and topology hints.
 use std::{collections::BTreeSet, net::IpAddr};
 
-use crate::model::{BackendKey, NodeInfo, Protocol};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+
+use crate::model::{
+    objects::{err, unsupported, ObjectError},
+    BackendKey, NodeInfo, Protocol,
+};
 
 #[derive(Clone, Debug)]
 pub(crate) struct Ep {
@@ -48,4 +53,57 @@ pub(crate) fn topology_filtered(eps: &[&Ep], node: &NodeInfo, publish_not_ready:
         }
         None => usable(eps, publish_not_ready),
     }
+}
+
+/// The endpoints of one Service port (by name and protocol) across the Service's slices; what
+/// cannot be read is reported on its slice.
+pub(crate) fn port_endpoints(
+    slices: &[(&String, &EndpointSlice)],
+    ns: &str,
+    port_name: &str,
+    proto: Protocol,
+    node: &NodeInfo,
+    errors: &mut Vec<ObjectError>,
+) -> Vec<Ep> {
+    let mut eps: Vec<Ep> = Vec::new();
+    for (slice_name, slice) in slices {
+        let sobj = format!("EndpointSlice {ns}/{slice_name}");
+        if slice.address_type != "IPv4" {
+            if slice.address_type == "IPv6" {
+                unsupported(errors, &sobj, "addressType", format!("IPv6 endpoints are not programmed yet (IPv4 only); port {port_name:?}"));
+            } else {
+                unsupported(errors, &sobj, "addressType", format!("{:?} endpoints are not programmed (IPv4 only)", slice.address_type));
+            }
+            continue;
+        }
+        let target =
+            slice.ports.iter().flatten().find(|p| p.name.clone().unwrap_or_default() == port_name && p.protocol.as_deref().unwrap_or("TCP") == proto.name());
+        let Some(target) = target else { continue };
+        let Some(tport) = target.port.and_then(|p| u16::try_from(p).ok()).filter(|p| *p != 0) else {
+            err(errors, &sobj, "ports[].port", format!("port {port_name:?} has no valid port number"));
+            continue;
+        };
+        for (ei, ep) in slice.endpoints.iter().enumerate() {
+            let cond = ep.conditions.clone().unwrap_or_default();
+            let ready = cond.ready.unwrap_or(true);
+            let serving = cond.serving.unwrap_or(ready);
+            let terminating = cond.terminating.unwrap_or(false);
+            let local = ep.node_name.as_deref() == Some(node.name.as_str());
+            for (ai, a) in ep.addresses.iter().enumerate() {
+                match a.parse::<IpAddr>() {
+                    Ok(ip) if ip.is_ipv4() => eps.push(Ep {
+                        ip,
+                        port: tport,
+                        ready,
+                        serving,
+                        terminating,
+                        local,
+                        zones: ep.hints.as_ref().and_then(|h| h.for_zones.as_ref()).map(|z| z.iter().map(|z| z.name.clone()).collect()),
+                    }),
+                    _ => err(errors, &sobj, format!("endpoints[{ei}].addresses[{ai}]"), format!("{a:?} is not an IPv4 address")),
+                }
+            }
+        }
+    }
+    eps
 }

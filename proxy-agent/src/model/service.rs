@@ -2,13 +2,16 @@
 use std::{collections::BTreeSet, net::IpAddr};
 
 use ipnet::IpNet;
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use k8s_openapi::api::{
+    core::v1::{Service, ServiceSpec},
+    discovery::v1::EndpointSlice,
+};
 use proxy_common::limits::MAX_BACKENDS_PER_SERVICE;
 
 use crate::model::{
-    annotations::{ipvs_options, IpvsForward, IPVS_FORWARD_ANNOTATION, SCHEDULER_ANNOTATION},
-    endpoints::{to_keys_of, topology_filtered, usable, Ep},
-    objects::{err, unsupported},
+    annotations::{ipvs_options, scheduler, IpvsForward, IPVS_FORWARD_ANNOTATION},
+    endpoints::{port_endpoints, to_keys_of, topology_filtered, usable, Ep},
+    objects::{err, unsupported, ObjectError},
     BackendKey, DesiredState, Frontend, FrontendKey, FrontendKind, ModelConfig, NodeInfo, Protocol, Scope, DEFAULT_AFFINITY_TIMEOUT_S,
     SERVICE_PROXY_NAME_LABEL,
 };
@@ -45,110 +48,22 @@ pub(super) fn service_frontends(
     if cluster_ip == "None" {
         return; // headless
     }
-    let mut cluster_ips: Vec<IpAddr> = Vec::new();
-    if !cluster_ip.is_empty() {
-        match cluster_ip.parse::<IpAddr>() {
-            Ok(ip) => cluster_ips.push(ip),
-            Err(_) => {
-                err(errors, &object, "spec.clusterIP", format!("{cluster_ip:?} is not an IP address"));
-                return;
-            }
-        }
-    }
-    for (i, s) in spec.cluster_ips.iter().flatten().enumerate() {
-        match s.parse::<IpAddr>() {
-            Ok(ip) if !cluster_ips.contains(&ip) => cluster_ips.push(ip),
-            Ok(_) => {}
-            Err(_) => err(errors, &object, format!("spec.clusterIPs[{i}]"), format!("{s:?} is not an IP address")),
-        }
-    }
-    // IPv4 only today: the IPv6 ones are reported.
-    for ip in cluster_ips.iter().filter(|ip| ip.is_ipv6()) {
-        unsupported(errors, &object, "spec.clusterIPs", format!("{ip}: {NO_IPV6}"));
-    }
-    cluster_ips.retain(IpAddr::is_ipv4);
+    let Some(addrs) = addresses(svc, spec, &object, errors) else { return };
 
     let svc_type = spec.type_.as_deref().unwrap_or("ClusterIP");
     let etp_local = spec.external_traffic_policy.as_deref() == Some("Local");
     let itp_local = spec.internal_traffic_policy.as_deref() == Some("Local");
     let publish_not_ready = spec.publish_not_ready_addresses.unwrap_or(false);
 
-    let scheduler = match svc.metadata.annotations.as_ref().and_then(|a| a.get(SCHEDULER_ANNOTATION)) {
-        None => cfg.default_scheduler,
-        Some(s) => s.parse().unwrap_or_else(|e: String| {
-            err(errors, &object, format!("metadata.annotations[{SCHEDULER_ANNOTATION}]"), format!("{e}; using {}", cfg.default_scheduler.name()));
-            cfg.default_scheduler
-        }),
-    };
-    let affinity_timeout_s = if spec.session_affinity.as_deref() == Some("ClientIP") {
-        let t = spec.session_affinity_config.as_ref().and_then(|c| c.client_ip.as_ref()).and_then(|c| c.timeout_seconds);
-        match t {
-            None => DEFAULT_AFFINITY_TIMEOUT_S,
-            Some(t) if (1..=86_400).contains(&t) => t as u32,
-            Some(t) => {
-                err(
-                    errors,
-                    &object,
-                    "spec.sessionAffinityConfig.clientIP.timeoutSeconds",
-                    format!("{t} is outside 1..86400; using {DEFAULT_AFFINITY_TIMEOUT_S}"),
-                );
-                DEFAULT_AFFINITY_TIMEOUT_S
-            }
-        }
-    } else {
-        0
-    };
-
+    let scheduler = scheduler(svc.metadata.annotations.as_ref(), cfg.default_scheduler, &object, errors);
+    let affinity_timeout_s = affinity_timeout(spec, &object, errors);
     let ipvs = ipvs_options(svc.metadata.annotations.as_ref(), &object, errors);
-
-    let mut external_ips = Vec::new();
-    for (i, s) in spec.external_ips.iter().flatten().enumerate() {
-        match s.parse::<IpAddr>() {
-            Ok(ip) if ip.is_ipv4() => external_ips.push(ip),
-            Ok(ip) => unsupported(errors, &object, format!("spec.externalIPs[{i}]"), format!("{ip}: {NO_IPV6}")),
-            Err(_) => err(errors, &object, format!("spec.externalIPs[{i}]"), format!("{s:?} is not an IP address")),
-        }
-    }
-    let mut lb_ips = Vec::new();
-    if svc_type == "LoadBalancer" {
-        let ingress = svc.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|l| l.ingress.as_ref());
-        for (i, ing) in ingress.into_iter().flatten().enumerate() {
-            // KEP-1860: the load balancer proxies this address itself; kube-proxy programs
-            // nothing for it.
-            if ing.ip_mode.as_deref() == Some("Proxy") {
-                continue;
-            }
-            if let Some(s) = &ing.ip {
-                match s.parse::<IpAddr>() {
-                    Ok(ip) if ip.is_ipv4() => lb_ips.push(ip),
-                    Ok(ip) => unsupported(errors, &object, format!("status.loadBalancer.ingress[{i}].ip"), format!("{ip}: {NO_IPV6}")),
-                    Err(_) => err(errors, &object, format!("status.loadBalancer.ingress[{i}].ip"), format!("{s:?} is not an IP address")),
-                }
-            }
-        }
-    }
-    let mut source_ranges = Vec::new();
-    for (i, s) in spec.load_balancer_source_ranges.iter().flatten().enumerate() {
-        match s.trim().parse::<IpNet>() {
-            Ok(net) if net.addr().is_ipv4() => source_ranges.push(net.trunc()),
-            // An IPv6 range restricts IPv6 clients only, which are not served yet.
-            Ok(_) => {}
-            Err(_) => err(errors, &object, format!("spec.loadBalancerSourceRanges[{i}]"), format!("{s:?} is not a CIDR")),
-        }
-    }
 
     if etp_local && matches!(svc_type, "LoadBalancer" | "NodePort") {
         if let Some(hc) = spec.health_check_node_port {
             match u16::try_from(hc).ok().filter(|p| *p != 0) {
                 Some(port) => {
-                    let local: BTreeSet<IpAddr> = slices
-                        .iter()
-                        .flat_map(|(_, s)| s.endpoints.iter())
-                        .filter(|e| e.node_name.as_deref() == Some(node.name.as_str()))
-                        .filter(|e| publish_not_ready || e.conditions.as_ref().and_then(|c| c.ready).unwrap_or(true))
-                        .flat_map(|e| e.addresses.iter().filter_map(|a| a.parse().ok()))
-                        .collect();
-                    out.health_checks.insert(port, (ns.to_string(), name.to_string(), local.len()));
+                    out.health_checks.insert(port, (ns.to_string(), name.to_string(), local_ready_endpoints(slices, node, publish_not_ready)));
                 }
                 None => err(errors, &object, "spec.healthCheckNodePort", format!("{hc} is not a port")),
             }
@@ -180,55 +95,12 @@ pub(super) fn service_frontends(
         let port_name = port.name.clone().unwrap_or_default();
         let service = format!("{ns}/{name}:{port_name}");
 
-        // Endpoints of this port across the service's slices.
-        let mut eps: Vec<Ep> = Vec::new();
-        for (slice_name, slice) in slices {
-            let sobj = format!("EndpointSlice {ns}/{slice_name}");
-            if slice.address_type != "IPv4" {
-                if slice.address_type == "IPv6" {
-                    unsupported(errors, &sobj, "addressType", format!("IPv6 endpoints are not programmed yet (IPv4 only); port {port_name:?}"));
-                } else {
-                    unsupported(errors, &sobj, "addressType", format!("{:?} endpoints are not programmed (IPv4 only)", slice.address_type));
-                }
-                continue;
-            }
-            let target = slice
-                .ports
-                .iter()
-                .flatten()
-                .find(|p| p.name.clone().unwrap_or_default() == port_name && p.protocol.as_deref().unwrap_or("TCP") == proto.name());
-            let Some(target) = target else { continue };
-            let Some(tport) = target.port.and_then(|p| u16::try_from(p).ok()).filter(|p| *p != 0) else {
-                err(errors, &sobj, "ports[].port", format!("port {port_name:?} has no valid port number"));
-                continue;
-            };
-            for (ei, ep) in slice.endpoints.iter().enumerate() {
-                let cond = ep.conditions.clone().unwrap_or_default();
-                let ready = cond.ready.unwrap_or(true);
-                let serving = cond.serving.unwrap_or(ready);
-                let terminating = cond.terminating.unwrap_or(false);
-                let local = ep.node_name.as_deref() == Some(node.name.as_str());
-                for (ai, a) in ep.addresses.iter().enumerate() {
-                    match a.parse::<IpAddr>() {
-                        Ok(ip) if ip.is_ipv4() => eps.push(Ep {
-                            ip,
-                            port: tport,
-                            ready,
-                            serving,
-                            terminating,
-                            local,
-                            zones: ep.hints.as_ref().and_then(|h| h.for_zones.as_ref()).map(|z| z.iter().map(|z| z.name.clone()).collect()),
-                        }),
-                        _ => err(errors, &sobj, format!("endpoints[{ei}].addresses[{ai}]"), format!("{a:?} is not an IPv4 address")),
-                    }
-                }
-            }
-        }
+        let eps = port_endpoints(slices, ns, &port_name, proto, node, errors);
         if eps.len() > MAX_BACKENDS_PER_SERVICE as usize {
             err(
                 errors,
                 &object,
-                format!("{field}"),
+                field.clone(),
                 format!("{} endpoints: more than the {MAX_BACKENDS_PER_SERVICE} a service port may have; port skipped", eps.len()),
             );
             continue;
@@ -281,7 +153,7 @@ pub(super) fn service_frontends(
         let int_ext_flags = if etp_local { Policy::Plain } else { Policy::Masquerade };
         // internalTrafficPolicy applies to all ClusterIP traffic, also what a router sends to the
         // node from outside (kube-proxy's KUBE-SVL chain has no source condition).
-        for ip in &cluster_ips {
+        for ip in &addrs.cluster {
             add(*ip, svc_port, Scope::Internal, FrontendKind::ClusterIp, Policy::Plain, &internal_backends, &[]);
             add(*ip, svc_port, Scope::External, FrontendKind::ClusterIp, Policy::Plain, &internal_backends, &[]);
         }
@@ -298,13 +170,122 @@ pub(super) fn service_frontends(
                 }
             }
         }
-        for ip in &external_ips {
+        for ip in &addrs.external {
             add(*ip, svc_port, Scope::External, FrontendKind::ExternalIp, ext_flags, ext_backends, &[]);
             add(*ip, svc_port, Scope::Internal, FrontendKind::ExternalIp, int_ext_flags, &cluster_backends, &[]);
         }
-        for ip in &lb_ips {
-            add(*ip, svc_port, Scope::External, FrontendKind::LoadBalancer, ext_flags, ext_backends, &source_ranges);
-            add(*ip, svc_port, Scope::Internal, FrontendKind::LoadBalancer, int_ext_flags, &cluster_backends, &source_ranges);
+        for ip in &addrs.load_balancer {
+            add(*ip, svc_port, Scope::External, FrontendKind::LoadBalancer, ext_flags, ext_backends, &addrs.source_ranges);
+            add(*ip, svc_port, Scope::Internal, FrontendKind::LoadBalancer, int_ext_flags, &cluster_backends, &addrs.source_ranges);
         }
     }
+}
+
+/// Where a Service is reached (IPv4 only: the IPv6 ones are reported).
+struct Addresses {
+    cluster: Vec<IpAddr>,
+    external: Vec<IpAddr>,
+    load_balancer: Vec<IpAddr>,
+    /// loadBalancerSourceRanges (IPv4: an IPv6 range restricts IPv6 clients, not served).
+    source_ranges: Vec<IpNet>,
+}
+
+/// None: the clusterIP is not an address, and nothing of the Service can be programmed.
+fn addresses(svc: &Service, spec: &ServiceSpec, object: &str, errors: &mut Vec<ObjectError>) -> Option<Addresses> {
+    let cluster_ip = spec.cluster_ip.as_deref().unwrap_or("");
+    let svc_type = spec.type_.as_deref().unwrap_or("ClusterIP");
+    let mut cluster_ips: Vec<IpAddr> = Vec::new();
+    if !cluster_ip.is_empty() {
+        match cluster_ip.parse::<IpAddr>() {
+            Ok(ip) => cluster_ips.push(ip),
+            Err(_) => {
+                err(errors, object, "spec.clusterIP", format!("{cluster_ip:?} is not an IP address"));
+                return None;
+            }
+        }
+    }
+    for (i, s) in spec.cluster_ips.iter().flatten().enumerate() {
+        match s.parse::<IpAddr>() {
+            Ok(ip) if !cluster_ips.contains(&ip) => cluster_ips.push(ip),
+            Ok(_) => {}
+            Err(_) => err(errors, object, format!("spec.clusterIPs[{i}]"), format!("{s:?} is not an IP address")),
+        }
+    }
+    // IPv4 only today: the IPv6 ones are reported.
+    for ip in cluster_ips.iter().filter(|ip| ip.is_ipv6()) {
+        unsupported(errors, object, "spec.clusterIPs", format!("{ip}: {NO_IPV6}"));
+    }
+    cluster_ips.retain(IpAddr::is_ipv4);
+
+    let mut external_ips = Vec::new();
+    for (i, s) in spec.external_ips.iter().flatten().enumerate() {
+        match s.parse::<IpAddr>() {
+            Ok(ip) if ip.is_ipv4() => external_ips.push(ip),
+            Ok(ip) => unsupported(errors, object, format!("spec.externalIPs[{i}]"), format!("{ip}: {NO_IPV6}")),
+            Err(_) => err(errors, object, format!("spec.externalIPs[{i}]"), format!("{s:?} is not an IP address")),
+        }
+    }
+    let mut lb_ips = Vec::new();
+    if svc_type == "LoadBalancer" {
+        let ingress = svc.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|l| l.ingress.as_ref());
+        for (i, ing) in ingress.into_iter().flatten().enumerate() {
+            // KEP-1860: the load balancer proxies this address itself; kube-proxy programs
+            // nothing for it.
+            if ing.ip_mode.as_deref() == Some("Proxy") {
+                continue;
+            }
+            if let Some(s) = &ing.ip {
+                match s.parse::<IpAddr>() {
+                    Ok(ip) if ip.is_ipv4() => lb_ips.push(ip),
+                    Ok(ip) => unsupported(errors, object, format!("status.loadBalancer.ingress[{i}].ip"), format!("{ip}: {NO_IPV6}")),
+                    Err(_) => err(errors, object, format!("status.loadBalancer.ingress[{i}].ip"), format!("{s:?} is not an IP address")),
+                }
+            }
+        }
+    }
+    let mut source_ranges = Vec::new();
+    for (i, s) in spec.load_balancer_source_ranges.iter().flatten().enumerate() {
+        match s.trim().parse::<IpNet>() {
+            Ok(net) if net.addr().is_ipv4() => source_ranges.push(net.trunc()),
+            // An IPv6 range restricts IPv6 clients only, which are not served yet.
+            Ok(_) => {}
+            Err(_) => err(errors, object, format!("spec.loadBalancerSourceRanges[{i}]"), format!("{s:?} is not a CIDR")),
+        }
+    }
+
+    Some(Addresses { cluster: cluster_ips, external: external_ips, load_balancer: lb_ips, source_ranges })
+}
+
+/// sessionAffinity ClientIP's timeout (0: no affinity).
+fn affinity_timeout(spec: &ServiceSpec, object: &str, errors: &mut Vec<ObjectError>) -> u32 {
+    if spec.session_affinity.as_deref() == Some("ClientIP") {
+        let t = spec.session_affinity_config.as_ref().and_then(|c| c.client_ip.as_ref()).and_then(|c| c.timeout_seconds);
+        match t {
+            None => DEFAULT_AFFINITY_TIMEOUT_S,
+            Some(t) if (1..=86_400).contains(&t) => t as u32,
+            Some(t) => {
+                err(
+                    errors,
+                    object,
+                    "spec.sessionAffinityConfig.clientIP.timeoutSeconds",
+                    format!("{t} is outside 1..86400; using {DEFAULT_AFFINITY_TIMEOUT_S}"),
+                );
+                DEFAULT_AFFINITY_TIMEOUT_S
+            }
+        }
+    } else {
+        0
+    }
+}
+
+/// The ready endpoints on this node (the answer of a healthCheckNodePort).
+fn local_ready_endpoints(slices: &[(&String, &EndpointSlice)], node: &NodeInfo, publish_not_ready: bool) -> usize {
+    let local: BTreeSet<IpAddr> = slices
+        .iter()
+        .flat_map(|(_, s)| s.endpoints.iter())
+        .filter(|e| e.node_name.as_deref() == Some(node.name.as_str()))
+        .filter(|e| publish_not_ready || e.conditions.as_ref().and_then(|c| c.ready).unwrap_or(true))
+        .flat_map(|e| e.addresses.iter().filter_map(|a| a.parse().ok()))
+        .collect();
+    local.len()
 }
