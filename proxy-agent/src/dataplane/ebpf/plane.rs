@@ -149,9 +149,9 @@ impl Dataplane for EbpfPlane {
             SyncError::Map(m) => DataplaneError::Map(m),
         })?;
         if let (Some(gc), false) = (&self.gc, st.removed.is_empty()) {
-            let _ = gc.send(st.removed.clone());
+            let _ = gc.send(st.removed);
         }
-        Ok(SyncStats { frontends: st.frontends, backends: st.backends, writes: st.writes, deletes: st.deletes, errors: st.errors, full: st.full })
+        Ok(st.plane)
     }
 }
 

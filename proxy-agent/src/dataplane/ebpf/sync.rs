@@ -20,19 +20,27 @@ pub enum SyncError {
     Map(#[from] MapError),
 }
 
+/// One sync's figures: the plane's common ones (reached through Deref), and the backends that
+/// left a frontend, which only the eBPF plane acts on.
 #[derive(Debug, Default, Clone)]
 pub struct SyncStats {
-    pub frontends: usize,
-    pub backends: usize,
-    pub writes: usize,
-    pub deletes: usize,
-    /// Per-frontend failures; the other frontends were still programmed.
-    pub errors: Vec<String>,
-    /// (map, service) for each frontend that did not fit in a full map.
-    pub full: Vec<(&'static str, String)>,
+    pub plane: crate::dataplane::SyncStats,
     /// Backends that left a frontend: their sessionAffinity entries go at once, and a UDP
     /// frontend's flows are ended (a UDP client has no handshake that would move it elsewhere).
     pub removed: BTreeSet<RemovedBackend>,
+}
+
+impl std::ops::Deref for SyncStats {
+    type Target = crate::dataplane::SyncStats;
+    fn deref(&self) -> &Self::Target {
+        &self.plane
+    }
+}
+
+impl std::ops::DerefMut for SyncStats {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.plane
+    }
 }
 
 /// A backend that left a frontend.
