@@ -468,16 +468,8 @@ impl Syncer {
             st.writes += 1;
         }
         // Backends first.
-        for fk in touched {
-            for b in desired.frontends.get(fk).map(|f| f.backends.as_slice()).unwrap_or(&[]) {
-                let wire = wire::backend(b);
-                let id = self.backend_id(wire);
-                if m.backends.get(&id) != Some(&wire) {
-                    maps.put_backend(id, wire)?;
-                    m.backends.insert(id, wire);
-                    st.writes += 1;
-                }
-            }
+        for f in touched.iter().filter_map(|fk| desired.frontends.get(fk)) {
+            self.put_backends(maps, &mut m, f, &mut st)?;
         }
         let mut released: BTreeSet<u32> = BTreeSet::new();
         for fk in touched {
