@@ -6,12 +6,13 @@ use anyhow::{Context, Result};
 use proxy_agent::{dataplane::ebpf::kernel, host::netif};
 
 pub fn cleanup(pin_dir: &Path, kube_proxy: bool, keep_kpr: bool) -> Result<()> {
+    // The node's addresses: which IPVS virtual servers are NodePorts (kpr's or kube-proxy's).
+    let local: Vec<std::net::IpAddr> = netif::interfaces().iter().flat_map(|i| netif::ipv4_addresses(i)).collect();
     if !keep_kpr {
         // IPVS mode's state, where the kernel has IPVS.
         match proxy_agent::dataplane::ipvs::client::NetlinkIpvs::connect() {
             Ok(mut ipvs) => {
                 let mut links = proxy_agent::netlink::rtnl::NetlinkLinks::connect()?;
-                let local: Vec<std::net::IpAddr> = netif::interfaces().iter().flat_map(|i| netif::ipv4_addresses(i)).collect();
                 for d in proxy_agent::dataplane::ipvs::sync::cleanup(&mut ipvs, &mut links, &local)? {
                     println!("{d}");
                 }
@@ -23,7 +24,7 @@ pub fn cleanup(pin_dir: &Path, kube_proxy: bool, keep_kpr: bool) -> Result<()> {
             Ok(done) => done.iter().for_each(|d| println!("{d}")),
             Err(e) => tracing::warn!(error = %e, "netfilter rules not checked"),
         }
-        let removed = kernel::cleanup(&pin_dir).with_context(|| format!("cleaning {}", pin_dir.display()))?;
+        let removed = kernel::cleanup(pin_dir).with_context(|| format!("cleaning {}", pin_dir.display()))?;
         println!("removed {} pinned objects under {}", removed.len(), pin_dir.display());
     }
     if kube_proxy {
@@ -31,7 +32,6 @@ pub fn cleanup(pin_dir: &Path, kube_proxy: bool, keep_kpr: bool) -> Result<()> {
         let kpr_ipvs = keep_kpr && pin_dir.join(proxy_common::prog_names::LOOPBACK).exists();
         let mut ipvs = proxy_agent::dataplane::ipvs::client::NetlinkIpvs::connect().ok();
         let mut links = proxy_agent::netlink::rtnl::NetlinkLinks::connect()?;
-        let local: Vec<std::net::IpAddr> = netif::interfaces().iter().flat_map(|i| netif::ipv4_addresses(i)).collect();
         let handles = (!kpr_ipvs).then(|| proxy_agent::migration::IpvsHandles {
             ipvs: ipvs.as_mut().map(|i| i as &mut dyn proxy_agent::dataplane::ipvs::client::Ipvs),
             links: &mut links,
