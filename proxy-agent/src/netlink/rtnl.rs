@@ -11,7 +11,7 @@ use neli::{
         rtnl::{Ifa, IfaF, Ifla, IflaInfo, RtAddrFamily, RtScope, Rtm},
         socket::NlFamily,
     },
-    nl::{NlPayload, NlmsghdrBuilder},
+    nl::{NlPayload, Nlmsghdr, NlmsghdrBuilder},
     rtnl::{Ifaddrmsg, IfaddrmsgBuilder, IfinfomsgBuilder, RtattrBuilder},
     socket::synchronous::NlSocketHandle,
     types::{Buffer, RtBuffer},
@@ -85,20 +85,24 @@ impl NetlinkLinks {
         self
     }
 
+    /// The next request of type `ty` (`flags` besides REQUEST), numbered.
+    fn message<P: Size>(&mut self, ty: Rtm, flags: NlmF, payload: P) -> Result<Nlmsghdr<Rtm, P>, LinkError> {
+        self.seq = self.seq.wrapping_add(1);
+        NlmsghdrBuilder::default()
+            .nl_type(ty)
+            .nl_flags(NlmF::REQUEST | flags)
+            .nl_seq(self.seq)
+            .nl_payload(NlPayload::Payload(payload))
+            .build()
+            .map_err(sock_err)
+    }
+
     /// One request; the typed replies of a dump, or none after an ACK (`flags` ask for one).
     fn request<P>(&mut self, ty: Rtm, flags: NlmF, payload: P, op: &'static str, object: &str) -> Result<Vec<P>, LinkError>
     where
         P: Size + ToBytes + FromBytesWithInput<Input = usize> + std::fmt::Debug + Clone,
     {
-        self.seq = self.seq.wrapping_add(1);
-        let seq = self.seq;
-        let msg = NlmsghdrBuilder::default()
-            .nl_type(ty)
-            .nl_flags(NlmF::REQUEST | flags)
-            .nl_seq(seq)
-            .nl_payload(NlPayload::Payload(payload))
-            .build()
-            .map_err(sock_err)?;
+        let msg = self.message(ty, flags, payload)?;
         crate::netlink::socket::exchange(&self.sock, &msg).map_err(|e| match e {
             NlError::Errno(errno) => LinkError::Kernel { op, object: object.into(), err: std::io::Error::from_raw_os_error(errno) },
             NlError::Socket(e) => LinkError::Socket(e),
@@ -232,16 +236,7 @@ impl Links for NetlinkLinks {
         };
         let mut msgs = Vec::with_capacity(addrs.len());
         for addr in addrs {
-            self.seq = self.seq.wrapping_add(1);
-            let msg = Self::addr_msg(ifindex, *addr).and_then(|m| {
-                NlmsghdrBuilder::default()
-                    .nl_type(ty)
-                    .nl_flags(NlmF::REQUEST | NlmF::ACK | flags)
-                    .nl_seq(self.seq)
-                    .nl_payload(NlPayload::Payload(m))
-                    .build()
-                    .map_err(sock_err)
-            });
+            let msg = Self::addr_msg(ifindex, *addr).and_then(|m| self.message(ty, NlmF::ACK | flags, m));
             match msg {
                 Ok(m) => msgs.push(m),
                 Err(e) => return addrs.iter().map(|_| Err(LinkError::Socket(e.to_string()))).collect(),
