@@ -12,7 +12,8 @@ use std::{
 };
 
 use proxy_agent::{
-    dataplane::ebpf::kernel::{self, Capacities, Datapath, KernelMaps},
+    dataplane::ebpf::kernel::{self, Capacities, Datapath},
+    dataplane::ebpf::kernel_maps::KernelMaps,
     dataplane::ebpf::maps::DatapathMaps,
     dataplane::ebpf::maps::Table,
     dataplane::ebpf::sync::Syncer,

@@ -540,7 +540,7 @@ fn a_flow_stamped_by_a_cpu_whose_clock_is_ahead_stays_established() {
     let cfg = datapath_config(NODE_IP, Some(("10.244.0.0", 16)));
     l.maps.set_config(proxy_common::DatapathConfig { flags: cfg.flags | CFG_F_NO_FLOW_CACHE, ..cfg }).unwrap();
     let first = handshake(&mut l, "10.244.0.31", 53000, "10.96.0.10", 80).dst;
-    let mut ct: HashMap<MapData, CtKey, CtValue> = proxy_agent::dataplane::ebpf::kernel::open_typed(l.pins.path(), map_names::CONNTRACK).unwrap();
+    let mut ct: HashMap<MapData, CtKey, CtValue> = proxy_agent::dataplane::ebpf::kernel_maps::open_typed(l.pins.path(), map_names::CONNTRACK).unwrap();
     let entries: Vec<(CtKey, CtValue)> = ct.iter().map(|e| e.unwrap()).collect();
     assert!(!entries.is_empty());
     for (k, mut v) in entries {
@@ -688,7 +688,8 @@ fn a_service_id_given_to_another_frontend_never_inherits_its_affinity() {
     // A client pinned to a backend of "sticky" (10.96.0.11).
     let (_, o) = tc(&mut l.dp, &Frame::tcp("10.244.0.80", 56000, "10.96.0.11", 80, SYN));
     let pinned = parse(&o).dst;
-    let mut aff: HashMap<MapData, AffinityKey, AffinityValue> = proxy_agent::dataplane::ebpf::kernel::open_typed(l.pins.path(), map_names::AFFINITY).unwrap();
+    let mut aff: HashMap<MapData, AffinityKey, AffinityValue> =
+        proxy_agent::dataplane::ebpf::kernel_maps::open_typed(l.pins.path(), map_names::AFFINITY).unwrap();
     let stale: Vec<(AffinityKey, AffinityValue)> = aff.iter().map(|e| e.unwrap()).collect();
     assert_eq!(stale.len(), 1);
     // "sticky" goes; then a new affinity service whose only backend is another one gets its ids
@@ -724,7 +725,7 @@ fn the_collector_deletes_only_what_it_read_in_the_kernel_maps() {
     let mut newer = v;
     newer.last_seen_ns += 1;
     let mut ct: aya::maps::HashMap<aya::maps::MapData, proxy_common::CtKey, proxy_common::CtValue> =
-        proxy_agent::dataplane::ebpf::kernel::open_typed(l.pins.path(), proxy_common::map_names::CONNTRACK).unwrap();
+        proxy_agent::dataplane::ebpf::kernel_maps::open_typed(l.pins.path(), proxy_common::map_names::CONNTRACK).unwrap();
     ct.insert(k, newer, 0).unwrap();
     assert!(!l.maps.conntrack_mut().delete_if(Table::Assured, &k, &v).unwrap());
     assert_eq!(ct.get(&k, 0).unwrap(), newer, "the newer entry must survive");

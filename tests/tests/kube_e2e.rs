@@ -165,7 +165,7 @@ fn agent_on_the_kubernetes_api_forwards_serves_health_and_metrics_and_survives_a
     // Drift: an entry deleted by hand is repaired by the next full sync (syncPeriod 2 s here).
     {
         use proxy_agent::dataplane::ebpf::maps::DatapathMaps;
-        let mut maps = proxy_agent::dataplane::ebpf::kernel::KernelMaps::open(lab.pins.path()).unwrap();
+        let mut maps = proxy_agent::dataplane::ebpf::kernel_maps::KernelMaps::open(lab.pins.path()).unwrap();
         let key = proxy_common::ServiceKey::new("10.96.0.11".parse().unwrap(), 80, proxy_common::PROTO_TCP, proxy_common::SCOPE_INTERNAL);
         maps.del_service(key).unwrap();
         assert!(!maps.services().unwrap().iter().any(|(k, _)| *k == key));

@@ -17,7 +17,8 @@ use kpr_lab::{
     PinDir,
 };
 use proxy_agent::{
-    dataplane::ebpf::kernel::{Capacities, Datapath, KernelMaps},
+    dataplane::ebpf::kernel::{Capacities, Datapath},
+    dataplane::ebpf::kernel_maps::KernelMaps,
     dataplane::ebpf::sync::Syncer,
     model::DesiredState,
 };
@@ -190,7 +191,7 @@ fn main() {
     let cfg = datapath_config("192.0.2.1", Some(("10.244.0.0", 16)));
 
     let mut ct: AyaHashMap<MapData, CtKey, CtValue> =
-        proxy_agent::dataplane::ebpf::kernel::open_typed(pins.path(), map_names::CONNTRACK).expect("open conntrack");
+        proxy_agent::dataplane::ebpf::kernel_maps::open_typed(pins.path(), map_names::CONNTRACK).expect("open conntrack");
     let counters = |maps: &KernelMaps| proxy_agent::dataplane::ebpf::maps::DatapathMaps::counters(maps).expect("counters");
     // A pod (not masqueraded) and a client outside the cluster CIDR (masqueraded): between them
     // every entry kind of a flow is measured: DNAT at ingress, reverse SNAT at ingress, SNAT at

@@ -92,7 +92,7 @@ fn main() {
     // Initial sync: until the maps hold every frontend.
     let want = 2 * n as usize;
     loop {
-        if let Ok(m) = proxy_agent::dataplane::ebpf::kernel::KernelMaps::open(pins.path()) {
+        if let Ok(m) = proxy_agent::dataplane::ebpf::kernel_maps::KernelMaps::open(pins.path()) {
             if m.services().map(|s| s.len()).unwrap_or(0) >= want {
                 break;
             }

@@ -28,7 +28,8 @@ use kpr_lab::{
     must, sh, PinDir,
 };
 use proxy_agent::{
-    dataplane::ebpf::kernel::{Capacities, Datapath, KernelMaps},
+    dataplane::ebpf::kernel::{Capacities, Datapath},
+    dataplane::ebpf::kernel_maps::KernelMaps,
     dataplane::ebpf::sync::Syncer,
     dataplane::ipvs::client::{NetlinkIpvs, ServiceId},
     dataplane::ipvs::desired::{bound_addresses, desired_virtual_servers, SyncSettings},

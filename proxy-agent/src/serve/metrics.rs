@@ -13,11 +13,7 @@ use tracing::error;
 use prometheus::{Encoder, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
 
 use crate::{
-    dataplane::ebpf::{
-        kernel::{self, KernelMaps},
-        maps::DatapathMaps,
-        view,
-    },
+    dataplane::ebpf::{kernel, kernel_maps::KernelMaps, maps::DatapathMaps, view},
     stats::{SharedStats, Stats},
 };
 

@@ -3,10 +3,7 @@
 use std::{path::Path, time::Duration};
 
 use anyhow::{Context, Result};
-use proxy_agent::{
-    dataplane::ebpf::kernel::{self, KernelMaps},
-    dataplane::ebpf::view,
-};
+use proxy_agent::{dataplane::ebpf::kernel, dataplane::ebpf::kernel_maps::KernelMaps, dataplane::ebpf::view};
 
 pub fn status(pin_dir: &Path, json: bool, healthz: &str) -> Result<()> {
     let maps = KernelMaps::open(&pin_dir)?;

@@ -9,7 +9,7 @@ use aya::maps::{HashMap as AyaHashMap, MapData};
 use proxy_common::{map_names, AffinityKey, AffinityValue, ServiceKey, ServiceValue};
 
 use crate::{
-    dataplane::ebpf::kernel::{collect, del, open_typed},
+    dataplane::ebpf::kernel_maps::{collect, del, open_typed},
     dataplane::ebpf::maps::MapError,
 };
 

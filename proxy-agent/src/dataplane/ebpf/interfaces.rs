@@ -13,7 +13,8 @@ use tracing::{error, info, warn};
 
 use crate::{
     dataplane::ebpf::{
-        kernel::{self, Datapath, Hook, KernelMaps},
+        kernel::{self, Datapath, Hook},
+        kernel_maps::KernelMaps,
         maps::DatapathMaps,
     },
     host::netif,

@@ -7,6 +7,7 @@ pub mod conntrack;
 pub mod endpoint_cleanup;
 pub mod interfaces;
 pub mod kernel;
+pub mod kernel_maps;
 pub mod maglev;
 pub mod maps;
 pub mod plane;

@@ -7,12 +7,7 @@ use tracing::{info, warn};
 
 use crate::{
     dataplane::{
-        ebpf::{
-            interfaces::Interfaces,
-            kernel::{Datapath, KernelMaps},
-            maps::DatapathMaps,
-            plane::ConfigInputs,
-        },
+        ebpf::{interfaces::Interfaces, kernel::Datapath, kernel_maps::KernelMaps, maps::DatapathMaps, plane::ConfigInputs},
         ipvs::{
             client::{Ipvs, IpvsError, NetlinkIpvs, ServiceId, Timeouts},
             desired::{bound_addresses, desired_virtual_servers, SyncSettings},

@@ -13,7 +13,7 @@ use proxy_common::{map_names, sets, SetIpPort, SetIpPortIp, SetIpPortNet, SetPor
 use serde::Serialize;
 
 use crate::{
-    dataplane::ebpf::kernel::{collect, del, op, open_typed},
+    dataplane::ebpf::kernel_maps::{collect, del, op, open_typed},
     dataplane::ebpf::maps::MapError,
     model::{DesiredState, FrontendKind, Scope},
 };

@@ -1,0 +1,276 @@
+//! The aya implementations of the map seams (`DatapathMaps`, `ConntrackTables`, the balanced
+//! sockets' reverse map), opened from their pins: the agent's and the CLI's way to the maps.
+//! Loading, pinning and attaching the object is kernel.rs.
+use std::{io, path::Path};
+
+use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, MapError as AyaMapError, PerCpuArray};
+use proxy_common::{limits, map_names, AffinityKey, AffinityValue, Backend, CtKey, CtValue, DatapathConfig, ServiceKey, ServiceValue, SlotKey, SourceRangeKey};
+
+use crate::dataplane::ebpf::maps::{ConntrackTables, DatapathMaps, MapError, SrcRange, Table};
+
+pub(crate) fn op(map: &'static str, op: &'static str, e: AyaMapError) -> MapError {
+    let source = match e {
+        // An update of a hash map at capacity fails with E2BIG, of an LPM trie with ENOSPC.
+        AyaMapError::SyscallError(s) if op == "update" && matches!(s.io_error.raw_os_error(), Some(libc::E2BIG | libc::ENOSPC)) => {
+            return MapError::Full { map }
+        }
+        AyaMapError::SyscallError(s) => s.io_error,
+        other => io::Error::other(other.to_string()),
+    };
+    MapError::Op { map, op, source }
+}
+
+fn is_enoent(e: &AyaMapError) -> bool {
+    match e {
+        AyaMapError::KeyNotFound => true,
+        AyaMapError::SyscallError(s) => s.io_error.raw_os_error() == Some(libc::ENOENT),
+        _ => false,
+    }
+}
+
+/// The fast path's maps, opened from their pins (works for the agent and for the CLI).
+pub struct KernelMaps {
+    services: HashMap<MapData, ServiceKey, ServiceValue>,
+    slots: HashMap<MapData, SlotKey, u32>,
+    backends: HashMap<MapData, u32, Backend>,
+    maglev: Array<MapData, u32>,
+    source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
+    config: Array<MapData, DatapathConfig>,
+    conntrack: KernelConntrack,
+    ifaces: HashMap<MapData, u32, proxy_common::IfaceInfo>,
+    affinity: HashMap<MapData, AffinityKey, AffinityValue>,
+    counters: PerCpuArray<MapData, u64>,
+    backend_new: PerCpuArray<MapData, u64>,
+}
+
+/// The conntrack tables and the flow cache's generation, opened from their pins (the garbage
+/// collector's thread has its own).
+pub struct KernelConntrack {
+    assured: HashMap<MapData, CtKey, CtValue>,
+    embryonic: HashMap<MapData, CtKey, CtValue>,
+    flow_cache_gen: Array<MapData, u64>,
+}
+
+impl KernelConntrack {
+    pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
+        Ok(Self {
+            assured: open_typed(pin_dir, map_names::CONNTRACK)?,
+            embryonic: open_typed(pin_dir, map_names::CONNTRACK_NEW)?,
+            flow_cache_gen: open_typed(pin_dir, map_names::FLOW_CACHE_GEN)?,
+        })
+    }
+    fn map(&self, t: Table) -> &HashMap<MapData, CtKey, CtValue> {
+        match t {
+            Table::Assured => &self.assured,
+            Table::Embryonic => &self.embryonic,
+        }
+    }
+}
+
+/// KPR_SOCK_REV_V1: which sockets connect-time balancing sent where.
+pub struct KernelSockRev(HashMap<MapData, proxy_common::SockRevKey, proxy_common::SockRevValue>);
+
+impl KernelSockRev {
+    pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
+        Ok(Self(open_typed(pin_dir, map_names::SOCK_REV)?))
+    }
+}
+
+impl crate::dataplane::ebpf::endpoint_cleanup::BalancedSockets for KernelSockRev {
+    fn cookies_to(&self, addr: std::net::Ipv4Addr, port: u16) -> Result<std::collections::BTreeSet<u64>, MapError> {
+        let fd = aya::maps::IterableMap::map(&self.0).fd();
+        let (want_addr, want_port) = (u32::from_ne_bytes(addr.octets()), port.to_be());
+        let mut out = std::collections::BTreeSet::new();
+        let mut cursor = None;
+        loop {
+            let (batch, next): (Vec<(proxy_common::SockRevKey, proxy_common::SockRevValue)>, _) =
+                crate::dataplane::ebpf::bpf_batch::lookup_batch(fd, cursor, 4096).map_err(|source| MapError::Op {
+                    map: map_names::SOCK_REV,
+                    op: "lookup batch",
+                    source,
+                })?;
+            out.extend(batch.iter().filter(|(k, _)| k.addr[0] == want_addr && k.port == want_port).map(|(k, _)| k.cookie));
+            match next {
+                Some(c) => cursor = Some(c),
+                None => return Ok(out),
+            }
+        }
+    }
+}
+
+impl ConntrackTables for KernelConntrack {
+    fn read_batch(&self, table: Table, cursor: Option<u32>, max: usize) -> Result<(Vec<(CtKey, CtValue)>, Option<u32>), MapError> {
+        let fd = aya::maps::IterableMap::map(self.map(table)).fd();
+        crate::dataplane::ebpf::bpf_batch::lookup_batch(fd, cursor, max).map_err(|source| MapError::Op { map: table.map_name(), op: "lookup batch", source })
+    }
+    fn get(&self, table: Table, key: &CtKey) -> Result<Option<CtValue>, MapError> {
+        match self.map(table).get(key, 0) {
+            Ok(v) => Ok(Some(v)),
+            Err(e) if is_enoent(&e) => Ok(None),
+            Err(e) => Err(op(table.map_name(), "lookup", e)),
+        }
+    }
+    fn delete_if(&mut self, table: Table, key: &CtKey, expected: &CtValue) -> Result<bool, MapError> {
+        let name = table.map_name();
+        let fd = aya::maps::IterableMap::map(self.map(table)).fd();
+        let taken: Option<CtValue> =
+            crate::dataplane::ebpf::bpf_batch::lookup_and_delete(fd, key).map_err(|source| MapError::Op { map: name, op: "lookup and delete", source })?;
+        match taken {
+            None => Ok(false),
+            Some(v) if v == *expected => Ok(true),
+            Some(v) => {
+                // Changed since it was read: put it back, unless the data path already wrote a
+                // newer one in the moment it was out.
+                crate::dataplane::ebpf::bpf_batch::insert_new(fd, key, &v).map_err(|source| MapError::Op { map: name, op: "update", source })?;
+                Ok(false)
+            }
+        }
+    }
+    fn invalidate_flow_cache(&mut self) -> Result<(), MapError> {
+        let name = map_names::FLOW_CACHE_GEN;
+        let g = self.flow_cache_gen.get(&0, 0).map_err(|e| op(name, "lookup", e))?;
+        // Past any of the data path's own (32-bit) steps: never a value an entry holds.
+        self.flow_cache_gen.set(0, g.wrapping_add(1 << 33), 0).map_err(|e| op(name, "update", e))
+    }
+}
+
+pub(crate) fn open(pin_dir: &Path, name: &'static str) -> Result<Map, MapError> {
+    let data = MapData::from_pin(pin_dir.join(name)).map_err(|e| MapError::Other {
+        map: name,
+        message: format!("not pinned under {} ({e}); is the agent running / was `kpr run` started?", pin_dir.display()),
+    })?;
+    Map::from_map_data(data).map_err(|e| op(name, "open", e))
+}
+
+/// A pinned map, checked to be of the type `T` expects.
+pub fn open_typed<T: TryFrom<Map, Error = AyaMapError>>(pin_dir: &Path, name: &'static str) -> Result<T, MapError> {
+    open(pin_dir, name)?.try_into().map_err(|e| op(name, "type check", e))
+}
+
+impl KernelMaps {
+    pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
+        Ok(Self {
+            services: open_typed(pin_dir, map_names::SERVICES)?,
+            slots: open_typed(pin_dir, map_names::SLOTS)?,
+            backends: open_typed(pin_dir, map_names::BACKENDS)?,
+            maglev: open_typed(pin_dir, map_names::MAGLEV)?,
+            source_ranges: open_typed(pin_dir, map_names::SOURCE_RANGES)?,
+            config: open_typed(pin_dir, map_names::CONFIG)?,
+            conntrack: KernelConntrack::open(pin_dir)?,
+            ifaces: open_typed(pin_dir, map_names::IFACES)?,
+            affinity: open_typed(pin_dir, map_names::AFFINITY)?,
+            counters: open_typed(pin_dir, map_names::COUNTERS)?,
+            backend_new: open_typed(pin_dir, map_names::BACKEND_NEW)?,
+        })
+    }
+}
+
+pub(crate) fn collect<K, V, I: Iterator<Item = Result<(K, V), AyaMapError>>>(name: &'static str, it: I) -> Result<Vec<(K, V)>, MapError> {
+    let mut out = Vec::new();
+    for r in it {
+        match r {
+            Ok(kv) => out.push(kv),
+            // An entry deleted (LRU, data path) while we walked: skip it.
+            Err(e) if is_enoent(&e) => continue,
+            Err(e) => return Err(op(name, "iterate", e)),
+        }
+    }
+    Ok(out)
+}
+
+pub(crate) fn del<R>(name: &'static str, r: Result<R, AyaMapError>) -> Result<(), MapError> {
+    match r {
+        Ok(_) => Ok(()),
+        Err(e) if is_enoent(&e) => Ok(()),
+        Err(e) => Err(op(name, "delete", e)),
+    }
+}
+
+impl DatapathMaps for KernelMaps {
+    fn services(&self) -> Result<Vec<(ServiceKey, ServiceValue)>, MapError> {
+        collect(map_names::SERVICES, self.services.iter())
+    }
+    fn put_service(&mut self, k: ServiceKey, v: ServiceValue) -> Result<(), MapError> {
+        self.services.insert(k, v, 0).map_err(|e| op(map_names::SERVICES, "update", e))
+    }
+    fn del_service(&mut self, k: ServiceKey) -> Result<(), MapError> {
+        del(map_names::SERVICES, self.services.remove(&k))
+    }
+    fn slots(&self) -> Result<Vec<(SlotKey, u32)>, MapError> {
+        collect(map_names::SLOTS, self.slots.iter())
+    }
+    fn put_slot(&mut self, k: SlotKey, id: u32) -> Result<(), MapError> {
+        self.slots.insert(k, id, 0).map_err(|e| op(map_names::SLOTS, "update", e))
+    }
+    fn del_slot(&mut self, k: SlotKey) -> Result<(), MapError> {
+        del(map_names::SLOTS, self.slots.remove(&k))
+    }
+    fn backends(&self) -> Result<Vec<(u32, Backend)>, MapError> {
+        collect(map_names::BACKENDS, self.backends.iter())
+    }
+    fn put_backend(&mut self, id: u32, b: Backend) -> Result<(), MapError> {
+        self.backends.insert(id, b, 0).map_err(|e| op(map_names::BACKENDS, "update", e))
+    }
+    fn del_backend(&mut self, id: u32) -> Result<(), MapError> {
+        del(map_names::BACKENDS, self.backends.remove(&id))
+    }
+    fn maglev_row(&self, row: u32) -> Result<Vec<u32>, MapError> {
+        let m = limits::MAGLEV_TABLE_SIZE;
+        (row * m..(row + 1) * m).map(|i| self.maglev.get(&i, 0).map_err(|e| op(map_names::MAGLEV, "lookup", e))).collect()
+    }
+    fn put_maglev_row(&mut self, row: u32, table: &[u32]) -> Result<(), MapError> {
+        let base = row * limits::MAGLEV_TABLE_SIZE;
+        for (i, id) in table.iter().enumerate() {
+            self.maglev.set(base + i as u32, id, 0).map_err(|e| op(map_names::MAGLEV, "update", e))?;
+        }
+        Ok(())
+    }
+    fn source_ranges(&self) -> Result<Vec<SrcRange>, MapError> {
+        Ok(collect(map_names::SOURCE_RANGES, self.source_ranges.iter())?.into_iter().map(|(k, _)| (k.prefix_len(), k.data())).collect())
+    }
+    fn put_source_range(&mut self, r: SrcRange) -> Result<(), MapError> {
+        let k = aya::maps::lpm_trie::Key::new(r.0, r.1);
+        self.source_ranges.insert(&k, 1, 0).map_err(|e| op(map_names::SOURCE_RANGES, "update", e))
+    }
+    fn del_source_range(&mut self, r: SrcRange) -> Result<(), MapError> {
+        let k = aya::maps::lpm_trie::Key::new(r.0, r.1);
+        del(map_names::SOURCE_RANGES, self.source_ranges.remove(&k))
+    }
+    fn config(&self) -> Result<DatapathConfig, MapError> {
+        self.config.get(&0, 0).map_err(|e| op(map_names::CONFIG, "lookup", e))
+    }
+    fn set_config(&mut self, c: DatapathConfig) -> Result<(), MapError> {
+        self.config.set(0, c, 0).map_err(|e| op(map_names::CONFIG, "update", e))
+    }
+    fn conntrack(&self) -> &dyn ConntrackTables {
+        &self.conntrack
+    }
+    fn conntrack_mut(&mut self) -> &mut dyn ConntrackTables {
+        &mut self.conntrack
+    }
+    fn set_ifaces(&mut self, want: &std::collections::BTreeMap<u32, proxy_common::IfaceInfo>) -> Result<(), MapError> {
+        let name = map_names::IFACES;
+        let have: Vec<(u32, proxy_common::IfaceInfo)> = collect(name, self.ifaces.iter())?;
+        for (ifindex, _) in have.iter().filter(|(i, _)| !want.contains_key(i)) {
+            del(name, self.ifaces.remove(ifindex))?;
+        }
+        for (ifindex, info) in want {
+            if !have.contains(&(*ifindex, *info)) {
+                self.ifaces.insert(*ifindex, *info, 0).map_err(|e| op(name, "update", e))?;
+            }
+        }
+        Ok(())
+    }
+    fn affinity(&self) -> Result<Vec<(AffinityKey, AffinityValue)>, MapError> {
+        collect(map_names::AFFINITY, self.affinity.iter())
+    }
+    fn del_affinity(&mut self, k: AffinityKey) -> Result<(), MapError> {
+        del(map_names::AFFINITY, self.affinity.remove(&k))
+    }
+    fn backend_new_connections(&self, id: u32) -> Result<u64, MapError> {
+        self.backend_new.get(&id, 0).map(|v| v.iter().sum()).map_err(|e| op(map_names::BACKEND_NEW, "lookup", e))
+    }
+    fn counters(&self) -> Result<Vec<u64>, MapError> {
+        (0..proxy_common::counter::COUNT).map(|i| self.counters.get(&i, 0).map(|v| v.iter().sum()).map_err(|e| op(map_names::COUNTERS, "lookup", e))).collect()
+    }
+}
