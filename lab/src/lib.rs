@@ -180,7 +180,8 @@ pub fn datapath_config(snat: &str, cluster_cidr: Option<(&str, u32)>) -> Datapat
         ct_udp_timeout_s: 60,
         snat_port_min: 0,
         snat_port_max: 0,
-        _pad: 0,
+        cluster_cidr6_len: 0,
+        cluster_cidr6: [0; 4],
         host_netns_cookie: 0,
     }
 }

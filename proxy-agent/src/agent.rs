@@ -97,7 +97,7 @@ impl LoopSettings {
             primary_ip: s.primary_ip,
             node_port_addresses: s.node_port_addresses.clone(),
             uplinks: s.uplinks.clone(),
-            model: ModelConfig { default_scheduler: s.scheduler, sctp: false },
+            model: ModelConfig { default_scheduler: s.scheduler, sctp: false, ipv6: false },
         }
     }
 }
@@ -145,6 +145,7 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
     pub fn new(mut cfg: LoopSettings, source: S, dataplane: D, stats: SharedStats) -> Self {
         stats.lock().unwrap().set_mode(dataplane.mode().name());
         cfg.model.sctp = dataplane.programs_sctp();
+        cfg.model.ipv6 = dataplane.programs_ipv6();
         let timing = Timing {
             limiter: Limiter::new(cfg.min_sync_period, cfg.burst_syncs, Instant::now()),
             last_full: None,
@@ -256,8 +257,11 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
             // The uplinks' addresses are read once a sync.
             let addresses = node_addresses(cfg, input.node);
             let info = node_info(cfg, input.node, &addresses);
-            let node =
-                NodeContext { nodeport_addresses: info.nodeport_addresses.clone(), primary_ip: addresses.first().copied(), pod_cidr: pod_cidr(input.node) };
+            let node = NodeContext {
+                nodeport_addresses: info.nodeport_addresses.clone(),
+                primary_ip: addresses.iter().find(|a| a.is_ipv4()).copied(),
+                pod_cidrs: pod_cidrs(input.node),
+            };
             let full = periodic || last.is_none() || node_version != last_node_version || input.changed.is_none();
             let (desired, touched) = match (last, input.changed) {
                 (Some(mut d), Some(changed)) if !full => {
@@ -402,7 +406,7 @@ fn node_addresses(cfg: &LoopSettings, node: Option<&Node>) -> Vec<IpAddr> {
     let from_node = node.and_then(|n| n.status.as_ref()).and_then(|s| s.addresses.as_ref());
     let typed =
         |ty: &'static str| -> Vec<IpAddr> { from_node.into_iter().flatten().filter(|a| a.type_ == ty).filter_map(|a| a.address.parse().ok()).collect() };
-    let uplinks: Vec<IpAddr> = cfg.uplinks.iter().flat_map(|u| netif::ipv4_addresses(u)).collect();
+    let uplinks: Vec<IpAddr> = cfg.uplinks.iter().flat_map(|u| netif::addresses(u)).collect();
     for a in cfg.primary_ip.into_iter().chain(typed("InternalIP")).chain(typed("ExternalIP")).chain(uplinks) {
         if !out.contains(&a) {
             out.push(a);
@@ -413,15 +417,16 @@ fn node_addresses(cfg: &LoopSettings, node: Option<&Node>) -> Vec<IpAddr> {
 
 fn node_info(cfg: &LoopSettings, node: Option<&Node>, addresses: &[IpAddr]) -> NodeInfo {
     let zone = node.and_then(|n| n.metadata.labels.as_ref()).and_then(|l| l.get(model::ZONE_LABEL)).cloned().or_else(|| cfg.node_zone.clone());
-    let nodeport_addresses = cfg.node_port_addresses.select(addresses).into_iter().filter(IpAddr::is_ipv4).collect();
+    let nodeport_addresses = cfg.node_port_addresses.select(addresses);
     NodeInfo { name: cfg.node_name.clone(), nodeport_addresses, zone }
 }
 
-/// The Node's IPv4 pod CIDR (detectLocalMode NodeCIDR).
-fn pod_cidr(node: Option<&Node>) -> Option<IpNet> {
+/// The Node's pod CIDRs, one per family (detectLocalMode NodeCIDR).
+fn pod_cidrs(node: Option<&Node>) -> Vec<IpNet> {
     node.and_then(|n| n.spec.as_ref())
         .and_then(|s| s.pod_cidrs.clone().or_else(|| s.pod_cidr.clone().map(|c| vec![c])))
-        .and_then(|cidrs| cidrs.iter().filter_map(|c| c.parse::<IpNet>().ok()).find(|n| n.addr().is_ipv4()))
+        .map(|cidrs| cidrs.iter().filter_map(|c| c.parse::<IpNet>().ok()).collect())
+        .unwrap_or_default()
 }
 
 #[cfg(test)]

@@ -383,3 +383,96 @@ endpoints: [{addresses: [10.244.1.31], conditions: {ready: true}}]
     assert!(d.frontends.keys().all(|k| k.proto == proxy_agent::model::Protocol::Tcp));
     assert_eq!(d.problems().map(|e| e.field.as_str()).collect::<Vec<_>>(), ["spec.ports[0].protocol"]);
 }
+
+/// Where the data plane serves IPv6 (IPVS mode): a dual-stack Service gets frontends of both
+/// families, each with its own family's endpoints, NodePorts on the node's addresses of each
+/// family, and each LoadBalancer IP its own family's source ranges. An IPv6 address of a Service
+/// with no IPv6 clusterIP is reported, as kube-proxy serves none of it.
+#[test]
+fn dual_stack_services_get_frontends_per_family_where_the_plane_serves_ipv6() {
+    let text = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: dual, namespace: g}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.3.1
+  clusterIPs: [10.96.3.1, "fd00::3:1"]
+  ipFamilies: [IPv4, IPv6]
+  externalTrafficPolicy: Local
+  loadBalancerSourceRanges: [203.0.113.0/24, "2001:db8:1::/48"]
+  ports: [{name: http, port: 80, nodePort: 30080}]
+status: {loadBalancer: {ingress: [{ip: 192.0.2.30}, {ip: "2001:db8::30"}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: dual-4, namespace: g, labels: {kubernetes.io/service-name: dual}}
+addressType: IPv4
+ports: [{name: http, port: 8080}]
+endpoints:
+- {addresses: [10.244.1.30], conditions: {ready: true}, nodeName: me}
+- {addresses: [10.244.2.30], conditions: {ready: true}, nodeName: other}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: dual-6, namespace: g, labels: {kubernetes.io/service-name: dual}}
+addressType: IPv6
+ports: [{name: http, port: 8080}]
+endpoints:
+- {addresses: ["fd00:10:244::30"], conditions: {ready: true}, nodeName: other}
+- {addresses: ["10.244.9.9"], conditions: {ready: true}, nodeName: other}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: v4only, namespace: g}
+spec:
+  clusterIP: 10.96.3.2
+  externalIPs: ["2001:db8::2", 192.0.2.2]
+  ports: [{name: http, port: 80}]
+"#;
+    let mut r = LoadReport::default();
+    load_text("dual.yaml", text, &mut r);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    let node = NodeInfo { name: "me".into(), nodeport_addresses: vec!["198.18.0.1".parse().unwrap(), "fd00:198::1".parse().unwrap()], zone: None };
+    let d = compute(&r.objects, &node, &ModelConfig { ipv6: true, ..ModelConfig::default() });
+    let want = "\
+frontend 10.96.3.1:80/TCP internal clusterip g/dual:http sched=random affinity=0 flags=- ranges=
+  backend 10.244.1.30:8080
+  backend 10.244.2.30:8080
+frontend 10.96.3.1:80/TCP external clusterip g/dual:http sched=random affinity=0 flags=- ranges=
+  backend 10.244.1.30:8080
+  backend 10.244.2.30:8080
+frontend 10.96.3.2:80/TCP internal clusterip g/v4only:http sched=random affinity=0 flags=- ranges=
+frontend 10.96.3.2:80/TCP external clusterip g/v4only:http sched=random affinity=0 flags=- ranges=
+frontend 192.0.2.2:80/TCP internal externalip g/v4only:http sched=random affinity=0 flags=masq ranges=
+frontend 192.0.2.2:80/TCP external externalip g/v4only:http sched=random affinity=0 flags=masq ranges=
+frontend 192.0.2.30:80/TCP internal loadbalancer g/dual:http sched=random affinity=0 flags=source-ranges ranges=203.0.113.0/24
+  backend 10.244.1.30:8080
+  backend 10.244.2.30:8080
+frontend 192.0.2.30:80/TCP external loadbalancer g/dual:http sched=random affinity=0 flags=preserve-source,source-ranges ranges=203.0.113.0/24
+  backend 10.244.1.30:8080
+frontend 198.18.0.1:30080/TCP internal nodeport g/dual:http sched=random affinity=0 flags=- ranges=
+  backend 10.244.1.30:8080
+  backend 10.244.2.30:8080
+frontend 198.18.0.1:30080/TCP external nodeport g/dual:http sched=random affinity=0 flags=preserve-source ranges=
+  backend 10.244.1.30:8080
+frontend [2001:db8::30]:80/TCP internal loadbalancer g/dual:http sched=random affinity=0 flags=source-ranges ranges=2001:db8:1::/48
+  backend [fd00:10:244::30]:8080
+frontend [2001:db8::30]:80/TCP external loadbalancer g/dual:http sched=random affinity=0 flags=preserve-source,source-ranges,no-local-endpoint ranges=2001:db8:1::/48
+frontend [fd00::3:1]:80/TCP internal clusterip g/dual:http sched=random affinity=0 flags=- ranges=
+  backend [fd00:10:244::30]:8080
+frontend [fd00::3:1]:80/TCP external clusterip g/dual:http sched=random affinity=0 flags=- ranges=
+  backend [fd00:10:244::30]:8080
+frontend [fd00:198::1]:30080/TCP internal nodeport g/dual:http sched=random affinity=0 flags=- ranges=
+  backend [fd00:10:244::30]:8080
+frontend [fd00:198::1]:30080/TCP external nodeport g/dual:http sched=random affinity=0 flags=preserve-source,no-local-endpoint ranges=
+";
+    assert_eq!(d.dump(), want, "got:\n{}", d.dump());
+    let reported: Vec<(String, String, &str)> = d.problems().map(|e| (e.object.clone(), e.field.clone(), e.reason)).collect();
+    assert_eq!(reported.len(), 2, "{reported:?}");
+    assert!(reported.iter().any(|(o, f, _)| o == "Service g/v4only" && f == "spec.externalIPs[0]"), "{reported:?}");
+    assert!(reported.iter().any(|(o, f, _)| o == "EndpointSlice g/dual-6" && f == "endpoints[1].addresses[0]"), "{reported:?}");
+    // Where the plane does not serve IPv6, the same objects give IPv4 frontends only.
+    let d4 = compute(&r.objects, &node, &ModelConfig::default());
+    assert!(d4.frontends.keys().all(|k| k.ip.is_ipv4()), "{}", d4.dump());
+}

@@ -37,17 +37,18 @@ macro_rules! map_name {
     (AFFINITY) => { "KPR_AFF_V1" };
     (SOURCE_RANGES) => { "KPR_SRCRNG_V1" };
     (RR_STATE) => { "KPR_RR_V1" };
-    // V2: the SNAT port range.
-    (CONFIG) => { "KPR_CFG_V2" };
+    // V3: the IPv6 cluster CIDR.
+    (CONFIG) => { "KPR_CFG_V3" };
     (COUNTERS) => { "KPR_CNT_V4" };
     (SOCK_REV) => { "KPR_SOCK_REV_V1" };
     (BACKEND_NEW) => { "KPR_BE_NEW_V1" };
     (FLOW_CACHE_GEN) => { "KPR_FC_GEN_V1" };
-    (SET_IP_PORT) => { "KPR_SET_IPP_V1" };
-    (SET_IP_PORT_IP) => { "KPR_SET_IPPI_V1" };
-    (SET_IP_PORT_NET) => { "KPR_SET_IPPN_V1" };
-    (SET_PORT) => { "KPR_SET_PORT_V1" };
-    (SET_IP) => { "KPR_SET_IP_V1" };
+    // V2: the address keys carry the family and IPv6 addresses.
+    (SET_IP_PORT) => { "KPR_SET_IPP_V2" };
+    (SET_IP_PORT_IP) => { "KPR_SET_IPPI_V2" };
+    (SET_IP_PORT_NET) => { "KPR_SET_IPPN_V2" };
+    (SET_PORT) => { "KPR_SET_PORT_V2" };
+    (SET_IP) => { "KPR_SET_IP_V2" };
     // Per-CPU scratch space, never pinned.
     (CT_SCRATCH) => { "KPR_CT_SCRATCH" };
     (FLOW_CACHE) => { "KPR_FLOW_CACHE" };
@@ -154,7 +155,7 @@ pub mod prog_names {
 /// kube-proxy's IPVS-mode ipsets, mirrored as bits in the values of the KPR_SET_* maps: one
 /// lookup answers every set of a key type.
 pub mod sets {
-    /// KPR_SET_IPP_V1 (hash:ip,port: dst,dst).
+    /// KPR_SET_IPP_V2 (hash:ip,port: dst,dst).
     pub const CLUSTER_IP: u32 = 1 << 0;
     pub const EXTERNAL_IP: u32 = 1 << 1;
     pub const EXTERNAL_IP_LOCAL: u32 = 1 << 2;
@@ -164,58 +165,74 @@ pub mod sets {
     /// Not a kube-proxy set: a LoadBalancer IP whose source ranges contain no node address,
     /// which the node itself may not reach (kube-proxy's KUBE-IPVS-OUT-FILTER rules).
     pub const LOAD_BALANCER_NODE_DENY: u32 = 1 << 6;
-    /// KPR_SET_IPPI_V1 (hash:ip,port,ip: dst,dst,src).
+    /// KPR_SET_IPPI_V2 (hash:ip,port,ip: dst,dst,src).
     pub const LOOP_BACK: u32 = 1 << 0;
     pub const LOAD_BALANCER_SOURCE_IP: u32 = 1 << 1;
-    /// KPR_SET_IPPN_V1 (hash:ip,port,net: dst,dst,src).
+    /// KPR_SET_IPPN_V2 (hash:ip,port,net: dst,dst,src).
     pub const LOAD_BALANCER_SOURCE_CIDR: u32 = 1 << 0;
-    /// KPR_SET_PORT_V1 (bitmap:port, the protocol in the key).
+    /// KPR_SET_PORT_V2 (bitmap:port, the protocol and family in the key).
     pub const NODE_PORT: u32 = 1 << 0;
     pub const NODE_PORT_LOCAL: u32 = 1 << 1;
     pub const HEALTH_CHECK_NODE_PORT: u32 = 1 << 2;
-    /// KPR_SET_IP_V1 (hash:ip): addresses bound on kube-ipvs0 (KUBE-IPVS-IPS), and this
+    /// KPR_SET_IP_V2 (hash:ip): addresses bound on kube-ipvs0 (KUBE-IPVS-IPS), and this
     /// node's own addresses (iptables' `-m addrtype --dst-type LOCAL` for NodePorts).
     pub const IPVS_IPS: u32 = 1 << 0;
     pub const NODE_IPS: u32 = 1 << 1;
 }
 
-/// Key of KPR_SET_IPP_V1; address and port in network order.
+/// Address family of a set key (`SetIpPort::family`, `SetAddr::family`): the same bits of an
+/// IPv4 and an IPv6 address never meet.
+pub const FAMILY_V4: u8 = 4;
+pub const FAMILY_V6: u8 = 6;
+
+/// Key of KPR_SET_IPP_V2; address (IPv4 in word 0, the rest zero) and port in network order.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Pod, Zeroable)]
 pub struct SetIpPort {
-    pub addr: u32,
+    pub addr: [u32; 4],
     pub port: u16,
     pub proto: u8,
-    pub _pad: u8,
+    pub family: u8,
 }
-const _: () = assert!(core::mem::size_of::<SetIpPort>() == 8);
+const _: () = assert!(core::mem::size_of::<SetIpPort>() == 20);
 
-/// Key of KPR_SET_IPPI_V1: (address, port, protocol, second address).
+/// Key of KPR_SET_IPPI_V2: (address, port, protocol, second address of the same family).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Pod, Zeroable)]
 pub struct SetIpPortIp {
     pub ip_port: SetIpPort,
-    pub addr2: u32,
+    pub addr2: [u32; 4],
 }
-const _: () = assert!(core::mem::size_of::<SetIpPortIp>() == 12);
+const _: () = assert!(core::mem::size_of::<SetIpPortIp>() == 36);
 
-/// Data of the KPR_SET_IPPN_V1 LPM key: the prefix length is 64 (ip,port,proto: always whole)
-/// plus the source CIDR's length.
+/// Data of the KPR_SET_IPPN_V2 LPM key: the prefix length is SET_IPPN_FIXED_BITS (ip, port,
+/// proto, family: always whole) plus the source CIDR's length.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Pod, Zeroable)]
 pub struct SetIpPortNet {
     pub ip_port: SetIpPort,
-    pub net: u32,
+    pub net: [u32; 4],
 }
-const _: () = assert!(core::mem::size_of::<SetIpPortNet>() == 12);
+const _: () = assert!(core::mem::size_of::<SetIpPortNet>() == 36);
+pub const SET_IPPN_FIXED_BITS: u32 = 8 * core::mem::size_of::<SetIpPort>() as u32;
 
-/// Key of KPR_SET_PORT_V1.
+/// Key of KPR_SET_IP_V2.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Pod, Zeroable)]
+pub struct SetAddr {
+    pub addr: [u32; 4],
+    pub family: u8,
+    pub _pad: [u8; 3],
+}
+const _: () = assert!(core::mem::size_of::<SetAddr>() == 20);
+
+/// Key of KPR_SET_PORT_V2: each family has its own port sets, as kube-proxy's proxier per family.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Pod, Zeroable)]
 pub struct SetPort {
     pub port: u16,
     pub proto: u8,
-    pub _pad: u8,
+    pub family: u8,
 }
 const _: () = assert!(core::mem::size_of::<SetPort>() == 4);
 
@@ -671,13 +688,15 @@ pub struct DatapathConfig {
     /// reply tuple. 0: SNAT_PORT_MIN..=SNAT_PORT_MAX.
     pub snat_port_min: u16,
     pub snat_port_max: u16,
-    pub _pad: u32,
+    /// The IPv6 local-client CIDR (as `cluster_cidr`, for IPv6 clients).
+    pub cluster_cidr6_len: u32,
+    pub cluster_cidr6: [u32; 4],
     /// The host network namespace's cookie: connect-time balancing applies to its sockets only
     /// (pods' packets are balanced per packet at their interface, with their own address for
     /// affinity and source ranges). 0: every namespace.
     pub host_netns_cookie: u64,
 }
-const _: () = assert!(core::mem::size_of::<DatapathConfig>() == 64);
+const _: () = assert!(core::mem::size_of::<DatapathConfig>() == 80);
 
 /// Defines the counters once: their index constants, their names and how many there are.
 macro_rules! counters {
@@ -750,63 +769,75 @@ pub mod user {
     unsafe impl aya::Pod for SetIpPortIp {}
     unsafe impl aya::Pod for SetIpPortNet {}
     unsafe impl aya::Pod for SetPort {}
+    unsafe impl aya::Pod for SetAddr {}
     unsafe impl aya::Pod for IfaceInfo {}
 
-    /// IPv4 only, as the sets are (IPv6 addresses map to 0 and are never matched).
-    fn v4_be(ip: IpAddr) -> u32 {
-        match ip {
-            IpAddr::V4(a) => u32::from_ne_bytes(a.octets()),
-            IpAddr::V6(_) => 0,
+    fn family(ip: IpAddr) -> u8 {
+        if ip.is_ipv4() {
+            FAMILY_V4
+        } else {
+            FAMILY_V6
         }
     }
-    fn be_v4(w: u32) -> IpAddr {
-        IpAddr::from(w.to_ne_bytes())
+    fn family_addr(family: u8, w: [u32; 4]) -> IpAddr {
+        if family == FAMILY_V6 {
+            let mut o = [0u8; 16];
+            for (i, word) in w.iter().enumerate() {
+                o[i * 4..i * 4 + 4].copy_from_slice(&word.to_ne_bytes());
+            }
+            IpAddr::V6(Ipv6Addr::from(o))
+        } else {
+            IpAddr::V4(Ipv4Addr::from(w[0].to_ne_bytes()))
+        }
     }
 
     impl SetIpPort {
         pub fn new(ip: IpAddr, port: u16, proto: u8) -> Self {
-            SetIpPort { addr: v4_be(ip), port: port.to_be(), proto, _pad: 0 }
+            SetIpPort { addr: addr_words(ip), port: port.to_be(), proto, family: family(ip) }
         }
         pub fn addr(&self) -> IpAddr {
-            be_v4(self.addr)
+            family_addr(self.family, self.addr)
         }
         pub fn port(&self) -> u16 {
             u16::from_be(self.port)
         }
     }
     impl SetIpPortIp {
+        /// `ip2` is of `ip`'s family (the sets never mix them).
         pub fn new(ip: IpAddr, port: u16, proto: u8, ip2: IpAddr) -> Self {
-            SetIpPortIp { ip_port: SetIpPort::new(ip, port, proto), addr2: v4_be(ip2) }
+            SetIpPortIp { ip_port: SetIpPort::new(ip, port, proto), addr2: addr_words(ip2) }
         }
         pub fn addr2(&self) -> IpAddr {
-            be_v4(self.addr2)
+            family_addr(self.ip_port.family, self.addr2)
         }
     }
     impl SetIpPortNet {
         pub fn new(ip: IpAddr, port: u16, proto: u8, net: IpAddr) -> Self {
-            SetIpPortNet { ip_port: SetIpPort::new(ip, port, proto), net: v4_be(net) }
+            SetIpPortNet { ip_port: SetIpPort::new(ip, port, proto), net: addr_words(net) }
         }
         pub fn net(&self) -> IpAddr {
-            be_v4(self.net)
+            family_addr(self.ip_port.family, self.net)
         }
     }
     impl SetPort {
-        pub fn new(port: u16, proto: u8) -> Self {
-            SetPort { port: port.to_be(), proto, _pad: 0 }
+        pub fn new(port: u16, proto: u8, v4: bool) -> Self {
+            SetPort { port: port.to_be(), proto, family: if v4 { FAMILY_V4 } else { FAMILY_V6 } }
         }
         pub fn port(&self) -> u16 {
             u16::from_be(self.port)
         }
     }
-    pub fn set_ip_key(ip: IpAddr) -> u32 {
-        v4_be(ip)
-    }
-    pub fn set_ip_addr(key: u32) -> IpAddr {
-        be_v4(key)
+    impl SetAddr {
+        pub fn new(ip: IpAddr) -> Self {
+            SetAddr { addr: addr_words(ip), family: family(ip), _pad: [0; 3] }
+        }
+        pub fn ip(&self) -> IpAddr {
+            family_addr(self.family, self.addr)
+        }
     }
     /// A data-path IPv4 address (network-order u32 as it lies in memory).
     pub fn v4_addr(w: u32) -> IpAddr {
-        be_v4(w)
+        IpAddr::V4(Ipv4Addr::from(w.to_ne_bytes()))
     }
 
     /// IP address to the wire-order words the data path compares.

@@ -4,16 +4,18 @@
 //! A constant set of netfilter rules then masquerades marked packets.
 use aya_ebpf::{bindings::TC_ACT_OK, bindings::TC_ACT_SHOT, maps::lpm_trie::Key, programs::SkBuffContext};
 use proxy_common::{
-    counter, sets, SetIpPort, SetIpPortIp, SetIpPortNet, SetPort, CFG_F_MASQUERADE_ALL, MARK_MASQ,
+    counter, sets, SetAddr, SetIpPort, SetIpPortIp, SetIpPortNet, SetPort, CFG_F_MASQUERADE_ALL, FAMILY_V4, FAMILY_V6, MARK_MASQ,
+    PROTO_TCP, SET_IPPN_FIXED_BITS,
 };
 
 use crate::{
     counters::bump,
     pkt::{Pkt, Tc},
     reject,
-    pipeline::off_cluster,
+    pipeline::{off_cluster, off_cluster6},
     maps::{CONFIG, SET_IP_PORT_IP, SET_IP_PORT_NET, SET_IP_PORT, SET_IP, SET_PORT},
-    parse::Flow,
+    parse::{Flow, TCP_ACK, TCP_SYN},
+    parse6::Flow6,
 };
 
 pub enum SetVerdict {
@@ -26,30 +28,58 @@ pub enum SetVerdict {
     Reject,
 }
 
+/// What set matching reads of a packet, either family (an IPv4 address in word 0, the rest
+/// zero, as the set keys hold it). Network order.
+#[derive(Clone, Copy)]
+pub struct SetFlow {
+    pub family: u8,
+    pub proto: u8,
+    pub tcp_flags: u8,
+    pub saddr: [u32; 4],
+    pub daddr: [u32; 4],
+    pub dport: u16,
+}
+
+impl SetFlow {
+    #[inline(always)]
+    pub fn v4(f: &Flow) -> Self {
+        SetFlow { family: FAMILY_V4, proto: f.proto, tcp_flags: f.tcp_flags, saddr: [f.saddr, 0, 0, 0], daddr: [f.daddr, 0, 0, 0], dport: f.dport }
+    }
+    #[inline(always)]
+    pub fn v6(f: &Flow6) -> Self {
+        SetFlow { family: FAMILY_V6, proto: f.proto, tcp_flags: f.tcp_flags, saddr: f.saddr, daddr: f.daddr, dport: f.dport }
+    }
+    #[inline(always)]
+    fn is_new_tcp_syn(&self) -> bool {
+        self.proto == PROTO_TCP && self.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+    }
+}
+
 #[inline(always)]
 fn bits_ip_port(k: &SetIpPort) -> u32 {
     unsafe { SET_IP_PORT.get(k) }.copied().unwrap_or(0)
 }
 
 #[inline(always)]
-fn source_allowed(ipp: SetIpPort, saddr: u32) -> bool {
+fn source_allowed(ipp: SetIpPort, saddr: [u32; 4]) -> bool {
     let ip = unsafe { SET_IP_PORT_IP.get(&SetIpPortIp { ip_port: ipp, addr2: saddr }) }.copied().unwrap_or(0);
     if ip & sets::LOAD_BALANCER_SOURCE_IP != 0 {
         return true;
     }
-    SET_IP_PORT_NET.get(&Key::new(96, SetIpPortNet { ip_port: ipp, net: saddr })).is_some()
+    SET_IP_PORT_NET.get(&Key::new(SET_IPPN_FIXED_BITS + 128, SetIpPortNet { ip_port: ipp, net: saddr })).is_some()
 }
 
 /// What kube-proxy's IPVS-mode rules do with this packet (at PREROUTING), arrived on `ifindex`.
 #[inline(always)]
-pub fn classify(f: &Flow, ifindex: u32) -> SetVerdict {
-    let ipp = SetIpPort { addr: f.daddr, port: f.dport, proto: f.proto, _pad: 0 };
+pub fn classify(f: &SetFlow, ifindex: u32) -> SetVerdict {
+    let ipp = SetIpPort { addr: f.daddr, port: f.dport, proto: f.proto, family: f.family };
     let bits = bits_ip_port(&ipp);
     if bits != 0 {
         if bits & sets::CLUSTER_IP != 0 {
             let Some(cfg) = CONFIG.get(0) else { return SetVerdict::Pass };
             // KUBE-SERVICES: masqueradeAll, or a client that is not local (detectLocalMode).
-            if cfg.flags & CFG_F_MASQUERADE_ALL != 0 || off_cluster(f.saddr, ifindex, cfg) {
+            let off = if f.family == FAMILY_V6 { off_cluster6(&f.saddr, ifindex, cfg) } else { off_cluster(f.saddr[0], ifindex, cfg) };
+            if cfg.flags & CFG_F_MASQUERADE_ALL != 0 || off {
                 return SetVerdict::Mark;
             }
             return SetVerdict::Pass;
@@ -66,11 +96,11 @@ pub fn classify(f: &Flow, ifindex: u32) -> SetVerdict {
         }
         return SetVerdict::Pass; // EXTERNAL-IP-LOCAL: source kept
     }
-    let ip_bits = unsafe { SET_IP.get(&f.daddr) }.copied().unwrap_or(0);
+    let ip_bits = unsafe { SET_IP.get(&SetAddr { addr: f.daddr, family: f.family, _pad: [0; 3] }) }.copied().unwrap_or(0);
     if ip_bits == 0 {
         return SetVerdict::Pass;
     }
-    let port_bits = unsafe { SET_PORT.get(&SetPort { port: f.dport, proto: f.proto, _pad: 0 }) }.copied().unwrap_or(0);
+    let port_bits = unsafe { SET_PORT.get(&SetPort { port: f.dport, proto: f.proto, family: f.family }) }.copied().unwrap_or(0);
     if ip_bits & sets::NODE_IPS != 0 && port_bits & sets::NODE_PORT != 0 {
         // KUBE-NODE-PORT (addrtype LOCAL): Local policy keeps the source.
         return if port_bits & sets::NODE_PORT_LOCAL != 0 { SetVerdict::Pass } else { SetVerdict::Mark };
@@ -78,7 +108,7 @@ pub fn classify(f: &Flow, ifindex: u32) -> SetVerdict {
     if ip_bits & sets::IPVS_IPS != 0 && port_bits & sets::HEALTH_CHECK_NODE_PORT == 0 {
         // KUBE-IPVS-FILTER: a VIP at a port no service uses. New connections only: a TCP
         // packet without SYN belongs to one that was there before (UDP has no such state).
-        if f.proto == proxy_common::PROTO_TCP && !f.is_new_tcp_syn() {
+        if f.proto == PROTO_TCP && !f.is_new_tcp_syn() {
             return SetVerdict::Pass;
         }
         return SetVerdict::Reject;
@@ -86,9 +116,10 @@ pub fn classify(f: &Flow, ifindex: u32) -> SetVerdict {
     SetVerdict::Pass
 }
 
-/// kube-proxy's IPVS-mode PREROUTING decisions for one packet at TC ingress.
+/// kube-proxy's IPVS-mode PREROUTING decisions for one packet at TC ingress. `v4` is the IPv4
+/// packet's parse (for the ICMP reject); an IPv6 reject is a drop (no ICMPv6 reply yet).
 #[inline(always)]
-pub fn tc_verdict(p: &mut Tc, f: &Flow) -> i32 {
+pub fn tc_verdict(p: &mut Tc, f: &SetFlow, v4: Option<&Flow>) -> i32 {
     match classify(f, p.ifindex()) {
         SetVerdict::Pass => TC_ACT_OK,
         SetVerdict::Mark => {
@@ -102,7 +133,7 @@ pub fn tc_verdict(p: &mut Tc, f: &Flow) -> i32 {
         }
         SetVerdict::Reject => {
             bump(counter::SET_REJECT_FILTER);
-            match reject::icmp_port_unreachable(p, f) {
+            match v4.and_then(|f| reject::icmp_port_unreachable(p, f)) {
                 Some(v) => p.action(v),
                 None => TC_ACT_SHOT,
             }
@@ -111,25 +142,38 @@ pub fn tc_verdict(p: &mut Tc, f: &Flow) -> i32 {
 }
 
 /// KUBE-LOOP-BACK (dst,dst,src) on a packet as POSTROUTING sees it (after IPVS's DNAT):
-/// an endpoint that reached itself through its service. `ctx` starts at the IPv4 header.
+/// an endpoint that reached itself through its service. `ctx` starts at the IP header (IPv4,
+/// or IPv6 with L4 right after the fixed header).
 #[inline(always)]
 pub fn loopback_match(ctx: &SkBuffContext) -> bool {
     let Ok(vihl) = ctx.load::<u8>(0) else { return false };
-    if vihl >> 4 != 4 {
-        return false;
-    }
-    let (Ok(proto), Ok(saddr), Ok(daddr)) = (ctx.load::<u8>(9), ctx.load::<u32>(12), ctx.load::<u32>(16)) else { return false };
-    if saddr != daddr {
-        return false;
-    }
-    let l4 = ((vihl & 0x0f) as usize) * 4;
-    let Ok(dport) = ctx.load::<u16>(l4 + 2) else { return false };
-    let key = SetIpPortIp { ip_port: SetIpPort { addr: daddr, port: dport, proto, _pad: 0 }, addr2: saddr };
+    let key = match vihl >> 4 {
+        4 => {
+            let (Ok(proto), Ok(saddr), Ok(daddr)) = (ctx.load::<u8>(9), ctx.load::<u32>(12), ctx.load::<u32>(16)) else { return false };
+            if saddr != daddr {
+                return false;
+            }
+            let l4 = ((vihl & 0x0f) as usize) * 4;
+            let Ok(dport) = ctx.load::<u16>(l4 + 2) else { return false };
+            SetIpPortIp { ip_port: SetIpPort { addr: [daddr, 0, 0, 0], port: dport, proto, family: FAMILY_V4 }, addr2: [saddr, 0, 0, 0] }
+        }
+        6 => {
+            let (Ok(proto), Ok(saddr), Ok(daddr), Ok(dport)) = (ctx.load::<u8>(6), ctx.load::<[u32; 4]>(8), ctx.load::<[u32; 4]>(24), ctx.load::<u16>(42))
+            else {
+                return false;
+            };
+            if saddr != daddr {
+                return false;
+            }
+            SetIpPortIp { ip_port: SetIpPort { addr: daddr, port: dport, proto, family: FAMILY_V6 }, addr2: saddr }
+        }
+        _ => return false,
+    };
     unsafe { SET_IP_PORT_IP.get(&key) }.is_some_and(|b| b & sets::LOOP_BACK != 0)
 }
 
 /// KUBE-IPVS-OUT-FILTER at connect time: may the node reach this LoadBalancer IP and port?
 #[inline(always)]
 pub fn node_may_connect(daddr: u32, dport: u16, proto: u8) -> bool {
-    bits_ip_port(&SetIpPort { addr: daddr, port: dport, proto, _pad: 0 }) & sets::LOAD_BALANCER_NODE_DENY == 0
+    bits_ip_port(&SetIpPort { addr: [daddr, 0, 0, 0], port: dport, proto, family: FAMILY_V4 }) & sets::LOAD_BALANCER_NODE_DENY == 0
 }

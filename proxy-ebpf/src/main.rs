@@ -22,6 +22,7 @@ mod lb;
 mod maps;
 mod nat;
 mod parse;
+mod parse6;
 mod pipeline;
 mod pkt;
 mod reject;
@@ -91,11 +92,14 @@ program!("cgroup/getpeername4" GETPEERNAME4: fn getpeername4(ctx: SockAddrContex
 program!("classifier" TC_IPSET: fn tc_ipset(ctx: TcContext, __sk_buff) -> i32 {
     let mut p = Tc(&mut ctx);
     p.pull_headers();
-    let f = match parse::parse_with_sctp(&mut p) {
-        Parsed::Flow(f) => f,
-        _ => return TC_ACT_OK as i32,
-    };
-    ipset::tc_verdict(&mut p, &f)
+    match parse::parse_with_sctp(&mut p) {
+        Parsed::Flow(f) => ipset::tc_verdict(&mut p, &ipset::SetFlow::v4(&f), Some(&f)),
+        Parsed::Other => match parse6::parse(&p) {
+            parse6::Parsed6::Flow(f) => ipset::tc_verdict(&mut p, &ipset::SetFlow::v6(&f), None),
+            _ => TC_ACT_OK as i32,
+        },
+        _ => TC_ACT_OK as i32,
+    }
 });
 
 // IPVS mode: KUBE-IPVS-OUT-FILTER for the node's own connections (TCP, connected UDP).

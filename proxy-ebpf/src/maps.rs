@@ -7,7 +7,7 @@ use aya_ebpf::{
 use proxy_common::{
     ClockCache, CtScratch, FlowCacheEntry, IfaceInfo, SockRevKey, SockRevValue,
     limits::*, AffinityKey, AffinityValue, Backend, CtKey, CtValue, DatapathConfig, ServiceKey,
-    ServiceValue, SetIpPort, SetIpPortIp, SetIpPortNet, SetPort, SlotKey, SourceRangeKey,
+    ServiceValue, SetAddr, SetIpPort, SetIpPortIp, SetIpPortNet, SetPort, SlotKey, SourceRangeKey,
 };
 
 /// What aya's `#[map]` does, with the name from proxy-common's list.
@@ -120,26 +120,26 @@ map! {
 // ---- IPVS mode: kube-proxy's ipsets (proxy_common::sets), one bit per set ----
 
 map! {
-    /// (address, port, proto) -> bits: CLUSTER-IP, EXTERNAL-IP(-LOCAL), LOAD-BALANCER(-LOCAL, -FW).
+    /// (address, port, proto, family) -> bits: CLUSTER-IP, EXTERNAL-IP(-LOCAL), LOAD-BALANCER(-LOCAL, -FW).
     SET_IP_PORT: HashMap<SetIpPort, u32> = HashMap::pinned(MAX_FRONTENDS, NO_PREALLOC)
 }
 
 map! {
-    /// (address, port, proto, address2) -> bits: LOOP-BACK (endpoint twice), LOAD-BALANCER-SOURCE-IP.
+    /// (address, port, proto, family, address2) -> bits: LOOP-BACK (endpoint twice), LOAD-BALANCER-SOURCE-IP.
     SET_IP_PORT_IP: HashMap<SetIpPortIp, u32> = HashMap::pinned(MAX_BACKENDS, NO_PREALLOC)
 }
 
 map! {
-    /// LPM (address, port, proto, source CIDR) -> bits: LOAD-BALANCER-SOURCE-CIDR.
+    /// LPM (address, port, proto, family, source CIDR) -> bits: LOAD-BALANCER-SOURCE-CIDR.
     SET_IP_PORT_NET: LpmTrie<SetIpPortNet, u32> = LpmTrie::pinned(MAX_SOURCE_RANGES, 1)
 }
 
 map! {
-    /// (port, proto) -> bits: NODE-PORT-*, NODE-PORT-LOCAL-*, HEALTH-CHECK-NODE-PORT.
+    /// (port, proto, family) -> bits: NODE-PORT-*, NODE-PORT-LOCAL-*, HEALTH-CHECK-NODE-PORT.
     SET_PORT: HashMap<SetPort, u32> = HashMap::pinned(65_536, NO_PREALLOC)
 }
 
 map! {
-    /// address -> bits: IPVS-IPS (bound on kube-ipvs0), NODE-IPS (this node's own addresses).
-    SET_IP: HashMap<u32, u32> = HashMap::pinned(MAX_FRONTENDS, NO_PREALLOC)
+    /// (address, family) -> bits: IPVS-IPS (bound on kube-ipvs0), NODE-IPS (this node's own addresses).
+    SET_IP: HashMap<SetAddr, u32> = HashMap::pinned(MAX_FRONTENDS, NO_PREALLOC)
 }

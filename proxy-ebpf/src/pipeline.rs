@@ -45,6 +45,29 @@ pub(crate) fn off_cluster(saddr: u32, ifindex: u32, cfg: &DatapathConfig) -> boo
     saddr & mask != cfg.cluster_cidr[0] & mask
 }
 
+/// `off_cluster` for an IPv6 client (IPVS mode's set matching).
+#[inline(always)]
+pub(crate) fn off_cluster6(saddr: &[u32; 4], ifindex: u32, cfg: &DatapathConfig) -> bool {
+    if cfg.flags & CFG_F_LOCAL_BY_IFACE != 0 {
+        return unsafe { IFACES.get(&ifindex) }.is_none_or(|i| i.flags & IFACE_F_LOCAL == 0);
+    }
+    let len = cfg.cluster_cidr6_len;
+    if len == 0 || len > 128 {
+        return false;
+    }
+    for i in 0..4u32 {
+        let bits = len.saturating_sub(32 * i).min(32);
+        if bits == 0 {
+            break;
+        }
+        let mask = (u32::MAX << (32 - bits)).to_be();
+        if saddr[i as usize] & mask != cfg.cluster_cidr6[i as usize] & mask {
+            return true;
+        }
+    }
+    false
+}
+
 #[inline(always)]
 fn source_allowed(f: &Flow, service_id: u32) -> bool {
     let key = Key::new(64, SourceRangeKey { service_id_be: service_id.to_be(), addr: [f.saddr, 0, 0, 0] });

@@ -2,10 +2,11 @@
 //! Every loop is bounded by a count and a deadline.
 //!
 //!   serve  NAME TCP_PORT UDP_PORT          answer every request with NAME, over TCP and UDP, and over
-//!                                          SCTP on TCP_PORT where the kernel has SCTP ("who": NAME and the
+//!                                          SCTP on TCP_PORT where the kernel has SCTP, over IPv6 too where the
+//!                                          namespace has it ("who": NAME and the
 //!                                          client address it sees; "up N" + N bytes: NAME once read;
 //!                                          "down N": N bytes, then NAME)
-//!   burst  IP:PORT tcp|udp|sctp COUNT      COUNT short connections; prints JSON {name: count, "errors": n}
+//!   burst  IP:PORT tcp|udp|sctp COUNT      COUNT short connections (IPv6: [IP]:PORT); prints JSON {name: count, "errors": n}
 //!   hold   IP:PORT SECONDS                 one TCP connection, a request every 50 ms; prints JSON
 //!   stream IP:PORT SECONDS                 new TCP connections back to back for SECONDS; prints JSON
 //!   rate   IP:PORT SECONDS                 back-to-back short TCP connections; prints JSON with the
@@ -84,10 +85,50 @@ fn one_sctp(target: SocketAddr) -> Result<String, String> {
     exchange(TcpStream::from(fd))
 }
 
+/// An IPv6-only socket bound to [::]:port (beside the IPv4 one on the same port), listening
+/// when it is a stream socket. None where the namespace has no IPv6.
+fn v6_only(kind: libc::c_int, port: u16) -> Option<std::os::fd::OwnedFd> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    // SAFETY: socket(2), setsockopt(2), bind(2), listen(2) on our own descriptor with valid
+    // arguments; the descriptor is owned from its creation.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET6, kind | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return None;
+        }
+        let fd = std::os::fd::OwnedFd::from_raw_fd(fd);
+        let one: libc::c_int = 1;
+        libc::setsockopt(fd.as_raw_fd(), libc::IPPROTO_IPV6, libc::IPV6_V6ONLY, (&one as *const libc::c_int).cast(), 4);
+        let mut sa: libc::sockaddr_in6 = std::mem::zeroed();
+        sa.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+        sa.sin6_port = port.to_be();
+        let ok = libc::bind(fd.as_raw_fd(), (&sa as *const libc::sockaddr_in6).cast(), std::mem::size_of::<libc::sockaddr_in6>() as u32) == 0
+            && (kind != libc::SOCK_STREAM || libc::listen(fd.as_raw_fd(), 128) == 0);
+        ok.then_some(fd)
+    }
+}
+
 fn serve(name: String, tcp: u16, udp: u16) {
     if let Some(l) = sctp_listener(tcp) {
         let name = name.clone();
         std::thread::spawn(move || answer_all(l, name));
+    }
+    // The same answers over IPv6, where the namespace has it (dual-stack tests).
+    if let Some(fd) = v6_only(libc::SOCK_STREAM, tcp) {
+        let name = name.clone();
+        std::thread::spawn(move || answer_all(TcpListener::from(fd), name));
+    }
+    if let Some(fd) = v6_only(libc::SOCK_DGRAM, udp) {
+        let name = name.clone();
+        std::thread::spawn(move || {
+            let s = UdpSocket::from(fd);
+            let mut buf = [0u8; 1500];
+            loop {
+                if let Ok((_, from)) = s.recv_from(&mut buf) {
+                    let _ = s.send_to(name.as_bytes(), from);
+                }
+            }
+        });
     }
     let n2 = name.clone();
     std::thread::spawn(move || {
@@ -162,7 +203,7 @@ fn exchange(mut s: TcpStream) -> Result<String, String> {
 }
 
 fn one_udp(target: SocketAddr) -> Result<String, String> {
-    let s = UdpSocket::bind("0.0.0.0:0").map_err(|e| e.to_string())?;
+    let s = UdpSocket::bind(if target.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" }).map_err(|e| e.to_string())?;
     s.set_read_timeout(Some(Duration::from_millis(1500))).ok();
     s.send_to(b"hi", target).map_err(|e| e.to_string())?;
     let mut buf = [0u8; 256];

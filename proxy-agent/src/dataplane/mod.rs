@@ -22,12 +22,13 @@ use crate::{
 /// What a data plane needs to know of the node at a sync.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NodeContext {
-    /// The addresses NodePorts answer on; the first is the primary IP.
+    /// The addresses NodePorts answer on, both families.
     pub nodeport_addresses: Vec<IpAddr>,
-    /// The node's primary IP (masquerade's address where no interface gives one).
+    /// The node's primary IPv4 address (the fast path's masquerade address where no interface
+    /// gives one).
     pub primary_ip: Option<IpAddr>,
-    /// The Node's IPv4 pod CIDR (detectLocalMode NodeCIDR).
-    pub pod_cidr: Option<IpNet>,
+    /// The Node's pod CIDRs, one per family (detectLocalMode NodeCIDR).
+    pub pod_cidrs: Vec<IpNet>,
 }
 
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -71,6 +72,10 @@ pub trait Dataplane {
     fn programs_sctp(&self) -> bool {
         false
     }
+    /// Whether it serves IPv6 Services (IPVS mode does; the fast path parses IPv4 only).
+    fn programs_ipv6(&self) -> bool {
+        false
+    }
     /// Called every second: attach to interfaces that appeared, let go of those that left, keep
     /// what the programs know of each interface current.
     fn reconcile_interfaces(&mut self);
@@ -90,6 +95,9 @@ impl<D: Dataplane + ?Sized> Dataplane for Box<D> {
     }
     fn programs_sctp(&self) -> bool {
         (**self).programs_sctp()
+    }
+    fn programs_ipv6(&self) -> bool {
+        (**self).programs_ipv6()
     }
     fn reconcile_interfaces(&mut self) {
         (**self).reconcile_interfaces()

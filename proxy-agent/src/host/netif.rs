@@ -28,6 +28,11 @@ pub fn index(iface: &str) -> Option<u32> {
 
 /// IPv4 addresses of `iface`.
 pub fn ipv4_addresses(iface: &str) -> Vec<IpAddr> {
+    addresses(iface).into_iter().filter(IpAddr::is_ipv4).collect()
+}
+
+/// Addresses of `iface` a client can reach from elsewhere: IPv4, and IPv6 but link-local.
+pub fn addresses(iface: &str) -> Vec<IpAddr> {
     let mut out = Vec::new();
     unsafe {
         let mut ifa: *mut libc::ifaddrs = std::ptr::null_mut();
@@ -37,9 +42,21 @@ pub fn ipv4_addresses(iface: &str) -> Vec<IpAddr> {
         let mut p = ifa;
         while !p.is_null() {
             let a = &*p;
-            if !a.ifa_addr.is_null() && i32::from((*a.ifa_addr).sa_family) == libc::AF_INET && CStr::from_ptr(a.ifa_name).to_string_lossy() == iface {
-                let sin = &*(a.ifa_addr as *const libc::sockaddr_in);
-                out.push(IpAddr::from(u32::from_be(sin.sin_addr.s_addr).to_be_bytes()));
+            if !a.ifa_addr.is_null() && CStr::from_ptr(a.ifa_name).to_string_lossy() == iface {
+                match i32::from((*a.ifa_addr).sa_family) {
+                    libc::AF_INET => {
+                        let sin = &*(a.ifa_addr as *const libc::sockaddr_in);
+                        out.push(IpAddr::from(u32::from_be(sin.sin_addr.s_addr).to_be_bytes()));
+                    }
+                    libc::AF_INET6 => {
+                        let sin6 = &*(a.ifa_addr as *const libc::sockaddr_in6);
+                        let ip = std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr);
+                        if !ip.is_unicast_link_local() {
+                            out.push(IpAddr::V6(ip));
+                        }
+                    }
+                    _ => {}
+                }
             }
             p = a.ifa_next;
         }

@@ -63,19 +63,29 @@ pub(crate) fn port_endpoints(
     port_name: &str,
     proto: Protocol,
     node: &NodeInfo,
+    ipv6: bool,
     errors: &mut Vec<ObjectError>,
 ) -> Vec<Ep> {
     let mut eps: Vec<Ep> = Vec::new();
     for (slice_name, slice) in slices {
         let sobj = format!("EndpointSlice {ns}/{slice_name}");
-        if slice.address_type != "IPv4" {
-            if slice.address_type == "IPv6" {
-                unsupported(errors, &sobj, "addressType", format!("IPv6 endpoints are not programmed yet (IPv4 only); port {port_name:?}"));
-            } else {
-                unsupported(errors, &sobj, "addressType", format!("{:?} endpoints are not programmed (IPv4 only)", slice.address_type));
+        let v4 = match slice.address_type.as_str() {
+            "IPv4" => true,
+            "IPv6" if ipv6 => false,
+            "IPv6" => {
+                unsupported(
+                    errors,
+                    &sobj,
+                    "addressType",
+                    format!("IPv6 endpoints are served in IPVS mode only, not by the eBPF fast path; port {port_name:?}"),
+                );
+                continue;
             }
-            continue;
-        }
+            other => {
+                unsupported(errors, &sobj, "addressType", format!("{other:?} endpoints are not programmed (IPv4 and IPv6 only)"));
+                continue;
+            }
+        };
         let target =
             slice.ports.iter().flatten().find(|p| p.name.clone().unwrap_or_default() == port_name && p.protocol.as_deref().unwrap_or("TCP") == proto.name());
         let Some(target) = target else { continue };
@@ -91,7 +101,7 @@ pub(crate) fn port_endpoints(
             let local = ep.node_name.as_deref() == Some(node.name.as_str());
             for (ai, a) in ep.addresses.iter().enumerate() {
                 match a.parse::<IpAddr>() {
-                    Ok(ip) if ip.is_ipv4() => eps.push(Ep {
+                    Ok(ip) if ip.is_ipv4() == v4 => eps.push(Ep {
                         ip,
                         port: tport,
                         ready,
@@ -100,7 +110,7 @@ pub(crate) fn port_endpoints(
                         local,
                         zones: ep.hints.as_ref().and_then(|h| h.for_zones.as_ref()).map(|z| z.iter().map(|z| z.name.clone()).collect()),
                     }),
-                    _ => err(errors, &sobj, format!("endpoints[{ei}].addresses[{ai}]"), format!("{a:?} is not an IPv4 address")),
+                    _ => err(errors, &sobj, format!("endpoints[{ei}].addresses[{ai}]"), format!("{a:?} is not an {} address", slice.address_type)),
                 }
             }
         }

@@ -134,7 +134,7 @@ pub struct Frontend {
 #[derive(Clone, Debug, Default)]
 pub struct NodeInfo {
     pub name: String,
-    /// Addresses NodePorts listen on.
+    /// Addresses NodePorts listen on, both families.
     pub nodeport_addresses: Vec<IpAddr>,
     /// topology.kubernetes.io/zone of this node, for topology hints.
     pub zone: Option<String>,
@@ -146,6 +146,9 @@ pub struct ModelConfig {
     /// The data plane forwards SCTP (`Dataplane::programs_sctp`); otherwise SCTP ports are
     /// reported as not supported.
     pub sctp: bool,
+    /// The data plane serves IPv6 (`Dataplane::programs_ipv6`); otherwise every IPv6 part of a
+    /// Service is reported as not supported and its IPv4 parts are programmed.
+    pub ipv6: bool,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -258,9 +261,8 @@ impl DesiredState {
             let flags = if flags.is_empty() { "-".to_string() } else { flags.join(",") };
             let _ = writeln!(
                 s,
-                "frontend {}:{}/{} {scope} {} {} sched={} affinity={} flags={flags} ranges={}",
-                k.ip,
-                k.port,
+                "frontend {}/{} {scope} {} {} sched={} affinity={} flags={flags} ranges={}",
+                std::net::SocketAddr::new(k.ip, k.port),
                 k.proto.name(),
                 f.kind.name(),
                 f.service,
@@ -269,7 +271,7 @@ impl DesiredState {
                 f.source_ranges.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(","),
             );
             for b in &f.backends {
-                let _ = writeln!(s, "  backend {}:{}", b.ip, b.port);
+                let _ = writeln!(s, "  backend {}", std::net::SocketAddr::new(b.ip, b.port));
             }
         }
         s

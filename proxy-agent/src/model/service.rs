@@ -16,7 +16,8 @@ use crate::model::{
     SERVICE_PROXY_NAME_LABEL,
 };
 
-const NO_IPV6: &str = "IPv6 is not programmed yet (IPv4 only); the IPv4 parts of this Service are programmed";
+const NO_IPV6: &str = "IPv6 is served in IPVS mode only, not by the eBPF fast path; the IPv4 parts of this Service are programmed";
+const NO_CLUSTER_IP_OF_FAMILY: &str = "the Service has no clusterIP of this family (spec.ipFamilies): kube-proxy serves none of its addresses of it either";
 
 /// How a frontend treats the client's address.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,7 +49,7 @@ pub(super) fn service_frontends(
     if cluster_ip == "None" {
         return; // headless
     }
-    let Some(addrs) = addresses(svc, spec, &object, errors) else { return };
+    let Some(addrs) = addresses(svc, spec, cfg.ipv6, &object, errors) else { return };
 
     let svc_type = spec.type_.as_deref().unwrap_or("ClusterIP");
     let etp_local = spec.external_traffic_policy.as_deref() == Some("Local");
@@ -95,7 +96,7 @@ pub(super) fn service_frontends(
         let port_name = port.name.clone().unwrap_or_default();
         let service = format!("{ns}/{name}:{port_name}");
 
-        let eps = port_endpoints(slices, ns, &port_name, proto, node, errors);
+        let eps = port_endpoints(slices, ns, &port_name, proto, node, cfg.ipv6, errors);
         if eps.len() > MAX_BACKENDS_PER_SERVICE as usize {
             err(
                 errors,
@@ -105,12 +106,18 @@ pub(super) fn service_frontends(
             );
             continue;
         }
-        let all: Vec<&Ep> = eps.iter().collect();
-        let cluster_backends = to_keys_of(proto, topology_filtered(&all, node, publish_not_ready));
-        let local: Vec<&Ep> = eps.iter().filter(|e| e.local).collect();
-        let local_backends = to_keys_of(proto, usable(&local, publish_not_ready));
-        let internal_backends = if itp_local { local_backends.clone() } else { cluster_backends.clone() };
-        if (itp_local || etp_local) && local_backends.is_empty() {
+        // Each family's frontends take that family's endpoints (kube-proxy runs a proxier per family).
+        let per_family = [true, false].map(|v4| {
+            let all: Vec<&Ep> = eps.iter().filter(|e| e.ip.is_ipv4() == v4).collect();
+            let cluster = to_keys_of(proto, topology_filtered(&all, node, publish_not_ready));
+            let local: Vec<&Ep> = all.iter().copied().filter(|e| e.local).collect();
+            let local = to_keys_of(proto, usable(&local, publish_not_ready));
+            let internal = if itp_local { local.clone() } else { cluster.clone() };
+            FamilyBackends { cluster, local, internal }
+        });
+        let of = |ip: &IpAddr| &per_family[usize::from(!ip.is_ipv4())];
+        let served = addrs.cluster.iter().map(|ip| of(ip));
+        if (itp_local || etp_local) && served.clone().any(|b| b.local.is_empty()) {
             let e = out.no_local_endpoints.entry((ns.to_string(), name.to_string())).or_default();
             e[0] |= itp_local;
             e[1] |= etp_local;
@@ -129,7 +136,19 @@ pub(super) fn service_frontends(
 
         // kube-proxy's verdicts without endpoints: a service with none at all rejects; a traffic
         // policy Local frontend whose endpoints are all on other nodes drops.
-        let mut add = |ip: IpAddr, p: u16, scope: Scope, kind: FrontendKind, policy: Policy, backends: &Vec<BackendKey>, ranges: &[IpNet]| {
+        let mut add = |ip: IpAddr, p: u16, scope: Scope, kind: FrontendKind, policy: Policy, which: Which| {
+            let family = of(&ip);
+            let backends = match which {
+                Which::Internal => &family.internal,
+                Which::Cluster => &family.cluster,
+                Which::External if etp_local => &family.local,
+                Which::External => &family.cluster,
+            };
+            let ranges: Vec<IpNet> = if kind == FrontendKind::LoadBalancer {
+                addrs.source_ranges.iter().filter(|n| n.addr().is_ipv4() == ip.is_ipv4()).copied().collect()
+            } else {
+                vec![]
+            };
             let key = FrontendKey { ip, port: p, proto, scope };
             out.frontends.insert(
                 key,
@@ -140,8 +159,8 @@ pub(super) fn service_frontends(
                     affinity_timeout_s,
                     masquerade: policy == Policy::Masquerade,
                     preserve_source: policy == Policy::PreserveSource,
-                    no_local_endpoint: backends.is_empty() && !cluster_backends.is_empty(),
-                    source_ranges: ranges.to_vec(),
+                    no_local_endpoint: backends.is_empty() && !family.cluster.is_empty(),
+                    source_ranges: ranges,
                     backends: backends.clone(),
                     ipvs: ipvs.clone(),
                 },
@@ -149,21 +168,22 @@ pub(super) fn service_frontends(
         };
         // External frontends: externalTrafficPolicy decides masquerade and endpoint set for
         // traffic from outside; traffic from inside the cluster goes cluster-wide.
-        let (ext_flags, ext_backends) = if etp_local { (Policy::PreserveSource, &local_backends) } else { (Policy::Masquerade, &cluster_backends) };
+        let ext_flags = if etp_local { Policy::PreserveSource } else { Policy::Masquerade };
         let int_ext_flags = if etp_local { Policy::Plain } else { Policy::Masquerade };
         // internalTrafficPolicy applies to all ClusterIP traffic, also what a router sends to the
         // node from outside (kube-proxy's KUBE-SVL chain has no source condition).
         for ip in &addrs.cluster {
-            add(*ip, svc_port, Scope::Internal, FrontendKind::ClusterIp, Policy::Plain, &internal_backends, &[]);
-            add(*ip, svc_port, Scope::External, FrontendKind::ClusterIp, Policy::Plain, &internal_backends, &[]);
+            add(*ip, svc_port, Scope::Internal, FrontendKind::ClusterIp, Policy::Plain, Which::Internal);
+            add(*ip, svc_port, Scope::External, FrontendKind::ClusterIp, Policy::Plain, Which::Internal);
         }
         if matches!(svc_type, "NodePort" | "LoadBalancer") {
             if let Some(np) = port.node_port {
                 match u16::try_from(np).ok().filter(|p| *p != 0) {
                     Some(np) => {
-                        for ip in node.nodeport_addresses.iter().filter(|ip| ip.is_ipv4()) {
-                            add(*ip, np, Scope::External, FrontendKind::NodePort, ext_flags, ext_backends, &[]);
-                            add(*ip, np, Scope::Internal, FrontendKind::NodePort, int_ext_flags, &cluster_backends, &[]);
+                        // A family's node addresses serve the Services that have a clusterIP of it.
+                        for ip in node.nodeport_addresses.iter().filter(|ip| addrs.cluster.iter().any(|c| c.is_ipv4() == ip.is_ipv4())) {
+                            add(*ip, np, Scope::External, FrontendKind::NodePort, ext_flags, Which::External);
+                            add(*ip, np, Scope::Internal, FrontendKind::NodePort, int_ext_flags, Which::Cluster);
                         }
                     }
                     None => err(errors, &object, format!("{field}.nodePort"), format!("{np} is not a port")),
@@ -171,27 +191,47 @@ pub(super) fn service_frontends(
             }
         }
         for ip in &addrs.external {
-            add(*ip, svc_port, Scope::External, FrontendKind::ExternalIp, ext_flags, ext_backends, &[]);
-            add(*ip, svc_port, Scope::Internal, FrontendKind::ExternalIp, int_ext_flags, &cluster_backends, &[]);
+            add(*ip, svc_port, Scope::External, FrontendKind::ExternalIp, ext_flags, Which::External);
+            add(*ip, svc_port, Scope::Internal, FrontendKind::ExternalIp, int_ext_flags, Which::Cluster);
         }
         for ip in &addrs.load_balancer {
-            add(*ip, svc_port, Scope::External, FrontendKind::LoadBalancer, ext_flags, ext_backends, &addrs.source_ranges);
-            add(*ip, svc_port, Scope::Internal, FrontendKind::LoadBalancer, int_ext_flags, &cluster_backends, &addrs.source_ranges);
+            add(*ip, svc_port, Scope::External, FrontendKind::LoadBalancer, ext_flags, Which::External);
+            add(*ip, svc_port, Scope::Internal, FrontendKind::LoadBalancer, int_ext_flags, Which::Cluster);
         }
     }
 }
 
-/// Where a Service is reached (IPv4 only: the IPv6 ones are reported).
+/// One family's endpoint sets of a Service port.
+struct FamilyBackends {
+    /// Every usable endpoint (topology hints applied).
+    cluster: Vec<BackendKey>,
+    /// This node's usable endpoints.
+    local: Vec<BackendKey>,
+    /// What internalTrafficPolicy selects.
+    internal: Vec<BackendKey>,
+}
+
+/// Which endpoint set a frontend takes.
+#[derive(Clone, Copy)]
+enum Which {
+    Internal,
+    Cluster,
+    /// externalTrafficPolicy's.
+    External,
+}
+
+/// Where a Service is reached: each address of a family the data plane serves and the Service
+/// has a clusterIP of; the others are reported.
 struct Addresses {
     cluster: Vec<IpAddr>,
     external: Vec<IpAddr>,
     load_balancer: Vec<IpAddr>,
-    /// loadBalancerSourceRanges (IPv4: an IPv6 range restricts IPv6 clients, not served).
+    /// loadBalancerSourceRanges, both families (each LB IP takes those of its own).
     source_ranges: Vec<IpNet>,
 }
 
 /// None: the clusterIP is not an address, and nothing of the Service can be programmed.
-fn addresses(svc: &Service, spec: &ServiceSpec, object: &str, errors: &mut Vec<ObjectError>) -> Option<Addresses> {
+fn addresses(svc: &Service, spec: &ServiceSpec, ipv6: bool, object: &str, errors: &mut Vec<ObjectError>) -> Option<Addresses> {
     let cluster_ip = spec.cluster_ip.as_deref().unwrap_or("");
     let svc_type = spec.type_.as_deref().unwrap_or("ClusterIP");
     let mut cluster_ips: Vec<IpAddr> = Vec::new();
@@ -211,17 +251,33 @@ fn addresses(svc: &Service, spec: &ServiceSpec, object: &str, errors: &mut Vec<O
             Err(_) => err(errors, object, format!("spec.clusterIPs[{i}]"), format!("{s:?} is not an IP address")),
         }
     }
-    // IPv4 only today: the IPv6 ones are reported.
-    for ip in cluster_ips.iter().filter(|ip| ip.is_ipv6()) {
-        unsupported(errors, object, "spec.clusterIPs", format!("{ip}: {NO_IPV6}"));
+    if !ipv6 {
+        for ip in cluster_ips.iter().filter(|ip| ip.is_ipv6()) {
+            unsupported(errors, object, "spec.clusterIPs", format!("{ip}: {NO_IPV6}"));
+        }
+        cluster_ips.retain(IpAddr::is_ipv4);
     }
-    cluster_ips.retain(IpAddr::is_ipv4);
+    // Another address of a family: served when the data plane and the Service both have it.
+    let servable = |ip: IpAddr, field: String, errors: &mut Vec<ObjectError>| -> bool {
+        if ip.is_ipv6() && !ipv6 {
+            unsupported(errors, object, field, format!("{ip}: {NO_IPV6}"));
+            false
+        } else if !cluster_ips.iter().any(|c| c.is_ipv4() == ip.is_ipv4()) {
+            err(errors, object, field, format!("{ip}: {NO_CLUSTER_IP_OF_FAMILY}"));
+            false
+        } else {
+            true
+        }
+    };
 
     let mut external_ips = Vec::new();
     for (i, s) in spec.external_ips.iter().flatten().enumerate() {
         match s.parse::<IpAddr>() {
-            Ok(ip) if ip.is_ipv4() => external_ips.push(ip),
-            Ok(ip) => unsupported(errors, object, format!("spec.externalIPs[{i}]"), format!("{ip}: {NO_IPV6}")),
+            Ok(ip) => {
+                if servable(ip, format!("spec.externalIPs[{i}]"), errors) {
+                    external_ips.push(ip)
+                }
+            }
             Err(_) => err(errors, object, format!("spec.externalIPs[{i}]"), format!("{s:?} is not an IP address")),
         }
     }
@@ -235,10 +291,14 @@ fn addresses(svc: &Service, spec: &ServiceSpec, object: &str, errors: &mut Vec<O
                 continue;
             }
             if let Some(s) = &ing.ip {
+                let field = format!("status.loadBalancer.ingress[{i}].ip");
                 match s.parse::<IpAddr>() {
-                    Ok(ip) if ip.is_ipv4() => lb_ips.push(ip),
-                    Ok(ip) => unsupported(errors, object, format!("status.loadBalancer.ingress[{i}].ip"), format!("{ip}: {NO_IPV6}")),
-                    Err(_) => err(errors, object, format!("status.loadBalancer.ingress[{i}].ip"), format!("{s:?} is not an IP address")),
+                    Ok(ip) => {
+                        if servable(ip, field, errors) {
+                            lb_ips.push(ip)
+                        }
+                    }
+                    Err(_) => err(errors, object, field, format!("{s:?} is not an IP address")),
                 }
             }
         }
@@ -246,9 +306,7 @@ fn addresses(svc: &Service, spec: &ServiceSpec, object: &str, errors: &mut Vec<O
     let mut source_ranges = Vec::new();
     for (i, s) in spec.load_balancer_source_ranges.iter().flatten().enumerate() {
         match s.trim().parse::<IpNet>() {
-            Ok(net) if net.addr().is_ipv4() => source_ranges.push(net.trunc()),
-            // An IPv6 range restricts IPv6 clients only, which are not served yet.
-            Ok(_) => {}
+            Ok(net) => source_ranges.push(net.trunc()),
             Err(_) => err(errors, object, format!("spec.loadBalancerSourceRanges[{i}]"), format!("{s:?} is not a CIDR")),
         }
     }

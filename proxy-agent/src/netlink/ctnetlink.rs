@@ -52,6 +52,8 @@ const CTA_TUPLE_IP: u16 = 1;
 const CTA_TUPLE_PROTO: u16 = 2;
 const CTA_IP_V4_SRC: u16 = 1;
 const CTA_IP_V4_DST: u16 = 2;
+const CTA_IP_V6_SRC: u16 = 3;
+const CTA_IP_V6_DST: u16 = 4;
 const CTA_PROTO_NUM: u16 = 1;
 const CTA_PROTO_SRC_PORT: u16 = 2;
 const CTA_PROTO_DST_PORT: u16 = 3;
@@ -70,6 +72,10 @@ fn v4(p: &[u8]) -> Option<IpAddr> {
     <[u8; 4]>::try_from(p).ok().map(IpAddr::from)
 }
 
+fn v6(p: &[u8]) -> Option<IpAddr> {
+    <[u8; 16]>::try_from(p).ok().map(IpAddr::from)
+}
+
 /// Decodes a CTA_TUPLE_* payload; malformed input gives None.
 pub fn decode_tuple(p: &[u8]) -> Option<Tuple> {
     let mut t = Tuple::default();
@@ -82,6 +88,8 @@ pub fn decode_tuple(p: &[u8]) -> Option<Tuple> {
                     match ty {
                         CTA_IP_V4_SRC => t.src = v4(v),
                         CTA_IP_V4_DST => t.dst = v4(v),
+                        CTA_IP_V6_SRC => t.src = v6(v),
+                        CTA_IP_V6_DST => t.dst = v6(v),
                         _ => {}
                     }
                 }
@@ -117,10 +125,13 @@ impl NetlinkConntrack {
         self.sock.request((NFNL_SUBSYS_CTNETLINK << 8) | msg_type, flags, body)
     }
 
-    /// Every IPv4 entry: its original-direction attribute (raw, for a delete), both tuples.
-    fn dump(&mut self) -> Result<Vec<(Vec<u8>, Tuple, Tuple)>, String> {
+    /// Every entry of either family: its family and original-direction attribute (raw, for a
+    /// delete), both tuples.
+    fn dump(&mut self) -> Result<Vec<(Raw, Tuple, Tuple)>, String> {
         let mut out = Vec::new();
-        for b in self.request(IPCTNL_MSG_CT_GET, NlmF::DUMP, nfgenmsg()).map_err(describe)? {
+        // AF_UNSPEC: the kernel filters a dump by family only when one is given.
+        for b in self.request(IPCTNL_MSG_CT_GET, NlmF::DUMP, nfgenmsg(libc::AF_UNSPEC as u8)).map_err(describe)? {
+            let family = b.as_ref().first().copied().unwrap_or(libc::AF_INET as u8);
             let body = b.as_ref().get(4..).unwrap_or(&[]);
             let (mut orig_raw, mut orig, mut reply) = (None, None, None);
             let mut off = 0;
@@ -138,14 +149,14 @@ impl NetlinkConntrack {
                 off += (len + 3) & !3;
             }
             if let (Some(raw), Some(o), Some(r)) = (orig_raw, orig, reply) {
-                out.push((raw, o, r));
+                out.push(((family, raw), o, r));
             }
         }
         Ok(out)
     }
 
-    fn delete(&mut self, orig_raw: &[u8]) -> Result<(), String> {
-        let mut body = nfgenmsg();
+    fn delete(&mut self, (family, orig_raw): &Raw) -> Result<(), String> {
+        let mut body = nfgenmsg(*family);
         body.extend_from_slice(orig_raw);
         match self.request(IPCTNL_MSG_CT_DELETE, NlmF::ACK, body) {
             // Gone meanwhile (expired): what we wanted.
@@ -162,9 +173,12 @@ fn describe(e: NlError) -> String {
     }
 }
 
-/// struct nfgenmsg for IPv4, version 0, resource id 0.
-fn nfgenmsg() -> Vec<u8> {
-    vec![libc::AF_INET as u8, 0, 0, 0]
+/// An entry as a delete names it: its family and raw original tuple.
+type Raw = (u8, Vec<u8>);
+
+/// struct nfgenmsg: family, version 0, resource id 0.
+fn nfgenmsg(family: u8) -> Vec<u8> {
+    vec![family, 0, 0, 0]
 }
 
 impl NetlinkConntrack {
@@ -174,7 +188,7 @@ impl NetlinkConntrack {
     }
 
     /// The raw original tuples of the entries any of `tuples` names.
-    fn matching(&mut self, tuples: &[NatTuple]) -> Result<Vec<Vec<u8>>, String> {
+    fn matching(&mut self, tuples: &[NatTuple]) -> Result<Vec<Raw>, String> {
         let named = |o: &Tuple, r: &Tuple| {
             tuples.iter().any(|(proto, vip, port, be, be_port)| {
                 o.proto == *proto && o.dst == Some(*vip) && o.dport == *port && r.src == Some(*be) && r.sport == *be_port

@@ -113,12 +113,13 @@ pub enum NodePortAddresses {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum NodePortFilter {
     Cidr(IpNet),
-    /// The primary IP (bindAddress, else the Node's first InternalIP).
+    /// The primary IP of each family (bindAddress, else the Node's first InternalIP of it).
     Primary,
 }
 
 impl NodePortAddresses {
-    /// The NodePort addresses among `node_addresses`, whose first is the primary IP.
+    /// The NodePort addresses among `node_addresses`, whose first of each family is that
+    /// family's primary IP.
     pub fn select(&self, node_addresses: &[IpAddr]) -> Vec<IpAddr> {
         match self {
             NodePortAddresses::All => node_addresses.to_vec(),
@@ -128,7 +129,7 @@ impl NodePortAddresses {
                 .enumerate()
                 .filter(|(i, a)| {
                     filters.iter().any(|f| match f {
-                        NodePortFilter::Primary => *i == 0,
+                        NodePortFilter::Primary => node_addresses.iter().position(|b| b.is_ipv4() == a.is_ipv4()) == Some(*i),
                         NodePortFilter::Cidr(net) => net.contains(*a),
                     })
                 })

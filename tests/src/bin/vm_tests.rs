@@ -18,6 +18,8 @@ use kpr_lab::{
 use proxy_agent::dataplane::ipvs::client::{flags, DestConfig, FwdMethod, Ipvs, NetlinkIpvs, ServiceConfig, ServiceId, Timeouts, TunType, Write};
 
 const PREFIX: &str = "kvm";
+/// Node A's IPv6 underlay address (ipv6_service).
+const NODE_IP6: &str = "fd00:198::1";
 
 fn sorted_lines(s: &str) -> Vec<String> {
     let mut v: Vec<String> = s.lines().map(str::trim).filter(|l| !l.is_empty()).map(String::from).collect();
@@ -520,6 +522,113 @@ fn sctp_service(lab: &Lab) -> Result<()> {
     })
 }
 
+/// IPv6 in IPVS mode: a dual-stack Service's IPv6 virtual servers (ipvsadm the oracle), its
+/// VIPs on kube-ipvs0, kube-proxy's KUBE-6-* sets, the ip6tables rules, and real IPv6 TCP and
+/// UDP. The backends have an IPv6 route to the cluster only, so the client outside it (on the
+/// underlay) is answered only when the node masqueraded it: through ClusterIP (off the IPv6
+/// cluster CIDR), NodePort on the node's IPv6 address, and the LoadBalancer IP.
+fn ipv6_service(lab: &Lab) -> Result<()> {
+    let (n, cl, pod) = (node(lab), lab.ns("cl"), lab.ns("pod"));
+    must(&format!("ip netns exec {n} sysctl -qw net.ipv6.conf.all.forwarding=1"));
+    must(&format!("ip -n {n} addr add {NODE_IP6}/64 dev up0 nodad"));
+    must(&format!("ip -n {cl} addr add fd00:198::2/64 dev c0 nodad"));
+    for net in ["fd00:96::/112", "2001:db8::/64"] {
+        must(&format!("ip -n {cl} route add {net} via {NODE_IP6}"));
+    }
+    for (role, third) in [("b1", 1), ("b2", 2), ("b3", 3), ("pod", 9)] {
+        let ns = lab.ns(role);
+        must(&format!("ip -n {n} addr add fd00:244:{third}::1/64 dev h{role} nodad"));
+        must(&format!("ip -n {ns} addr add fd00:244:{third}::2/64 dev eth0 nodad"));
+        must(&format!("ip -n {ns} route add fd00:244::/32 via fd00:244:{third}::1"));
+    }
+    must(&format!("ip -n {pod} route add fd00:96::/112 via fd00:244:9::1"));
+    let file = lab.manifests.join("dual.yaml");
+    std::fs::write(
+        &file,
+        "apiVersion: v1\nkind: Service\nmetadata: {name: dual, namespace: demo}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.70\n  clusterIPs: [10.96.0.70, \"fd00:96::70\"]\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n\
+         \x20 ports: [{name: http, port: 80, targetPort: 8080, nodePort: 30086}, {name: dns, port: 53, targetPort: 5353, protocol: UDP, nodePort: 30087}]\n\
+         status: {loadBalancer: {ingress: [{ip: \"2001:db8::70\"}]}}\n---\n\
+         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: dual-6, namespace: demo, labels: {kubernetes.io/service-name: dual}}\naddressType: IPv6\n\
+         ports: [{name: http, port: 8080}, {name: dns, port: 5353, protocol: UDP}]\nendpoints:\n\
+         - {addresses: [\"fd00:244:1::2\"], conditions: {ready: true}}\n- {addresses: [\"fd00:244:2::2\"], conditions: {ready: true}}\n- {addresses: [\"fd00:244:3::2\"], conditions: {ready: true}}\n---\n\
+         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: dual-4, namespace: demo, labels: {kubernetes.io/service-name: dual}}\naddressType: IPv4\n\
+         ports: [{name: http, port: 8080}, {name: dns, port: 5353, protocol: UDP}]\nendpoints:\n- {addresses: [10.244.1.2], conditions: {ready: true}}\n",
+    )?;
+    let mut want: Vec<String> = Vec::new();
+    for (vs, proto, bport) in [
+        ("[fd00:96::70]:80", "-t", 8080),
+        ("[fd00:96::70]:53", "-u", 5353),
+        ("[2001:db8::70]:80", "-t", 8080),
+        ("[fd00:198::1]:30086", "-t", 8080),
+        ("[fd00:198::1]:30087", "-u", 5353),
+    ] {
+        want.push(format!("-A {proto} {vs} -s rr"));
+        for i in 1..=3 {
+            want.push(format!("-a {proto} {vs} -r [fd00:244:{i}::2]:{bport} -m -w 1"));
+        }
+    }
+    let want: Vec<&str> = want.iter().map(String::as_str).collect();
+    wait_until("the IPv6 virtual servers", 60, || {
+        let s = sn(lab);
+        let ours: Vec<&str> = s.lines().filter(|l| l.contains('[')).collect();
+        expect_lines("IPv6 virtual servers", &ours.join("\n"), &want)
+    })?;
+    // The IPv4 half beside it, with its own family's endpoint.
+    let s = sn(lab);
+    ensure!(
+        s.contains("-A -t 10.96.0.70:80 -s rr")
+            && s.contains("-a -t 10.96.0.70:80 -r 10.244.1.2:8080 -m -w 1")
+            && !s.lines().any(|l| l.starts_with("-a -t 10.96.0.70:80 -r [")),
+        "{s}"
+    );
+    let addrs = must(&format!("ip -n {n} -6 -o addr show dev kube-ipvs0"));
+    for vip in ["fd00:96::70/128", "2001:db8::70/128"] {
+        ensure!(addrs.contains(vip), "kube-ipvs0 lacks {vip}:\n{addrs}");
+    }
+    let sets = kpr(lab, &["ipset"])?;
+    for (set, member) in [
+        ("KUBE-6-CLUSTER-IP", "fd00:96::70,tcp:80"),
+        ("KUBE-6-CLUSTER-IP", "fd00:96::70,udp:53"),
+        ("KUBE-6-LOAD-BALANCER", "2001:db8::70,tcp:80"),
+        ("KUBE-6-NODE-PORT-TCP", "30086"),
+        ("KUBE-6-LOOP-BACK", "fd00:244:2::2,tcp:8080,fd00:244:2::2"),
+        ("KUBE-6-IPVS-IPS", "fd00:96::70"),
+        ("KUBE-CLUSTER-IP", "10.96.0.70,tcp:80"),
+    ] {
+        let block = sets.split("\n\n").find(|b| b.starts_with(&format!("Name: {set}\n"))).with_context(|| format!("set {set} listed:\n{sets}"))?;
+        ensure!(block.lines().any(|l| l == member), "{set} lacks {member}:\n{block}");
+    }
+    let nat6 = must(&format!("ip netns exec {n} ip6tables-save -t nat"));
+    let rules = nat6.lines().filter(|l| l.starts_with("-A KPR-POSTROUTING")).count();
+    ensure!(rules == 5 && nat6.contains("-A POSTROUTING -j KPR-POSTROUTING"), "ip6tables KPR-POSTROUTING:\n{nat6}");
+    for (what, role, target, proto) in [
+        ("pod -> IPv6 ClusterIP (no masquerade needed)", "pod", "[fd00:96::70]:80", "tcp"),
+        ("client -> IPv6 ClusterIP (masqueraded: off the IPv6 cluster CIDR)", "cl", "[fd00:96::70]:80", "tcp"),
+        ("client -> IPv6 ClusterIP UDP (masqueraded)", "cl", "[fd00:96::70]:53", "udp"),
+        ("client -> IPv6 NodePort", "cl", "[fd00:198::1]:30086", "tcp"),
+        ("client -> IPv6 NodePort UDP", "cl", "[fd00:198::1]:30087", "udp"),
+        ("client -> IPv6 LoadBalancer IP", "cl", "[2001:db8::70]:80", "tcp"),
+    ] {
+        let v = burst(lab, role, target, proto, "30");
+        ensure!(errors(&v) == 0 && per_backend(&v).len() == 3, "{what}: {v}");
+        println!("  {what}: {v}");
+    }
+    // Hairpin over IPv6: a backend reaching itself through its service (KUBE-6-LOOP-BACK).
+    let v = burst(lab, "b1", "[fd00:96::70]:80", "tcp", "30");
+    ensure!(errors(&v) == 0 && per_backend(&v).iter().any(|(b, _)| b == "b1"), "IPv6 hairpin b1 -> ClusterIP -> b1: {v}");
+    // KUBE-IPVS-FILTER: an IPv6 VIP at a port no service has is not answered.
+    let v = burst(lab, "pod", "[fd00:96::70]:81", "tcp", "1");
+    ensure!(errors(&v) == 1, "[fd00:96::70]:81 must not be answered: {v}");
+    std::fs::remove_file(&file)?;
+    wait_until("the IPv6 virtual servers gone", 60, || {
+        let s = sn(lab);
+        ensure!(!s.contains('['), "{s}");
+        let addrs = must(&format!("ip -n {n} -6 -o addr show dev kube-ipvs0"));
+        ensure!(!addrs.contains("fd00:96::70"), "kube-ipvs0 still holds the IPv6 VIP:\n{addrs}");
+        Ok(())
+    })
+}
+
 /// DR and TUN: the real servers hold the VIP themselves and answer the client directly.
 fn dr_and_tun_traffic(lab: &Lab) -> Result<()> {
     let (b2, b3, n, cl) = (lab.ns("b2"), lab.ns("b3"), node(lab), lab.ns("cl"));
@@ -595,9 +704,9 @@ fn cleanup_leaves_nothing(lab: &mut Lab) -> Result<()> {
     let n = node(lab);
     ensure!(sn(lab).trim().is_empty(), "IPVS services left: {}", sn(lab));
     ensure!(!sh(&format!("ip -n {n} link show kube-ipvs0")).status.success(), "kube-ipvs0 left");
-    for table in ["nat", "filter"] {
-        let s = must(&format!("ip netns exec {n} iptables-save -t {table}"));
-        ensure!(!s.contains("KPR"), "{table} rules left:\n{s}");
+    for (save, table) in [("iptables-save", "nat"), ("iptables-save", "filter"), ("ip6tables-save", "nat"), ("ip6tables-save", "filter")] {
+        let s = must(&format!("ip netns exec {n} {save} -t {table}"));
+        ensure!(!s.contains("KPR"), "{save} {table} rules left:\n{s}");
     }
     let pins: Vec<PathBuf> = std::fs::read_dir(lab.pins.path()).map(|r| r.flatten().map(|e| e.path()).collect()).unwrap_or_default();
     ensure!(pins.is_empty(), "pins left: {pins:?}");
@@ -662,7 +771,8 @@ fn main() {
     if wanted("lab") {
         let setup = (|| -> Result<Lab> {
             let mut lab = Lab::build_with(PREFIX, &manifests_copy()?, LabSpec { cni: Cni::Ptp, ..LabSpec::default() });
-            lab.agent_args = vec!["--mode".into(), "ipvs".into()];
+            // The IPv6 cluster CIDR beside the lab's IPv4 one (ipv6_service).
+            lab.agent_args = vec!["--mode".into(), "ipvs".into(), "--cluster-cidr".into(), "fd00:244::/32".into()];
             lab.start_agent();
             Ok(lab)
         })();
@@ -674,6 +784,7 @@ fn main() {
                 run("scheduler_change", scheduler_change(&lab));
                 run("kube_proxy_ipvs_semantics", kube_proxy_ipvs_semantics(&lab));
                 run("sctp_service", sctp_service(&lab));
+                run("ipv6_service", ipv6_service(&lab));
                 // The drain is finished after the other checks: TIME_WAIT lasts two minutes.
                 let hold = match graceful_termination(&lab) {
                     Ok(h) => {

@@ -54,7 +54,8 @@ pub struct EbpfPlane {
 pub struct ConfigInputs {
     masquerade_all: bool,
     detect_local: DetectLocal,
-    cluster_cidr: Option<ipnet::IpNet>,
+    /// detectLocalMode ClusterCIDR's CIDRs, at most one per family.
+    cluster_cidrs: Vec<ipnet::IpNet>,
     snat_ip: Option<std::net::IpAddr>,
     timeouts: Timeouts,
     /// Masquerade source ports (see sysctl::snat_port_range).
@@ -68,7 +69,7 @@ impl ConfigInputs {
         Self {
             masquerade_all: s.masquerade_all,
             detect_local: s.detect_local.clone(),
-            cluster_cidr: s.cluster_cidrs.iter().find(|n| n.addr().is_ipv4()).copied(),
+            cluster_cidrs: s.cluster_cidrs.clone(),
             snat_ip: s.snat_ip,
             timeouts,
             snat_ports: masquerade_ports(),
@@ -79,29 +80,32 @@ impl ConfigInputs {
     /// The fast path needs a masquerade address; IPVS mode (which masquerades in netfilter)
     /// does not.
     pub fn config(&self, node: &NodeContext, need_snat: bool) -> Result<DatapathConfig, DataplaneError> {
-        let snat = self.snat_ip.or(node.primary_ip).or_else(|| node.nodeport_addresses.first().copied());
+        // The fast path masquerades IPv4 only.
+        let snat = self.snat_ip.or(node.primary_ip).or_else(|| node.nodeport_addresses.iter().find(|a| a.is_ipv4()).copied());
         if snat.is_none() && need_snat {
             return Err(DataplaneError::NoNodeAddress);
         }
-        let local_cidr = match self.detect_local {
-            DetectLocal::ClusterCidr => self.cluster_cidr,
-            DetectLocal::NodeCidr => node.pod_cidr,
-            DetectLocal::BridgeInterface(_) | DetectLocal::InterfaceNamePrefix(_) => None,
+        let local_cidrs: &[ipnet::IpNet] = match self.detect_local {
+            DetectLocal::ClusterCidr => &self.cluster_cidrs,
+            DetectLocal::NodeCidr => &node.pod_cidrs,
+            DetectLocal::BridgeInterface(_) | DetectLocal::InterfaceNamePrefix(_) => &[],
         };
-        let (cidr, len) = match local_cidr {
+        let of_family = |v4: bool| match local_cidrs.iter().find(|n| n.addr().is_ipv4() == v4) {
             Some(net) => (addr_words(net.network()), u32::from(net.prefix_len())),
             None => ([0; 4], 0),
         };
+        let ((cidr, len), (cluster_cidr6, len6)) = (of_family(true), of_family(false));
         Ok(DatapathConfig {
             snat_addr: snat.map(addr_words).unwrap_or_default(),
             cluster_cidr: cidr,
             cluster_cidr_len: len,
+            cluster_cidr6,
+            cluster_cidr6_len: len6,
             flags: if self.masquerade_all { CFG_F_MASQUERADE_ALL } else { 0 } | if self.detect_local.by_interface() { CFG_F_LOCAL_BY_IFACE } else { 0 },
             ct_tcp_timeout_s: self.timeouts.tcp,
             ct_udp_timeout_s: self.timeouts.udp,
             snat_port_min: self.snat_ports.0,
             snat_port_max: self.snat_ports.1,
-            _pad: 0,
             host_netns_cookie: self.host_netns_cookie,
         })
     }

@@ -47,6 +47,8 @@ pub struct IpvsPlane {
     config: ConfigInputs,
     terminating: usize,
     stats: SharedStats,
+    /// The IPv6 netfilter rules are in place: IPv6 Services are served.
+    ipv6: bool,
 }
 
 /// Opens IPVS, loading the module first if the kernel has it as one.
@@ -71,7 +73,16 @@ impl IpvsPlane {
             dp.attach_cgroup(cg, &proxy_common::prog_names::SOCK_IPVS)?;
             info!(cgroup = %cg.display(), "node connections to LB IPs outside their source ranges refused at connect time");
         }
-        rules::install(&mut SystemNetfilter, &loopback).map_err(DataplaneError::Netfilter)?;
+        rules::install(&mut SystemNetfilter, rules::BACKEND, &loopback).map_err(DataplaneError::Netfilter)?;
+        // Without the IPv6 rules, IPv6 Services could not be masqueraded: they are then reported
+        // as not programmed, not served half-way.
+        let ipv6 = match rules::install(&mut SystemNetfilter, rules::BACKEND6, &loopback) {
+            Ok(()) => true,
+            Err(e) => {
+                warn!(error = %e, "no ip6tables rules: IPv6 Services are not programmed (each is reported)");
+                false
+            }
+        };
         let info = ipvs.info()?;
         info!(version = format!("{}.{}.{}", info.version >> 16, (info.version >> 8) & 0xff, info.version & 0xff), conn_tab = info.conn_tab_size, "IPVS");
         let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
@@ -103,6 +114,7 @@ impl IpvsPlane {
             config: ConfigInputs::new(s, Default::default()),
             terminating: 0,
             stats,
+            ipv6,
         })
     }
 }
@@ -114,6 +126,10 @@ impl Dataplane for IpvsPlane {
 
     fn programs_sctp(&self) -> bool {
         true
+    }
+
+    fn programs_ipv6(&self) -> bool {
+        self.ipv6
     }
 
     fn reconcile_interfaces(&mut self) {

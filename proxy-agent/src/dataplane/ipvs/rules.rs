@@ -11,8 +11,11 @@ use crate::host::netfilter::{Netfilter, NetfilterError};
 
 pub const NAT_CHAIN: &str = "KPR-POSTROUTING";
 pub const FILTER_CHAIN: &str = "KPR-FORWARD";
-/// The iptables front end (the node's alternatives choose legacy or nft, as kube-proxy's does).
+/// The iptables front ends, IPv4's then IPv6's (the node's alternatives choose legacy or nft
+/// for each, as kube-proxy's does). The same rules serve both: the set program and the
+/// KUBE-LOOP-BACK match read either family.
 pub const BACKEND: &str = "iptables";
+pub const BACKEND6: &str = "ip6tables";
 
 /// The iptables-restore input (with --noflush): declaring a chain flushes it, so applying it
 /// again is idempotent.
@@ -40,26 +43,36 @@ fn has_jump(saved: &str, chain: &str, target: &str) -> bool {
     saved.lines().any(|l| l.starts_with(&format!("-A {chain} ")) && l.ends_with(&format!("-j {target}")))
 }
 
-/// Installs (or refreshes) the chains and the jumps to them.
-pub fn install(nf: &mut dyn Netfilter, loopback_pin: &Path) -> Result<(), NetfilterError> {
-    nf.restore(BACKEND, &rules(loopback_pin))?;
+/// Installs (or refreshes) the chains and the jumps to them, in `backend` (BACKEND, BACKEND6).
+pub fn install(nf: &mut dyn Netfilter, backend: &str, loopback_pin: &Path) -> Result<(), NetfilterError> {
+    nf.restore(backend, &rules(loopback_pin))?;
     let mut jumps = String::new();
     for (table, hook, chain) in [("nat", "POSTROUTING", NAT_CHAIN), ("filter", "FORWARD", FILTER_CHAIN)] {
-        if !has_jump(&nf.save(BACKEND, table)?, hook, chain) {
+        if !has_jump(&nf.save(backend, table)?, hook, chain) {
             jumps += &format!("*{table}\n-I {hook} -j {chain}\nCOMMIT\n");
         }
     }
     if !jumps.is_empty() {
-        nf.restore(BACKEND, &jumps)?;
+        nf.restore(backend, &jumps)?;
     }
     Ok(())
 }
 
-/// Removes the jumps and the chains; idempotent. Returns what went.
+/// Removes the jumps and the chains of both families; idempotent. Returns what went. A node
+/// without ip6tables (or IPv6) has no IPv6 rules to remove.
 pub fn remove(nf: &mut dyn Netfilter) -> Result<Vec<String>, NetfilterError> {
+    let mut done = remove_from(nf, BACKEND)?;
+    match remove_from(nf, BACKEND6) {
+        Ok(d) => done.extend(d),
+        Err(e) => tracing::debug!(error = %e, "no IPv6 rules to remove"),
+    }
+    Ok(done)
+}
+
+fn remove_from(nf: &mut dyn Netfilter, backend: &str) -> Result<Vec<String>, NetfilterError> {
     let mut done = Vec::new();
     for (table, hook, chain) in [("nat", "POSTROUTING", NAT_CHAIN), ("filter", "FORWARD", FILTER_CHAIN)] {
-        let saved = nf.save(BACKEND, table)?;
+        let saved = nf.save(backend, table)?;
         let mut input = format!("*{table}\n");
         let n = saved.lines().filter(|l| l.starts_with(&format!("-A {hook} ")) && l.ends_with(&format!("-j {chain}"))).count();
         for _ in 0..n {
@@ -70,8 +83,8 @@ pub fn remove(nf: &mut dyn Netfilter) -> Result<Vec<String>, NetfilterError> {
             input += &format!("-F {chain}\n-X {chain}\n");
         }
         if n > 0 || exists {
-            nf.restore(BACKEND, &format!("{input}COMMIT\n"))?;
-            done.push(format!("removed {table} chain {chain}"));
+            nf.restore(backend, &format!("{input}COMMIT\n"))?;
+            done.push(format!("removed {backend} {table} chain {chain}"));
         }
     }
     Ok(done)

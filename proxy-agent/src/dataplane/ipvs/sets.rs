@@ -8,8 +8,7 @@ use std::{
 };
 
 use aya::maps::{lpm_trie::Key, HashMap, LpmTrie, MapData};
-use ipnet::IpNet;
-use proxy_common::{map_names, sets, SetIpPort, SetIpPortIp, SetIpPortNet, SetPort};
+use proxy_common::{map_names, sets, SetAddr, SetIpPort, SetIpPortIp, SetIpPortNet, SetPort, FAMILY_V4, SET_IPPN_FIXED_BITS};
 use serde::Serialize;
 
 use crate::{
@@ -26,7 +25,21 @@ pub enum Entry {
     /// The source CIDR's prefix length beside the key.
     IpPortNet(SetIpPortNet, u8),
     Port(SetPort),
-    Ip(u32),
+    Ip(SetAddr),
+}
+
+impl Entry {
+    /// Whether it belongs to the IPv4 sets (kube-proxy's KUBE-*) or the IPv6 ones (KUBE-6-*).
+    fn is_v4(&self) -> bool {
+        let family = match self {
+            Entry::IpPort(k) => k.family,
+            Entry::IpPortIp(k) => k.ip_port.family,
+            Entry::IpPortNet(k, _) => k.ip_port.family,
+            Entry::Port(k) => k.family,
+            Entry::Ip(k) => k.family,
+        };
+        family == FAMILY_V4
+    }
 }
 
 /// Entry -> set bits.
@@ -36,16 +49,17 @@ fn proto_name(p: u8) -> &'static str {
     proxy_common::Protocol::from_number(p).map_or("?", |p| p.lower())
 }
 
-/// The sets for `desired`: `node_addrs` are this node's addresses, `bound` the VIPs on
-/// kube-ipvs0.
+/// The sets for `desired`, both families: `node_addrs` are this node's addresses, `bound` the
+/// VIPs on kube-ipvs0.
 pub fn compute(desired: &DesiredState, node_addrs: &[IpAddr], bound: &BTreeSet<IpAddr>) -> Sets {
     let mut s = Sets::new();
     let mut add = |e: Entry, bit: u32| *s.entry(e).or_insert(0) |= bit;
     for (k, fe) in &desired.frontends {
         let wanted_scope = if fe.kind == FrontendKind::ClusterIp { Scope::Internal } else { Scope::External };
-        if k.scope != wanted_scope || !k.ip.is_ipv4() {
+        if k.scope != wanted_scope {
             continue;
         }
+        let v4 = k.ip.is_ipv4();
         let proto = k.proto.number();
         let ipp = Entry::IpPort(SetIpPort::new(k.ip, k.port, proto));
         let local = fe.preserve_source;
@@ -61,7 +75,7 @@ pub fn compute(desired: &DesiredState, node_addrs: &[IpAddr], bound: &BTreeSet<I
                     if !node_addrs.iter().any(|a| fe.source_ranges.iter().any(|n| n.contains(a))) {
                         add(ipp, sets::LOAD_BALANCER_NODE_DENY);
                     }
-                    for net in fe.source_ranges.iter().filter(|n| matches!(n, IpNet::V4(_))) {
+                    for net in fe.source_ranges.iter().filter(|n| n.addr().is_ipv4() == v4) {
                         add(Entry::IpPortNet(SetIpPortNet::new(k.ip, k.port, proto, net.network()), net.prefix_len()), sets::LOAD_BALANCER_SOURCE_CIDR);
                     }
                     // The service's own endpoints may reach it through the LB (hairpin).
@@ -70,20 +84,24 @@ pub fn compute(desired: &DesiredState, node_addrs: &[IpAddr], bound: &BTreeSet<I
                     }
                 }
             }
-            FrontendKind::NodePort => add(Entry::Port(SetPort::new(k.port, proto)), sets::NODE_PORT | if local { sets::NODE_PORT_LOCAL } else { 0 }),
+            FrontendKind::NodePort => add(Entry::Port(SetPort::new(k.port, proto, v4)), sets::NODE_PORT | if local { sets::NODE_PORT_LOCAL } else { 0 }),
         }
-        for b in fe.backends.iter().filter(|b| b.ip.is_ipv4()) {
+        for b in fe.backends.iter().filter(|b| b.ip.is_ipv4() == v4) {
             add(Entry::IpPortIp(SetIpPortIp::new(b.ip, b.port, proto, b.ip)), sets::LOOP_BACK);
         }
     }
+    // The health check server answers on every address, of either family.
+    let families = if node_addrs.iter().chain(bound).any(IpAddr::is_ipv6) { &[true, false][..] } else { &[true][..] };
     for port in desired.health_checks.keys() {
-        add(Entry::Port(SetPort::new(*port, proxy_common::PROTO_TCP)), sets::HEALTH_CHECK_NODE_PORT);
+        for v4 in families {
+            add(Entry::Port(SetPort::new(*port, proxy_common::PROTO_TCP, *v4)), sets::HEALTH_CHECK_NODE_PORT);
+        }
     }
-    for a in bound.iter().filter(|a| a.is_ipv4()) {
-        add(Entry::Ip(proxy_common::user::set_ip_key(*a)), sets::IPVS_IPS);
+    for a in bound {
+        add(Entry::Ip(SetAddr::new(*a)), sets::IPVS_IPS);
     }
-    for a in node_addrs.iter().filter(|a| a.is_ipv4()) {
-        add(Entry::Ip(proxy_common::user::set_ip_key(*a)), sets::NODE_IPS);
+    for a in node_addrs {
+        add(Entry::Ip(SetAddr::new(*a)), sets::NODE_IPS);
     }
     s
 }
@@ -139,7 +157,7 @@ pub struct KernelSetMaps {
     ip_port_ip: HashMap<MapData, SetIpPortIp, u32>,
     ip_port_net: LpmTrie<MapData, SetIpPortNet, u32>,
     port: HashMap<MapData, SetPort, u32>,
-    ip: HashMap<MapData, u32, u32>,
+    ip: HashMap<MapData, SetAddr, u32>,
 }
 
 impl KernelSetMaps {
@@ -154,8 +172,8 @@ impl KernelSetMaps {
     }
 }
 
-/// The LPM key covers (address, port, protocol) whole, then the CIDR.
-const IPPN_FIXED_BITS: u32 = 64;
+/// The LPM key covers (address, port, protocol, family) whole, then the CIDR.
+const IPPN_FIXED_BITS: u32 = SET_IPPN_FIXED_BITS;
 
 impl SetMaps for KernelSetMaps {
     fn read(&self) -> Result<Sets, MapError> {
@@ -202,12 +220,26 @@ pub struct SetListing {
     pub members: Vec<String>,
 }
 
-/// kube-proxy's set names and types, with the members the maps hold, in kube-proxy's order.
+/// kube-proxy's set names and types, with the members the maps hold, in kube-proxy's order:
+/// the IPv4 sets, then (where the node has IPv6 members) the IPv6 ones, named KUBE-6-* as
+/// kube-proxy's IPv6 proxier names them.
 pub fn listing(s: &Sets) -> Vec<SetListing> {
+    let mut out = listing_of(s, true);
+    if s.keys().any(|e| !e.is_v4()) {
+        out.extend(listing_of(s, false));
+    }
+    out
+}
+
+fn listing_of(s: &Sets, v4: bool) -> Vec<SetListing> {
     let mut out: Vec<SetListing> = Vec::new();
-    let mut push = |name: &str, kind: &'static str, members: Vec<String>| out.push(SetListing { name: name.into(), kind, members });
+    let mut push = |name: &str, kind: &'static str, members: Vec<String>| {
+        let name = if v4 { name.to_string() } else { name.replacen("KUBE-", "KUBE-6-", 1).replacen("KPR-", "KPR-6-", 1) };
+        out.push(SetListing { name, kind, members })
+    };
+    let ours = || s.iter().filter(move |(e, _)| e.is_v4() == v4);
     let ip_port = |bit: u32| -> Vec<String> {
-        s.iter()
+        ours()
             .filter_map(|(e, b)| match e {
                 Entry::IpPort(k) if b & bit != 0 => Some(format!("{},{}:{}", k.addr(), proto_name(k.proto), k.port())),
                 _ => None,
@@ -215,7 +247,7 @@ pub fn listing(s: &Sets) -> Vec<SetListing> {
             .collect()
     };
     let ip_port_ip = |bit: u32| -> Vec<String> {
-        s.iter()
+        ours()
             .filter_map(|(e, b)| match e {
                 Entry::IpPortIp(k) if b & bit != 0 => Some(format!("{},{}:{},{}", k.ip_port.addr(), proto_name(k.ip_port.proto), k.ip_port.port(), k.addr2())),
                 _ => None,
@@ -223,7 +255,7 @@ pub fn listing(s: &Sets) -> Vec<SetListing> {
             .collect()
     };
     let ports = |bit: u32, proto: u8| -> Vec<String> {
-        s.iter()
+        ours()
             .filter_map(|(e, b)| match e {
                 Entry::Port(k) if b & bit != 0 && k.proto == proto => Some(k.port().to_string()),
                 _ => None,
@@ -231,9 +263,9 @@ pub fn listing(s: &Sets) -> Vec<SetListing> {
             .collect()
     };
     let ips = |bit: u32| -> Vec<String> {
-        s.iter()
+        ours()
             .filter_map(|(e, b)| match e {
-                Entry::Ip(k) if b & bit != 0 => Some(proxy_common::user::set_ip_addr(*k).to_string()),
+                Entry::Ip(k) if b & bit != 0 => Some(k.ip().to_string()),
                 _ => None,
             })
             .collect()
@@ -246,8 +278,7 @@ pub fn listing(s: &Sets) -> Vec<SetListing> {
     push("KUBE-LOAD-BALANCER-LOCAL", "hash:ip,port", ip_port(sets::LOAD_BALANCER_LOCAL));
     push("KUBE-LOAD-BALANCER-FW", "hash:ip,port", ip_port(sets::LOAD_BALANCER_FW));
     push("KUBE-LOAD-BALANCER-SOURCE-IP", "hash:ip,port,ip", ip_port_ip(sets::LOAD_BALANCER_SOURCE_IP));
-    let cidrs = s
-        .iter()
+    let cidrs = ours()
         .filter_map(|(e, b)| match e {
             Entry::IpPortNet(k, len) if b & sets::LOAD_BALANCER_SOURCE_CIDR != 0 => {
                 Some(format!("{},{}:{},{}/{len}", k.ip_port.addr(), proto_name(k.ip_port.proto), k.ip_port.port(), k.net()))

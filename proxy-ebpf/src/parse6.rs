@@ -1,0 +1,104 @@
+//! IPv6 header parsing: Ethernet -> IPv6 -> extension headers -> TCP/UDP/SCTP ports. Used by IPVS
+//! mode's set matching (which never rewrites a packet); the fast path does not forward IPv6 yet.
+use proxy_common::{PROTO_SCTP, PROTO_TCP, PROTO_UDP};
+
+use crate::{parse::IP_OFF, pkt::Pkt};
+
+pub const ETH_P_IPV6_BE: u16 = 0x86ddu16.to_be();
+const IPV6_HDR_LEN: usize = 40;
+
+/// Extension headers (RFC 8200 section 4) walked to reach L4.
+const NEXTHDR_HOP: u8 = 0;
+const NEXTHDR_ROUTING: u8 = 43;
+const NEXTHDR_FRAGMENT: u8 = 44;
+const NEXTHDR_AUTH: u8 = 51;
+const NEXTHDR_DEST: u8 = 60;
+/// More than this many extension headers: not parsed (passes untouched). A bounded walk, for the
+/// verifier; real packets carry one or two.
+const MAX_EXT_HEADERS: usize = 6;
+
+/// A parsed IPv6 TCP/UDP/SCTP packet. Addresses and ports in network order.
+#[derive(Clone, Copy)]
+pub struct Flow6 {
+    pub l4_off: usize,
+    pub proto: u8,
+    pub tcp_flags: u8,
+    pub saddr: [u32; 4],
+    pub daddr: [u32; 4],
+    pub sport: u16,
+    pub dport: u16,
+}
+
+pub enum Parsed6 {
+    /// Not IPv6, or not TCP/UDP/SCTP: pass untouched.
+    Other,
+    /// Truncated headers, or more extension headers than are walked.
+    Malformed,
+    /// A fragment (first or later): no reliable L4 ports, as for IPv4.
+    Fragment,
+    Flow(Flow6),
+}
+
+#[inline(always)]
+pub fn parse<P: Pkt>(p: &P) -> Parsed6 {
+    let Some(ethertype) = p.load::<u16>(12) else {
+        return Parsed6::Other;
+    };
+    if ethertype != ETH_P_IPV6_BE {
+        return Parsed6::Other;
+    }
+    // The fixed header in one bounds check: version, payload length, next header, addresses.
+    let Some(h) = p.load::<[u32; 10]>(IP_OFF) else {
+        return Parsed6::Malformed;
+    };
+    if h[0].to_ne_bytes()[0] >> 4 != 6 {
+        return Parsed6::Malformed;
+    }
+    let w1 = h[1].to_ne_bytes();
+    let payload_len = usize::from(u16::from_be_bytes([w1[0], w1[1]]));
+    if IP_OFF + IPV6_HDR_LEN + payload_len > p.wire_len() {
+        return Parsed6::Malformed;
+    }
+    let mut next = w1[2];
+    let mut off = IP_OFF + IPV6_HDR_LEN;
+    for _ in 0..MAX_EXT_HEADERS {
+        let len = match next {
+            NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST | NEXTHDR_AUTH => {
+                let Some(e) = p.load::<[u8; 2]>(off) else {
+                    return Parsed6::Malformed;
+                };
+                // AH counts 4-byte units beyond the first two; the others 8-byte units beyond the first.
+                let len = if next == NEXTHDR_AUTH { (usize::from(e[1]) + 2) * 4 } else { (usize::from(e[1]) + 1) * 8 };
+                next = e[0];
+                len
+            }
+            NEXTHDR_FRAGMENT => return Parsed6::Fragment,
+            _ => break,
+        };
+        off += len;
+    }
+    if next != PROTO_TCP && next != PROTO_UDP && next != PROTO_SCTP {
+        return if matches!(next, NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST | NEXTHDR_AUTH) { Parsed6::Malformed } else { Parsed6::Other };
+    }
+    // Ports (and TCP's flags) in one load.
+    let (ports, tcp_flags) = if next == PROTO_TCP {
+        let Some(t) = p.load::<[u32; 4]>(off) else {
+            return Parsed6::Malformed;
+        };
+        (t[0], (t[3] >> 8) as u8)
+    } else {
+        let Some(t) = p.load::<u32>(off) else {
+            return Parsed6::Malformed;
+        };
+        (t, 0)
+    };
+    Parsed6::Flow(Flow6 {
+        l4_off: off,
+        proto: next,
+        tcp_flags,
+        saddr: [h[2], h[3], h[4], h[5]],
+        daddr: [h[6], h[7], h[8], h[9]],
+        sport: ports as u16,
+        dport: (ports >> 16) as u16,
+    })
+}
