@@ -117,7 +117,7 @@ pub fn classify(f: &SetFlow, ifindex: u32) -> SetVerdict {
 }
 
 /// kube-proxy's IPVS-mode PREROUTING decisions for one packet at TC ingress. `v4` is the IPv4
-/// packet's parse (for the ICMP reject); an IPv6 reject is a drop (no ICMPv6 reply yet).
+/// packet's parse (for the ICMP reject); None for IPv6 (an ICMPv6 reject).
 #[inline(always)]
 pub fn tc_verdict(p: &mut Tc, f: &SetFlow, v4: Option<&Flow>) -> i32 {
     match classify(f, p.ifindex()) {
@@ -133,7 +133,11 @@ pub fn tc_verdict(p: &mut Tc, f: &SetFlow, v4: Option<&Flow>) -> i32 {
         }
         SetVerdict::Reject => {
             bump(counter::SET_REJECT_FILTER);
-            match v4.and_then(|f| reject::icmp_port_unreachable(p, f)) {
+            let reply = match v4 {
+                Some(f4) => reject::icmp_port_unreachable(p, f4),
+                None => reject::icmp6_port_unreachable(p, f.saddr, f.daddr),
+            };
+            match reply {
                 Some(v) => p.action(v),
                 None => TC_ACT_SHOT,
             }

@@ -59,3 +59,53 @@ pub fn icmp_port_unreachable<P: Pkt>(p: &mut P, f: &Flow) -> Option<Verdict> {
     p.store(ICMP_OFF + 8, quote)?;
     Some(verdict)
 }
+
+/// The ICMPv6 reply: Ethernet, IPv6 header, ICMPv6 header, then the start of the offending
+/// packet (RFC 4443 quotes as much as fits; its IPv6 header and 8 bytes after it are enough for
+/// the client's stack to find the socket when no extension header sits in between).
+const QUOTE6_LEN: usize = 48;
+const ICMP6_OFF: usize = IP_OFF + 40;
+const REPLY6_LEN: usize = ICMP6_OFF + 8 + QUOTE6_LEN;
+const ICMPV6: u8 = 58;
+
+#[inline(always)]
+fn halves6(a: &[u32; 4]) -> u64 {
+    halves(a[0]) + halves(a[1]) + halves(a[2]) + halves(a[3])
+}
+
+/// ICMPv6 destination unreachable, port unreachable (ip6tables' `REJECT --reject-with
+/// icmp6-port-unreachable`), from `daddr` back to `saddr` (network order). `None` when the
+/// packet cannot be turned into a reply (it is then dropped). A subprogram, as the IPv4 one.
+#[inline(never)]
+pub fn icmp6_port_unreachable<P: Pkt>(p: &mut P, saddr: [u32; 4], daddr: [u32; 4]) -> Option<Verdict> {
+    let dst_mac: [u16; 3] = p.load(0)?;
+    let src_mac: [u16; 3] = p.load(6)?;
+    let quote: [u16; QUOTE6_LEN / 2] = p.load(IP_OFF)?;
+    p.resize(REPLY6_LEN)?;
+
+    let verdict = p.reply_verdict();
+    if verdict == Verdict::Bounce {
+        p.store(0, src_mac)?;
+        p.store(6, dst_mac)?;
+    }
+    let payload_len = (8 + QUOTE6_LEN) as u16;
+    p.store(IP_OFF, u32::from_ne_bytes([0x60, 0, 0, 0]))?;
+    p.store(IP_OFF + 4, payload_len.to_be())?;
+    p.store(IP_OFF + 6, u16::from_ne_bytes([ICMPV6, 64]))?;
+    p.store(IP_OFF + 8, daddr)?; // from the VIP
+    p.store(IP_OFF + 24, saddr)?; // to the client
+
+    // The checksum covers the pseudo-header (addresses, upper-layer length, next header).
+    let type_code = u16::from_ne_bytes([1, 4]);
+    let mut sum = halves6(&saddr) + halves6(&daddr) + u64::from(payload_len.to_be()) + u64::from(u16::from_ne_bytes([0, ICMPV6])) + u64::from(type_code);
+    let mut i = 0;
+    while i < QUOTE6_LEN / 2 {
+        sum += u64::from(quote[i]);
+        i += 1;
+    }
+    p.store(ICMP6_OFF, type_code)?;
+    p.store(ICMP6_OFF + 2, !csum::fold(sum))?;
+    p.store(ICMP6_OFF + 4, 0u32)?;
+    p.store(ICMP6_OFF + 8, quote)?;
+    Some(verdict)
+}

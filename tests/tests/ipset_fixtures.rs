@@ -20,6 +20,7 @@ use std::net::IpAddr;
 
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
+const TC_ACT_REDIRECT: u32 = 7;
 
 const MANIFESTS: &str = r#"
 apiVersion: v1
@@ -86,13 +87,20 @@ fn load(name: &str) -> SetLab {
 impl SetLab {
     /// The verdict, and which of (masquerade mark, firewall drop, VIP-filter reject) it counted.
     fn run(&mut self, frame: &[u8]) -> (u32, [u64; 3]) {
+        let (verdict, counted, _) = self.run_out(frame);
+        (verdict, counted)
+    }
+
+    /// `run`, with the frame the program left.
+    fn run_out(&mut self, frame: &[u8]) -> (u32, [u64; 3], Vec<u8>) {
         let idx = [counter::SET_MASQ_MARK, counter::SET_DROP_FIREWALL, counter::SET_REJECT_FILTER];
         let before = self.maps.counters().unwrap();
         let mut out = vec![0u8; 1600];
         let opts = TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), repeat: 1, ..Default::default() };
         let r = self.dp.classifier(prog_names::TC_IPSET).unwrap().test_run(opts).expect("BPF_PROG_TEST_RUN");
         let after = self.maps.counters().unwrap();
-        (r.return_value, idx.map(|i| after[i as usize] - before[i as usize]))
+        out.truncate(r.data_size_out as usize);
+        (r.return_value, idx.map(|i| after[i as usize] - before[i as usize]), out)
     }
 }
 
@@ -146,6 +154,29 @@ fn frame6(src: &str, dst: &str, proto: u8, sport: u16, dport: u16, flags: u8, ex
     f
 }
 
+/// An ICMPv6 port unreachable answering `orig`: MACs and addresses swapped, the first 48 bytes
+/// of the offending IPv6 packet quoted, a valid checksum over the pseudo-header.
+fn check_icmp6_port_unreachable(reply: &[u8], orig: &[u8]) {
+    assert_eq!(reply.len(), 14 + 40 + 8 + 48, "{reply:02x?}");
+    assert_eq!((&reply[0..6], &reply[6..12]), (&orig[6..12], &orig[0..6]), "MACs swapped");
+    assert_eq!(&reply[12..14], &[0x86, 0xdd]);
+    assert_eq!(reply[14] >> 4, 6);
+    assert_eq!(u16::from_be_bytes([reply[18], reply[19]]), 56, "payload length");
+    assert_eq!((reply[20], reply[21]), (58, 64), "next header ICMPv6, hop limit");
+    assert_eq!(&reply[22..38], &orig[38..54], "from the VIP");
+    assert_eq!(&reply[38..54], &orig[22..38], "to the client");
+    assert_eq!((reply[54], reply[55]), (1, 4), "destination unreachable, port unreachable");
+    assert_eq!(&reply[62..], &orig[14..62], "the quote");
+    // The checksum over the pseudo-header and the ICMPv6 message sums to 0xffff.
+    let mut sum: u64 = 0;
+    let words = |b: &[u8]| b.chunks(2).map(|c| u64::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]))).sum::<u64>();
+    sum += words(&reply[22..54]) + 56 + 58 + words(&reply[54..]);
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    assert_eq!(sum, 0xffff, "ICMPv6 checksum");
+}
+
 #[test]
 fn ipv6_set_matching_follows_kube_proxys_ipv6_rules() {
     let mut l = load("ipset6");
@@ -165,9 +196,12 @@ fn ipv6_set_matching_follows_kube_proxys_ipv6_rules() {
     // outside is dropped; the IPv4 range does not open the IPv6 address.
     assert_eq!(l.run(&frame6("2001:db8:c:1::5", "2001:db8::80", TCP, 40004, 80, SYN, &[])), (TC_ACT_OK, MARK));
     assert_eq!(l.run(&frame6(outside, "2001:db8::80", TCP, 40005, 80, SYN, &[])), (TC_ACT_SHOT, FIREWALL));
-    // KUBE-IPVS-FILTER: a new connection to the VIP at a port no service uses is refused
-    // (dropped for IPv6); a packet of an existing one passes.
-    assert_eq!(l.run(&frame6(outside, "fd00:96::10", TCP, 40006, 81, SYN, &[])), (TC_ACT_SHOT, FILTER));
+    // KUBE-IPVS-FILTER: a new connection to the VIP at a port no service uses is refused with
+    // ICMPv6 port unreachable, sent back out of the interface; a packet of an existing one passes.
+    let syn = frame6(outside, "fd00:96::10", TCP, 40006, 81, SYN, &[]);
+    let (verdict, counted, reply) = l.run_out(&syn);
+    assert_eq!((verdict, counted), (TC_ACT_REDIRECT, FILTER));
+    check_icmp6_port_unreachable(&reply, &syn);
     assert_eq!(l.run(&frame6(outside, "fd00:96::10", TCP, 40006, 81, ACK, &[])), (TC_ACT_OK, NONE));
     // The IPv4 address of the same bits never matches an IPv6 entry, nor the other way round:
     // traffic to an unknown IPv6 address passes untouched.

@@ -68,7 +68,11 @@ fn client_api() -> Result<()> {
     let udp = ServiceId::Addr { proto: 17, addr: "10.0.0.2".parse()?, port: 53 };
     let sctp = ServiceId::Addr { proto: 132, addr: "10.0.0.3".parse()?, port: 9 };
     let fwm = ServiceId::Fwmark { v6: false, mark: 7 };
+    let tcp6 = ServiceId::Addr { proto: 6, addr: "fd00::1".parse()?, port: 80 };
     let cfg = |id, sched: &str, fl, t, nm| ServiceConfig { id, scheduler: sched.into(), flags: fl, timeout_s: t, netmask: nm, pe_name: None };
+    // IPv6: the persistence netmask is a prefix length (-M 64).
+    ipvs.add_service(&cfg(tcp6, "rr", flags::PERSISTENT, 60, 64))?;
+    ipvs.add_dest(&tcp6, &DestConfig::new("fd00:1::1".parse()?, 8080, FwdMethod::Masq, 1))?;
     ipvs.add_service(&cfg(tcp, "wrr", flags::PERSISTENT, 300, 0xffff_ff00))?;
     ipvs.add_service(&cfg(udp, "sh", flags::SH_FALLBACK | flags::SH_PORT, 0, u32::MAX))?;
     ipvs.add_service(&cfg(sctp, "mh", flags::MH_PORT, 0, u32::MAX))?;
@@ -99,6 +103,8 @@ fn client_api() -> Result<()> {
             "-A --sctp-service 10.0.0.3:9 -s mh -b mh-port",
             "-A -f 7 -s lc -o",
             "-a -f 7 -r 10.1.0.5:0 -i -w 3 --tun-type ipip",
+            "-A -t [fd00::1]:80 -s rr -p 60 -M 64",
+            "-a -t [fd00::1]:80 -r [fd00:1::1]:8080 -m -w 1",
         ],
     )?;
     // -S leaves thresholds out; --thresholds shows them.
@@ -109,9 +115,13 @@ fn client_api() -> Result<()> {
     );
     // Read back through our decoder: the same configuration.
     let svcs = ipvs.services()?;
-    ensure!(svcs.len() == 4, "services: {svcs:?}");
+    ensure!(svcs.len() == 5, "services: {svcs:?}");
     let t = svcs.iter().find(|s| s.config.id == tcp).context("tcp service listed")?;
     ensure!(t.config.scheduler == "wrr" && t.config.timeout_s == 300 && t.config.netmask == 0xffff_ff00, "{t:?}");
+    let t6 = svcs.iter().find(|s| s.config.id == tcp6).context("IPv6 service listed")?;
+    ensure!(t6.config.netmask == 64 && t6.config.timeout_s == 60, "{t6:?}");
+    let d6: std::net::IpAddr = "fd00:1::1".parse()?;
+    ensure!(ipvs.dests(&tcp6)?.iter().any(|x| x.config.addr == d6), "IPv6 dest read back");
     let dests = ipvs.dests(&tcp)?;
     ensure!(dests.len() == 3, "{dests:?}");
     ensure!(dests.iter().any(|x| x.config == d), "masq dest read back: {dests:?}");
@@ -616,9 +626,9 @@ fn ipv6_service(lab: &Lab) -> Result<()> {
     // Hairpin over IPv6: a backend reaching itself through its service (KUBE-6-LOOP-BACK).
     let v = burst(lab, "b1", "[fd00:96::70]:80", "tcp", "30");
     ensure!(errors(&v) == 0 && per_backend(&v).iter().any(|(b, _)| b == "b1"), "IPv6 hairpin b1 -> ClusterIP -> b1: {v}");
-    // KUBE-IPVS-FILTER: an IPv6 VIP at a port no service has is not answered.
+    // KUBE-IPVS-FILTER: an IPv6 VIP at a port no service has is refused (ICMPv6 port unreachable).
     let v = burst(lab, "pod", "[fd00:96::70]:81", "tcp", "1");
-    ensure!(errors(&v) == 1, "[fd00:96::70]:81 must not be answered: {v}");
+    ensure!(errors(&v) == 1 && v["first_error"].as_str().unwrap_or("").contains("refused"), "[fd00:96::70]:81 must be refused: {v}");
     std::fs::remove_file(&file)?;
     wait_until("the IPv6 virtual servers gone", 60, || {
         let s = sn(lab);

@@ -185,7 +185,7 @@ pub fn decode_service(p: &[u8]) -> Result<Service, DecodeError> {
             svc::FLAGS if v.len() == 8 => flags = Some(u32::from_ne_bytes([v[0], v[1], v[2], v[3]])),
             svc::FLAGS => return Err(size_err(CTX, ty, v.len(), "8")),
             svc::TIMEOUT => timeout = Some(u32_of(CTX, ty, v)?),
-            svc::NETMASK => netmask = Some(u32::from_be(u32_of(CTX, ty, v)?)),
+            svc::NETMASK => netmask = Some(u32_of(CTX, ty, v)?),
             svc::STATS => st32 = Some(decode_stats("service stats", v)?),
             svc::STATS64 => st64 = Some(decode_stats("service stats64", v)?),
             svc::PE_NAME => pe = Some(string_of(CTX, ty, v)?).filter(|s: &String| !s.is_empty()),
@@ -204,7 +204,7 @@ pub fn decode_service(p: &[u8]) -> Result<Service, DecodeError> {
             scheduler: sched.ok_or(DecodeError::Missing { ctx: CTX, what: "SCHED_NAME" })?,
             flags: flags.ok_or(DecodeError::Missing { ctx: CTX, what: "FLAGS" })?,
             timeout_s: timeout.unwrap_or(0),
-            netmask: netmask.unwrap_or(0),
+            netmask: netmask.map_or(0, |raw| netmask_host(af, raw)),
             pe_name: pe,
         },
         stats: st64.or(st32).unwrap_or_default(),
@@ -339,6 +339,26 @@ fn nested(ty: u16, children: Vec<Attr>) -> Result<Attr, EncodeError> {
     Ok(outer)
 }
 
+/// IPVS_SVC_ATTR_NETMASK is a __be32 the kernel keeps raw: an IPv4 mask in network order, but
+/// an IPv6 prefix length as a plain number (ip_vs_ctl.c casts it without a byte swap, and
+/// rejects one outside 1..=128).
+fn netmask_wire(af: u16, netmask: u32) -> [u8; 4] {
+    if af == AF_INET6 {
+        netmask.to_ne_bytes()
+    } else {
+        netmask.to_be_bytes()
+    }
+}
+
+/// The inverse of `netmask_wire`, from the attribute's bytes read as a native u32.
+fn netmask_host(af: u16, raw: u32) -> u32 {
+    if af == AF_INET6 {
+        raw
+    } else {
+        u32::from_be(raw)
+    }
+}
+
 fn addr_bytes(addr: IpAddr) -> Vec<u8> {
     let mut b = vec![0u8; 16];
     match addr {
@@ -394,7 +414,7 @@ pub fn service_attr(c: &ServiceConfig) -> Result<Attr, EncodeError> {
     flags.extend_from_slice(&u32::MAX.to_ne_bytes()); // mask: set every flag as given
     v.push(attr(svc::FLAGS, flags)?);
     v.push(attr(svc::TIMEOUT, c.timeout_s.to_ne_bytes().to_vec())?);
-    v.push(attr(svc::NETMASK, c.netmask.to_be_bytes().to_vec())?); // __be32
+    v.push(attr(svc::NETMASK, netmask_wire(c.id.family(), c.netmask).to_vec())?);
     if let Some(pe) = &c.pe_name {
         let mut p = pe.as_bytes().to_vec();
         p.push(0);
@@ -542,6 +562,23 @@ mod tests {
         let body = encode_body(cmd::NEW_SERVICE, &[nested(top::SERVICE, inner).unwrap()]);
         let Reply::Service(s) = decode_reply(&body, AF_INET).unwrap() else { panic!() };
         assert_eq!((s.stats.conns, s.stats.inbytes), (7, 1 << 40));
+    }
+
+    #[test]
+    fn the_netmask_is_a_network_order_mask_for_ipv4_and_a_plain_prefix_length_for_ipv6() {
+        let v6 = ServiceConfig { id: ServiceId::Addr { proto: 6, addr: "fd00::10".parse().unwrap(), port: 80 }, netmask: 128, ..sample_service() };
+        let v4 = ServiceConfig { netmask: 0xffff_ff00, ..sample_service() };
+        let raw = |c: &ServiceConfig| {
+            let a = service_attr(c).unwrap();
+            let body = encode_body(cmd::NEW_SERVICE, &[a]);
+            // The one NETMASK attribute in the nested service: its 4 bytes after the header.
+            let pos = body.windows(4).position(|w| w == [8, 0, svc::NETMASK as u8, 0]).expect("netmask attribute");
+            [body[pos + 4], body[pos + 5], body[pos + 6], body[pos + 7]]
+        };
+        assert_eq!(raw(&v6), 128u32.to_ne_bytes());
+        assert_eq!(raw(&v4), [255, 255, 255, 0]);
+        assert_eq!(netmask_host(AF_INET6, u32::from_ne_bytes(raw(&v6))), 128);
+        assert_eq!(netmask_host(AF_INET, u32::from_ne_bytes(raw(&v4))), 0xffff_ff00);
     }
 
     #[test]
