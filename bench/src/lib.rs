@@ -20,6 +20,7 @@ pub fn set_clusterip(d: &mut DesiredState, i: u32, vip: IpAddr, backends: Vec<Ba
             preserve_source: false,
             no_local_endpoint: false,
             source_ranges: vec![],
+            max_connection_age_s: 0,
             backends: backends.clone(),
             ipvs: Default::default(),
         };

@@ -97,7 +97,7 @@ impl LoopSettings {
             primary_ip: s.primary_ip,
             node_port_addresses: s.node_port_addresses.clone(),
             uplinks: s.uplinks.clone(),
-            model: ModelConfig { default_scheduler: s.scheduler, sctp: false, ipv6: false },
+            model: ModelConfig { default_scheduler: s.scheduler, ..ModelConfig::default() },
         }
     }
 }
@@ -146,6 +146,7 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
         stats.lock().unwrap().set_mode(dataplane.mode().name());
         cfg.model.sctp = dataplane.programs_sctp();
         cfg.model.ipv6 = dataplane.programs_ipv6();
+        cfg.model.max_connection_age = dataplane.ends_old_connections();
         let timing = Timing {
             limiter: Limiter::new(cfg.min_sync_period, cfg.burst_syncs, Instant::now()),
             last_full: None,

@@ -46,6 +46,8 @@ pub struct Metrics {
     pub not_programmed: IntGaugeVec,
     pub ipvs_terminating: IntGauge,
     pub gc_flows_total: IntCounter,
+    /// Flows marked as past their Service's maximum connection age.
+    pub max_age_flows_total: IntCounter,
     /// Frontends that did not fit in a full map, by map.
     pub map_full_total: IntCounterVec,
     pub info: IntGaugeVec,
@@ -108,6 +110,10 @@ impl Metrics {
             ),
             ipvs_terminating: gauge("kpr_ipvs_terminating_destinations", "IPVS destinations at weight 0 waiting for their connections to end"),
             gc_flows_total: counter("kpr_conntrack_gc_flows_total", "Flows deleted by the conntrack collector"),
+            max_age_flows_total: counter(
+                "kpr_max_connection_age_flows_total",
+                "Flows ended for outliving their Service's kpr.io/max-connection-age (TCP reset at the next packet, UDP re-balanced)",
+            ),
             map_full_total: counter_vec("kpr_map_full_total", "Frontends or backends not programmed because a map was full", &["map"]),
             info: reg(&registry, IntGaugeVec::new(Opts::new("kpr_info", "The agent's version and data plane mode"), &["version", "mode"]).unwrap()),
             registry,

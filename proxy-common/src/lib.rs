@@ -39,7 +39,8 @@ macro_rules! map_name {
     (RR_STATE) => { "KPR_RR_V1" };
     // V3: the IPv6 cluster CIDR.
     (CONFIG) => { "KPR_CFG_V3" };
-    (COUNTERS) => { "KPR_CNT_V4" };
+    // V5: max_age_reset.
+    (COUNTERS) => { "KPR_CNT_V5" };
     (SOCK_REV) => { "KPR_SOCK_REV_V1" };
     (BACKEND_NEW) => { "KPR_BE_NEW_V1" };
     (FLOW_CACHE_GEN) => { "KPR_FC_GEN_V1" };
@@ -390,6 +391,9 @@ pub const CT_F_REPLY: u16 = 1 << 2;
 pub const CT_F_SNAT_PENDING: u16 = 1 << 3;
 /// Forward entry of a flow whose reply was seen (a TCP flow is assured at its next packet).
 pub const CT_F_SEEN_REPLY: u16 = 1 << 4;
+/// Forward entry of a flow past its Service's maximum connection age (set by the agent's
+/// collector): the next TCP packet is answered with a reset, a UDP flow starts over.
+pub const CT_F_MAX_AGE: u16 = 1 << 5;
 
 /// Source ports for masquerade and for moved ports when the agent sets none
 /// (DatapathConfig::snat_port_min/max): below the NodePort range and the node's default
@@ -744,6 +748,9 @@ pub mod counter {
         SNAT_NO_PORT = 19, "snat_no_port";
         /// A traffic policy Local frontend without a local endpoint: dropped, as kube-proxy does.
         DROP_NO_LOCAL_ENDPOINT = 20, "drop_no_local_endpoint";
+        /// A TCP packet of a flow past its Service's maximum connection age, answered with a
+        /// reset (UDP flows past it start over on another backend, counted as new flows).
+        MAX_AGE_RESET = 21, "max_age_reset";
     }
 }
 

@@ -15,7 +15,7 @@ use aya_ebpf::{
 };
 use proxy_common::{
     counter, Backend, CtKey, CtRole, CtValue, DatapathConfig, CT_DIR_EGRESS, CT_DIR_INGRESS,
-    CT_F_CLOSING, CT_F_REPLY, CT_F_SEEN_REPLY, CT_F_SNAT, CT_F_SNAT_PENDING, PROTO_TCP,
+    CT_F_CLOSING, CT_F_MAX_AGE, CT_F_REPLY, CT_F_SEEN_REPLY, CT_F_SNAT, CT_F_SNAT_PENDING, PROTO_TCP,
     SNAT_PORT_MAX, SNAT_PORT_MIN,
 };
 
@@ -108,6 +108,8 @@ pub enum Tracked {
     Embryonic,
     /// Tracked, but the packet cannot be translated (no masquerade address or port): drop it.
     Drop,
+    /// A TCP flow past its Service's maximum connection age: answer with a reset.
+    Reset,
 }
 
 /// The packet's entry at this hook, if any: the assured table, then (for packets that open or
@@ -126,6 +128,9 @@ pub fn track(f: &Flow, key: &CtKey, cfg: &DatapathConfig, l: &mut Lookup) -> Tra
     } else {
         return Tracked::No;
     };
+    if unsafe { (*v).flags } & CT_F_MAX_AGE != 0 {
+        return max_age_reached(f, key, unsafe { &mut *v }, table);
+    }
     match entry(f, key, unsafe { &mut *v }, table, cfg, l.now, l.ifindex) {
         None => Tracked::No,
         Some(None) => Tracked::Drop,
@@ -138,6 +143,20 @@ pub fn track(f: &Flow, key: &CtKey, cfg: &DatapathConfig, l: &mut Lookup) -> Tra
             }
         }
     }
+}
+
+/// A flow the agent marked as past its Service's maximum connection age (only forward entries
+/// carry the mark): TCP is reset, and closing from now on; UDP starts over, re-balanced. Rare: a
+/// subprogram.
+#[inline(never)]
+fn max_age_reached(f: &Flow, key: &CtKey, v: &mut CtValue, table: Table) -> Tracked {
+    if f.proto == PROTO_TCP {
+        v.flags |= CT_F_CLOSING;
+        return Tracked::Reset;
+    }
+    forget(table, key, v);
+    flowcache::invalidate();
+    Tracked::No
 }
 
 /// A TCP packet to a service that no assured flow knows: its embryonic flow, if it has one.

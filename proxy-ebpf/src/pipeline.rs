@@ -161,6 +161,10 @@ fn tracked<P: Pkt>(p: &mut P, f: &Flow, key: &CtKey, cfg: &DatapathConfig) -> Re
             bump(counter::FLOW_CACHE_MISS);
             Ok(Verdict::Drop)
         }
+        Tracked::Reset => {
+            bump(counter::MAX_AGE_RESET);
+            Ok(reject::tcp_reset(p, f).unwrap_or(Verdict::Drop))
+        }
         t => {
             bump(counter::FLOW_CACHE_MISS);
             // Embryonic flows are never cached: the handshake's last packet must reach them.

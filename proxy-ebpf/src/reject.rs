@@ -1,9 +1,12 @@
-//! "No endpoints": answer as kube-proxy's REJECT rule does, with ICMP port unreachable, built in
-//! place from the offending packet and sent back towards the client (see Pkt::reply_verdict).
-//! Written field by field to keep the stack small (it is inlined into the caller's 512 bytes).
+//! Answers built in place from the offending packet and sent back towards its sender (see
+//! Pkt::reply_verdict): "no endpoints" as kube-proxy's REJECT rule answers it (ICMP or ICMPv6 port
+//! unreachable), and the TCP reset that ends a flow past its maximum connection age. Written
+//! field by field to keep the stack small (inlined into the caller's 512 bytes).
+use proxy_common::PROTO_TCP;
+
 use crate::{
     csum,
-    parse::{Flow, IP_OFF},
+    parse::{Flow, IP_OFF, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
     pkt::{Pkt, Verdict},
 };
 
@@ -107,5 +110,75 @@ pub fn icmp6_port_unreachable<P: Pkt>(p: &mut P, saddr: [u32; 4], daddr: [u32; 4
     p.store(ICMP6_OFF + 2, !csum::fold(sum))?;
     p.store(ICMP6_OFF + 4, 0u32)?;
     p.store(ICMP6_OFF + 8, quote)?;
+    Some(verdict)
+}
+
+const RST_LEN: usize = IP_OFF + 20 + 20;
+
+/// A TCP reset answering the packet `f` (RFC 9293 section 3.10.7.1: to a segment with ACK, a
+/// reset whose sequence number is that acknowledgement; else one that acknowledges the segment),
+/// from its destination back to its source. Ends a flow past its Service's maximum connection
+/// age: at ingress the destination is still the service address, which the client knows. `None`
+/// when the packet cannot be turned into one (then dropped).
+#[inline(never)]
+pub fn tcp_reset<P: Pkt>(p: &mut P, f: &Flow) -> Option<Verdict> {
+    if f.ihl_bytes != 20 {
+        return None;
+    }
+    let tot_len = u16::from_be(p.load::<u16>(IP_OFF + 2)?);
+    // Ports, sequence, acknowledgement, data offset and flags.
+    let th: [u32; 4] = p.load(f.l4_off)?;
+    let (seq, ack) = (u32::from_be(th[1]), u32::from_be(th[2]));
+    let w3 = th[3].to_ne_bytes();
+    let (doff, flags) = (u32::from(w3[0] >> 4) * 4, w3[1]);
+    let payload = u32::from(tot_len).saturating_sub(20 + doff);
+    let (rseq, rack, rflags) = if flags & TCP_ACK != 0 {
+        (ack, 0, TCP_RST)
+    } else {
+        let len = payload + u32::from(flags & TCP_SYN != 0) + u32::from(flags & TCP_FIN != 0);
+        (0, seq.wrapping_add(len), TCP_RST | TCP_ACK)
+    };
+    let dst_mac: [u16; 3] = p.load(0)?;
+    let src_mac: [u16; 3] = p.load(6)?;
+    p.resize(RST_LEN)?;
+
+    let verdict = p.reply_verdict();
+    if verdict == Verdict::Bounce {
+        p.store(0, src_mac)?;
+        p.store(6, dst_mac)?;
+    }
+    let (saddr, daddr) = (f.daddr, f.saddr);
+    let w0 = u16::from_ne_bytes([0x45, 0]);
+    let tot = (40u16).to_be();
+    let ttl_proto = u16::from_ne_bytes([64, PROTO_TCP]);
+    let ip_sum = u64::from(w0) + u64::from(tot) + u64::from(ttl_proto) + halves(saddr) + halves(daddr);
+    p.store(IP_OFF, w0)?;
+    p.store(IP_OFF + 2, tot)?;
+    p.store(IP_OFF + 4, 0u32)?; // id, fragment offset
+    p.store(IP_OFF + 8, ttl_proto)?;
+    p.store(IP_OFF + 10, !csum::fold(ip_sum))?;
+    p.store(IP_OFF + 12, saddr)?;
+    p.store(IP_OFF + 16, daddr)?;
+
+    let l4 = IP_OFF + 20;
+    let ports = u32::from(f.dport) | (u32::from(f.sport) << 16);
+    let (seq_be, ack_be) = (rseq.to_be(), rack.to_be());
+    let off_flags = u16::from_ne_bytes([0x50, rflags]);
+    // Pseudo-header (addresses, protocol, length), then the header with a zero checksum.
+    let sum = halves(saddr)
+        + halves(daddr)
+        + u64::from(u16::from_ne_bytes([0, PROTO_TCP]))
+        + u64::from((20u16).to_be())
+        + halves(ports)
+        + halves(seq_be)
+        + halves(ack_be)
+        + u64::from(off_flags);
+    p.store(l4, ports)?;
+    p.store(l4 + 4, seq_be)?;
+    p.store(l4 + 8, ack_be)?;
+    p.store(l4 + 12, off_flags)?;
+    p.store(l4 + 14, 0u16)?; // window
+    p.store(l4 + 16, !csum::fold(sum))?;
+    p.store(l4 + 18, 0u16)?; // urgent pointer
     Some(verdict)
 }

@@ -736,3 +736,46 @@ fn the_collector_deletes_only_what_it_read_in_the_kernel_maps() {
     assert_eq!(first.len(), 1);
     assert!(next.is_some() || l.conntrack(Table::Assured).len() == 1);
 }
+
+/// A flow the collector marked as past its Service's maximum connection age: the next TCP
+/// packet from the client is answered with a reset from the service address (valid checksums,
+/// sequence number = the packet's acknowledgement), straight back out; a marked UDP flow starts
+/// over as a new flow (re-balanced).
+#[test]
+fn a_flow_past_its_maximum_age_is_reset_or_rebalanced() {
+    let mut l = load("maxage");
+    let client = "10.244.0.9";
+    handshake(&mut l, client, 45000, "10.96.0.10", 80);
+    let mark = |l: &mut Loaded, port: u16| {
+        let (k, v) = l
+            .conntrack(Table::Assured)
+            .into_iter()
+            .find(|(k, v)| !v.is_reply() && k.sport == port.to_be() && k.dir == proxy_common::CT_DIR_INGRESS)
+            .expect("the forward entry");
+        assert!(l.maps.conntrack_mut().set_flags_if(Table::Assured, &k, &v, proxy_common::CT_F_MAX_AGE).unwrap());
+        l.maps.conntrack_mut().invalidate_flow_cache().unwrap();
+    };
+    mark(&mut l, 45000);
+    let mut data = Frame { payload: b"ping".to_vec(), ..Frame::tcp(client, 45000, "10.96.0.10", 80, ACK) }.bytes();
+    data[42..46].copy_from_slice(&5555u32.to_be_bytes()); // the client's acknowledgement
+    let (v, out) = run(&mut l.dp, false, &data);
+    assert_eq!(v, TC_ACT_REDIRECT, "straight back to the client");
+    let p = parse(&out);
+    assert_eq!((p.proto, p.src.to_string(), p.sport, p.dst.to_string(), p.dport), (TCP, "10.96.0.10".into(), 80, client.into(), 45000));
+    assert!(p.ip_csum_ok && p.l4_csum_ok, "{p:?}");
+    assert_eq!(out[14 + 20 + 13], 0x04, "RST");
+    assert_eq!(&out[38..42], &5555u32.to_be_bytes(), "sequence number = the packet's acknowledgement");
+    assert_eq!(out.len(), 54);
+    assert_eq!(counter_of(&l, counter::MAX_AGE_RESET), 1);
+
+    // UDP: the marked flow's next datagram opens a new flow.
+    let (_, _) = tc(&mut l.dp, &Frame::udp(client, 45001, "10.96.0.15", 53, b"q"));
+    mark(&mut l, 45001);
+    let new_flows = counter_of(&l, counter::NEW_FLOW);
+    let (v, out) = tc(&mut l.dp, &Frame::udp(client, 45001, "10.96.0.15", 53, b"q"));
+    assert_eq!(v, TC_ACT_OK);
+    assert_eq!(parse(&out).dst.to_string(), "10.244.1.3", "DNATed by the new flow");
+    assert_eq!(counter_of(&l, counter::NEW_FLOW), new_flows + 1, "a new flow");
+    let fwd = l.conntrack(Table::Assured).into_iter().find(|(k, v)| !v.is_reply() && k.sport == 45001u16.to_be() && k.dir == proxy_common::CT_DIR_INGRESS);
+    assert!(fwd.is_some_and(|(_, v)| v.flags & proxy_common::CT_F_MAX_AGE == 0), "the new flow is unmarked");
+}

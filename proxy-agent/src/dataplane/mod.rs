@@ -76,6 +76,10 @@ pub trait Dataplane {
     fn programs_ipv6(&self) -> bool {
         false
     }
+    /// Whether it ends connections past a Service's maximum age (the fast path does).
+    fn ends_old_connections(&self) -> bool {
+        false
+    }
     /// Called every second: attach to interfaces that appeared, let go of those that left, keep
     /// what the programs know of each interface current.
     fn reconcile_interfaces(&mut self);
@@ -98,6 +102,9 @@ impl<D: Dataplane + ?Sized> Dataplane for Box<D> {
     }
     fn programs_ipv6(&self) -> bool {
         (**self).programs_ipv6()
+    }
+    fn ends_old_connections(&self) -> bool {
+        (**self).ends_old_connections()
     }
     fn reconcile_interfaces(&mut self) {
         (**self).reconcile_interfaces()

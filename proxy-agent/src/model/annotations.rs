@@ -2,11 +2,15 @@
 use std::{collections::BTreeMap, net::IpAddr};
 
 use crate::model::{
-    objects::{err, ObjectError},
+    objects::{err, unsupported, ObjectError},
     Scheduler,
 };
 
 pub const SCHEDULER_ANNOTATION: &str = "kpr.io/scheduler";
+/// The fast path ends this Service's connections older than this (a duration: 300s, 1h, or
+/// seconds), so long-lived clients re-balance after a scale-out (kubernetes#38456): TCP with a
+/// reset, UDP by starting the flow over on a (maybe) other backend.
+pub const MAX_CONNECTION_AGE_ANNOTATION: &str = "kpr.io/max-connection-age";
 /// IPVS mode: the scheduler of this Service's virtual servers (rr, wrr, lc, ...).
 pub const IPVS_SCHEDULER_ANNOTATION: &str = "kpr.io/ipvs-scheduler";
 /// IPVS mode: nat (default), dr or tun.
@@ -76,6 +80,29 @@ pub(crate) fn ipvs_options(annotations: Option<&BTreeMap<String, String>>, objec
         }
     }
     o
+}
+
+/// kpr.io/max-connection-age in whole seconds (0: none). A bad value is reported and ignored;
+/// where the data plane cannot end connections (`supported` false) the annotation is reported
+/// as not supported.
+pub(crate) fn max_connection_age(annotations: Option<&BTreeMap<String, String>>, supported: bool, object: &str, errors: &mut Vec<ObjectError>) -> u32 {
+    let Some(s) = annotations.and_then(|a| a.get(MAX_CONNECTION_AGE_ANNOTATION)) else { return 0 };
+    let field = format!("metadata.annotations[{MAX_CONNECTION_AGE_ANNOTATION}]");
+    if !supported {
+        unsupported(errors, object, field, "connections are aged by the eBPF fast path only; not in IPVS mode");
+        return 0;
+    }
+    match crate::settings::flags::parse_duration(s.trim()).map(std::time::Duration::from) {
+        Ok(d) if d.as_secs() >= 1 && d.as_secs() <= u64::from(u32::MAX) => d.as_secs() as u32,
+        Ok(_) => {
+            err(errors, object, field, format!("{s:?} is under a second (or absurdly long); no maximum age"));
+            0
+        }
+        Err(e) => {
+            err(errors, object, field, format!("{e}; no maximum age"));
+            0
+        }
+    }
 }
 
 /// The fast path's scheduler: the annotation's, else the configured one (an unknown name is

@@ -16,7 +16,7 @@ use ipnet::IpNet;
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
 pub use crate::model::annotations::{
-    IpvsForward, IpvsOptions, IPVS_FORWARD_ANNOTATION, IPVS_SCHEDULER_ANNOTATION, IPVS_WEIGHTS_ANNOTATION, SCHEDULER_ANNOTATION,
+    IpvsForward, IpvsOptions, IPVS_FORWARD_ANNOTATION, IPVS_SCHEDULER_ANNOTATION, IPVS_WEIGHTS_ANNOTATION, MAX_CONNECTION_AGE_ANNOTATION, SCHEDULER_ANNOTATION,
 };
 use crate::model::objects::{err, ObjectError, Objects};
 
@@ -126,6 +126,8 @@ pub struct Frontend {
     pub no_local_endpoint: bool,
     /// loadBalancerSourceRanges (empty: every source).
     pub source_ranges: Vec<IpNet>,
+    /// Connections older than this many seconds are ended (kpr.io/max-connection-age; 0: never).
+    pub max_connection_age_s: u32,
     /// Sorted, deduplicated.
     pub backends: Vec<BackendKey>,
     pub ipvs: IpvsOptions,
@@ -149,6 +151,9 @@ pub struct ModelConfig {
     /// The data plane serves IPv6 (`Dataplane::programs_ipv6`); otherwise every IPv6 part of a
     /// Service is reported as not supported and its IPv4 parts are programmed.
     pub ipv6: bool,
+    /// The data plane ends connections past a maximum age (`Dataplane::ends_old_connections`);
+    /// otherwise the annotation is reported as not supported.
+    pub max_connection_age: bool,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -253,6 +258,7 @@ impl DesiredState {
                 (f.preserve_source, "preserve-source"),
                 (!f.source_ranges.is_empty(), "source-ranges"),
                 (f.no_local_endpoint, "no-local-endpoint"),
+                (f.max_connection_age_s > 0, "max-age"),
             ] {
                 if set {
                     flags.push(name);

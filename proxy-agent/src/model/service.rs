@@ -9,7 +9,7 @@ use k8s_openapi::api::{
 use proxy_common::limits::MAX_BACKENDS_PER_SERVICE;
 
 use crate::model::{
-    annotations::{ipvs_options, scheduler, IpvsForward, IPVS_FORWARD_ANNOTATION},
+    annotations::{ipvs_options, max_connection_age, scheduler, IpvsForward, IPVS_FORWARD_ANNOTATION},
     endpoints::{port_endpoints, to_keys_of, topology_filtered, usable, Ep},
     objects::{err, unsupported, ObjectError},
     BackendKey, DesiredState, Frontend, FrontendKey, FrontendKind, ModelConfig, NodeInfo, Protocol, Scope, DEFAULT_AFFINITY_TIMEOUT_S,
@@ -59,6 +59,7 @@ pub(super) fn service_frontends(
     let scheduler = scheduler(svc.metadata.annotations.as_ref(), cfg.default_scheduler, &object, errors);
     let affinity_timeout_s = affinity_timeout(spec, &object, errors);
     let ipvs = ipvs_options(svc.metadata.annotations.as_ref(), &object, errors);
+    let max_connection_age_s = max_connection_age(svc.metadata.annotations.as_ref(), cfg.max_connection_age, &object, errors);
 
     if etp_local && matches!(svc_type, "LoadBalancer" | "NodePort") {
         if let Some(hc) = spec.health_check_node_port {
@@ -161,6 +162,7 @@ pub(super) fn service_frontends(
                     preserve_source: policy == Policy::PreserveSource,
                     no_local_endpoint: backends.is_empty() && !family.cluster.is_empty(),
                     source_ranges: ranges,
+                    max_connection_age_s,
                     backends: backends.clone(),
                     ipvs: ipvs.clone(),
                 },

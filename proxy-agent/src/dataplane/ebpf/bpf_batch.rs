@@ -13,6 +13,8 @@ const BPF_MAP_LOOKUP_AND_DELETE_ELEM: libc::c_long = 21;
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 /// BPF_NOEXIST: create only.
 pub const NOEXIST: u64 = 1;
+/// BPF_EXIST: update only.
+pub const EXIST: u64 = 2;
 
 /// `union bpf_attr`'s element-operation member.
 #[repr(C)]
@@ -96,6 +98,17 @@ pub fn insert_new<K: Pod, V: Pod>(fd: impl AsFd, key: &K, value: &V) -> io::Resu
     match bpf(BPF_MAP_UPDATE_ELEM, &mut attr) {
         Ok(()) => Ok(true),
         Err(e) if e.raw_os_error() == Some(libc::EEXIST) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Replaces `key`'s value only if the key exists (BPF_EXIST); false when it is gone.
+pub fn update_existing<K: Pod, V: Pod>(fd: impl AsFd, key: &K, value: &V) -> io::Result<bool> {
+    let mut attr =
+        ElemAttr { map_fd: fd.as_fd().as_raw_fd() as u32, key: key as *const K as u64, value: value as *const V as u64, flags: EXIST, ..ElemAttr::default() };
+    match bpf(BPF_MAP_UPDATE_ELEM, &mut attr) {
+        Ok(()) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(false),
         Err(e) => Err(e),
     }
 }

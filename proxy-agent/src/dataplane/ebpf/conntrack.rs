@@ -6,7 +6,7 @@
 //! between the read and the delete (traffic came, or the tuple now carries a new flow) is kept.
 use std::collections::{BTreeSet, HashMap};
 
-use proxy_common::{CtKey, CtRole, CtValue, CT_DIR_EGRESS, CT_DIR_INGRESS, CT_F_CLOSING, CT_F_SNAT_PENDING, PROTO_TCP};
+use proxy_common::{CtKey, CtRole, CtValue, CT_DIR_EGRESS, CT_DIR_INGRESS, CT_F_CLOSING, CT_F_MAX_AGE, CT_F_SNAT_PENDING, PROTO_TCP};
 
 use crate::dataplane::ebpf::maps::{ConntrackTables, MapError, Table};
 
@@ -152,6 +152,18 @@ pub struct GcStats {
     pub entries: usize,
     /// Entries kept because they changed between the read and the delete.
     pub kept: usize,
+    /// Flows marked as past their Service's maximum connection age (the data path then resets
+    /// a TCP one at its next packet and re-balances a UDP one).
+    pub aged: usize,
+}
+
+/// When the collector first saw a flow of a Service with a maximum connection age.
+#[derive(Clone, Copy, Debug)]
+struct Born {
+    first_seen_ns: u64,
+    ids: (u32, u32),
+    /// The pass over the assured table that last saw it (older ones are forgotten).
+    pass: u64,
 }
 
 /// The collector: a cursor per table, one batch of each per round.
@@ -160,11 +172,44 @@ pub struct Gc {
     pub timeouts: Timeouts,
     pub batch: usize,
     cursors: HashMap<Table, Option<u32>>,
+    /// Maximum connection age (ns) by service id: the Services that ask for one
+    /// (kpr.io/max-connection-age).
+    max_age: HashMap<u32, u64>,
+    /// Forward keys of those Services' flows, from when the collector first saw them: a flow's
+    /// age is counted from there (so it ends within a pass over the table after its maximum).
+    born: HashMap<CtKey, Born>,
+    passes: u64,
 }
 
 impl Gc {
     pub fn new(timeouts: Timeouts, batch: usize) -> Self {
-        Self { timeouts, batch, cursors: HashMap::new() }
+        Self { timeouts, batch, cursors: HashMap::new(), max_age: HashMap::new(), born: HashMap::new(), passes: 0 }
+    }
+
+    /// The Services with a maximum connection age, by service id (seconds).
+    pub fn set_max_ages(&mut self, ages: HashMap<u32, u32>) {
+        self.max_age = ages.into_iter().map(|(id, s)| (id, u64::from(s) * 1_000_000_000)).collect();
+        let max_age = &self.max_age;
+        self.born.retain(|_, b| max_age.contains_key(&b.ids.0));
+    }
+
+    /// Marks a flow past its Service's maximum connection age; remembers when it was first seen.
+    fn age(&mut self, t: &mut dyn ConntrackTables, table: Table, flow: &Flow, now_ns: u64, st: &mut GcStats) -> Result<(), MapError> {
+        let Some((k, v)) = flow.forward else { return Ok(()) };
+        let Some(max) = self.max_age.get(&v.service_id).copied() else { return Ok(()) };
+        let ids = (v.service_id, v.backend_id);
+        let pass = self.passes;
+        let b = self.born.entry(k).or_insert(Born { first_seen_ns: now_ns, ids, pass });
+        if b.ids != ids {
+            // The tuple carries another flow now.
+            *b = Born { first_seen_ns: now_ns, ids, pass };
+        }
+        b.pass = pass;
+        if v.flags & CT_F_MAX_AGE == 0 && now_ns.saturating_sub(b.first_seen_ns) > max && t.set_flags_if(table, &k, &v, CT_F_MAX_AGE)? {
+            st.aged += 1;
+            self.born.remove(&k);
+        }
+        Ok(())
     }
 
     /// One round: the next batch of each table; idle flows (every entry idle past its timeout)
@@ -189,10 +234,18 @@ impl Gc {
                 if now_ns.saturating_sub(flow.last_seen_ns()) > timeout {
                     delete_flow(t, table, &flow, &mut st)?;
                     gone.extend(flow.entries().map(|(k, _)| *k));
+                } else if table == Table::Assured && !self.max_age.is_empty() {
+                    self.age(t, table, &flow, now_ns, &mut st)?;
                 }
             }
+            if table == Table::Assured && next.is_none() {
+                // A whole pass is done: forget the flows it did not see.
+                let pass = self.passes;
+                self.born.retain(|_, b| b.pass == pass);
+                self.passes += 1;
+            }
         }
-        if st.entries > 0 {
+        if st.entries > 0 || st.aged > 0 {
             t.invalidate_flow_cache()?;
         }
         Ok(st)
@@ -384,6 +437,49 @@ mod tests {
         assert_eq!(t.assured.len(), 1, "the orphan is TCP: it waits for the established timeout");
         let st = Gc::new(Timeouts::default(), 16).round(&mut t, 86_401 * s).unwrap();
         assert_eq!(st.entries, 1);
+    }
+
+    #[test]
+    fn flows_past_their_services_maximum_age_are_marked_once_counted_from_first_sight() {
+        let s = 1_000_000_000u64;
+        let mut t = FakeTables::default();
+        let aged = flow(PROTO_TCP, ("10.244.9.2", 7000), ("10.96.0.10", 80), ("10.244.1.2", 8080), 7000, None, 0);
+        let mut other = flow(PROTO_TCP, ("10.244.9.2", 7001), ("10.96.0.11", 80), ("10.244.1.2", 8080), 7001, None, 0);
+        for e in other.iter_mut() {
+            e.1.service_id = 4;
+        }
+        for (k, v) in aged.iter().chain(&other) {
+            t.assured.insert(*k, *v);
+        }
+        let mut gc = Gc::new(Timeouts::default(), 16);
+        gc.set_max_ages([(3, 10)].into_iter().collect());
+        // Busy flows (stamped every round): only the age can end them.
+        let at = |t: &mut FakeTables, gc: &mut Gc, secs: u64| {
+            for v in t.assured.values_mut() {
+                v.last_seen_ns = secs * s;
+            }
+            gc.round(t, secs * s).unwrap()
+        };
+        assert_eq!(at(&mut t, &mut gc, 100).aged, 0, "first seen at 100 s");
+        assert_eq!(at(&mut t, &mut gc, 105).aged, 0);
+        let generation = t.flow_cache_generation;
+        let st = at(&mut t, &mut gc, 111);
+        assert_eq!((st.aged, st.flows), (1, 0), "marked, not deleted: {st:?}");
+        assert!(t.assured[&aged[0].0].flags & CT_F_MAX_AGE != 0, "the forward entry carries the mark");
+        assert!(t.assured[&aged[1].0].flags & CT_F_MAX_AGE == 0, "only the forward entry");
+        assert!(t.assured[&other[0].0].flags & CT_F_MAX_AGE == 0, "a Service without a maximum age is left alone");
+        assert!(t.flow_cache_generation > generation, "no CPU may answer the marked flow from its cache");
+        assert_eq!(at(&mut t, &mut gc, 130).aged, 0, "once");
+        // The tuple carrying a new flow (another backend) counts from its own first sight.
+        t.assured.get_mut(&aged[0].0).unwrap().flags = 0;
+        t.assured.get_mut(&aged[0].0).unwrap().backend_id = 8;
+        assert_eq!(at(&mut t, &mut gc, 131).aged, 0);
+        assert_eq!(at(&mut t, &mut gc, 142).aged, 1);
+        // A Service that no longer asks: nothing more is marked.
+        t.assured.get_mut(&aged[0].0).unwrap().flags = 0;
+        t.assured.get_mut(&aged[0].0).unwrap().backend_id = 9;
+        gc.set_max_ages(HashMap::new());
+        assert_eq!(at(&mut t, &mut gc, 200).aged, 0);
     }
 
     #[test]

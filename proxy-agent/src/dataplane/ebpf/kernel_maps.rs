@@ -110,6 +110,14 @@ impl ConntrackTables for KernelConntrack {
             Err(e) => Err(op(table.map_name(), "lookup", e)),
         }
     }
+    fn set_flags_if(&mut self, table: Table, key: &CtKey, expected: &CtValue, flags: u16) -> Result<bool, MapError> {
+        let Some(mut v) = self.get(table, key)?.filter(|v| v.service_id == expected.service_id && v.backend_id == expected.backend_id) else {
+            return Ok(false);
+        };
+        v.flags |= flags;
+        let fd = aya::maps::IterableMap::map(self.map(table)).fd();
+        crate::dataplane::ebpf::bpf_batch::update_existing(fd, key, &v).map_err(|source| MapError::Op { map: table.map_name(), op: "update", source })
+    }
     fn delete_if(&mut self, table: Table, key: &CtKey, expected: &CtValue) -> Result<bool, MapError> {
         let name = table.map_name();
         let fd = aya::maps::IterableMap::map(self.map(table)).fd();

@@ -228,6 +228,10 @@ pub trait ConntrackTables {
     /// Deletes `key` if it still holds `expected`. An entry that changed meanwhile is kept (put
     /// back if it was taken out). Returns whether it was deleted.
     fn delete_if(&mut self, table: Table, key: &CtKey, expected: &CtValue) -> Result<bool, MapError>;
+    /// Sets `flags` on `key`'s entry if it still belongs to the flow of `expected` (same service
+    /// and backend). Returns whether it did. The data path may stamp the entry meanwhile: the
+    /// stamp written back is at most one round old.
+    fn set_flags_if(&mut self, table: Table, key: &CtKey, expected: &CtValue, flags: u16) -> Result<bool, MapError>;
     /// After deleting flows that may still carry packets: no CPU's flow cache may answer for
     /// them any more.
     fn invalidate_flow_cache(&mut self) -> Result<(), MapError>;
@@ -291,6 +295,15 @@ impl ConntrackTables for FakeTables {
         match m.get(key) {
             Some(v) if v == expected => {
                 m.remove(key);
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+    fn set_flags_if(&mut self, table: Table, key: &CtKey, expected: &CtValue, flags: u16) -> Result<bool, MapError> {
+        match self.table_mut(table).get_mut(key) {
+            Some(v) if v.service_id == expected.service_id && v.backend_id == expected.backend_id => {
+                v.flags |= flags;
                 Ok(true)
             }
             _ => Ok(false),

@@ -1,7 +1,7 @@
 //! eBPF mode's `Dataplane`: the fast path's programs on the node's interfaces and cgroup, its
 //! maps synced by difference, and the conntrack collector on its own thread.
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeSet, HashMap},
     path::PathBuf,
     sync::{atomic::Ordering, mpsc},
     time::{Duration, Instant},
@@ -45,8 +45,18 @@ pub struct EbpfPlane {
     syncer: Syncer,
     interfaces: Interfaces,
     config: ConfigInputs,
-    /// The collector's inbox: endpoints whose flows go at once.
-    gc: Option<mpsc::Sender<BTreeSet<RemovedBackend>>>,
+    /// The collector's inbox.
+    gc: Option<mpsc::Sender<GcMessage>>,
+    /// The maximum connection ages last sent to the collector.
+    max_ages: HashMap<u32, u32>,
+}
+
+/// What a sync tells the collector.
+enum GcMessage {
+    /// Endpoints whose flows go at once.
+    Removed(BTreeSet<RemovedBackend>),
+    /// Maximum connection age (seconds) by service id, for every Service that has one.
+    MaxAges(HashMap<u32, u32>),
 }
 
 /// What KPR_CFG is made of. Both modes write it: IPVS mode's programs read the local-client
@@ -129,13 +139,25 @@ impl EbpfPlane {
             ..Default::default()
         };
         let gc = start_gc(pin_dir.clone(), timeouts, stats);
-        Ok(Self { dp, maps, syncer: Syncer::default(), interfaces: Interfaces::new(s, pin_dir, true), config: ConfigInputs::new(s, timeouts), gc })
+        Ok(Self {
+            dp,
+            maps,
+            syncer: Syncer::default(),
+            interfaces: Interfaces::new(s, pin_dir, true),
+            config: ConfigInputs::new(s, timeouts),
+            gc,
+            max_ages: HashMap::new(),
+        })
     }
 }
 
 impl Dataplane for EbpfPlane {
     fn mode(&self) -> Mode {
         Mode::Ebpf
+    }
+
+    fn ends_old_connections(&self) -> bool {
+        true
     }
 
     fn reconcile_interfaces(&mut self) {
@@ -154,7 +176,19 @@ impl Dataplane for EbpfPlane {
             SyncError::Map(m) => DataplaneError::Map(m),
         })?;
         if let (Some(gc), false) = (&self.gc, st.removed.is_empty()) {
-            let _ = gc.send(st.removed);
+            let _ = gc.send(GcMessage::Removed(st.removed));
+        }
+        let max_ages: HashMap<u32, u32> = desired
+            .frontends
+            .iter()
+            .filter(|(_, f)| f.max_connection_age_s > 0)
+            .filter_map(|(k, f)| Some((self.syncer.service_id(k)?, f.max_connection_age_s)))
+            .collect();
+        if max_ages != self.max_ages {
+            if let Some(gc) = &self.gc {
+                let _ = gc.send(GcMessage::MaxAges(max_ages.clone()));
+            }
+            self.max_ages = max_ages;
         }
         Ok(st.plane)
     }
@@ -190,8 +224,8 @@ fn masquerade_ports() -> (u16, u16) {
 
 /// The conntrack collector's thread: one bounded round every GC_INTERVAL, and at once the
 /// cleanup of endpoints that left their service (sent by the syncs).
-fn start_gc(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats) -> Option<mpsc::Sender<BTreeSet<RemovedBackend>>> {
-    let (tx, rx) = mpsc::channel::<BTreeSet<RemovedBackend>>();
+fn start_gc(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats) -> Option<mpsc::Sender<GcMessage>> {
+    let (tx, rx) = mpsc::channel::<GcMessage>();
     let spawned = std::thread::Builder::new().name("kpr-gc".into()).spawn(move || {
         let (mut tables, balanced) = match (KernelConntrack::open(&pin_dir), KernelSockRev::open(&pin_dir)) {
             (Ok(t), Ok(b)) => (t, b),
@@ -207,7 +241,11 @@ fn start_gc(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats) -> Option<
         let mut last_affinity = Instant::now();
         while !STOP.load(Ordering::Relaxed) {
             match rx.recv_timeout(GC_INTERVAL) {
-                Ok(removed) => {
+                Ok(GcMessage::MaxAges(ages)) => {
+                    info!(services = ages.len(), "frontends with a maximum connection age");
+                    gc.set_max_ages(ages);
+                }
+                Ok(GcMessage::Removed(removed)) => {
                     let handles = endpoint_cleanup::Handles {
                         tables: &mut tables,
                         affinity: &mut affinity,
@@ -234,10 +272,12 @@ fn start_gc(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats) -> Option<
             }
             match gc.round(&mut tables, kernel::monotonic_ns()) {
                 Ok(st) => {
-                    if st.flows > 0 {
-                        tracing::debug!(read = st.read, flows = st.flows, entries = st.entries, kept = st.kept, "collected idle flows");
+                    if st.flows > 0 || st.aged > 0 {
+                        tracing::debug!(read = st.read, flows = st.flows, entries = st.entries, kept = st.kept, aged = st.aged, "collected idle flows");
                     }
-                    stats.lock().unwrap().m.gc_flows_total.inc_by(st.flows as u64);
+                    let s = stats.lock().unwrap();
+                    s.m.gc_flows_total.inc_by(st.flows as u64);
+                    s.m.max_age_flows_total.inc_by(st.aged as u64);
                 }
                 Err(e) => warn!(error = %e, "conntrack gc round failed"),
             }

@@ -127,6 +127,11 @@ fn range_key(service_id: u32, net: &ipnet::IpNet) -> SrcRange {
 }
 
 impl Syncer {
+    /// The service id given to a frontend, once synced.
+    pub fn service_id(&self, k: &crate::model::FrontendKey) -> Option<u32> {
+        self.service_ids.get(&crate::dataplane::ebpf::wire::service_key(k)).copied()
+    }
+
     pub fn new(max_services: u32, maglev_rows: u32) -> Self {
         Self {
             backend_ids: HashMap::new(),
@@ -588,6 +593,7 @@ mod tests {
             preserve_source: false,
             no_local_endpoint: false,
             source_ranges: vec!["198.18.0.0/24".parse().unwrap()],
+            max_connection_age_s: 0,
             backends: backends.iter().map(|(ip, port)| BackendKey { ip: ip.parse().unwrap(), port: *port, proto: Protocol::Tcp }).collect(),
             ipvs: Default::default(),
         }

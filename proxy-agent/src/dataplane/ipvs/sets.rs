@@ -340,6 +340,7 @@ mod tests {
             preserve_source: local,
             no_local_endpoint: false,
             source_ranges: ranges.iter().map(|r| r.parse().unwrap()).collect(),
+            max_connection_age_s: 0,
             backends: vec![BackendKey { ip: "10.244.1.2".parse().unwrap(), port: 8080, proto: Protocol::Tcp }],
             ipvs: IpvsOptions::default(),
         }

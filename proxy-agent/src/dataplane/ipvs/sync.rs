@@ -285,6 +285,7 @@ mod tests {
             preserve_source: false,
             no_local_endpoint: false,
             source_ranges: vec![],
+            max_connection_age_s: 0,
             backends: backends.iter().map(|(ip, port)| BackendKey { ip: ip.parse().unwrap(), port: *port, proto }).collect(),
             ipvs: IpvsOptions::default(),
         }
