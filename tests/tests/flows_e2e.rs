@@ -1,7 +1,8 @@
 //! Flows follow their endpoints, end to end: UDP clients leave a removed endpoint at once (pods
 //! through the data path's conntrack, the node's own processes through their sockets),
-//! connect-time balancing is for the host's sockets only, kube-proxy's verdicts, and assured
-//! flows survive a SYN flood several times the conntrack's size.
+//! connect-time balancing is for the host's sockets only, kube-proxy's verdicts, assured flows
+//! survive a SYN flood several times the conntrack's size, and a Service's maximum connection
+//! age ends old connections.
 use std::{
     io::{BufRead, BufReader, Write},
     path::PathBuf,
@@ -247,4 +248,48 @@ fn health_says_unhealthy_when_syncs_keep_failing() {
         assert!(Instant::now() < deadline, "healthy again once syncs succeed: {}", get(10256, "/healthz"));
         std::thread::sleep(Duration::from_millis(200));
     }
+}
+
+/// kpr.io/max-connection-age: a long-lived TCP connection is reset once it is older than its
+/// Service's maximum age (the client then reconnects, re-balanced), and a UDP client that never
+/// reconnects is moved across backends, where without the annotation it stays on one.
+#[test]
+fn a_maximum_connection_age_ends_old_connections_and_rebalances_udp() {
+    let dir = std::env::temp_dir().join(format!("kpr-flows-kpf7-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let eps: Vec<(&str, &str)> = ALL.iter().map(|b| (*b, A)).collect();
+    let aged = |age: &str| format!(", annotations: {{kpr.io/max-connection-age: \"{age}\", kpr.io/scheduler: round-robin}}");
+    let mut y = service("aged", "10.96.0.60", 80, 8080, "TCP", &eps, "", &aged("2s"));
+    y += &service("aged-udp", "10.96.0.61", 53, 5353, "UDP", &eps, "", &aged("1s"));
+    y += &service("dns", "10.96.0.53", 53, 5353, "UDP", &eps, "", ", annotations: {kpr.io/scheduler: round-robin}");
+    std::fs::write(dir.join("services.yaml"), y).unwrap();
+    let mut lab = Lab::build("kpf7", &dir);
+    lab.start_agent();
+    for vip in ["10.96.0.60:80", "10.96.0.61:53", "10.96.0.53:53"] {
+        lab.wait_backends(vip, 3);
+    }
+    // TCP: a request every 50 ms on one connection for up to 8 s; reset after about 2 s (the
+    // collector counts the age from when it first sees the flow, within a round of 250 ms).
+    let start = Instant::now();
+    let held = lab.peer("pod", &["hold", "10.96.0.60:80", "8"]);
+    let took = start.elapsed();
+    let answers: u64 = per_backend(&held).iter().map(|(_, n)| n).sum();
+    assert_eq!(errors(&held), 1, "the held connection must be ended: {held}");
+    assert!(held["first_error"].as_str().unwrap_or("").contains("failed after"), "{held}");
+    assert!((25..=100).contains(&answers) && took < Duration::from_secs(6), "ended after {answers} answers in {took:?}, not near the 2 s maximum age: {held}");
+    // A new connection is served at once.
+    let v = lab.peer("pod", &["burst", "10.96.0.60:80", "tcp", "3"]);
+    assert_eq!(errors(&v), 0, "{v}");
+    // UDP: one connected socket for 5 s; moved on every second with the maximum age, never
+    // without it.
+    let moved = lab.peer("pod", &["udpc-hold", "10.96.0.61:53", "5"]);
+    assert_eq!(errors(&moved), 0, "{moved}");
+    assert!(per_backend(&moved).len() >= 2, "a UDP client past the maximum age is re-balanced: {moved}");
+    let stays = lab.peer("pod", &["udpc-hold", "10.96.0.53:53", "3"]);
+    assert_eq!(per_backend(&stays).len(), 1, "without a maximum age the flow stays: {stays}");
+    let status: serde_json::Value = serde_json::from_str(&lab.cli(&["status", "--json"])).unwrap();
+    assert!(status["counters"]["max_age_reset"].as_u64().unwrap_or(0) >= 1, "{status}");
+    lab.kill_agent();
+    let _ = std::fs::remove_dir_all(&dir);
 }
