@@ -123,6 +123,8 @@ macro_rules! prog_name {
     (GETPEERNAME4) => { "kpr_getpeername4" };
     (CONNECT4_IPVS) => { "kpr_connect4_ipvs" };
     (SENDMSG4_IPVS) => { "kpr_sendmsg4_ipvs" };
+    (CONNECT6_IPVS) => { "kpr_connect6_ipvs" };
+    (SENDMSG6_IPVS) => { "kpr_sendmsg6_ipvs" };
     (TC_IPSET) => { "kpr_tc_ipset" };
     (LOOPBACK) => { "kpr_loopback" };
 }
@@ -146,7 +148,9 @@ pub mod prog_names {
     /// the node (kube-proxy's KUBE-IPVS-OUT-FILTER), refused at connect time.
     pub const CONNECT4_IPVS: &str = prog_name!(CONNECT4_IPVS);
     pub const SENDMSG4_IPVS: &str = prog_name!(SENDMSG4_IPVS);
-    pub const SOCK_IPVS: [&str; 2] = [CONNECT4_IPVS, SENDMSG4_IPVS];
+    pub const CONNECT6_IPVS: &str = prog_name!(CONNECT6_IPVS);
+    pub const SENDMSG6_IPVS: &str = prog_name!(SENDMSG6_IPVS);
+    pub const SOCK_IPVS: [&str; 4] = [CONNECT4_IPVS, SENDMSG4_IPVS, CONNECT6_IPVS, SENDMSG6_IPVS];
     /// IPVS mode: kube-proxy's set matching at TC ingress (masquerade mark, firewall, filter).
     pub const TC_IPSET: &str = prog_name!(TC_IPSET);
     /// IPVS mode: KUBE-LOOP-BACK, an xt_bpf match in the fixed POSTROUTING rules.

@@ -181,3 +181,9 @@ pub fn loopback_match(ctx: &SkBuffContext) -> bool {
 pub fn node_may_connect(daddr: u32, dport: u16, proto: u8) -> bool {
     bits_ip_port(&SetIpPort { addr: [daddr, 0, 0, 0], port: dport, proto, family: FAMILY_V4 }) & sets::LOAD_BALANCER_NODE_DENY == 0
 }
+
+/// The same for an IPv6 address (network order).
+#[inline(always)]
+pub fn node_may_connect6(daddr: [u32; 4], dport: u16, proto: u8) -> bool {
+    bits_ip_port(&SetIpPort { addr: daddr, port: dport, proto, family: FAMILY_V6 }) & sets::LOAD_BALANCER_NODE_DENY == 0
+}

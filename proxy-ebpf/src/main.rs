@@ -112,6 +112,15 @@ program!("cgroup/sendmsg4" SENDMSG4_IPVS: fn sendmsg4_ipvs(ctx: SockAddrContext,
     sock::ipvs_out_filter(&ctx)
 });
 
+// IPVS mode: KUBE-IPVS-OUT-FILTER for the node's IPv6 sockets.
+program!("cgroup/connect6" CONNECT6_IPVS: fn connect6_ipvs(ctx: SockAddrContext, bpf_sock_addr) -> i32 {
+    sock::ipvs_out_filter6(&ctx)
+});
+
+program!("cgroup/sendmsg6" SENDMSG6_IPVS: fn sendmsg6_ipvs(ctx: SockAddrContext, bpf_sock_addr) -> i32 {
+    sock::ipvs_out_filter6(&ctx)
+});
+
 // IPVS mode: KUBE-LOOP-BACK as an xt_bpf match (non-zero: the packet is in the set).
 program!("socket" LOOPBACK: fn loopback(ctx: SkBuffContext, __sk_buff) -> i64 {
     ipset::loopback_match(&ctx) as i64

@@ -76,6 +76,26 @@ pub fn ipvs_out_filter(ctx: &SockAddrContext) -> i32 {
     }
 }
 
+/// `ipvs_out_filter` for the node's IPv6 sockets.
+#[inline(always)]
+pub fn ipvs_out_filter6(ctx: &SockAddrContext) -> i32 {
+    let Some(cfg) = CONFIG.get(0) else { return ALLOW };
+    let sa = unsafe { &*ctx.sock_addr };
+    let proto = sa.protocol as u8;
+    if !host_socket(ctx, cfg) || (proto != PROTO_TCP && proto != PROTO_UDP) {
+        return ALLOW;
+    }
+    // Word by word: the verifier allows ctx loads at constant offsets only, not through a
+    // pointer into the context.
+    let ip6 = unsafe { [0usize, 1, 2, 3].map(|i| core::ptr::read_volatile(&sa.user_ip6[i])) };
+    if crate::ipset::node_may_connect6(ip6, sa.user_port as u16, proto) {
+        ALLOW
+    } else {
+        bump(counter::SET_DROP_FIREWALL);
+        DENY
+    }
+}
+
 /// Points the socket at a backend. Returns DENY when the service has no endpoints.
 #[inline(always)]
 pub fn balance(ctx: &SockAddrContext) -> i32 {

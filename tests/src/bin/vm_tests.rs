@@ -537,8 +537,8 @@ fn sctp_service(lab: &Lab) -> Result<()> {
 }
 
 /// IPv6 in IPVS mode: a dual-stack Service's IPv6 virtual servers (ipvsadm the oracle), its
-/// VIPs on kube-ipvs0, kube-proxy's KUBE-6-* sets, the ip6tables rules, and real IPv6 TCP and
-/// UDP. The backends have an IPv6 route to the cluster only, so the client outside it (on the
+/// VIPs on kube-ipvs0, kube-proxy's KUBE-6-* sets, the ip6tables rules, the IPv6 source-range
+/// firewall for the node's own sockets, and real IPv6 TCP and UDP. The backends have an IPv6 route to the cluster only, so the client outside it (on the
 /// underlay) is answered only when the node masqueraded it: through ClusterIP (off the IPv6
 /// cluster CIDR), NodePort on the node's IPv6 address, and the LoadBalancer IP.
 fn ipv6_service(lab: &Lab) -> Result<()> {
@@ -561,7 +561,7 @@ fn ipv6_service(lab: &Lab) -> Result<()> {
     let file = lab.manifests.join("dual.yaml");
     std::fs::write(
         &file,
-        "apiVersion: v1\nkind: Service\nmetadata: {name: dual, namespace: demo}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.70\n  clusterIPs: [10.96.0.70, \"fd00:96::70\"]\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n\
+        "apiVersion: v1\nkind: Service\nmetadata: {name: dual, namespace: demo}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.70\n  clusterIPs: [10.96.0.70, \"fd00:96::70\"]\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n  loadBalancerSourceRanges: [\"fd00:198::2/128\"]\n\
          \x20 ports: [{name: http, port: 80, targetPort: 8080, nodePort: 30086}, {name: dns, port: 53, targetPort: 5353, protocol: UDP, nodePort: 30087}]\n\
          status: {loadBalancer: {ingress: [{ip: \"2001:db8::70\"}]}}\n---\n\
          apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: dual-6, namespace: demo, labels: {kubernetes.io/service-name: dual}}\naddressType: IPv6\n\
@@ -610,6 +610,8 @@ fn ipv6_service(lab: &Lab) -> Result<()> {
         ("KUBE-6-NODE-PORT-TCP", "30086"),
         ("KUBE-6-LOOP-BACK", "fd00:244:2::2,tcp:8080,fd00:244:2::2"),
         ("KUBE-6-IPVS-IPS", "fd00:96::70"),
+        ("KUBE-6-LOAD-BALANCER-SOURCE-CIDR", "2001:db8::70,tcp:80,fd00:198::2/128"),
+        ("KPR-6-LOAD-BALANCER-NODE-DENY", "2001:db8::70,tcp:80"),
         ("KUBE-CLUSTER-IP", "10.96.0.70,tcp:80"),
     ] {
         let block = sets.split("\n\n").find(|b| b.starts_with(&format!("Name: {set}\n"))).with_context(|| format!("set {set} listed:\n{sets}"))?;
@@ -630,6 +632,9 @@ fn ipv6_service(lab: &Lab) -> Result<()> {
         ensure!(errors(&v) == 0 && per_backend(&v).len() == 3, "{what}: {v}");
         println!("  {what}: {v}");
     }
+    // KUBE-IPVS-OUT-FILTER over IPv6: the node's own address is outside the LB's source range.
+    let v = burst(lab, "host", "[2001:db8::70]:80", "tcp", "1");
+    ensure!(errors(&v) == 1 && v["first_error"].as_str().unwrap_or("").contains("not permitted"), "the node -> an IPv6 LB IP its ranges exclude: {v}");
     // Hairpin over IPv6: a backend reaching itself through its service (KUBE-6-LOOP-BACK).
     let v = burst(lab, "b1", "[fd00:96::70]:80", "tcp", "30");
     ensure!(errors(&v) == 0 && per_backend(&v).iter().any(|(b, _)| b == "b1"), "IPv6 hairpin b1 -> ClusterIP -> b1: {v}");
