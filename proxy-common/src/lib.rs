@@ -43,6 +43,7 @@ macro_rules! map_name {
     (COUNTERS) => { "KPR_CNT_V5" };
     (SOCK_REV) => { "KPR_SOCK_REV_V1" };
     (BACKEND_NEW) => { "KPR_BE_NEW_V1" };
+    (BACKEND_ACTIVE) => { "KPR_BE_ACTIVE_V1" };
     (FLOW_CACHE_GEN) => { "KPR_FC_GEN_V1" };
     // V2: the address keys carry the family and IPv6 addresses.
     (SET_IP_PORT) => { "KPR_SET_IPP_V2" };
@@ -75,6 +76,7 @@ pub mod map_names {
     pub const COUNTERS: &str = map_name!(COUNTERS);
     pub const SOCK_REV: &str = map_name!(SOCK_REV);
     pub const BACKEND_NEW: &str = map_name!(BACKEND_NEW);
+    pub const BACKEND_ACTIVE: &str = map_name!(BACKEND_ACTIVE);
     /// The flow cache's generation (see `FlowCacheEntry`).
     pub const FLOW_CACHE_GEN: &str = map_name!(FLOW_CACHE_GEN);
     /// IPVS mode's ipset mirrors (see `sets`).
@@ -86,9 +88,26 @@ pub mod map_names {
     pub const SETS: [&str; 5] = [SET_IP_PORT, SET_IP_PORT_IP, SET_IP_PORT_NET, SET_PORT, SET_IP];
     /// Pins of earlier layouts: removed at load, so an upgrade does not keep them (and their
     /// memory) alive next to their successors.
-    pub const RETIRED: [&str; 9] = ["KPR_SVC_V1", "KPR_SLOT_V1", "KPR_BE_V1", "KPR_CNT_V1", "KPR_CNT_V2", "KPR_CNT_V3", "KPR_CT_V1", "KPR_CT_V2", "KPR_CFG_V1"];
+    pub const RETIRED: [&str; 16] = [
+        "KPR_SVC_V1",
+        "KPR_SLOT_V1",
+        "KPR_BE_V1",
+        "KPR_CNT_V1",
+        "KPR_CNT_V2",
+        "KPR_CNT_V3",
+        "KPR_CNT_V4",
+        "KPR_CT_V1",
+        "KPR_CT_V2",
+        "KPR_CFG_V1",
+        "KPR_CFG_V2",
+        "KPR_SET_IPP_V1",
+        "KPR_SET_IPPI_V1",
+        "KPR_SET_IPPN_V1",
+        "KPR_SET_PORT_V1",
+        "KPR_SET_IP_V1",
+    ];
     /// Every map the fast path pins.
-    pub const ALL: [&str; 15] = [
+    pub const ALL: [&str; 16] = [
         SERVICES,
         SLOTS,
         MAGLEV,
@@ -103,6 +122,7 @@ pub mod map_names {
         COUNTERS,
         SOCK_REV,
         BACKEND_NEW,
+        BACKEND_ACTIVE,
         FLOW_CACHE_GEN,
     ];
 }
@@ -341,6 +361,13 @@ pub const SCOPE_EXTERNAL: u8 = 1;
 pub const SCHED_RANDOM: u8 = 0;
 pub const SCHED_ROUND_ROBIN: u8 = 1;
 pub const SCHED_MAGLEV: u8 = 2;
+/// The backend with the fewest active flows (KPR_BE_ACTIVE_V1): an exact minimum over up to
+/// LEAST_CONN_EXACT_MAX backends, the better of two random ones above.
+pub const SCHED_LEAST_CONN: u8 = 3;
+/// Power of two choices: the less loaded of two random backends, whatever their number.
+pub const SCHED_P2C: u8 = 4;
+/// Up to this many backends, least-connection compares them all (one lookup pair each).
+pub const LEAST_CONN_EXACT_MAX: u32 = 8;
 
 /// ServiceValue::flags.
 /// Masquerade every packet of this frontend (NodePort/ExternalIP/LB with externalTrafficPolicy Cluster).

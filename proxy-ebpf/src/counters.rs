@@ -1,5 +1,5 @@
 //! Per-CPU counters instead of logging on the hot path.
-use crate::maps::{BACKEND_NEW, COUNTERS};
+use crate::maps::{BACKEND_ACTIVE, BACKEND_NEW, COUNTERS};
 
 #[inline(always)]
 pub fn bump(index: u32) {
@@ -14,5 +14,15 @@ pub fn bump(index: u32) {
 pub fn backend_new(backend_id: u32) {
     if let Some(p) = BACKEND_NEW.get_ptr_mut(backend_id) {
         unsafe { *p += 1 };
+    }
+}
+
+/// One more active flow on this backend (least-connection and P2C services). Shared by every
+/// CPU and not atomic (Rust offers no atomic add on the BPF target): two CPUs adding at once
+/// may lose one, which the collector's next count corrects.
+#[inline(always)]
+pub fn backend_active(backend_id: u32) {
+    if let Some(p) = BACKEND_ACTIVE.get_ptr_mut(backend_id) {
+        unsafe { *p = (*p).wrapping_add(1) };
     }
 }

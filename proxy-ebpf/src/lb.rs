@@ -1,13 +1,14 @@
-//! Service lookup and backend choice: random, round-robin, Maglev; ClientIP affinity on top.
+//! Service lookup and backend choice: random, round-robin, Maglev, least-connection and power
+//! of two choices; ClientIP affinity on top.
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use proxy_common::{
     counter, limits::MAGLEV_TABLE_SIZE, AffinityKey, AffinityValue, Backend, ServiceKey,
-    ServiceValue, SlotKey, SCHED_MAGLEV, SCHED_ROUND_ROBIN,
+    ServiceValue, SlotKey, LEAST_CONN_EXACT_MAX, SCHED_LEAST_CONN, SCHED_MAGLEV, SCHED_P2C, SCHED_ROUND_ROBIN,
 };
 
 use crate::{
     counters::bump,
-    maps::{AFFINITY, BACKENDS, MAGLEV, RR_STATE, SLOTS, SERVICES},
+    maps::{AFFINITY, BACKENDS, BACKEND_ACTIVE, MAGLEV, RR_STATE, SLOTS, SERVICES},
     parse::Flow,
 };
 
@@ -43,6 +44,8 @@ fn schedule(svc: &ServiceValue, f: &Flow) -> Option<u32> {
     let slot = if svc.scheduler == SCHED_MAGLEV {
         let idx = svc.maglev_row * MAGLEV_TABLE_SIZE + flow_hash(f) % MAGLEV_TABLE_SIZE;
         return MAGLEV.get(idx).copied().filter(|id| *id != 0);
+    } else if svc.scheduler == SCHED_LEAST_CONN || svc.scheduler == SCHED_P2C {
+        return least_loaded(svc);
     } else if svc.scheduler == SCHED_ROUND_ROBIN {
         let cursor = RR_STATE.get_ptr_mut(svc.service_id)?;
         // This CPU's cursor only: no other writer.
@@ -55,6 +58,51 @@ fn schedule(svc: &ServiceValue, f: &Flow) -> Option<u32> {
         (unsafe { bpf_get_prandom_u32() }) % count + 1
     };
     unsafe { SLOTS.get(&SlotKey { service_id: svc.service_id, slot }) }.copied()
+}
+
+#[inline(always)]
+fn slot_backend(service_id: u32, slot: u32) -> Option<u32> {
+    unsafe { SLOTS.get(&SlotKey { service_id, slot }) }.copied()
+}
+
+#[inline(always)]
+fn active(backend_id: u32) -> u32 {
+    BACKEND_ACTIVE.get(backend_id).copied().unwrap_or(0)
+}
+
+/// Least-connection (every backend compared, from a random start so ties spread, while there are
+/// at most LEAST_CONN_EXACT_MAX) or power of two choices (the less loaded of two distinct random
+/// backends). Inlined: as a subprogram its frame would push the new-flow path's call chain
+/// past the 512-byte stack.
+#[inline(always)]
+fn least_loaded(svc: &ServiceValue) -> Option<u32> {
+    let count = svc.backend_count;
+    let r = unsafe { bpf_get_prandom_u32() };
+    if count == 0 {
+        return None;
+    }
+    if svc.scheduler == SCHED_LEAST_CONN && count <= LEAST_CONN_EXACT_MAX {
+        let start = r % count;
+        // Two scalars, not an Option of a pair: LLVM packs a pair into one 64-bit register
+        // with shifts, which the verifier refuses once a pointer shares the stack slot.
+        let (mut best_id, mut best_load) = (0u32, u32::MAX);
+        for i in 0..LEAST_CONN_EXACT_MAX {
+            if i >= count {
+                break;
+            }
+            let Some(id) = slot_backend(svc.service_id, (start + i) % count + 1) else { continue };
+            let load = active(id);
+            if best_id == 0 || load < best_load {
+                best_id = id;
+                best_load = load;
+            }
+        }
+        return (best_id != 0).then_some(best_id);
+    }
+    let a = r % count;
+    let b = if count > 1 { (a + 1 + (r >> 16) % (count - 1)) % count } else { a };
+    let (ida, idb) = (slot_backend(svc.service_id, a + 1)?, slot_backend(svc.service_id, b + 1)?);
+    Some(if active(idb) < active(ida) { idb } else { ida })
 }
 
 /// Picks the backend of a new flow. The remembered ClientIP backend wins inside the timeout

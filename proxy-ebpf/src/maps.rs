@@ -117,6 +117,13 @@ map! {
     BACKEND_NEW: PerCpuArray<u64> = PerCpuArray::pinned(MAX_BACKENDS, 0)
 }
 
+map! {
+    /// backend id -> active flows: the collector's count at its last pass over conntrack, plus
+    /// the flows least-connection and P2C services opened since (the next count replaces the
+    /// sum, so ended flows need no decrement).
+    BACKEND_ACTIVE: Array<u32> = Array::pinned(MAX_BACKENDS, 0)
+}
+
 // ---- IPVS mode: kube-proxy's ipsets (proxy_common::sets), one bit per set ----
 
 map! {

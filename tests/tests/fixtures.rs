@@ -39,6 +39,8 @@ fn slice(name: &str, port: u16, proto: &str, addrs: &[&str]) -> String {
 const BACKENDS: [&str; 3] = ["10.244.1.1", "10.244.1.2", "10.244.1.3"];
 /// Used by no other service, so removing one removes the backend itself.
 const WEB: [&str; 3] = ["10.244.2.1", "10.244.2.2", "10.244.2.3"];
+/// The least-connection and P2C services' backends.
+const LOADED: [&str; 3] = ["10.244.3.1", "10.244.3.2", "10.244.3.3"];
 
 fn manifests() -> String {
     let mut y = String::new();
@@ -57,6 +59,10 @@ fn manifests() -> String {
     y += &slice("lb", 8443, "TCP", &["10.244.1.2"]);
     y += &svc("dns", "10.96.0.15", 53, "UDP", "", "");
     y += &slice("dns", 5353, "UDP", &["10.244.1.3"]);
+    y += &svc("lc", "10.96.0.21", 80, "TCP", "", "  annotations: {kpr.io/scheduler: least-connection}\n");
+    y += &slice("lc", 8080, "TCP", &LOADED);
+    y += &svc("p2c", "10.96.0.22", 80, "TCP", "", "  annotations: {kpr.io/scheduler: p2c}\n");
+    y += &slice("p2c", 8080, "TCP", &LOADED);
     y += &svc("hairpin", "10.96.0.16", 80, "TCP", "", "");
     y += &slice("hairpin", 8080, "TCP", &["10.244.1.1"]);
     y += &svc("maglev", "10.96.0.17", 80, "TCP", "", "  annotations: {kpr.io/scheduler: maglev}\n");
@@ -778,4 +784,56 @@ fn a_flow_past_its_maximum_age_is_reset_or_rebalanced() {
     assert_eq!(counter_of(&l, counter::NEW_FLOW), new_flows + 1, "a new flow");
     let fwd = l.conntrack(Table::Assured).into_iter().find(|(k, v)| !v.is_reply() && k.sport == 45001u16.to_be() && k.dir == proxy_common::CT_DIR_INGRESS);
     assert!(fwd.is_some_and(|(_, v)| v.flags & proxy_common::CT_F_MAX_AGE == 0), "the new flow is unmarked");
+}
+
+/// Least-connection and power of two choices read the active-flow counts (KPR_BE_ACTIVE_V1, as
+/// the collector writes them) and add each new flow to its backend's count: least-connection
+/// fills the least loaded backend until it catches up; P2C never picks the most loaded of three.
+#[test]
+fn least_connection_and_p2c_follow_the_active_flow_counts() {
+    use proxy_agent::dataplane::ebpf::{
+        kernel_maps::KernelBackendLoads,
+        maps::{write_loads, BackendLoads},
+    };
+    let mut l = load("leastconn");
+    let ids: std::collections::HashMap<String, u32> =
+        l.maps.backends().unwrap().into_iter().filter(|(_, b)| b.port_host() == 8080).map(|(id, b)| (b.ip().to_string(), id)).collect();
+    let id = |ip: &str| ids[ip];
+    let mut loads = KernelBackendLoads::open(l.pins.path()).unwrap();
+    let mut written = std::collections::HashMap::new();
+    let set = |loads: &mut KernelBackendLoads, written: &mut std::collections::HashMap<u32, u32>, v: &[(&str, u32)]| {
+        write_loads(loads, written, &v.iter().map(|(ip, n)| (id(ip), *n)).collect()).unwrap();
+    };
+    let picks = |l: &mut Loaded, vip: &str, first_port: u16, n: u16| -> std::collections::BTreeMap<String, u32> {
+        let mut m = std::collections::BTreeMap::new();
+        for port in first_port..first_port + n {
+            let (_, out) = tc(&mut l.dp, &Frame::tcp("10.244.0.9", port, vip, 80, SYN));
+            *m.entry(parse(&out).dst.to_string()).or_default() += 1;
+        }
+        m
+    };
+    // b1 holds 10 flows, b2 none, b3 5: the first 5 go to b2; then b2 and b3 share until they
+    // reach b1's 10.
+    set(&mut loads, &mut written, &[("10.244.3.1", 10), ("10.244.3.2", 0), ("10.244.3.3", 5)]);
+    let first = picks(&mut l, "10.96.0.21", 46000, 5);
+    assert_eq!(first, [("10.244.3.2".to_string(), 5)].into_iter().collect(), "the least loaded first");
+    let next = picks(&mut l, "10.96.0.21", 46100, 10);
+    assert!(!next.contains_key("10.244.3.1") && next.values().sum::<u32>() == 10, "b1 is the most loaded until the others reach it: {next:?}");
+    // The data path added each flow to its backend's count.
+    let active = |ip: &str| -> u32 {
+        aya::maps::Array::<_, u32>::try_from(aya::maps::Map::Array(
+            aya::maps::MapData::from_pin(l.pins.path().join(proxy_common::map_names::BACKEND_ACTIVE)).unwrap(),
+        ))
+        .unwrap()
+        .get(&id(ip), 0)
+        .unwrap()
+    };
+    assert_eq!(active("10.244.3.2") + active("10.244.3.3"), 5 + 5 + 10);
+    // A count from the collector replaces the sum.
+    set(&mut loads, &mut written, &[("10.244.3.1", 100), ("10.244.3.2", 3), ("10.244.3.3", 3)]);
+    assert_eq!(active("10.244.3.2"), 3);
+    // P2C: two distinct random backends, the less loaded wins: never the one with 100.
+    let p2c = picks(&mut l, "10.96.0.22", 47000, 40);
+    assert!(!p2c.contains_key("10.244.3.1") && p2c.len() == 2, "{p2c:?}");
+    let _ = loads.set(id("10.244.3.1"), 0);
 }

@@ -33,6 +33,10 @@ pub enum Scheduler {
     Random,
     RoundRobin,
     Maglev,
+    /// The backend with the fewest open flows (exact up to 8 backends, two random choices above).
+    LeastConnection,
+    /// The less loaded of two random backends.
+    PowerOfTwo,
 }
 
 impl Scheduler {
@@ -41,6 +45,8 @@ impl Scheduler {
             Scheduler::Random => "random",
             Scheduler::RoundRobin => "round-robin",
             Scheduler::Maglev => "maglev",
+            Scheduler::LeastConnection => "least-connection",
+            Scheduler::PowerOfTwo => "p2c",
         }
     }
 }
@@ -52,7 +58,9 @@ impl FromStr for Scheduler {
             "random" => Ok(Scheduler::Random),
             "round-robin" | "rr" => Ok(Scheduler::RoundRobin),
             "maglev" | "mh" => Ok(Scheduler::Maglev),
-            other => Err(format!("unknown scheduler {other:?} (expected random, round-robin or maglev)")),
+            "least-connection" | "lc" => Ok(Scheduler::LeastConnection),
+            "p2c" | "power-of-two" => Ok(Scheduler::PowerOfTwo),
+            other => Err(format!("unknown scheduler {other:?} (expected random, round-robin, maglev, least-connection or p2c)")),
         }
     }
 }

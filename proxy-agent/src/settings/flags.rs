@@ -100,8 +100,8 @@ pub struct Flags {
     /// Masquerade all traffic to ClusterIPs [file: masqueradeAll of the mode's section].
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub masquerade_all: Option<bool>,
-    /// The fast path's default scheduler: random, round-robin, maglev (per Service: annotation
-    /// kpr.io/scheduler) [file: ipvs.scheduler rr or mh; default: random].
+    /// The fast path's default scheduler: random, round-robin, maglev, least-connection, p2c (per
+    /// Service: annotation kpr.io/scheduler) [file: ipvs.scheduler rr, mh or lc; default: random].
     #[arg(long)]
     pub scheduler: Option<String>,
     #[arg(long, value_enum, env = "KPR_XDP_MODE")]

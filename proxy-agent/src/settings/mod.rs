@@ -288,10 +288,11 @@ pub fn resolve(f: &Flags, file: Option<(&str, KubeProxyConfiguration)>) -> Resul
     let file_scheduler = set_str(&ipv.scheduler);
     file_scheduler.as_deref().map(check_ipvs_scheduler).transpose().map_err(|e| field_err("ipvs.scheduler", e))?;
     f.ipvs_scheduler.as_deref().map(check_ipvs_scheduler).transpose().map_err(|e| flag_err("ipvs-scheduler", e))?;
-    // The fast path's counterpart of an IPVS scheduler: rr and mh have one.
+    // The fast path's counterpart of an IPVS scheduler: rr, mh and lc have one.
     let file_fast_scheduler = match file_scheduler.as_deref() {
         Some("rr") => Some(Scheduler::RoundRobin),
         Some("mh") => Some(Scheduler::Maglev),
+        Some("lc") => Some(Scheduler::LeastConnection),
         Some(other) => {
             if the_mode != Mode::Ipvs {
                 notes.push(format!("{name}: ipvs.scheduler {other:?} applies to IPVS mode only; the eBPF fast path uses random"));

@@ -155,6 +155,8 @@ pub struct GcStats {
     /// Flows marked as past their Service's maximum connection age (the data path then resets
     /// a TCP one at its next packet and re-balances a UDP one).
     pub aged: usize,
+    /// A pass over a table ended this round: `Gc::active_flows` has a new count.
+    pub pass_done: bool,
 }
 
 /// When the collector first saw a flow of a Service with a maximum connection age.
@@ -179,11 +181,33 @@ pub struct Gc {
     /// age is counted from there (so it ends within a pass over the table after its maximum).
     born: HashMap<CtKey, Born>,
     passes: u64,
+    /// Open (not closing) flows by backend id, per table: the pass under way and the last whole one.
+    counting: HashMap<Table, HashMap<u32, u32>>,
+    counted: HashMap<Table, HashMap<u32, u32>>,
 }
 
 impl Gc {
     pub fn new(timeouts: Timeouts, batch: usize) -> Self {
-        Self { timeouts, batch, cursors: HashMap::new(), max_age: HashMap::new(), born: HashMap::new(), passes: 0 }
+        Self {
+            timeouts,
+            batch,
+            cursors: HashMap::new(),
+            max_age: HashMap::new(),
+            born: HashMap::new(),
+            passes: 0,
+            counting: HashMap::new(),
+            counted: HashMap::new(),
+        }
+    }
+
+    /// Open flows by backend id at the last whole pass over each table (what least-connection
+    /// and P2C compare).
+    pub fn active_flows(&self) -> HashMap<u32, u32> {
+        let mut out: HashMap<u32, u32> = HashMap::new();
+        for (id, n) in self.counted.values().flatten() {
+            *out.entry(*id).or_default() += n;
+        }
+        out
     }
 
     /// The Services with a maximum connection age, by service id (seconds).
@@ -234,9 +258,19 @@ impl Gc {
                 if now_ns.saturating_sub(flow.last_seen_ns()) > timeout {
                     delete_flow(t, table, &flow, &mut st)?;
                     gone.extend(flow.entries().map(|(k, _)| *k));
-                } else if table == Table::Assured && !self.max_age.is_empty() {
-                    self.age(t, table, &flow, now_ns, &mut st)?;
+                } else {
+                    if let Some((_, v)) = flow.forward.filter(|(_, v)| v.flags & CT_F_CLOSING == 0) {
+                        *self.counting.entry(table).or_default().entry(v.backend_id).or_default() += 1;
+                    }
+                    if table == Table::Assured && !self.max_age.is_empty() {
+                        self.age(t, table, &flow, now_ns, &mut st)?;
+                    }
                 }
+            }
+            if next.is_none() {
+                let counts = self.counting.remove(&table).unwrap_or_default();
+                self.counted.insert(table, counts);
+                st.pass_done = true;
             }
             if table == Table::Assured && next.is_none() {
                 // A whole pass is done: forget the flows it did not see.
@@ -480,6 +514,31 @@ mod tests {
         t.assured.get_mut(&aged[0].0).unwrap().backend_id = 9;
         gc.set_max_ages(HashMap::new());
         assert_eq!(at(&mut t, &mut gc, 200).aged, 0);
+    }
+
+    #[test]
+    fn open_flows_are_counted_per_backend_at_the_end_of_each_pass() {
+        let s = 1_000_000_000u64;
+        let mut t = FakeTables::default();
+        let mut n = 0;
+        for (port, backend, closing) in [(7000, 7, false), (7001, 7, false), (7002, 8, false), (7003, 8, true)] {
+            for (k, mut v) in flow(PROTO_TCP, ("10.244.9.2", port), ("10.96.0.10", 80), ("10.244.1.2", 8080), port, None, 100 * s) {
+                v.backend_id = backend;
+                if closing {
+                    v.flags |= CT_F_CLOSING;
+                }
+                t.assured.insert(k, v);
+                n += 1;
+            }
+        }
+        assert_eq!(n, 8);
+        // Batches of 3: the pass over the 8 entries takes three rounds.
+        let mut gc = Gc::new(Timeouts::default(), 3);
+        gc.round(&mut t, 101 * s).unwrap();
+        gc.round(&mut t, 101 * s).unwrap();
+        assert!(gc.active_flows().is_empty(), "nothing before a whole pass over the assured table");
+        assert!(gc.round(&mut t, 101 * s).unwrap().pass_done);
+        assert_eq!(gc.active_flows(), [(7, 2), (8, 1)].into_iter().collect(), "closing flows are not counted");
     }
 
     #[test]

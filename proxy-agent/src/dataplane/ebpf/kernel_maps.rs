@@ -67,6 +67,21 @@ impl KernelConntrack {
     }
 }
 
+/// KPR_BE_ACTIVE_V1, written by the collector.
+pub struct KernelBackendLoads(Array<MapData, u32>);
+
+impl KernelBackendLoads {
+    pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
+        Ok(Self(open_typed(pin_dir, map_names::BACKEND_ACTIVE)?))
+    }
+}
+
+impl crate::dataplane::ebpf::maps::BackendLoads for KernelBackendLoads {
+    fn set(&mut self, backend_id: u32, active: u32) -> Result<(), MapError> {
+        self.0.set(backend_id, active, 0).map_err(|e| op(map_names::BACKEND_ACTIVE, "update", e))
+    }
+}
+
 /// KPR_SOCK_REV_V1: which sockets connect-time balancing sent where.
 pub struct KernelSockRev(HashMap<MapData, proxy_common::SockRevKey, proxy_common::SockRevValue>);
 

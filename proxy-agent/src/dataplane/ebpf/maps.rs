@@ -220,6 +220,45 @@ impl Table {
 
 /// What the collector needs from the conntrack maps: a kernel implementation (kernel.rs) and
 /// a fake (below) for deterministic tests.
+/// KPR_BE_ACTIVE_V1: the active-flow counts least-connection and P2C compare.
+pub trait BackendLoads {
+    fn set(&mut self, backend_id: u32, active: u32) -> Result<(), MapError>;
+}
+
+#[derive(Debug, Default)]
+pub struct FakeBackendLoads(pub std::collections::BTreeMap<u32, u32>);
+
+impl BackendLoads for FakeBackendLoads {
+    fn set(&mut self, backend_id: u32, active: u32) -> Result<(), MapError> {
+        self.0.insert(backend_id, active);
+        Ok(())
+    }
+}
+
+/// Writes the counts that changed since `written` (a backend without open flows now gets 0) and
+/// records them there. Returns how many it wrote.
+pub fn write_loads(
+    maps: &mut dyn BackendLoads,
+    written: &mut std::collections::HashMap<u32, u32>,
+    now: &std::collections::HashMap<u32, u32>,
+) -> Result<usize, MapError> {
+    let mut n = 0;
+    for (id, active) in now {
+        if written.get(id) != Some(active) {
+            maps.set(*id, *active)?;
+            written.insert(*id, *active);
+            n += 1;
+        }
+    }
+    let gone: Vec<u32> = written.keys().filter(|id| !now.contains_key(id)).copied().collect();
+    for id in gone {
+        maps.set(id, 0)?;
+        written.remove(&id);
+        n += 1;
+    }
+    Ok(n)
+}
+
 pub trait ConntrackTables {
     /// Up to `max` entries of `table` from `cursor` on (None: the start), and the cursor to go on
     /// from (None: that was the end).

@@ -18,7 +18,8 @@ use crate::{
             endpoint_cleanup,
             interfaces::Interfaces,
             kernel::{self, Datapath},
-            kernel_maps::{KernelConntrack, KernelMaps, KernelSockRev},
+            kernel_maps::{KernelBackendLoads, KernelConntrack, KernelMaps, KernelSockRev},
+            maps::write_loads,
             sync::{RemovedBackend, SyncError, Syncer},
         },
         Dataplane, DataplaneError, NodeContext, SyncStats,
@@ -237,6 +238,8 @@ fn start_gc(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats) -> Option<
         let mut sockets =
             NetlinkSockets::connect().map_err(|e| warn!(error = %e, "no sock_diag: the node's UDP sockets connected to removed endpoints are not ended")).ok();
         let mut affinity = AffinityGc::new(&pin_dir);
+        let mut loads = KernelBackendLoads::open(&pin_dir).map_err(|e| warn!(error = %e, "least-connection and P2C see no flow counts")).ok();
+        let mut loads_written: HashMap<u32, u32> = HashMap::new();
         let mut gc = Gc::new(timeouts, GC_BATCH);
         let mut last_affinity = Instant::now();
         while !STOP.load(Ordering::Relaxed) {
@@ -278,6 +281,12 @@ fn start_gc(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats) -> Option<
                     let s = stats.lock().unwrap();
                     s.m.gc_flows_total.inc_by(st.flows as u64);
                     s.m.max_age_flows_total.inc_by(st.aged as u64);
+                    drop(s);
+                    if let (true, Some(l)) = (st.pass_done, loads.as_mut()) {
+                        if let Err(e) = write_loads(l, &mut loads_written, &gc.active_flows()) {
+                            warn!(error = %e, "writing the active-flow counts failed");
+                        }
+                    }
                 }
                 Err(e) => warn!(error = %e, "conntrack gc round failed"),
             }

@@ -1,8 +1,8 @@
 //! The model's frontends and backends in the fast path's wire form (proxy-common's map keys,
 //! values and flag bits): the one place the eBPF mode projects the model.
 use proxy_common::{
-    Backend, ServiceKey, SCHED_MAGLEV, SCHED_RANDOM, SCHED_ROUND_ROBIN, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT,
-    SVC_F_PRESERVE_SOURCE, SVC_F_SOURCE_RANGES,
+    Backend, ServiceKey, SCHED_LEAST_CONN, SCHED_MAGLEV, SCHED_P2C, SCHED_RANDOM, SCHED_ROUND_ROBIN, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_F_MASQ,
+    SVC_F_NO_LOCAL_ENDPOINT, SVC_F_PRESERVE_SOURCE, SVC_F_SOURCE_RANGES,
 };
 
 use crate::model::{BackendKey, Frontend, FrontendKey, Scheduler, Scope};
@@ -27,6 +27,8 @@ pub fn scheduler(s: Scheduler) -> u8 {
         Scheduler::Random => SCHED_RANDOM,
         Scheduler::RoundRobin => SCHED_ROUND_ROBIN,
         Scheduler::Maglev => SCHED_MAGLEV,
+        Scheduler::LeastConnection => SCHED_LEAST_CONN,
+        Scheduler::PowerOfTwo => SCHED_P2C,
     }
 }
 
