@@ -20,7 +20,7 @@ use proxy_common::{
 };
 
 use crate::{
-    counters::bump,
+    counters::{self, bump},
     flowcache,
     maps::{BACKENDS, CLOCK, CONNTRACK_NEW, CT_SCRATCH, CONNTRACK, IFACES},
     parse::Flow,
@@ -151,7 +151,10 @@ pub fn track(f: &Flow, key: &CtKey, cfg: &DatapathConfig, l: &mut Lookup) -> Tra
 #[inline(never)]
 fn max_age_reached(f: &Flow, key: &CtKey, v: &mut CtValue, table: Table) -> Tracked {
     if f.proto == PROTO_TCP {
-        v.flags |= CT_F_CLOSING;
+        if v.flags & CT_F_CLOSING == 0 {
+            v.flags |= CT_F_CLOSING;
+            counters::backend_closed(v.backend_id);
+        }
         return Tracked::Reset;
     }
     forget(table, key, v);
@@ -205,8 +208,12 @@ fn entry(f: &Flow, key: &CtKey, v: &mut CtValue, table: Table, cfg: &DatapathCon
     if now > v.last_seen_ns {
         v.last_seen_ns = now;
     }
-    if f.is_tcp_close() {
+    if f.is_tcp_close() && v.flags & CT_F_CLOSING == 0 {
         v.flags |= CT_F_CLOSING;
+        // The client's FIN or RST: the flow no longer counts as open on its backend.
+        if key.role(v) == CtRole::Forward {
+            counters::backend_closed(v.backend_id);
+        }
     }
     let rw = Rewrite::of(v);
     bump(if rw.reply() { counter::REVERSE_NAT } else { counter::ESTABLISHED });

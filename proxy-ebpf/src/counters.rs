@@ -17,12 +17,20 @@ pub fn backend_new(backend_id: u32) {
     }
 }
 
-/// One more active flow on this backend (least-connection and P2C services). Shared by every
-/// CPU and not atomic (Rust offers no atomic add on the BPF target): two CPUs adding at once
-/// may lose one, which the collector's next count corrects.
+/// One more open flow on this backend. Shared by every CPU and not atomic (Rust offers no
+/// atomic add on the BPF target): two CPUs adding at once may lose one, which the collector's
+/// next count corrects.
 #[inline(always)]
 pub fn backend_active(backend_id: u32) {
     if let Some(p) = BACKEND_ACTIVE.get_ptr_mut(backend_id) {
         unsafe { *p = (*p).wrapping_add(1) };
+    }
+}
+
+/// One open flow fewer (its client closed it), never below zero.
+#[inline(always)]
+pub fn backend_closed(backend_id: u32) {
+    if let Some(p) = BACKEND_ACTIVE.get_ptr_mut(backend_id) {
+        unsafe { *p = (*p).saturating_sub(1) };
     }
 }

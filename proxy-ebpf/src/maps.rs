@@ -118,9 +118,9 @@ map! {
 }
 
 map! {
-    /// backend id -> active flows: the collector's count at its last pass over conntrack, plus
-    /// the flows least-connection and P2C services opened since (the next count replaces the
-    /// sum, so ended flows need no decrement).
+    /// backend id -> open flows (every service's): the collector's count at its last pass over
+    /// conntrack, plus the flows opened since, less those whose client closed them (the next
+    /// count replaces the sum, so flows that end otherwise need no decrement).
     BACKEND_ACTIVE: Array<u32> = Array::pinned(MAX_BACKENDS, 0)
 }
 

@@ -293,3 +293,48 @@ fn a_maximum_connection_age_ends_old_connections_and_rebalances_udp() {
     lab.kill_agent();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Skewed connection lengths (one long-held connection, then two short ones, repeated): the
+/// round-robin cursor puts every long one on the same backend and random spreads them unevenly;
+/// least-connection (and P2C) compare open flows and spread them evenly.
+#[test]
+fn least_connection_evens_out_skewed_connection_lengths_where_round_robin_and_random_do_not() {
+    let dir = std::env::temp_dir().join(format!("kpr-flows-kpf8-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let eps: Vec<(&str, &str)> = ALL.iter().map(|b| (*b, A)).collect();
+    let sched = |s: &str| format!(", annotations: {{kpr.io/scheduler: {s}}}");
+    let mut y = String::new();
+    for (name, vip, s) in
+        [("rr", "10.96.0.71", "round-robin"), ("rnd", "10.96.0.72", "random"), ("lc", "10.96.0.73", "least-connection"), ("p2c", "10.96.0.74", "p2c")]
+    {
+        y += &service(name, vip, 80, 8080, "TCP", &eps, "", &sched(s));
+    }
+    std::fs::write(dir.join("services.yaml"), y).unwrap();
+    let mut lab = Lab::build("kpf8", &dir);
+    lab.start_agent();
+    for vip in ["10.96.0.71:80", "10.96.0.72:80", "10.96.0.73:80", "10.96.0.74:80"] {
+        lab.wait_backends(vip, 3);
+    }
+    let spread = |vip: &str| -> (Vec<u64>, serde_json::Value) {
+        let v = lab.peer("pod", &["skew", vip, "30"]);
+        assert_eq!(errors(&v), 0, "{vip}: {v}");
+        let mut n: Vec<u64> = ALL.iter().enumerate().map(|(i, _)| v[format!("b{}", i + 1)].as_u64().unwrap_or(0)).collect();
+        n.sort();
+        // The held connections closed with the run: let the collector see them close.
+        std::thread::sleep(Duration::from_millis(800));
+        (n, v)
+    };
+    let (rr, rr_v) = spread("10.96.0.71:80");
+    let (rnd, rnd_v) = spread("10.96.0.72:80");
+    let (lc, lc_v) = spread("10.96.0.73:80");
+    let (p2c, p2c_v) = spread("10.96.0.74:80");
+    println!(
+        "long connections per backend (sorted) of 30: round-robin {rr:?} {rr_v}, random {rnd:?} {rnd_v}, least-connection {lc:?} {lc_v}, p2c {p2c:?} {p2c_v}"
+    );
+    assert!(rr[2] >= 25, "round-robin puts the long ones on one backend: {rr:?}");
+    assert!(lc[2] - lc[0] <= 2, "least-connection spreads the long ones evenly: {lc:?}");
+    assert!(p2c[2] - p2c[0] <= 4, "p2c spreads the long ones nearly evenly: {p2c:?}");
+    lab.kill_agent();
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -19,6 +19,8 @@
 //!   udpc-hold IP:PORT SECONDS              a connected UDP socket, a request every 50 ms; prints
 //!                                          "MS NAME" per answer, "MS error E" per failure (then
 //!                                          reconnects), finally JSON
+//!   skew   IP:PORT N                       N rounds of one long-held and two short TCP connections,
+//!                                          100 ms apart, on CPU 0; prints JSON {name: long ones}
 //!   hold-many IP:PORT N                    N TCP connections, one request each; prints "ready"; half
 //!                                          of them stay busy, half idle; on a stdin line, one more
 //!                                          request on each: JSON {same, moved, errors}
@@ -463,6 +465,39 @@ fn main() {
                 std::thread::sleep(Duration::from_millis(50));
             }
             t.report();
+        }
+        "skew" => {
+            // Skewed connection lengths: N rounds of one long-lived connection (held to the end)
+            // and two short ones, 100 ms apart. Pinned to one CPU, so a per-CPU round-robin
+            // cursor sees the pattern whole. Reports where the long ones went.
+            let target: SocketAddr = arg(1).parse().unwrap();
+            let n: usize = arg(2).parse::<usize>().unwrap().min(200);
+            // SAFETY: sched_setaffinity(2) on this thread with a zeroed, then set, cpu_set_t.
+            unsafe {
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                libc::CPU_SET(0, &mut set);
+                libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+            }
+            let mut t = Tally::default();
+            let mut held = Vec::new();
+            for _ in 0..n {
+                match TcpStream::connect_timeout(&target, Duration::from_secs(5)) {
+                    Ok(s) => {
+                        let keep = s.try_clone().unwrap();
+                        t.add(exchange(s));
+                        held.push(keep);
+                    }
+                    Err(e) => t.fail(e.to_string()),
+                }
+                for _ in 0..2 {
+                    if let Err(e) = one_tcp(target) {
+                        t.fail(e);
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            t.report();
+            drop(held);
         }
         "hold-many" => {
             let target: SocketAddr = arg(1).parse().unwrap();

@@ -235,8 +235,10 @@ impl BackendLoads for FakeBackendLoads {
     }
 }
 
-/// Writes the counts that changed since `written` (a backend without open flows now gets 0) and
-/// records them there. Returns how many it wrote.
+/// Writes every count of a pass, whatever the map holds: the data path adds and subtracts as
+/// flows open and close, and the count is what corrects its drift (flows that ended without
+/// a close it saw, adds two CPUs made at once). A backend counted before but not now gets 0.
+/// `written` holds the backends last written non-zero. Returns how many it wrote.
 pub fn write_loads(
     maps: &mut dyn BackendLoads,
     written: &mut std::collections::HashMap<u32, u32>,
@@ -244,18 +246,15 @@ pub fn write_loads(
 ) -> Result<usize, MapError> {
     let mut n = 0;
     for (id, active) in now {
-        if written.get(id) != Some(active) {
-            maps.set(*id, *active)?;
-            written.insert(*id, *active);
-            n += 1;
-        }
+        maps.set(*id, *active)?;
+        n += 1;
     }
     let gone: Vec<u32> = written.keys().filter(|id| !now.contains_key(id)).copied().collect();
     for id in gone {
         maps.set(id, 0)?;
-        written.remove(&id);
         n += 1;
     }
+    *written = now.clone();
     Ok(n)
 }
 
