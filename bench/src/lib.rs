@@ -21,6 +21,7 @@ pub fn set_clusterip(d: &mut DesiredState, i: u32, vip: IpAddr, backends: Vec<Ba
             no_local_endpoint: false,
             source_ranges: vec![],
             max_connection_age_s: 0,
+            outlier_ejection: false,
             backends: backends.clone(),
             ipvs: Default::default(),
         };

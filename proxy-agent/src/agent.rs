@@ -147,6 +147,7 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
         cfg.model.sctp = dataplane.programs_sctp();
         cfg.model.ipv6 = dataplane.programs_ipv6();
         cfg.model.max_connection_age = dataplane.ends_old_connections();
+        cfg.model.outlier_ejection = dataplane.ejects_outliers();
         let timing = Timing {
             limiter: Limiter::new(cfg.min_sync_period, cfg.burst_syncs, Instant::now()),
             last_full: None,
@@ -331,7 +332,8 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
             warn!(error = %e, "frontend not programmed");
         }
         // A full map: an Event on the Service (once while it lasts) and a metric per frontend.
-        let full: Vec<ObjectError> = st.full.iter().map(|(map, service)| map_full_error(map, service)).collect();
+        // Backends left out for now (outlier ejection): the same, with their own reason.
+        let full: Vec<ObjectError> = st.full.iter().map(|(map, service)| map_full_error(map, service)).chain(st.ejected.iter().cloned()).collect();
         for (map, _) in &st.full {
             stats.m.map_full_total.with_label_values(&[map]).inc();
         }
@@ -358,9 +360,10 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
         stats.last_sync = Some(now);
         stats.m.last_sync_timestamp.set(unix_seconds(now));
         stats.m.rejected_objects.set(problems.len() as i64);
+        let full_by_reason: Vec<&'static str> = full.iter().map(|e| e.reason).collect();
         stats.not_programmed = problems.iter().map(|e| (*e).clone()).chain(full).collect();
         for reason in crate::model::objects::REASONS {
-            let n = problems.iter().filter(|p| p.reason == reason).count() + if reason == crate::model::objects::MAP_FULL { st.full.len() } else { 0 };
+            let n = problems.iter().filter(|p| p.reason == reason).count() + full_by_reason.iter().filter(|r| **r == reason).count();
             stats.m.not_programmed.with_label_values(&[reason]).set(n as i64);
         }
         for (i, policy) in ["internal", "external"].into_iter().enumerate() {

@@ -48,6 +48,8 @@ pub struct Metrics {
     pub gc_flows_total: IntCounter,
     /// Flows marked as past their Service's maximum connection age.
     pub max_age_flows_total: IntCounter,
+    /// Backends ejected by outlier detection.
+    pub outlier_ejections_total: IntCounter,
     /// Frontends that did not fit in a full map, by map.
     pub map_full_total: IntCounterVec,
     pub info: IntGaugeVec,
@@ -110,6 +112,10 @@ impl Metrics {
             ),
             ipvs_terminating: gauge("kpr_ipvs_terminating_destinations", "IPVS destinations at weight 0 waiting for their connections to end"),
             gc_flows_total: counter("kpr_conntrack_gc_flows_total", "Flows deleted by the conntrack collector"),
+            outlier_ejections_total: counter(
+                "kpr_outlier_ejections_total",
+                "Backends left out of new connections for refusing or letting time out new connections in a row",
+            ),
             max_age_flows_total: counter(
                 "kpr_max_connection_age_flows_total",
                 "Flows ended for outliving their Service's kpr.io/max-connection-age (TCP reset at the next packet, UDP re-balanced)",

@@ -44,6 +44,7 @@ macro_rules! map_name {
     (SOCK_REV) => { "KPR_SOCK_REV_V1" };
     (BACKEND_NEW) => { "KPR_BE_NEW_V1" };
     (BACKEND_ACTIVE) => { "KPR_BE_ACTIVE_V1" };
+    (BACKEND_FAIL) => { "KPR_BE_FAIL_V1" };
     (FLOW_CACHE_GEN) => { "KPR_FC_GEN_V1" };
     // V2: the address keys carry the family and IPv6 addresses.
     (SET_IP_PORT) => { "KPR_SET_IPP_V2" };
@@ -77,6 +78,7 @@ pub mod map_names {
     pub const SOCK_REV: &str = map_name!(SOCK_REV);
     pub const BACKEND_NEW: &str = map_name!(BACKEND_NEW);
     pub const BACKEND_ACTIVE: &str = map_name!(BACKEND_ACTIVE);
+    pub const BACKEND_FAIL: &str = map_name!(BACKEND_FAIL);
     /// The flow cache's generation (see `FlowCacheEntry`).
     pub const FLOW_CACHE_GEN: &str = map_name!(FLOW_CACHE_GEN);
     /// IPVS mode's ipset mirrors (see `sets`).
@@ -107,7 +109,7 @@ pub mod map_names {
         "KPR_SET_IP_V1",
     ];
     /// Every map the fast path pins.
-    pub const ALL: [&str; 16] = [
+    pub const ALL: [&str; 17] = [
         SERVICES,
         SLOTS,
         MAGLEV,
@@ -123,6 +125,7 @@ pub mod map_names {
         SOCK_REV,
         BACKEND_NEW,
         BACKEND_ACTIVE,
+        BACKEND_FAIL,
         FLOW_CACHE_GEN,
     ];
 }

@@ -23,7 +23,7 @@ use crate::{
     counters::{self, bump},
     flowcache,
     maps::{BACKENDS, CLOCK, CONNTRACK_NEW, CT_SCRATCH, CONNTRACK, IFACES},
-    parse::Flow,
+    parse::{Flow, TCP_RST},
     rewrite::Rewrite,
 };
 
@@ -200,7 +200,7 @@ fn entry(f: &Flow, key: &CtKey, v: &mut CtValue, table: Table, cfg: &DatapathCon
                 return Some(None);
             }
         }
-        CtRole::ReverseDnat if table == Table::Embryonic && v.flags & CT_F_SEEN_REPLY == 0 => seen_reply(key, v),
+        CtRole::ReverseDnat if table == Table::Embryonic && v.flags & CT_F_SEEN_REPLY == 0 => seen_reply(f, key, v),
         _ => {}
     }
     // The coarse clock ticks every few ms: most packets find the stamp current and leave the
@@ -221,9 +221,15 @@ fn entry(f: &Flow, key: &CtKey, v: &mut CtValue, table: Table, cfg: &DatapathCon
 }
 
 /// The handshake's reply: the forward entry learns it, so the client's next packet can complete
-/// the flow. Once per flow.
+/// the flow. Once per flow. A reset instead is the backend refusing the connection (outlier
+/// detection counts it); a SYN-ACK ends its refusals in a row.
 #[inline(never)]
-fn seen_reply(key: &CtKey, v: &mut CtValue) {
+fn seen_reply(f: &Flow, key: &CtKey, v: &mut CtValue) {
+    if f.tcp_flags & TCP_RST != 0 {
+        counters::backend_refused(v.backend_id);
+        return;
+    }
+    counters::backend_answered(v.backend_id);
     v.flags |= CT_F_SEEN_REPLY;
     let fwd = CtKey::reversed_of(v, key.proto, CT_DIR_INGRESS);
     if let Some(fv) = CONNTRACK_NEW.get_ptr_mut(&fwd) {

@@ -124,6 +124,12 @@ map! {
     BACKEND_ACTIVE: Array<u32> = Array::pinned(MAX_BACKENDS, 0)
 }
 
+map! {
+    /// LRU: backend id -> new connections it refused in a row (a reset answering the SYN), until
+    /// a handshake completes; the agent's outlier detection reads and clears it.
+    BACKEND_FAIL: LruHashMap<u32, u32> = LruHashMap::pinned(16_384, 0)
+}
+
 // ---- IPVS mode: kube-proxy's ipsets (proxy_common::sets), one bit per set ----
 
 map! {

@@ -837,3 +837,33 @@ fn least_connection_and_p2c_follow_the_active_flow_counts() {
     assert!(!p2c.contains_key("10.244.3.1") && p2c.len() == 2, "{p2c:?}");
     let _ = loads.set(id("10.244.3.1"), 0);
 }
+
+/// Outlier detection's data path half: a reset answering a new connection's SYN counts as a
+/// refusal of its backend (KPR_BE_FAIL_V1); a completed handshake clears the count.
+#[test]
+fn a_reset_answering_a_syn_counts_as_a_refusal_until_a_handshake_completes() {
+    let mut l = load("refusal");
+    let fails = |l: &Loaded| -> Vec<(u32, u32)> {
+        let m: aya::maps::HashMap<_, u32, u32> = aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(
+            aya::maps::MapData::from_pin(l.pins.path().join(proxy_common::map_names::BACKEND_FAIL)).unwrap(),
+        ))
+        .unwrap();
+        m.iter().map(|e| e.unwrap()).collect()
+    };
+    // "np" has one endpoint, 10.244.1.1:8080.
+    for port in [48000, 48001] {
+        let (_, o) = tc(&mut l.dp, &Frame::tcp("10.244.0.9", port, "10.96.0.13", 80, SYN));
+        let fwd = parse(&o);
+        assert_eq!(fwd.dst.to_string(), "10.244.1.1");
+        let rst = Frame { src: fwd.dst, dst: fwd.src, ..Frame::tcp("0.0.0.0", fwd.dport, "0.0.0.0", fwd.sport, 0x04 | ACK) };
+        let (v, back) = out(&mut l.dp, &rst.bytes());
+        assert_eq!(v, TC_ACT_OK);
+        assert_eq!(parse(&back).src.to_string(), "10.96.0.13", "the reset still reaches the client, from the service");
+    }
+    let f = fails(&l);
+    assert_eq!(f.len(), 1);
+    assert_eq!(f[0].1, 2, "two refusals in a row: {f:?}");
+    // A handshake with the same backend: the refusals are no longer in a row.
+    handshake(&mut l, "10.244.0.9", 48002, "10.96.0.13", 80);
+    assert!(fails(&l).is_empty(), "{:?}", fails(&l));
+}

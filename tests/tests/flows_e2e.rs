@@ -338,3 +338,46 @@ fn least_connection_evens_out_skewed_connection_lengths_where_round_robin_and_ra
     lab.kill_agent();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// kpr.io/outlier-ejection: a backend that stops listening while its EndpointSlice still says
+/// ready is left out of new connections after three refusals in a row (an Event's reason, the
+/// not-programmed list), and comes back after its back-off once it listens again.
+#[test]
+fn a_backend_that_refuses_new_connections_is_ejected_then_comes_back() {
+    let dir = std::env::temp_dir().join(format!("kpr-flows-kpf9-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let eps: Vec<(&str, &str)> = ALL.iter().map(|b| (*b, A)).collect();
+    std::fs::write(dir.join("services.yaml"), service("ej", "10.96.0.81", 80, 8080, "TCP", &eps, "", ", annotations: {kpr.io/outlier-ejection: \"true\"}"))
+        .unwrap();
+    let mut lab = Lab::build("kpf9", &dir);
+    lab.start_agent();
+    lab.wait_backends("10.96.0.81:80", 3);
+    // b2's server goes; its endpoint stays ready.
+    kpr_lab::must(&format!("ip netns pids {} | xargs -r kill", lab.ns("b2")));
+    std::thread::sleep(Duration::from_millis(300));
+    // Enough new connections for b2 to refuse three in a row (it gets a third of them).
+    let first = lab.peer("pod", &["burst", "10.96.0.81:80", "tcp", "20"]);
+    let refused = errors(&first);
+    assert!(refused >= 3 && per_backend(&first).iter().all(|(b, _)| b != "b2"), "{first}");
+    let t = Instant::now();
+    lab.wait_backends("10.96.0.81:80", 2);
+    let took = t.elapsed();
+    let after = lab.peer("pod", &["burst", "10.96.0.81:80", "tcp", "30"]);
+    assert_eq!(errors(&after), 0, "{after}");
+    assert!(per_backend(&after).iter().all(|(b, _)| b != "b2"), "{after}");
+    let skipped: serde_json::Value = serde_json::from_str(&lab.cli(&["services", "--skipped", "--json"])).unwrap();
+    assert!(
+        skipped.as_array().unwrap().iter().any(|e| e["reason"] == "OutlierEjected" && e["message"].as_str().unwrap_or("").contains("10.244.2.2:8080")),
+        "{skipped}"
+    );
+    // Listening again: back after its 10 s back-off.
+    lab.serve("b2", 8080, 5353);
+    lab.wait_backends("10.96.0.81:80", 3);
+    let back = lab.peer("pod", &["burst", "10.96.0.81:80", "tcp", "30"]);
+    assert_eq!(errors(&back), 0, "{back}");
+    assert!(per_backend(&back).iter().any(|(b, _)| b == "b2"), "{back}");
+    println!("refused: {refused} of 20 ({first}); left out {took:?} after the burst");
+    lab.kill_agent();
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -41,6 +41,8 @@ pub struct SyncStats {
     pub errors: Vec<String>,
     /// (map, "namespace/name:port") of each frontend that did not fit in a full map.
     pub full: Vec<(&'static str, String)>,
+    /// Backends left out of Services for now (outlier ejection), as Events' content.
+    pub ejected: Vec<crate::model::objects::ObjectError>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -80,6 +82,10 @@ pub trait Dataplane {
     fn ends_old_connections(&self) -> bool {
         false
     }
+    /// Whether it ejects backends that refuse new connections (the fast path does).
+    fn ejects_outliers(&self) -> bool {
+        false
+    }
     /// Called every second: attach to interfaces that appeared, let go of those that left, keep
     /// what the programs know of each interface current.
     fn reconcile_interfaces(&mut self);
@@ -105,6 +111,9 @@ impl<D: Dataplane + ?Sized> Dataplane for Box<D> {
     }
     fn ends_old_connections(&self) -> bool {
         (**self).ends_old_connections()
+    }
+    fn ejects_outliers(&self) -> bool {
+        (**self).ejects_outliers()
     }
     fn reconcile_interfaces(&mut self) {
         (**self).reconcile_interfaces()

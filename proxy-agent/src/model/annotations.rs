@@ -82,6 +82,41 @@ pub(crate) fn ipvs_options(annotations: Option<&BTreeMap<String, String>>, objec
     o
 }
 
+/// The fast path leaves out, for new connections, a backend of this Service that refused or let
+/// time out several new connections in a row ("true"; see dataplane/ebpf/outlier.rs).
+pub const OUTLIER_EJECTION_ANNOTATION: &str = "kpr.io/outlier-ejection";
+
+/// kpr.io/outlier-ejection: whether the Service opts in.
+pub(crate) fn outlier_ejection(annotations: Option<&BTreeMap<String, String>>, supported: bool, object: &str, errors: &mut Vec<ObjectError>) -> bool {
+    let Some(v) = annotations.and_then(|a| a.get(OUTLIER_EJECTION_ANNOTATION)) else { return false };
+    let field = format!("metadata.annotations[{OUTLIER_EJECTION_ANNOTATION}]");
+    match v.trim().to_ascii_lowercase().as_str() {
+        "true" | "on" | "yes" if supported => true,
+        "true" | "on" | "yes" => {
+            unsupported(errors, object, field, "outlier ejection is done by the eBPF fast path only; not in IPVS mode");
+            false
+        }
+        "false" | "off" | "no" | "" => false,
+        _ => {
+            err(errors, object, field, format!("{v:?} is neither true nor false; no outlier ejection"));
+            false
+        }
+    }
+}
+
+/// Go's duration syntax (30s, 1m0s, 250ms), as kube-proxy's flags take them; a bare number is
+/// seconds.
+pub fn parse_duration(s: &str) -> Result<kube::core::Duration, String> {
+    let d = match s.parse::<f64>() {
+        Ok(secs) if secs >= 0.0 => kube::core::Duration::from(std::time::Duration::from_secs_f64(secs)),
+        _ => s.parse::<kube::core::Duration>().map_err(|e| format!("{s:?} is not a duration (e.g. 30s, 1m0s, 250ms): {e}"))?,
+    };
+    if d.is_negative() {
+        return Err(format!("{s:?} is negative"));
+    }
+    Ok(d)
+}
+
 /// kpr.io/max-connection-age in whole seconds (0: none). A bad value is reported and ignored;
 /// where the data plane cannot end connections (`supported` false) the annotation is reported
 /// as not supported.
@@ -92,7 +127,7 @@ pub(crate) fn max_connection_age(annotations: Option<&BTreeMap<String, String>>,
         unsupported(errors, object, field, "connections are aged by the eBPF fast path only; not in IPVS mode");
         return 0;
     }
-    match crate::settings::flags::parse_duration(s.trim()).map(std::time::Duration::from) {
+    match parse_duration(s.trim()).map(std::time::Duration::from) {
         Ok(d) if d.as_secs() >= 1 && d.as_secs() <= u64::from(u32::MAX) => d.as_secs() as u32,
         Ok(_) => {
             err(errors, object, field, format!("{s:?} is under a second (or absurdly long); no maximum age"));

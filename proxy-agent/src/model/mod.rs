@@ -16,7 +16,8 @@ use ipnet::IpNet;
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
 pub use crate::model::annotations::{
-    IpvsForward, IpvsOptions, IPVS_FORWARD_ANNOTATION, IPVS_SCHEDULER_ANNOTATION, IPVS_WEIGHTS_ANNOTATION, MAX_CONNECTION_AGE_ANNOTATION, SCHEDULER_ANNOTATION,
+    IpvsForward, IpvsOptions, IPVS_FORWARD_ANNOTATION, IPVS_SCHEDULER_ANNOTATION, IPVS_WEIGHTS_ANNOTATION, MAX_CONNECTION_AGE_ANNOTATION,
+    OUTLIER_EJECTION_ANNOTATION, SCHEDULER_ANNOTATION,
 };
 use crate::model::objects::{err, ObjectError, Objects};
 
@@ -136,6 +137,8 @@ pub struct Frontend {
     pub source_ranges: Vec<IpNet>,
     /// Connections older than this many seconds are ended (kpr.io/max-connection-age; 0: never).
     pub max_connection_age_s: u32,
+    /// Backends that refuse new connections are left out for a while (kpr.io/outlier-ejection).
+    pub outlier_ejection: bool,
     /// Sorted, deduplicated.
     pub backends: Vec<BackendKey>,
     pub ipvs: IpvsOptions,
@@ -162,6 +165,9 @@ pub struct ModelConfig {
     /// The data plane ends connections past a maximum age (`Dataplane::ends_old_connections`);
     /// otherwise the annotation is reported as not supported.
     pub max_connection_age: bool,
+    /// The data plane ejects outliers (`Dataplane::ejects_outliers`); otherwise the annotation
+    /// is reported as not supported.
+    pub outlier_ejection: bool,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -267,6 +273,7 @@ impl DesiredState {
                 (!f.source_ranges.is_empty(), "source-ranges"),
                 (f.no_local_endpoint, "no-local-endpoint"),
                 (f.max_connection_age_s > 0, "max-age"),
+                (f.outlier_ejection, "outlier-ejection"),
             ] {
                 if set {
                     flags.push(name);

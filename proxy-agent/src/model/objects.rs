@@ -31,7 +31,9 @@ pub const MAP_FULL: &str = "MapFull";
 /// A valid part kpr does not program yet (IPv6, SCTP).
 pub const NOT_SUPPORTED: &str = "NotSupported";
 /// Every reason kpr gives an Event.
-pub const REASONS: [&str; 3] = [FIELD_NOT_PROGRAMMED, NOT_SUPPORTED, MAP_FULL];
+/// A backend left out of a Service for now: it refused or let time out new connections.
+pub const OUTLIER_EJECTED: &str = "OutlierEjected";
+pub const REASONS: [&str; 4] = [FIELD_NOT_PROGRAMMED, NOT_SUPPORTED, MAP_FULL, OUTLIER_EJECTED];
 
 impl fmt::Display for ObjectError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -9,7 +9,7 @@ use k8s_openapi::api::{
 use proxy_common::limits::MAX_BACKENDS_PER_SERVICE;
 
 use crate::model::{
-    annotations::{ipvs_options, max_connection_age, scheduler, IpvsForward, IPVS_FORWARD_ANNOTATION},
+    annotations::{ipvs_options, max_connection_age, outlier_ejection, scheduler, IpvsForward, IPVS_FORWARD_ANNOTATION},
     endpoints::{port_endpoints, to_keys_of, topology_filtered, usable, Ep},
     objects::{err, unsupported, ObjectError},
     BackendKey, DesiredState, Frontend, FrontendKey, FrontendKind, ModelConfig, NodeInfo, Protocol, Scope, DEFAULT_AFFINITY_TIMEOUT_S,
@@ -60,6 +60,7 @@ pub(super) fn service_frontends(
     let affinity_timeout_s = affinity_timeout(spec, &object, errors);
     let ipvs = ipvs_options(svc.metadata.annotations.as_ref(), &object, errors);
     let max_connection_age_s = max_connection_age(svc.metadata.annotations.as_ref(), cfg.max_connection_age, &object, errors);
+    let outlier_ejection = outlier_ejection(svc.metadata.annotations.as_ref(), cfg.outlier_ejection, &object, errors);
 
     if etp_local && matches!(svc_type, "LoadBalancer" | "NodePort") {
         if let Some(hc) = spec.health_check_node_port {
@@ -163,6 +164,7 @@ pub(super) fn service_frontends(
                     no_local_endpoint: backends.is_empty() && !family.cluster.is_empty(),
                     source_ranges: ranges,
                     max_connection_age_s,
+                    outlier_ejection,
                     backends: backends.clone(),
                     ipvs: ipvs.clone(),
                 },

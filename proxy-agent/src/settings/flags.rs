@@ -7,6 +7,8 @@ use std::{net::IpAddr, path::PathBuf};
 use clap::{Args, ValueEnum};
 use kube::core::Duration;
 
+pub use crate::model::annotations::parse_duration;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum XdpModeArg {
     Auto,
@@ -180,17 +182,4 @@ pub struct Flags {
     /// Sync once and exit (programs and maps stay).
     #[arg(long)]
     pub once: bool,
-}
-
-/// Go's duration syntax (30s, 1m0s, 250ms), as kube-proxy's flags take them; a bare number is
-/// seconds.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let d = match s.parse::<f64>() {
-        Ok(secs) if secs >= 0.0 => Duration::from(std::time::Duration::from_secs_f64(secs)),
-        _ => s.parse::<Duration>().map_err(|e| format!("{s:?} is not a duration (e.g. 30s, 1m0s, 250ms): {e}"))?,
-    };
-    if d.is_negative() {
-        return Err(format!("{s:?} is negative"));
-    }
-    Ok(d)
 }

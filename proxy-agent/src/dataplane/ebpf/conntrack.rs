@@ -6,7 +6,7 @@
 //! between the read and the delete (traffic came, or the tuple now carries a new flow) is kept.
 use std::collections::{BTreeSet, HashMap};
 
-use proxy_common::{CtKey, CtRole, CtValue, CT_DIR_EGRESS, CT_DIR_INGRESS, CT_F_CLOSING, CT_F_MAX_AGE, CT_F_SNAT_PENDING, PROTO_TCP};
+use proxy_common::{CtKey, CtRole, CtValue, CT_DIR_EGRESS, CT_DIR_INGRESS, CT_F_CLOSING, CT_F_MAX_AGE, CT_F_SEEN_REPLY, CT_F_SNAT_PENDING, PROTO_TCP};
 
 use crate::dataplane::ebpf::maps::{ConntrackTables, MapError, Table};
 
@@ -142,7 +142,7 @@ impl Timeouts {
     }
 }
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct GcStats {
     /// Entries read this round.
     pub read: usize,
@@ -157,6 +157,9 @@ pub struct GcStats {
     pub aged: usize,
     /// A pass over a table ended this round: `Gc::active_flows` has a new count.
     pub pass_done: bool,
+    /// Backend ids of new TCP flows whose SYN went unanswered for `outlier::SYN_TIMEOUT` (each
+    /// flow once): outlier detection counts them as failures.
+    pub syn_timeouts: Vec<u32>,
 }
 
 /// When the collector first saw a flow of a Service with a maximum connection age.
@@ -184,6 +187,9 @@ pub struct Gc {
     /// Open (not closing) flows by backend id, per table: the pass under way and the last whole one.
     counting: HashMap<Table, HashMap<u32, u32>>,
     counted: HashMap<Table, HashMap<u32, u32>>,
+    /// Embryonic flows waiting for their SYN's answer: (first seen, reported, pass last seen).
+    waiting: HashMap<CtKey, (u64, bool, u64)>,
+    embryonic_passes: u64,
 }
 
 impl Gc {
@@ -197,6 +203,20 @@ impl Gc {
             passes: 0,
             counting: HashMap::new(),
             counted: HashMap::new(),
+            waiting: HashMap::new(),
+            embryonic_passes: 0,
+        }
+    }
+
+    /// An embryonic flow whose SYN got no answer yet: reported once when it waited too long.
+    fn unanswered(&mut self, flow: &Flow, now_ns: u64, st: &mut GcStats) {
+        let Some((k, v)) = flow.forward.filter(|(k, v)| k.proto == PROTO_TCP && v.flags & CT_F_SEEN_REPLY == 0) else { return };
+        let pass = self.embryonic_passes;
+        let w = self.waiting.entry(k).or_insert((now_ns, false, pass));
+        w.2 = pass;
+        if !w.1 && now_ns.saturating_sub(w.0) >= crate::dataplane::ebpf::outlier::SYN_TIMEOUT.as_nanos() as u64 {
+            w.1 = true;
+            st.syn_timeouts.push(v.backend_id);
         }
     }
 
@@ -265,7 +285,15 @@ impl Gc {
                     if table == Table::Assured && !self.max_age.is_empty() {
                         self.age(t, table, &flow, now_ns, &mut st)?;
                     }
+                    if table == Table::Embryonic {
+                        self.unanswered(&flow, now_ns, &mut st);
+                    }
                 }
+            }
+            if table == Table::Embryonic && next.is_none() {
+                let pass = self.embryonic_passes;
+                self.waiting.retain(|_, w| w.2 == pass);
+                self.embryonic_passes += 1;
             }
             if next.is_none() {
                 let counts = self.counting.remove(&table).unwrap_or_default();
@@ -539,6 +567,25 @@ mod tests {
         assert!(gc.active_flows().is_empty(), "nothing before a whole pass over the assured table");
         assert!(gc.round(&mut t, 101 * s).unwrap().pass_done);
         assert_eq!(gc.active_flows(), [(7, 2), (8, 1)].into_iter().collect(), "closing flows are not counted");
+    }
+
+    #[test]
+    fn unanswered_syns_are_reported_once_after_the_timeout() {
+        let s = 1_000_000_000u64;
+        let mut t = FakeTables::default();
+        for (k, v) in flow(PROTO_TCP, ("10.244.9.2", 7000), ("10.96.0.10", 80), ("10.244.1.2", 8080), 7000, None, 100 * s) {
+            t.embryonic.insert(k, v);
+        }
+        // Answered: never reported.
+        for (k, mut v) in flow(PROTO_TCP, ("10.244.9.2", 7001), ("10.96.0.10", 80), ("10.244.1.2", 8080), 7001, None, 100 * s) {
+            v.flags |= CT_F_SEEN_REPLY;
+            t.embryonic.insert(k, v);
+        }
+        let mut gc = Gc::new(Timeouts::default(), 16);
+        assert!(gc.round(&mut t, 100 * s).unwrap().syn_timeouts.is_empty());
+        assert!(gc.round(&mut t, 102 * s).unwrap().syn_timeouts.is_empty());
+        assert_eq!(gc.round(&mut t, 103 * s).unwrap().syn_timeouts, vec![7]);
+        assert!(gc.round(&mut t, 104 * s).unwrap().syn_timeouts.is_empty(), "once per flow");
     }
 
     #[test]

@@ -82,6 +82,48 @@ impl crate::dataplane::ebpf::maps::BackendLoads for KernelBackendLoads {
     }
 }
 
+/// KPR_BE_FAIL_V1, for the collector's outlier detection.
+pub struct KernelFailureCounts {
+    fails: HashMap<MapData, u32, u32>,
+}
+
+impl KernelFailureCounts {
+    pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
+        Ok(Self { fails: open_typed(pin_dir, map_names::BACKEND_FAIL)? })
+    }
+}
+
+/// KPR_BE_V2 read by id (which backend a failure count is about).
+pub struct KernelBackendNames(HashMap<MapData, u32, Backend>);
+
+impl KernelBackendNames {
+    pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
+        Ok(Self(open_typed(pin_dir, map_names::BACKENDS)?))
+    }
+
+    /// The backend an id names, if it still exists.
+    pub fn get(&self, id: u32) -> Option<Backend> {
+        self.0.get(&id, 0).ok()
+    }
+}
+
+impl crate::dataplane::ebpf::outlier::FailureCounts for KernelFailureCounts {
+    fn all(&self) -> Result<Vec<(u32, u32)>, MapError> {
+        collect(map_names::BACKEND_FAIL, self.fails.iter())
+    }
+    fn add(&mut self, backend_id: u32, n: u32) -> Result<(), MapError> {
+        let now: u32 = match self.fails.get(&backend_id, 0) {
+            Ok(v) => v,
+            Err(e) if is_enoent(&e) => 0,
+            Err(e) => return Err(op(map_names::BACKEND_FAIL, "lookup", e)),
+        };
+        self.fails.insert(backend_id, now.saturating_add(n), 0).map_err(|e| op(map_names::BACKEND_FAIL, "update", e))
+    }
+    fn clear(&mut self, backend_id: u32) -> Result<(), MapError> {
+        del(map_names::BACKEND_FAIL, self.fails.remove(&backend_id))
+    }
+}
+
 /// KPR_SOCK_REV_V1: which sockets connect-time balancing sent where.
 pub struct KernelSockRev(HashMap<MapData, proxy_common::SockRevKey, proxy_common::SockRevValue>);
 

@@ -10,6 +10,7 @@ pub mod kernel;
 pub mod kernel_maps;
 pub mod maglev;
 pub mod maps;
+pub mod outlier;
 pub mod plane;
 pub mod sync;
 pub mod view;

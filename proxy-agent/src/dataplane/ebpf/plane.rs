@@ -3,7 +3,7 @@
 use std::{
     collections::{BTreeSet, HashMap},
     path::PathBuf,
-    sync::{atomic::Ordering, mpsc},
+    sync::{atomic::Ordering, mpsc, Arc, Mutex},
     time::{Duration, Instant},
 };
 
@@ -18,8 +18,9 @@ use crate::{
             endpoint_cleanup,
             interfaces::Interfaces,
             kernel::{self, Datapath},
-            kernel_maps::{KernelBackendLoads, KernelConntrack, KernelMaps, KernelSockRev},
+            kernel_maps::{KernelBackendLoads, KernelBackendNames, KernelConntrack, KernelFailureCounts, KernelMaps, KernelSockRev},
             maps::write_loads,
+            outlier::{self, Outliers},
             sync::{RemovedBackend, SyncError, Syncer},
         },
         Dataplane, DataplaneError, NodeContext, SyncStats,
@@ -39,6 +40,8 @@ use crate::{
 const GC_BATCH: usize = 16_384;
 /// ...every this often: a full pass over 524,288 entries takes about 8 s.
 const GC_INTERVAL: Duration = Duration::from_millis(250);
+/// How long an ejected backend is first left out (doubled when it is ejected again soon after).
+const OUTLIER_EJECTION_TIME: Duration = Duration::from_secs(10);
 
 pub struct EbpfPlane {
     dp: Datapath,
@@ -50,6 +53,8 @@ pub struct EbpfPlane {
     gc: Option<mpsc::Sender<GcMessage>>,
     /// The maximum connection ages last sent to the collector.
     max_ages: HashMap<u32, u32>,
+    /// Backends ejected by the collector's outlier detection.
+    outliers: Arc<Mutex<Outliers>>,
 }
 
 /// What a sync tells the collector.
@@ -139,7 +144,8 @@ impl EbpfPlane {
             closing: secs(s.conntrack.tcp_closing),
             ..Default::default()
         };
-        let gc = start_gc(pin_dir.clone(), timeouts, stats);
+        let outliers = Arc::new(Mutex::new(Outliers::new(OUTLIER_EJECTION_TIME)));
+        let gc = start_gc(pin_dir.clone(), timeouts, stats, outliers.clone());
         Ok(Self {
             dp,
             maps,
@@ -148,6 +154,7 @@ impl EbpfPlane {
             config: ConfigInputs::new(s, timeouts),
             gc,
             max_ages: HashMap::new(),
+            outliers,
         })
     }
 }
@@ -161,6 +168,15 @@ impl Dataplane for EbpfPlane {
         true
     }
 
+    fn ejects_outliers(&self) -> bool {
+        true
+    }
+
+    /// At once when the set of ejected backends changed.
+    fn full_sync_within(&self) -> Option<Duration> {
+        self.outliers.lock().unwrap().has_changed().then_some(Duration::ZERO)
+    }
+
     fn reconcile_interfaces(&mut self) {
         if self.interfaces.reconcile(&mut self.dp, &mut self.maps) {
             sysctl::apply(&mut ProcSysctls, &sysctl::FAST_PATH_SYSCTLS);
@@ -169,6 +185,17 @@ impl Dataplane for EbpfPlane {
 
     fn sync(&mut self, desired: &DesiredState, node: &NodeContext, touched: Option<&BTreeSet<FrontendKey>>) -> Result<SyncStats, DataplaneError> {
         let config = self.config.config(node, true)?;
+        // Ejected backends leave the frontends of Services that opt in. A change of the set
+        // comes with a full sync (full_sync_within), so an incremental one sees the same set.
+        let ejected = {
+            let mut o = self.outliers.lock().unwrap();
+            if touched.is_none() {
+                o.take_changed();
+            }
+            o.ejected().clone()
+        };
+        let (left_out, ejected_events) = outlier::leave_out(desired, &ejected);
+        let desired = left_out.as_ref().unwrap_or(desired);
         let r = match touched {
             None => self.syncer.sync(&mut self.maps, desired, config),
             Some(t) => self.syncer.sync_subset(&mut self.maps, desired, config, t),
@@ -191,7 +218,7 @@ impl Dataplane for EbpfPlane {
             }
             self.max_ages = max_ages;
         }
-        Ok(st.plane)
+        Ok(SyncStats { ejected: ejected_events, ..st.plane })
     }
 }
 
@@ -225,7 +252,7 @@ fn masquerade_ports() -> (u16, u16) {
 
 /// The conntrack collector's thread: one bounded round every GC_INTERVAL, and at once the
 /// cleanup of endpoints that left their service (sent by the syncs).
-fn start_gc(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats) -> Option<mpsc::Sender<GcMessage>> {
+fn start_gc(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats, outliers: Arc<Mutex<Outliers>>) -> Option<mpsc::Sender<GcMessage>> {
     let (tx, rx) = mpsc::channel::<GcMessage>();
     let spawned = std::thread::Builder::new().name("kpr-gc".into()).spawn(move || {
         let (mut tables, balanced) = match (KernelConntrack::open(&pin_dir), KernelSockRev::open(&pin_dir)) {
@@ -240,6 +267,13 @@ fn start_gc(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats) -> Option<
         let mut affinity = AffinityGc::new(&pin_dir);
         let mut loads = KernelBackendLoads::open(&pin_dir).map_err(|e| warn!(error = %e, "least-connection and P2C see no flow counts")).ok();
         let mut loads_written: HashMap<u32, u32> = HashMap::new();
+        let mut failures = match (KernelFailureCounts::open(&pin_dir), KernelBackendNames::open(&pin_dir)) {
+            (Ok(f), Ok(n)) => Some((f, n)),
+            (Err(e), _) | (_, Err(e)) => {
+                warn!(error = %e, "no outlier detection");
+                None
+            }
+        };
         let mut gc = Gc::new(timeouts, GC_BATCH);
         let mut last_affinity = Instant::now();
         while !STOP.load(Ordering::Relaxed) {
@@ -282,6 +316,18 @@ fn start_gc(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats) -> Option<
                     s.m.gc_flows_total.inc_by(st.flows as u64);
                     s.m.max_age_flows_total.inc_by(st.aged as u64);
                     drop(s);
+                    if let Some((f, names)) = failures.as_mut() {
+                        let mut o = outliers.lock().unwrap();
+                        match outlier::round(f, |id| names.get(id), &mut o, &st.syn_timeouts, kernel::monotonic_ns()) {
+                            Ok(new) => {
+                                for (b, e) in &new {
+                                    warn!(backend = %std::net::SocketAddr::new(b.ip(), b.port_host()), failures = e.failures, seconds = e.for_ns / 1_000_000_000, times = e.times, "outlier ejected: refused or let time out new connections in a row");
+                                }
+                                stats.lock().unwrap().m.outlier_ejections_total.inc_by(new.len() as u64);
+                            }
+                            Err(e) => warn!(error = %e, "outlier detection round failed"),
+                        }
+                    }
                     if let (true, Some(l)) = (st.pass_done, loads.as_mut()) {
                         if let Err(e) = write_loads(l, &mut loads_written, &gc.active_flows()) {
                             warn!(error = %e, "writing the active-flow counts failed");

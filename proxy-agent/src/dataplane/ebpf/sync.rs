@@ -594,6 +594,7 @@ mod tests {
             no_local_endpoint: false,
             source_ranges: vec!["198.18.0.0/24".parse().unwrap()],
             max_connection_age_s: 0,
+            outlier_ejection: false,
             backends: backends.iter().map(|(ip, port)| BackendKey { ip: ip.parse().unwrap(), port: *port, proto: Protocol::Tcp }).collect(),
             ipvs: Default::default(),
         }

@@ -169,6 +169,7 @@ impl Dataplane for IpvsPlane {
             deletes: st.deletes + st.addresses_unbound + set_deletes,
             errors: st.errors,
             full: Vec::new(),
+            ejected: Vec::new(),
         })
     }
 

@@ -341,6 +341,7 @@ mod tests {
             no_local_endpoint: false,
             source_ranges: ranges.iter().map(|r| r.parse().unwrap()).collect(),
             max_connection_age_s: 0,
+            outlier_ejection: false,
             backends: vec![BackendKey { ip: "10.244.1.2".parse().unwrap(), port: 8080, proto: Protocol::Tcp }],
             ipvs: IpvsOptions::default(),
         }

@@ -286,6 +286,7 @@ mod tests {
             no_local_endpoint: false,
             source_ranges: vec![],
             max_connection_age_s: 0,
+            outlier_ejection: false,
             backends: backends.iter().map(|(ip, port)| BackendKey { ip: ip.parse().unwrap(), port: *port, proto }).collect(),
             ipvs: IpvsOptions::default(),
         }
