@@ -4,7 +4,7 @@
 //! logs it), one change's latency from the API write to the kernel map (p50/p99 over several
 //! changes, measured by reading the map), and the agent's peak RSS. Figures, not assertions.
 //!
-//!   kpr-scale [--services 10000] [--endpoints 10] [--changes 50]
+//!   kpr-scale [--services 10000] [--endpoints 10] [--changes 50] [--wrap heaptrack]
 use std::{
     process::{Command, Stdio},
     time::{Duration, Instant},
@@ -63,7 +63,17 @@ fn main() {
     api.kubeconfig(&dir.join("kubeconfig"));
     let log = dir.join("agent.log");
     let start = Instant::now();
-    let mut agent = Command::new(kpr_lab::sibling_bin("kpr"))
+    // `--wrap heaptrack` (or another command) runs the agent under it, for a heap profile.
+    let wrap = args.iter().position(|a| a == "--wrap").and_then(|i| args.get(i + 1)).cloned();
+    let mut cmd = match &wrap {
+        Some(w) => {
+            let mut c = Command::new(w);
+            c.arg(kpr_lab::sibling_bin("kpr"));
+            c
+        }
+        None => Command::new(kpr_lab::sibling_bin("kpr")),
+    };
+    let mut agent = cmd
         .arg("--pin-dir")
         .arg(pins.path())
         .args(["run", "--kubeconfig"])
@@ -147,8 +157,14 @@ fn main() {
     }
     let hwm = vm_hwm_kb(agent.id());
     let maps_bytes = kpr_bench::bpf_map_memlock(&agent.id().to_string());
-    let _ = agent.kill();
-    let _ = agent.wait();
+    if wrap.is_some() {
+        // The agent under the wrapper: a graceful stop, so the profiler writes its data.
+        let _ = Command::new("pkill").args(["-TERM", "-f"]).arg(pins.path()).status();
+        let _ = agent.wait();
+    } else {
+        let _ = agent.kill();
+        let _ = agent.wait();
+    }
     println!(
         "one change, API write -> kernel map: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({changes} changes)",
         percentile(&mut lat.clone(), 0.5),
