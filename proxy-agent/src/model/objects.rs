@@ -30,9 +30,9 @@ pub const FIELD_NOT_PROGRAMMED: &str = "FieldNotProgrammed";
 pub const MAP_FULL: &str = "MapFull";
 /// A valid part kpr does not program yet (IPv6, SCTP).
 pub const NOT_SUPPORTED: &str = "NotSupported";
-/// Every reason kpr gives an Event.
 /// A backend left out of a Service for now: it refused or let time out new connections.
 pub const OUTLIER_EJECTED: &str = "OutlierEjected";
+/// Every reason kpr gives an Event.
 pub const REASONS: [&str; 4] = [FIELD_NOT_PROGRAMMED, NOT_SUPPORTED, MAP_FULL, OUTLIER_EJECTED];
 
 impl fmt::Display for ObjectError {
