@@ -129,7 +129,7 @@ pub fn track(f: &Flow, key: &CtKey, cfg: &DatapathConfig, l: &mut Lookup) -> Tra
         return Tracked::No;
     };
     if unsafe { (*v).flags } & CT_F_MAX_AGE != 0 {
-        return max_age_reached(f, key, unsafe { &mut *v }, table);
+        return max_age_reached(f.proto == PROTO_TCP, key, unsafe { &mut *v }, table);
     }
     match entry(f, key, unsafe { &mut *v }, table, cfg, l.now, l.ifindex) {
         None => Tracked::No,
@@ -149,8 +149,8 @@ pub fn track(f: &Flow, key: &CtKey, cfg: &DatapathConfig, l: &mut Lookup) -> Tra
 /// carry the mark): TCP is reset, and closing from now on; UDP starts over, re-balanced. Rare: a
 /// subprogram.
 #[inline(never)]
-fn max_age_reached(f: &Flow, key: &CtKey, v: &mut CtValue, table: Table) -> Tracked {
-    if f.proto == PROTO_TCP {
+fn max_age_reached(tcp: bool, key: &CtKey, v: &mut CtValue, table: Table) -> Tracked {
+    if tcp {
         if v.flags & CT_F_CLOSING == 0 {
             v.flags |= CT_F_CLOSING;
             counters::backend_closed(v.backend_id);
@@ -200,7 +200,7 @@ fn entry(f: &Flow, key: &CtKey, v: &mut CtValue, table: Table, cfg: &DatapathCon
                 return Some(None);
             }
         }
-        CtRole::ReverseDnat if table == Table::Embryonic && v.flags & CT_F_SEEN_REPLY == 0 => seen_reply(f, key, v),
+        CtRole::ReverseDnat if table == Table::Embryonic && v.flags & CT_F_SEEN_REPLY == 0 => seen_reply(f.tcp_flags & TCP_RST != 0, key, v),
         _ => {}
     }
     // The coarse clock ticks every few ms: most packets find the stamp current and leave the
@@ -209,23 +209,32 @@ fn entry(f: &Flow, key: &CtKey, v: &mut CtValue, table: Table, cfg: &DatapathCon
         v.last_seen_ns = now;
     }
     if f.is_tcp_close() && v.flags & CT_F_CLOSING == 0 {
-        v.flags |= CT_F_CLOSING;
-        // The client's FIN or RST: the flow no longer counts as open on its backend.
-        if key.role(v) == CtRole::Forward {
-            counters::backend_closed(v.backend_id);
-        }
+        closing(key, v);
     }
     let rw = Rewrite::of(v);
     bump(if rw.reply() { counter::REVERSE_NAT } else { counter::ESTABLISHED });
     Some(Some(rw))
 }
 
+/// The first FIN or RST an entry sees: it is closing; the client's (on the forward entry) means
+/// the flow no longer counts as open on its backend. A subprogram: its map key stays off the
+/// established path's frame (Linux 6.1 counts every frame of the call chain against 512 bytes).
+#[inline(never)]
+fn closing(key: &CtKey, v: &mut CtValue) {
+    v.flags |= CT_F_CLOSING;
+    if key.role(v) == CtRole::Forward {
+        counters::backend_closed(v.backend_id);
+    }
+}
+
 /// The handshake's reply: the forward entry learns it, so the client's next packet can complete
 /// the flow. Once per flow. A reset instead is the backend refusing the connection (outlier
 /// detection counts it); a SYN-ACK ends its refusals in a row.
+///
+/// Takes the flag, not the Flow: a pointer argument would put the Flow on the callers' stack.
 #[inline(never)]
-fn seen_reply(f: &Flow, key: &CtKey, v: &mut CtValue) {
-    if f.tcp_flags & TCP_RST != 0 {
+fn seen_reply(rst: bool, key: &CtKey, v: &mut CtValue) {
+    if rst {
         counters::backend_refused(v.backend_id);
         return;
     }

@@ -163,7 +163,8 @@ fn tracked<P: Pkt>(p: &mut P, f: &Flow, key: &CtKey, cfg: &DatapathConfig) -> Re
         }
         Tracked::Reset => {
             bump(counter::MAX_AGE_RESET);
-            Ok(reject::tcp_reset(p, f).unwrap_or(Verdict::Drop))
+            let ports = u32::from(f.sport) | (u32::from(f.dport) << 16);
+            Ok(reject::tcp_reset(p, f.saddr, f.daddr, ports, f.l4_off).unwrap_or(Verdict::Drop))
         }
         t => {
             bump(counter::FLOW_CACHE_MISS);

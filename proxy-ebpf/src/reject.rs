@@ -120,14 +120,17 @@ const RST_LEN: usize = IP_OFF + 20 + 20;
 /// from its destination back to its source. Ends a flow past its Service's maximum connection
 /// age: at ingress the destination is still the service address, which the client knows. `None`
 /// when the packet cannot be turned into one (then dropped).
+///
+/// The packet's fields by value (addresses and ports in network order, `ports` = sport | dport
+/// << 16): a Flow pointer would put the Flow on the established path's stack.
 #[inline(never)]
-pub fn tcp_reset<P: Pkt>(p: &mut P, f: &Flow) -> Option<Verdict> {
-    if f.ihl_bytes != 20 {
+pub fn tcp_reset<P: Pkt>(p: &mut P, saddr: u32, daddr: u32, ports: u32, l4_off: usize) -> Option<Verdict> {
+    if l4_off != IP_OFF + 20 {
         return None;
     }
     let tot_len = u16::from_be(p.load::<u16>(IP_OFF + 2)?);
     // Ports, sequence, acknowledgement, data offset and flags.
-    let th: [u32; 4] = p.load(f.l4_off)?;
+    let th: [u32; 4] = p.load(l4_off)?;
     let (seq, ack) = (u32::from_be(th[1]), u32::from_be(th[2]));
     let w3 = th[3].to_ne_bytes();
     let (doff, flags) = (u32::from(w3[0] >> 4) * 4, w3[1]);
@@ -147,7 +150,8 @@ pub fn tcp_reset<P: Pkt>(p: &mut P, f: &Flow) -> Option<Verdict> {
         p.store(0, src_mac)?;
         p.store(6, dst_mac)?;
     }
-    let (saddr, daddr) = (f.daddr, f.saddr);
+    let (sport, dport) = (ports as u16, (ports >> 16) as u16);
+    let (saddr, daddr) = (daddr, saddr);
     let w0 = u16::from_ne_bytes([0x45, 0]);
     let tot = (40u16).to_be();
     let ttl_proto = u16::from_ne_bytes([64, PROTO_TCP]);
@@ -161,7 +165,7 @@ pub fn tcp_reset<P: Pkt>(p: &mut P, f: &Flow) -> Option<Verdict> {
     p.store(IP_OFF + 16, daddr)?;
 
     let l4 = IP_OFF + 20;
-    let ports = u32::from(f.dport) | (u32::from(f.sport) << 16);
+    let ports = u32::from(dport) | (u32::from(sport) << 16);
     let (seq_be, ack_be) = (rseq.to_be(), rack.to_be());
     let off_flags = u16::from_ne_bytes([0x50, rflags]);
     // Pseudo-header (addresses, protocol, length), then the header with a zero checksum.
