@@ -6,7 +6,7 @@ use proxy_common::PROTO_TCP;
 
 use crate::{
     csum,
-    parse::{Flow, IP_OFF, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
+    parse::{Flow, IP_OFF, PROTO_ICMP, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
     pkt::{Pkt, Verdict},
 };
 
@@ -18,6 +18,37 @@ fn halves(addr: u32) -> u64 {
     u64::from(addr as u16) + u64::from((addr >> 16) as u16)
 }
 
+/// Resizes the frame to the reply's `len` and, where the reply goes straight back out
+/// (`Verdict::Bounce`), swaps its MAC addresses. Whatever the reply quotes must be read before.
+#[inline(always)]
+fn turn_around<P: Pkt>(p: &mut P, len: usize) -> Option<Verdict> {
+    let dst_mac: [u16; 3] = p.load(0)?;
+    let src_mac: [u16; 3] = p.load(6)?;
+    p.resize(len)?;
+    let verdict = p.reply_verdict();
+    if verdict == Verdict::Bounce {
+        p.store(0, src_mac)?;
+        p.store(6, dst_mac)?;
+    }
+    Some(verdict)
+}
+
+/// An option-less IPv4 header with its checksum: `tos_word` is the first 16 bits (version, IHL,
+/// TOS) as they lie in memory; addresses in network order.
+#[inline(always)]
+fn write_ipv4_header<P: Pkt>(p: &mut P, tos_word: u16, tot_len: u16, proto: u8, saddr: u32, daddr: u32) -> Option<()> {
+    let tot = tot_len.to_be();
+    let ttl_proto = u16::from_ne_bytes([64, proto]);
+    let ip_sum = u64::from(tos_word) + u64::from(tot) + u64::from(ttl_proto) + halves(saddr) + halves(daddr);
+    p.store(IP_OFF, tos_word)?;
+    p.store(IP_OFF + 2, tot)?;
+    p.store(IP_OFF + 4, 0u32)?; // id, fragment offset
+    p.store(IP_OFF + 8, ttl_proto)?;
+    p.store(IP_OFF + 10, !csum::fold(ip_sum))?;
+    p.store(IP_OFF + 12, saddr)?;
+    p.store(IP_OFF + 16, daddr)
+}
+
 /// Returns `None` when the packet cannot be turned into a reply (it is then dropped). A
 /// subprogram: rare, and its frame stays off the new-flow path's.
 #[inline(never)]
@@ -27,27 +58,10 @@ pub fn icmp_port_unreachable<P: Pkt>(p: &mut P, f: &Flow) -> Option<Verdict> {
         return None;
     }
     let (saddr, daddr) = (f.saddr, f.daddr);
-    let dst_mac: [u16; 3] = p.load(0)?;
-    let src_mac: [u16; 3] = p.load(6)?;
     let quote: [u16; 14] = p.load(IP_OFF)?;
-    p.resize(REPLY_LEN)?;
-
-    let verdict = p.reply_verdict();
-    if verdict == Verdict::Bounce {
-        p.store(0, src_mac)?;
-        p.store(6, dst_mac)?;
-    }
-    let w0 = u16::from_ne_bytes([0x45, 0xc0]);
-    let tot = (56u16).to_be();
-    let ttl_proto = u16::from_ne_bytes([64, 1]);
-    let ip_sum = u64::from(w0) + u64::from(tot) + u64::from(ttl_proto) + halves(daddr) + halves(saddr);
-    p.store(IP_OFF, w0)?;
-    p.store(IP_OFF + 2, tot)?;
-    p.store(IP_OFF + 4, 0u32)?; // id, fragment offset
-    p.store(IP_OFF + 8, ttl_proto)?;
-    p.store(IP_OFF + 10, !csum::fold(ip_sum))?;
-    p.store(IP_OFF + 12, daddr)?; // from the VIP
-    p.store(IP_OFF + 16, saddr)?; // to the client
+    let verdict = turn_around(p, REPLY_LEN)?;
+    // From the VIP to the client.
+    write_ipv4_header(p, u16::from_ne_bytes([0x45, 0xc0]), 56, PROTO_ICMP, daddr, saddr)?;
 
     let type_code = u16::from_ne_bytes([3, 3]);
     let mut sum = u64::from(type_code);
@@ -81,16 +95,8 @@ fn halves6(a: &[u32; 4]) -> u64 {
 /// packet cannot be turned into a reply (it is then dropped). A subprogram, as the IPv4 one.
 #[inline(never)]
 pub fn icmp6_port_unreachable<P: Pkt>(p: &mut P, saddr: [u32; 4], daddr: [u32; 4]) -> Option<Verdict> {
-    let dst_mac: [u16; 3] = p.load(0)?;
-    let src_mac: [u16; 3] = p.load(6)?;
     let quote: [u16; QUOTE6_LEN / 2] = p.load(IP_OFF)?;
-    p.resize(REPLY6_LEN)?;
-
-    let verdict = p.reply_verdict();
-    if verdict == Verdict::Bounce {
-        p.store(0, src_mac)?;
-        p.store(6, dst_mac)?;
-    }
+    let verdict = turn_around(p, REPLY6_LEN)?;
     let payload_len = (8 + QUOTE6_LEN) as u16;
     p.store(IP_OFF, u32::from_ne_bytes([0x60, 0, 0, 0]))?;
     p.store(IP_OFF + 4, payload_len.to_be())?;
@@ -141,28 +147,10 @@ pub fn tcp_reset<P: Pkt>(p: &mut P, saddr: u32, daddr: u32, ports: u32, l4_off: 
         let len = payload + u32::from(flags & TCP_SYN != 0) + u32::from(flags & TCP_FIN != 0);
         (0, seq.wrapping_add(len), TCP_RST | TCP_ACK)
     };
-    let dst_mac: [u16; 3] = p.load(0)?;
-    let src_mac: [u16; 3] = p.load(6)?;
-    p.resize(RST_LEN)?;
-
-    let verdict = p.reply_verdict();
-    if verdict == Verdict::Bounce {
-        p.store(0, src_mac)?;
-        p.store(6, dst_mac)?;
-    }
+    let verdict = turn_around(p, RST_LEN)?;
     let (sport, dport) = (ports as u16, (ports >> 16) as u16);
     let (saddr, daddr) = (daddr, saddr);
-    let w0 = u16::from_ne_bytes([0x45, 0]);
-    let tot = (40u16).to_be();
-    let ttl_proto = u16::from_ne_bytes([64, PROTO_TCP]);
-    let ip_sum = u64::from(w0) + u64::from(tot) + u64::from(ttl_proto) + halves(saddr) + halves(daddr);
-    p.store(IP_OFF, w0)?;
-    p.store(IP_OFF + 2, tot)?;
-    p.store(IP_OFF + 4, 0u32)?; // id, fragment offset
-    p.store(IP_OFF + 8, ttl_proto)?;
-    p.store(IP_OFF + 10, !csum::fold(ip_sum))?;
-    p.store(IP_OFF + 12, saddr)?;
-    p.store(IP_OFF + 16, daddr)?;
+    write_ipv4_header(p, u16::from_ne_bytes([0x45, 0]), 40, PROTO_TCP, saddr, daddr)?;
 
     let l4 = IP_OFF + 20;
     let ports = u32::from(dport) | (u32::from(sport) << 16);
