@@ -258,6 +258,22 @@ pub fn write_loads(
     Ok(n)
 }
 
+#[cfg(test)]
+mod load_tests {
+    use super::*;
+
+    #[test]
+    fn every_count_of_a_pass_is_written_and_a_backend_no_longer_counted_gets_zero() {
+        let mut maps = FakeBackendLoads::default();
+        let mut written = std::collections::HashMap::new();
+        write_loads(&mut maps, &mut written, &[(1, 4), (2, 1)].into_iter().collect()).unwrap();
+        // The data path drifted (a close it never saw): the same count is written again.
+        maps.0.insert(1, 9);
+        assert_eq!(write_loads(&mut maps, &mut written, &[(1, 4)].into_iter().collect()).unwrap(), 2);
+        assert_eq!(maps.0, [(1, 4), (2, 0)].into_iter().collect());
+    }
+}
+
 pub trait ConntrackTables {
     /// Up to `max` entries of `table` from `cursor` on (None: the start), and the cursor to go on
     /// from (None: that was the end).

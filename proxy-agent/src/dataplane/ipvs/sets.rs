@@ -172,9 +172,6 @@ impl KernelSetMaps {
     }
 }
 
-/// The LPM key covers (address, port, protocol, family) whole, then the CIDR.
-const IPPN_FIXED_BITS: u32 = SET_IPPN_FIXED_BITS;
-
 impl SetMaps for KernelSetMaps {
     fn read(&self) -> Result<Sets, MapError> {
         let mut s = Sets::new();
@@ -183,7 +180,7 @@ impl SetMaps for KernelSetMaps {
         s.extend(
             collect(map_names::SET_IP_PORT_NET, self.ip_port_net.iter())?
                 .into_iter()
-                .map(|(k, v)| (Entry::IpPortNet(k.data(), k.prefix_len().saturating_sub(IPPN_FIXED_BITS) as u8), v)),
+                .map(|(k, v)| (Entry::IpPortNet(k.data(), k.prefix_len().saturating_sub(SET_IPPN_FIXED_BITS) as u8), v)),
         );
         s.extend(collect(map_names::SET_PORT, self.port.iter())?.into_iter().map(|(k, v)| (Entry::Port(k), v)));
         s.extend(collect(map_names::SET_IP, self.ip.iter())?.into_iter().map(|(k, v)| (Entry::Ip(k), v)));
@@ -194,7 +191,7 @@ impl SetMaps for KernelSetMaps {
             Entry::IpPort(k) => self.ip_port.insert(k, bits, 0).map_err(|e| op(map_names::SET_IP_PORT, "update", e)),
             Entry::IpPortIp(k) => self.ip_port_ip.insert(k, bits, 0).map_err(|e| op(map_names::SET_IP_PORT_IP, "update", e)),
             Entry::IpPortNet(k, len) => {
-                self.ip_port_net.insert(&Key::new(IPPN_FIXED_BITS + u32::from(*len), *k), bits, 0).map_err(|e| op(map_names::SET_IP_PORT_NET, "update", e))
+                self.ip_port_net.insert(&Key::new(SET_IPPN_FIXED_BITS + u32::from(*len), *k), bits, 0).map_err(|e| op(map_names::SET_IP_PORT_NET, "update", e))
             }
             Entry::Port(k) => self.port.insert(k, bits, 0).map_err(|e| op(map_names::SET_PORT, "update", e)),
             Entry::Ip(k) => self.ip.insert(k, bits, 0).map_err(|e| op(map_names::SET_IP, "update", e)),
@@ -204,7 +201,7 @@ impl SetMaps for KernelSetMaps {
         match e {
             Entry::IpPort(k) => del(map_names::SET_IP_PORT, self.ip_port.remove(k)),
             Entry::IpPortIp(k) => del(map_names::SET_IP_PORT_IP, self.ip_port_ip.remove(k)),
-            Entry::IpPortNet(k, len) => del(map_names::SET_IP_PORT_NET, self.ip_port_net.remove(&Key::new(IPPN_FIXED_BITS + u32::from(*len), *k))),
+            Entry::IpPortNet(k, len) => del(map_names::SET_IP_PORT_NET, self.ip_port_net.remove(&Key::new(SET_IPPN_FIXED_BITS + u32::from(*len), *k))),
             Entry::Port(k) => del(map_names::SET_PORT, self.port.remove(k)),
             Entry::Ip(k) => del(map_names::SET_IP, self.ip.remove(k)),
         }
