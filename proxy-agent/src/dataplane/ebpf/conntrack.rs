@@ -162,13 +162,40 @@ pub struct GcStats {
     pub syn_timeouts: Vec<u32>,
 }
 
-/// When the collector first saw a flow of a Service with a maximum connection age.
-#[derive(Clone, Copy, Debug)]
-struct Born {
-    first_seen_ns: u64,
-    ids: (u32, u32),
-    /// The pass over the assured table that last saw it (older ones are forgotten).
+/// Forward keys the collector saw in a table, from when it first saw each flow on them (a flow
+/// is told by its ids `I`), with what it keeps of each (`D`): a key a whole pass over the table
+/// did not see is forgotten.
+#[derive(Debug)]
+struct Sightings<I, D> {
+    /// Key -> (first seen, the pass that last saw it, the flow's ids, its data).
+    seen: HashMap<CtKey, (u64, u64, I, D)>,
     pass: u64,
+}
+
+impl<I, D> Default for Sightings<I, D> {
+    fn default() -> Self {
+        Self { seen: HashMap::new(), pass: 0 }
+    }
+}
+
+impl<I: PartialEq + Copy, D: Default> Sightings<I, D> {
+    /// The key seen now, carrying the flow `ids` (another flow on the tuple counts from now):
+    /// when its flow was first seen, and its data.
+    fn see(&mut self, k: CtKey, ids: I, now_ns: u64) -> (u64, &mut D) {
+        let pass = self.pass;
+        let e = self.seen.entry(k).or_insert_with(|| (now_ns, pass, ids, D::default()));
+        if e.2 != ids {
+            *e = (now_ns, pass, ids, D::default());
+        }
+        e.1 = pass;
+        (e.0, &mut e.3)
+    }
+
+    fn end_pass(&mut self) {
+        let pass = self.pass;
+        self.seen.retain(|_, e| e.1 == pass);
+        self.pass += 1;
+    }
 }
 
 /// The collector: a cursor per table, one batch of each per round.
@@ -180,16 +207,14 @@ pub struct Gc {
     /// Maximum connection age (ns) by service id: the Services that ask for one
     /// (kpr.io/max-connection-age).
     max_age: HashMap<u32, u64>,
-    /// Forward keys of those Services' flows, from when the collector first saw them: a flow's
-    /// age is counted from there (so it ends within a pass over the table after its maximum).
-    born: HashMap<CtKey, Born>,
-    passes: u64,
+    /// Those Services' flows, by (service id, backend id): a flow's age counts from the
+    /// collector's first sight (so it ends within a pass over the table after its maximum).
+    born: Sightings<(u32, u32), ()>,
     /// Open (not closing) flows by backend id, per table: the pass under way and the last whole one.
     counting: HashMap<Table, HashMap<u32, u32>>,
     counted: HashMap<Table, HashMap<u32, u32>>,
-    /// Embryonic flows waiting for their SYN's answer: (first seen, reported, pass last seen).
-    waiting: HashMap<CtKey, (u64, bool, u64)>,
-    embryonic_passes: u64,
+    /// Embryonic flows waiting for their SYN's answer, by backend id: reported yet?
+    waiting: Sightings<u32, bool>,
 }
 
 impl Gc {
@@ -199,23 +224,19 @@ impl Gc {
             batch,
             cursors: HashMap::new(),
             max_age: HashMap::new(),
-            born: HashMap::new(),
-            passes: 0,
+            born: Sightings::default(),
             counting: HashMap::new(),
             counted: HashMap::new(),
-            waiting: HashMap::new(),
-            embryonic_passes: 0,
+            waiting: Sightings::default(),
         }
     }
 
     /// An embryonic flow whose SYN got no answer yet: reported once when it waited too long.
     fn unanswered(&mut self, flow: &Flow, now_ns: u64, st: &mut GcStats) {
         let Some((k, v)) = flow.forward.filter(|(k, v)| k.proto == PROTO_TCP && v.flags & CT_F_SEEN_REPLY == 0) else { return };
-        let pass = self.embryonic_passes;
-        let w = self.waiting.entry(k).or_insert((now_ns, false, pass));
-        w.2 = pass;
-        if !w.1 && now_ns.saturating_sub(w.0) >= crate::dataplane::ebpf::outlier::SYN_TIMEOUT.as_nanos() as u64 {
-            w.1 = true;
+        let (first_seen_ns, reported) = self.waiting.see(k, v.backend_id, now_ns);
+        if !*reported && now_ns.saturating_sub(first_seen_ns) >= crate::dataplane::ebpf::outlier::SYN_TIMEOUT.as_nanos() as u64 {
+            *reported = true;
             st.syn_timeouts.push(v.backend_id);
         }
     }
@@ -234,24 +255,17 @@ impl Gc {
     pub fn set_max_ages(&mut self, ages: HashMap<u32, u32>) {
         self.max_age = ages.into_iter().map(|(id, s)| (id, u64::from(s) * 1_000_000_000)).collect();
         let max_age = &self.max_age;
-        self.born.retain(|_, b| max_age.contains_key(&b.ids.0));
+        self.born.seen.retain(|_, (_, _, (service_id, _), _)| max_age.contains_key(service_id));
     }
 
     /// Marks a flow past its Service's maximum connection age; remembers when it was first seen.
     fn age(&mut self, t: &mut dyn ConntrackTables, table: Table, flow: &Flow, now_ns: u64, st: &mut GcStats) -> Result<(), MapError> {
         let Some((k, v)) = flow.forward else { return Ok(()) };
         let Some(max) = self.max_age.get(&v.service_id).copied() else { return Ok(()) };
-        let ids = (v.service_id, v.backend_id);
-        let pass = self.passes;
-        let b = self.born.entry(k).or_insert(Born { first_seen_ns: now_ns, ids, pass });
-        if b.ids != ids {
-            // The tuple carries another flow now.
-            *b = Born { first_seen_ns: now_ns, ids, pass };
-        }
-        b.pass = pass;
-        if v.flags & CT_F_MAX_AGE == 0 && now_ns.saturating_sub(b.first_seen_ns) > max && t.set_flags_if(table, &k, &v, CT_F_MAX_AGE)? {
+        let (first_seen_ns, _) = self.born.see(k, (v.service_id, v.backend_id), now_ns);
+        if v.flags & CT_F_MAX_AGE == 0 && now_ns.saturating_sub(first_seen_ns) > max && t.set_flags_if(table, &k, &v, CT_F_MAX_AGE)? {
             st.aged += 1;
-            self.born.remove(&k);
+            self.born.seen.remove(&k);
         }
         Ok(())
     }
@@ -290,21 +304,15 @@ impl Gc {
                     }
                 }
             }
-            if table == Table::Embryonic && next.is_none() {
-                let pass = self.embryonic_passes;
-                self.waiting.retain(|_, w| w.2 == pass);
-                self.embryonic_passes += 1;
-            }
             if next.is_none() {
+                // A whole pass over the table is done.
                 let counts = self.counting.remove(&table).unwrap_or_default();
                 self.counted.insert(table, counts);
+                match table {
+                    Table::Assured => self.born.end_pass(),
+                    Table::Embryonic => self.waiting.end_pass(),
+                }
                 st.pass_done = true;
-            }
-            if table == Table::Assured && next.is_none() {
-                // A whole pass is done: forget the flows it did not see.
-                let pass = self.passes;
-                self.born.retain(|_, b| b.pass == pass);
-                self.passes += 1;
             }
         }
         if st.entries > 0 || st.aged > 0 {
