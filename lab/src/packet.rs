@@ -8,6 +8,7 @@ pub const ICMP: u8 = 1;
 pub const SYN: u8 = 0x02;
 pub const ACK: u8 = 0x10;
 pub const FIN: u8 = 0x01;
+pub const RST: u8 = 0x04;
 
 fn sum16(data: &[u8]) -> u32 {
     let mut s = 0u32;

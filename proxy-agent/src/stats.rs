@@ -45,6 +45,8 @@ pub struct Metrics {
     /// The same by reason (FieldNotProgrammed: invalid; NotSupported: IPv6, SCTP; MapFull).
     pub not_programmed: IntGaugeVec,
     pub ipvs_terminating: IntGauge,
+    /// After a mode switch: connections the previous mode still serves (0: none, or no switch).
+    pub handover_connections: IntGauge,
     pub gc_flows_total: IntCounter,
     /// Flows marked as past their Service's maximum connection age.
     pub max_age_flows_total: IntCounter,
@@ -111,6 +113,10 @@ impl Metrics {
                     .unwrap(),
             ),
             ipvs_terminating: gauge("kpr_ipvs_terminating_destinations", "IPVS destinations at weight 0 waiting for their connections to end"),
+            handover_connections: gauge(
+                "kpr_mode_handover_connections",
+                "After a switch between the eBPF and IPVS modes: connections (fast path flows, or IPVS established connections) the previous mode still serves",
+            ),
             gc_flows_total: counter("kpr_conntrack_gc_flows_total", "Flows deleted by the conntrack collector"),
             outlier_ejections_total: counter(
                 "kpr_outlier_ejections_total",

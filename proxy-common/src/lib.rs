@@ -39,8 +39,8 @@ macro_rules! map_name {
     (RR_STATE) => { "KPR_RR_V1" };
     // V3: the IPv6 cluster CIDR.
     (CONFIG) => { "KPR_CFG_V3" };
-    // V5: max_age_reset.
-    (COUNTERS) => { "KPR_CNT_V5" };
+    // V6: handover_pass.
+    (COUNTERS) => { "KPR_CNT_V6" };
     (SOCK_REV) => { "KPR_SOCK_REV_V1" };
     (BACKEND_NEW) => { "KPR_BE_NEW_V1" };
     (BACKEND_ACTIVE) => { "KPR_BE_ACTIVE_V1" };
@@ -90,7 +90,7 @@ pub mod map_names {
     pub const SETS: [&str; 5] = [SET_IP_PORT, SET_IP_PORT_IP, SET_IP_PORT_NET, SET_PORT, SET_IP];
     /// Pins of earlier layouts: removed at load, so an upgrade does not keep them (and their
     /// memory) alive next to their successors.
-    pub const RETIRED: [&str; 16] = [
+    pub const RETIRED: [&str; 17] = [
         "KPR_SVC_V1",
         "KPR_SLOT_V1",
         "KPR_BE_V1",
@@ -98,6 +98,7 @@ pub mod map_names {
         "KPR_CNT_V2",
         "KPR_CNT_V3",
         "KPR_CNT_V4",
+        "KPR_CNT_V5",
         "KPR_CT_V1",
         "KPR_CT_V2",
         "KPR_CFG_V1",
@@ -392,6 +393,12 @@ pub const CFG_F_NO_FLOW_CACHE: u32 = 1 << 1;
 /// node, not masqueraded) when its packet arrives on an interface flagged IFACE_F_LOCAL, not by
 /// its address (ClusterCIDR / NodeCIDR use `cluster_cidr`).
 pub const CFG_F_LOCAL_BY_IFACE: u32 = 1 << 2;
+/// A switch to IPVS mode is draining the fast path: its flows are still served, no new one
+/// starts. A packet no flow knows goes on to the next TC program (IPVS mode's set matching).
+pub const CFG_F_NO_NEW_FLOWS: u32 = 1 << 3;
+/// A switch from IPVS mode: a TCP packet without SYN that no flow knows is part of a
+/// connection IPVS still serves, so it goes to the stack, not to a new flow.
+pub const CFG_F_HANDOVER: u32 = 1 << 4;
 
 /// IfaceInfo::flags: traffic arriving on this interface comes from local pods.
 pub const IFACE_F_LOCAL: u32 = 1 << 0;
@@ -747,7 +754,7 @@ macro_rules! counters {
     };
 }
 
-/// Indices of the per-CPU counters in KPR_CNT_V4.
+/// Indices of the per-CPU counters in KPR_CNT_V6.
 pub mod counter {
     counters! {
         NEW_FLOW = 0, "new_flow";
@@ -785,6 +792,9 @@ pub mod counter {
         /// A TCP packet of a flow past its Service's maximum connection age, answered with a
         /// reset (UDP flows past it start over on another backend, counted as new flows).
         MAX_AGE_RESET = 21, "max_age_reset";
+        /// After a switch from IPVS mode: TCP packets of connections IPVS still serves, passed
+        /// to it (CFG_F_HANDOVER).
+        HANDOVER_PASS = 22, "handover_pass";
     }
 }
 

@@ -11,7 +11,7 @@
 use aya_ebpf::helpers::bpf_jiffies64;
 use proxy_common::{
     counter, DatapathConfig, ServiceValue, SourceRangeKey, CFG_F_LOCAL_BY_IFACE, CFG_F_MASQUERADE_ALL,
-    CFG_F_NO_FLOW_CACHE, CtKey, IFACE_F_LOCAL,
+    CFG_F_HANDOVER, CFG_F_NO_FLOW_CACHE, CFG_F_NO_NEW_FLOWS, CtKey, IFACE_F_LOCAL,
     PROTO_TCP, PROTO_UDP, SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT, SVC_F_PRESERVE_SOURCE,
     SVC_F_SOURCE_RANGES,
 };
@@ -106,14 +106,26 @@ pub fn ingress<P: Pkt>(p: &mut P, scope: u8) -> Verdict {
         Ok(v) => return v,
         Err(now) => now,
     };
-    let Some(svc) = lb::lookup_service(&f, scope) else {
+    // Draining after a switch to IPVS mode: no new flow; IPVS mode's program after this one
+    // serves what no flow of ours knows.
+    let draining = cfg.flags & CFG_F_NO_NEW_FLOWS != 0;
+    let svc = lb::lookup_service(&f, scope);
+    if svc.is_none() && !draining {
         return Verdict::Pass;
-    };
+    }
     // The handshake's last ACK (or data) of a flow still in the embryonic table.
     if f.proto == PROTO_TCP && !f.is_tcp_control() {
         if let Some(rw) = conntrack::embryonic_forward(&f, &key, cfg, now) {
             return rewrite(p, &f, &rw);
         }
+    }
+    let Some(svc) = svc.filter(|_| !draining) else {
+        return Verdict::Next;
+    };
+    // After a switch from IPVS mode: a connection IPVS still serves (its FIN and RST too).
+    if cfg.flags & CFG_F_HANDOVER != 0 && f.proto == PROTO_TCP && !f.is_new_tcp_syn() {
+        bump(counter::HANDOVER_PASS);
+        return Verdict::Pass;
     }
     match new_flow(p, &f, &svc, cfg, now) {
         NewFlow::Done(v) => v,

@@ -1,7 +1,7 @@
 //! One packet interface over XDP and TC, so the load balancer is written once. Every access is
 //! by offset and bounds-checked again, because TC helpers invalidate earlier packet pointers.
 use aya_ebpf::{
-    bindings::{TC_ACT_OK, TC_ACT_SHOT},
+    bindings::{TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC},
     helpers::{bpf_redirect, bpf_skb_change_tail, bpf_xdp_adjust_tail},
     programs::{TcContext, XdpContext},
 };
@@ -16,6 +16,8 @@ const BPF_F_MARK_MANGLED_0: u64 = 0x20;
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
     Pass,
+    /// Not this program's: the next one on the hook decides (TC), or the stack (XDP).
+    Next,
     Drop,
     /// Send back out of the interface it arrived on (a generated reject).
     Bounce,
@@ -105,7 +107,7 @@ fn update_full<P: Pkt>(p: &mut P, c: L4Csum, diff: u32) -> Option<()> {
 impl Xdp<'_> {
     pub fn action(v: Verdict) -> u32 {
         match v {
-            Verdict::Pass => xdp_action::XDP_PASS,
+            Verdict::Pass | Verdict::Next => xdp_action::XDP_PASS,
             Verdict::Drop => xdp_action::XDP_DROP,
             Verdict::Bounce => xdp_action::XDP_TX,
         }
@@ -185,6 +187,7 @@ impl Tc<'_> {
     pub fn action(&self, v: Verdict) -> i32 {
         match v {
             Verdict::Pass => TC_ACT_OK as i32,
+            Verdict::Next => TC_ACT_UNSPEC as i32,
             Verdict::Drop => TC_ACT_SHOT as i32,
             // Out of the same device: a reject goes back to the sender.
             Verdict::Bounce => unsafe { bpf_redirect((*self.0.skb.skb).ifindex, 0) as i32 },

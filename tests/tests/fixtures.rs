@@ -7,7 +7,7 @@
 use aya::programs::{TestRun, TestRunOptions};
 use kpr_lab::{
     datapath_config, ip,
-    packet::{icmp_error, parse, Frame, ACK, FIN, ICMP, SYN, TCP, UDP},
+    packet::{icmp_error, parse, Frame, ACK, FIN, ICMP, RST, SYN, TCP, UDP},
     Loaded,
 };
 use proxy_agent::{dataplane::ebpf::kernel::Datapath, dataplane::ebpf::maps::DatapathMaps, dataplane::ebpf::maps::Table, model::NodeInfo};
@@ -866,4 +866,73 @@ fn a_reset_answering_a_syn_counts_as_a_refusal_until_a_handshake_completes() {
     // A handshake with the same backend: the refusals are no longer in a row.
     handshake(&mut l, "10.244.0.9", 48002, "10.96.0.13", 80);
     assert!(fails(&l).is_empty(), "{:?}", fails(&l));
+}
+
+const TC_ACT_UNSPEC: u32 = u32::MAX;
+
+fn set_flag(l: &mut Loaded, flag: u32) {
+    let cfg = l.maps.config().unwrap();
+    l.maps.set_config(proxy_common::DatapathConfig { flags: cfg.flags | flag, ..cfg }).unwrap();
+}
+
+/// A switch to IPVS mode drains the fast path (CFG_F_NO_NEW_FLOWS): its flows keep their
+/// translation; a packet no flow knows goes on to the next TC program (IPVS mode's set
+/// matching) untouched, and starts no flow.
+#[test]
+fn draining_fast_path_serves_its_flows_and_hands_everything_else_on() {
+    let mut l = load("drain");
+    let (_, o) = tc(&mut l.dp, &Frame::tcp("10.244.0.5", 40100, "10.96.0.10", 80, SYN));
+    let backend = parse(&o).dst;
+    let udp = Frame::udp("10.244.0.5", 40101, "10.96.0.15", 53, b"q");
+    let (_, o) = tc(&mut l.dp, &udp);
+    assert_eq!(parse(&o).dst.to_string(), "10.244.1.3");
+    set_flag(&mut l, proxy_common::CFG_F_NO_NEW_FLOWS);
+    let flows = l.conntrack(Table::Assured).len() + l.conntrack(Table::Embryonic).len();
+    // The flows it has: translated as before, at ingress and egress.
+    let (v, o) = tc(&mut l.dp, &Frame::tcp("10.244.0.5", 40100, "10.96.0.10", 80, ACK));
+    assert_eq!((v, parse(&o).dst), (TC_ACT_OK, backend));
+    let (v, o) = out(&mut l.dp, &Frame::tcp(&backend.to_string(), 8080, "10.244.0.5", 40100, SYN | ACK).bytes());
+    assert_eq!((v, parse(&o).src.to_string().as_str()), (TC_ACT_OK, "10.96.0.10"));
+    let (v, o) = tc(&mut l.dp, &udp);
+    assert_eq!((v, parse(&o).dst.to_string().as_str()), (TC_ACT_OK, "10.244.1.3"));
+    // New connections, TCP and UDP, and traffic to no service: the next program's, untouched.
+    for f in [
+        Frame::tcp("10.244.0.5", 40102, "10.96.0.10", 80, SYN),
+        Frame::udp("10.244.0.5", 40103, "10.96.0.15", 53, b"q"),
+        Frame::tcp("10.244.0.5", 40104, "10.244.9.9", 80, SYN),
+    ] {
+        let (v, o) = tc(&mut l.dp, &f);
+        assert_eq!((v, &o), (TC_ACT_UNSPEC, &f.bytes()));
+    }
+    // At XDP (no next program there), a pass.
+    let nodeport = Frame::tcp("198.18.0.1", 50100, NODE_IP, 30080, SYN);
+    assert_eq!(run(&mut l.dp, true, &nodeport.bytes()), (XDP_PASS, nodeport.bytes()));
+    assert_eq!(l.conntrack(Table::Assured).len() + l.conntrack(Table::Embryonic).len(), flows, "no new flow while draining");
+}
+
+/// After a switch from IPVS mode (CFG_F_HANDOVER), a TCP packet of a connection the fast path
+/// does not know, other than a SYN, is IPVS's: it passes untouched to the stack. A SYN still
+/// starts a flow, and the fast path's own flows are unaffected.
+#[test]
+fn after_a_switch_from_ipvs_its_connections_pass_and_new_ones_are_balanced() {
+    let mut l = load("handover");
+    let (_, o) = tc(&mut l.dp, &Frame::tcp("10.244.0.5", 40200, "10.96.0.10", 80, SYN));
+    let mine = parse(&o).dst;
+    set_flag(&mut l, proxy_common::CFG_F_HANDOVER);
+    for flags in [ACK, ACK | FIN, RST] {
+        let f = Frame::tcp("10.244.0.5", 40201, "10.96.0.10", 80, flags);
+        assert_eq!(tc(&mut l.dp, &f), (TC_ACT_OK, f.bytes()), "flags {flags:#x}");
+        let f = Frame::tcp("198.18.0.1", 50201, NODE_IP, 30080, flags);
+        assert_eq!(run(&mut l.dp, true, &f.bytes()), (XDP_PASS, f.bytes()), "NodePort, flags {flags:#x}");
+    }
+    assert!(counter_of(&l, counter::HANDOVER_PASS) >= 6);
+    assert!(
+        !l.conntrack(Table::Embryonic).iter().chain(l.conntrack(Table::Assured).iter()).any(|(k, _)| k.sport == 40201u16.to_be()),
+        "no flow for IPVS's connection"
+    );
+    let (_, o) = tc(&mut l.dp, &Frame::tcp("10.244.0.5", 40200, "10.96.0.10", 80, ACK));
+    assert_eq!(parse(&o).dst, mine, "the fast path's own flow");
+    let (v, o) = tc(&mut l.dp, &Frame::tcp("10.244.0.5", 40202, "10.96.0.10", 80, SYN));
+    assert_eq!(v, TC_ACT_OK);
+    assert!(WEB.contains(&parse(&o).dst.to_string().as_str()), "a SYN starts a flow");
 }

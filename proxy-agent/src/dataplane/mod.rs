@@ -7,7 +7,10 @@
 //!   collectors. IPVS mode loads the same object for its set-matching programs.
 //! - `ipvs/`: the IPVS client, its sync, kube-proxy's sets (as BPF maps) and fixed netfilter
 //!   rules, and the `ipvsadm`-like view.
+//! - `handover.rs`: a switch between the two on a running node, keeping established
+//!   connections.
 pub mod ebpf;
+pub mod handover;
 pub mod ipvs;
 
 use std::{collections::BTreeSet, net::IpAddr, time::Duration};

@@ -64,3 +64,33 @@ impl Netfilter for SystemNetfilter {
         run("nft", &["delete", "table", family, name], None).map(|_| ())
     }
 }
+
+/// Netfilter in memory for tests: `save` answers from `saved` (backend, table), every restore
+/// input is recorded.
+#[derive(Debug, Default)]
+pub struct FakeNetfilter {
+    pub saved: std::collections::BTreeMap<(String, String), String>,
+    pub restored: Vec<(String, String)>,
+}
+
+impl Netfilter for FakeNetfilter {
+    fn save(&self, backend: &str, table: &str) -> Result<String, NetfilterError> {
+        Ok(self.saved.get(&(backend.to_string(), table.to_string())).cloned().unwrap_or_default())
+    }
+    fn restore(&mut self, backend: &str, input: &str) -> Result<(), NetfilterError> {
+        self.restored.push((backend.into(), input.into()));
+        Ok(())
+    }
+    fn ipsets(&self) -> Result<Vec<String>, NetfilterError> {
+        Ok(Vec::new())
+    }
+    fn destroy_ipset(&mut self, _name: &str) -> Result<(), NetfilterError> {
+        Ok(())
+    }
+    fn nft_tables(&self) -> Result<Vec<(String, String)>, NetfilterError> {
+        Ok(Vec::new())
+    }
+    fn delete_nft_table(&mut self, _family: &str, _name: &str) -> Result<(), NetfilterError> {
+        Ok(())
+    }
+}

@@ -131,6 +131,13 @@ impl Default for Timeouts {
 }
 
 impl Timeouts {
+    /// The fast path's, from the agent's conntrack settings (both modes write them to
+    /// KPR_CFG: IPVS mode for a draining fast path).
+    pub fn from_settings(c: &crate::settings::ConntrackSettings) -> Self {
+        let secs = |d: std::time::Duration| d.as_secs().clamp(1, u64::from(u32::MAX)) as u32;
+        Self { tcp: secs(c.tcp_established), udp: secs(c.fast_path_udp()), closing: secs(c.tcp_closing), ..Default::default() }
+    }
+
     fn of(&self, table: Table, proto: u8, closing: bool) -> u64 {
         let s = match (table, proto == PROTO_TCP, closing) {
             (Table::Embryonic, _, _) => self.embryonic,
@@ -213,6 +220,9 @@ pub struct Gc {
     /// Open (not closing) flows by backend id, per table: the pass under way and the last whole one.
     counting: HashMap<Table, HashMap<u32, u32>>,
     counted: HashMap<Table, HashMap<u32, u32>>,
+    /// Flows kept (closing ones too), per table: the pass under way and the last whole one.
+    live_counting: HashMap<Table, usize>,
+    live_counted: HashMap<Table, usize>,
     /// Embryonic flows waiting for their SYN's answer, by backend id: reported yet?
     waiting: Sightings<u32, bool>,
 }
@@ -227,6 +237,8 @@ impl Gc {
             born: Sightings::default(),
             counting: HashMap::new(),
             counted: HashMap::new(),
+            live_counting: HashMap::new(),
+            live_counted: HashMap::new(),
             waiting: Sightings::default(),
         }
     }
@@ -249,6 +261,12 @@ impl Gc {
             *out.entry(*id).or_default() += n;
         }
         out
+    }
+
+    /// Flows in both tables at their last whole pass (closing ones too); None before a whole
+    /// pass over each.
+    pub fn live_flows(&self) -> Option<usize> {
+        Table::ALL.iter().map(|t| self.live_counted.get(t).copied()).sum()
     }
 
     /// The Services with a maximum connection age, by service id (seconds).
@@ -293,6 +311,7 @@ impl Gc {
                     delete_flow(t, table, &flow, &mut st)?;
                     gone.extend(flow.entries().map(|(k, _)| *k));
                 } else {
+                    *self.live_counting.entry(table).or_default() += 1;
                     if let Some((_, v)) = flow.forward.filter(|(_, v)| v.flags & CT_F_CLOSING == 0) {
                         *self.counting.entry(table).or_default().entry(v.backend_id).or_default() += 1;
                     }
@@ -308,6 +327,8 @@ impl Gc {
                 // A whole pass over the table is done.
                 let counts = self.counting.remove(&table).unwrap_or_default();
                 self.counted.insert(table, counts);
+                let live = self.live_counting.remove(&table).unwrap_or_default();
+                self.live_counted.insert(table, live);
                 match table {
                     Table::Assured => self.born.end_pass(),
                     Table::Embryonic => self.waiting.end_pass(),

@@ -13,6 +13,7 @@ use aya::{
         xdp::XdpLink,
         CgroupAttachMode, CgroupSockAddr, SchedClassifier, SocketFilter, Xdp, XdpMode,
     },
+    util::KernelVersion,
     Ebpf, EbpfLoader,
 };
 use proxy_common::{map_names, prog_names};
@@ -48,6 +49,9 @@ pub enum Hook {
     Xdp,
     /// Connect-time programs on a cgroup; the "interface" is the program name.
     Cgroup,
+    /// The fast path's TC ingress link, kept in front of IPVS mode's set matching while a
+    /// switch to IPVS mode drains its flows (see dataplane::handover).
+    TcDrain,
 }
 
 impl Hook {
@@ -58,6 +62,7 @@ impl Hook {
             Hook::TcEgress => "tc_egress",
             Hook::Xdp => "xdp",
             Hook::Cgroup => "cgroup",
+            Hook::TcDrain => "tc_drain",
         }
     }
 }
@@ -79,7 +84,14 @@ pub struct Datapath {
     pub pin_dir: PathBuf,
     /// What TC ingress runs: the fast path, or IPVS mode's set matching.
     tc_program: &'static str,
+    /// IPVS mode while the fast path drains: on kernels before TCX, the set matching goes
+    /// after the fast path's TC filter, which stays.
+    after_fast_path: bool,
 }
+
+/// The TC filter priority of IPVS mode's set matching behind a draining fast path (whose filter
+/// got the kernel's first automatic priority, 49152; lower runs first).
+const AFTER_FAST_PATH_PRIORITY: u16 = 0xC001;
 
 impl Datapath {
     /// Loads the embedded object. Maps already pinned under `pin_dir` are reused, so the
@@ -119,7 +131,7 @@ impl Datapath {
             loader.map_max_entries(name, n);
         }
         let ebpf = loader.load(EBPF_OBJECT).map_err(KernelError::Load)?;
-        Ok(Self { ebpf, pin_dir: pin_dir.into(), tc_program: prog_names::TC_INGRESS })
+        Ok(Self { ebpf, pin_dir: pin_dir.into(), tc_program: prog_names::TC_INGRESS, after_fast_path: false })
     }
 
     /// IPVS mode: loads the set-matching TC program (attached instead of the fast path) and the
@@ -152,6 +164,11 @@ impl Datapath {
             self.sock_addr(name)?.load().map_err(|err| KernelError::Program { name, err })?;
         }
         Ok(())
+    }
+
+    /// IPVS mode behind a draining fast path: see `after_fast_path`.
+    pub fn set_after_fast_path(&mut self, on: bool) {
+        self.after_fast_path = on;
     }
 
     pub fn sock_addr(&mut self, name: &'static str) -> Result<&mut CgroupSockAddr, KernelError> {
@@ -229,8 +246,8 @@ impl Datapath {
                 } else {
                     (prog_names::TC_EGRESS, TcAttachType::Egress, "tc egress")
                 };
-                let prog = self.classifier(program)?;
                 if let Some(link) = existing {
+                    let prog = self.classifier(program)?;
                     let link = SchedClassifierLink::try_from(link).map_err(|e| fail("reuse pinned tc link", e.to_string()))?;
                     let id = prog.attach_to_link(link).map_err(|e| fail("update tc link", e.to_string()))?;
                     // The pin keeps the link; our fd may go.
@@ -240,10 +257,21 @@ impl Datapath {
                 // Only needed on kernels before TCX (6.6); harmless otherwise. There, filters are
                 // not links: remove ours before adding one, or restarts would stack them.
                 let _ = tc::qdisc_add_clsact(iface);
-                for name in TC_PROGRAMS {
+                // Behind a draining fast path, its filter stays and ours goes after it (TCX
+                // links: after by default).
+                let behind = self.after_fast_path && hook == Hook::TcIngress;
+                for name in TC_PROGRAMS.into_iter().filter(|n| !behind || *n == prog_names::TC_IPSET) {
                     let _ = tc::qdisc_detach_program(iface, attach_type, name);
                 }
-                let id = prog.attach(iface, attach_type).map_err(|e| fail(what, e.to_string()))?;
+                let prog = self.classifier(program)?;
+                let tcx = KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
+                let id = if behind && !tcx {
+                    let options = tc::NlOptions { priority: AFTER_FAST_PATH_PRIORITY, ..Default::default() };
+                    prog.attach_with_options(iface, attach_type, tc::TcAttachOptions::Netlink(options))
+                } else {
+                    prog.attach(iface, attach_type)
+                }
+                .map_err(|e| fail(what, e.to_string()))?;
                 let link = prog.take_link(id).map_err(|e| fail("take tc link", e.to_string()))?;
                 match FdLink::try_from(link) {
                     Ok(fd) => {
@@ -253,7 +281,9 @@ impl Datapath {
                     Err(_) => {}
                 }
             }
-            Hook::Cgroup => return Err(fail("attach", "cgroup programs attach with attach_cgroup".into())),
+            Hook::Cgroup | Hook::TcDrain => {
+                return Err(fail("attach", "cgroup programs attach with attach_cgroup; drain links are kept, never attached".into()))
+            }
             Hook::Xdp => {
                 let prog = self.xdp(prog_names::XDP_INGRESS)?;
                 if let Some(link) = existing {
@@ -301,6 +331,8 @@ pub fn attached_links(pin_dir: &Path) -> Vec<(String, Hook)> {
             out.push((i.to_string(), Hook::Xdp));
         } else if let Some(p) = name.strip_prefix("cgroup_") {
             out.push((p.to_string(), Hook::Cgroup));
+        } else if let Some(i) = name.strip_prefix("tc_drain_") {
+            out.push((i.to_string(), Hook::TcDrain));
         }
     }
     out.sort_by(|a, b| a.0.cmp(&b.0));
@@ -315,6 +347,50 @@ pub fn detach(pin_dir: &Path, iface: &str, hook: Hook) -> io::Result<()> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
         r => r,
     }
+}
+
+/// Keeps the fast path's TC ingress links as drain links (IPVS mode's set matching then gets
+/// links of its own, after them). Returns the interfaces.
+pub fn keep_tc_ingress_for_drain(pin_dir: &Path) -> io::Result<Vec<String>> {
+    let mut kept = Vec::new();
+    for (iface, hook) in attached_links(pin_dir) {
+        if hook == Hook::TcIngress {
+            std::fs::rename(link_path(pin_dir, &iface, Hook::TcIngress), link_path(pin_dir, &iface, Hook::TcDrain))?;
+            kept.push(iface);
+        }
+    }
+    Ok(kept)
+}
+
+/// Detaches the fast path's programs from every interface and the cgroup, leaving IPVS mode's
+/// (set matching, connect-time filters) and every map. `sock`: the connect-time programs to
+/// detach. Idempotent; returns what went.
+pub fn detach_fast_path(pin_dir: &Path, sock: &[&str]) -> Vec<String> {
+    let mut removed = Vec::new();
+    for (iface, hook) in attached_links(pin_dir) {
+        let fast = match hook {
+            Hook::Xdp | Hook::TcEgress | Hook::TcDrain => true,
+            Hook::Cgroup => sock.contains(&iface.as_str()),
+            Hook::TcIngress => false,
+        };
+        if fast && detach(pin_dir, &iface, hook).is_ok() {
+            removed.push(format!("{} {iface}", hook.tag()));
+        }
+    }
+    // Kernels before TCX: the TC filters (no pins).
+    removed.extend(detach_tc_filters(TcAttachType::Ingress, prog_names::TC_INGRESS));
+    removed.extend(detach_tc_filters(TcAttachType::Egress, prog_names::TC_EGRESS));
+    removed
+}
+
+/// Kernels before TCX: removes the TC filters running program `name` at `at` from every
+/// interface. Returns what went.
+pub fn detach_tc_filters(at: TcAttachType, name: &str) -> Vec<String> {
+    crate::host::netif::interfaces()
+        .into_iter()
+        .filter(|iface| tc::qdisc_detach_program(iface, at, name).is_ok())
+        .map(|iface| format!("tc filter {name} on {iface}"))
+        .collect()
 }
 
 /// Removes everything the agent created under `pin_dir` and on this namespace's interfaces:

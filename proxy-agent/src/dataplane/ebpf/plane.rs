@@ -23,6 +23,7 @@ use crate::{
             outlier::{self, Outliers},
             sync::{RemovedBackend, SyncError, Syncer},
         },
+        handover::{IpvsHandover, Progress},
         Dataplane, DataplaneError, NodeContext, SyncStats,
     },
     host::{
@@ -55,6 +56,9 @@ pub struct EbpfPlane {
     max_ages: HashMap<u32, u32>,
     /// Backends ejected by the collector's outlier detection.
     outliers: Arc<Mutex<Outliers>>,
+    /// After a switch from IPVS mode: IPVS's connections, served by it until they end.
+    handover: Option<IpvsHandover>,
+    stats: SharedStats,
 }
 
 /// What a sync tells the collector.
@@ -137,15 +141,12 @@ impl EbpfPlane {
             dp.attach_cgroup(cg, &proxy_common::prog_names::SOCK)?;
             info!(cgroup = %cg.display(), "connect-time balancing attached");
         }
-        let maps = KernelMaps::open(&pin_dir)?;
-        let timeouts = Timeouts {
-            tcp: secs(s.conntrack.tcp_established),
-            udp: secs(s.conntrack.fast_path_udp()),
-            closing: secs(s.conntrack.tcp_closing),
-            ..Default::default()
-        };
+        let mut maps = KernelMaps::open(&pin_dir)?;
+        // Before the programs attach: IPVS's connections must pass through from the first packet.
+        let handover = IpvsHandover::start(&pin_dir, &s.uplinks, &mut maps);
+        let timeouts = Timeouts::from_settings(&s.conntrack);
         let outliers = Arc::new(Mutex::new(Outliers::new(OUTLIER_EJECTION_TIME)));
-        let gc = start_gc(pin_dir.clone(), timeouts, stats, outliers.clone());
+        let gc = start_gc(pin_dir.clone(), timeouts, stats.clone(), outliers.clone());
         Ok(Self {
             dp,
             maps,
@@ -155,6 +156,8 @@ impl EbpfPlane {
             gc,
             max_ages: HashMap::new(),
             outliers,
+            handover,
+            stats,
         })
     }
 }
@@ -178,13 +181,26 @@ impl Dataplane for EbpfPlane {
     }
 
     fn reconcile_interfaces(&mut self) {
+        if let Some(h) = &mut self.handover {
+            match h.poll(&mut self.maps) {
+                Progress::Serving(u64::MAX) => {}
+                Progress::Serving(n) => self.stats.lock().unwrap().m.handover_connections.set(n as i64),
+                Progress::Done => {
+                    self.stats.lock().unwrap().m.handover_connections.set(0);
+                    self.handover = None;
+                }
+            }
+        }
         if self.interfaces.reconcile(&mut self.dp, &mut self.maps) {
             sysctl::apply(&mut ProcSysctls, &sysctl::FAST_PATH_SYSCTLS);
         }
     }
 
     fn sync(&mut self, desired: &DesiredState, node: &NodeContext, touched: Option<&BTreeSet<FrontendKey>>) -> Result<SyncStats, DataplaneError> {
-        let config = self.config.config(node, true)?;
+        let mut config = self.config.config(node, true)?;
+        if self.handover.is_some() {
+            config.flags |= proxy_common::CFG_F_HANDOVER;
+        }
         // Ejected backends leave the frontends of Services that opt in. A change of the set
         // comes with a full sync (full_sync_within), so an incremental one sees the same set.
         let ejected = {
@@ -220,10 +236,6 @@ impl Dataplane for EbpfPlane {
         }
         Ok(SyncStats { ejected: ejected_events, ..st.plane })
     }
-}
-
-fn secs(d: Duration) -> u32 {
-    d.as_secs().clamp(1, u64::from(u32::MAX)) as u32
 }
 
 /// The node's network namespace cookie, for connect-time balancing of its own processes only.

@@ -7,7 +7,10 @@ use tracing::{info, warn};
 
 use crate::{
     dataplane::{
-        ebpf::{interfaces::Interfaces, kernel::Datapath, kernel_maps::KernelMaps, maps::DatapathMaps, plane::ConfigInputs},
+        ebpf::{
+            conntrack::Timeouts as FlowTimeouts, interfaces::Interfaces, kernel::Datapath, kernel_maps::KernelMaps, maps::DatapathMaps, plane::ConfigInputs,
+        },
+        handover::{FastPathDrain, Progress},
         ipvs::{
             client::{Ipvs, IpvsError, NetlinkIpvs, ServiceId, Timeouts},
             desired::{bound_addresses, desired_virtual_servers, SyncSettings},
@@ -49,6 +52,8 @@ pub struct IpvsPlane {
     stats: SharedStats,
     /// The IPv6 netfilter rules are in place: IPv6 Services are served.
     ipv6: bool,
+    /// After a switch from the eBPF mode: the fast path's flows, served until they end.
+    drain: Option<FastPathDrain>,
 }
 
 /// Opens IPVS, loading the module first if the kernel has it as one.
@@ -101,8 +106,14 @@ impl IpvsPlane {
             }
         };
         let settings = SyncSettings { scheduler: s.ipvs.scheduler.clone(), exclude_cidrs: s.ipvs.exclude_cidrs.clone(), ..SyncSettings::default() };
+        let mut maps = KernelMaps::open(&pin_dir)?;
+        let timeouts = FlowTimeouts::from_settings(&s.conntrack);
+        let drain = FastPathDrain::start(&pin_dir, &mut dp, &mut maps, timeouts).unwrap_or_else(|e| {
+            warn!(error = %e, "switch from the eBPF fast path: its flows cannot be kept; IPVS takes over at once");
+            None
+        });
         Ok(Self {
-            maps: KernelMaps::open(&pin_dir)?,
+            maps,
             sets: KernelSetMaps::open(&pin_dir)?,
             interfaces: Interfaces::new(s, pin_dir, false),
             dp,
@@ -111,10 +122,11 @@ impl IpvsPlane {
             ct,
             syncer: IpvsSyncer::new(settings),
             sets_mirror: None,
-            config: ConfigInputs::new(s, Default::default()),
+            config: ConfigInputs::new(s, timeouts),
             terminating: 0,
             stats,
             ipv6,
+            drain,
         })
     }
 }
@@ -133,6 +145,17 @@ impl Dataplane for IpvsPlane {
     }
 
     fn reconcile_interfaces(&mut self) {
+        if let Some(d) = &mut self.drain {
+            let progress = d.poll(&mut self.dp, &mut self.maps);
+            let gauge = &self.stats.lock().unwrap().m.handover_connections;
+            match progress {
+                Progress::Serving(n) => gauge.set(n as i64),
+                Progress::Done => {
+                    gauge.set(0);
+                    self.drain = None;
+                }
+            }
+        }
         self.interfaces.reconcile(&mut self.dp, &mut self.maps);
     }
 
@@ -156,7 +179,10 @@ impl Dataplane for IpvsPlane {
         };
         let (set_writes, set_deletes) = sets::sync_from(&mut self.sets, &have, &want)?;
         self.sets_mirror = Some(want);
-        let dcfg = self.config.config(node, false)?;
+        let mut dcfg = self.config.config(node, false)?;
+        if self.drain.is_some() {
+            dcfg.flags |= proxy_common::CFG_F_NO_NEW_FLOWS;
+        }
         if self.maps.config().ok() != Some(dcfg) {
             self.maps.set_config(dcfg)?;
         }

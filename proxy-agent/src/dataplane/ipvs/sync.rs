@@ -247,22 +247,38 @@ impl IpvsSyncer {
 /// Returns what went.
 pub fn cleanup(ipvs: &mut dyn Ipvs, links: &mut dyn Links, node_addresses: &[IpAddr]) -> Result<Vec<String>, IpvsSyncError> {
     let mut done = Vec::new();
-    let bound = match links.link_index(IPVS_DUMMY)? {
-        Some(i) => links.addresses(i)?,
-        None => BTreeSet::new(),
-    };
-    let syncer = IpvsSyncer::new(SyncSettings { node_addresses: node_addresses.to_vec(), ..Default::default() });
-    for s in ipvs.services()? {
-        if syncer.owned(&s.config.id, &bound) {
-            ipvs.del_service(&s.config.id)?;
-            done.push(format!("deleted IPVS service {}", s.config.id));
-        }
+    let (owned, bound) = owned_services(ipvs, links, node_addresses)?;
+    for id in owned {
+        ipvs.del_service(&id)?;
+        done.push(format!("deleted IPVS service {id}"));
     }
     if links.link_index(IPVS_DUMMY)?.is_some() {
         links.delete_link(IPVS_DUMMY)?;
         done.push(format!("deleted link {IPVS_DUMMY} ({} addresses)", bound.len()));
     }
     Ok(done)
+}
+
+/// The virtual servers the agent owns (on kube-ipvs0's addresses, which come second, or on
+/// `node_addresses`).
+fn owned_services(ipvs: &mut dyn Ipvs, links: &mut dyn Links, node_addresses: &[IpAddr]) -> Result<(Vec<ServiceId>, BTreeSet<IpAddr>), IpvsSyncError> {
+    let bound = match links.link_index(IPVS_DUMMY)? {
+        Some(i) => links.addresses(i)?,
+        None => BTreeSet::new(),
+    };
+    let syncer = IpvsSyncer::new(SyncSettings { node_addresses: node_addresses.to_vec(), ..Default::default() });
+    let owned = ipvs.services()?.into_iter().map(|s| s.config.id).filter(|id| syncer.owned(id, &bound)).collect();
+    Ok((owned, bound))
+}
+
+/// Established connections through the virtual servers the agent owns (what a switch to the
+/// fast path waits for).
+pub fn established_connections(ipvs: &mut dyn Ipvs, links: &mut dyn Links, node_addresses: &[IpAddr]) -> Result<u64, IpvsSyncError> {
+    let mut n = 0;
+    for id in owned_services(ipvs, links, node_addresses)?.0 {
+        n += ipvs.dests(&id)?.iter().map(|d| u64::from(d.active_conns)).sum::<u64>();
+    }
+    Ok(n)
 }
 
 #[cfg(test)]

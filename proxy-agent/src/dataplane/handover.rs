@@ -1,0 +1,388 @@
+//! Switching between the eBPF and IPVS modes on a running node without breaking established
+//! connections, make before break: the mode going away keeps serving the connections it has,
+//! the new one takes every new connection, and the old mode's kernel objects go once its
+//! connections have ended (or after `HANDOVER_LIMIT`).
+//!
+//! - eBPF → IPVS (`FastPathDrain`, IPVS mode's side): the fast path's programs stay (XDP, TC
+//!   egress, and its TC ingress in front of IPVS mode's set matching), flagged
+//!   CFG_F_NO_NEW_FLOWS: a packet of one of its flows is translated as before, any other goes on
+//!   to IPVS mode. The node's own new connections go to IPVS at once (the balancing
+//!   connect-time programs go first).
+//! - IPVS → eBPF (`IpvsHandover`, the fast path's side): the virtual servers, kube-ipvs0 and the
+//!   fixed rules stay while IPVS counts established connections; the fast path, flagged
+//!   CFG_F_HANDOVER, passes a TCP packet that no flow of its own knows (a SYN excepted) to the
+//!   stack, where IPVS serves it.
+//!
+//! UDP has no connection to keep: the new mode balances the next datagram of a flow afresh.
+//! Both ends of a switch must run a kpr that knows these flags (upgrade in place first).
+use std::{
+    net::IpAddr,
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+
+use proxy_common::{prog_names, DatapathConfig, CFG_F_HANDOVER, CFG_F_NO_NEW_FLOWS};
+use tracing::{info, warn};
+
+use crate::{
+    dataplane::{
+        ebpf::{
+            conntrack::{Gc, Timeouts},
+            kernel::{self, Datapath, Hook},
+            kernel_maps::KernelConntrack,
+            maps::{ConntrackTables, DatapathMaps, MapError},
+        },
+        ipvs::{
+            client::{Ipvs, IpvsError, NetlinkIpvs},
+            rules, sync as ipvs_sync,
+        },
+    },
+    host::{
+        netfilter::{Netfilter, SystemNetfilter},
+        netif,
+    },
+    netlink::rtnl::{Links, NetlinkLinks, IPVS_DUMMY},
+};
+
+/// The longest the previous mode keeps serving its connections after a switch.
+pub const HANDOVER_LIMIT: Duration = Duration::from_secs(3600);
+/// How often IPVS's connection counts are read during a handover to the fast path.
+const IPVS_POLL: Duration = Duration::from_secs(2);
+/// Conntrack entries the drain's collector reads per table per call (one call a second).
+const DRAIN_BATCH: usize = 16_384;
+
+#[derive(Debug, thiserror::Error)]
+pub enum HandoverError {
+    #[error(transparent)]
+    Map(#[from] MapError),
+    #[error("keeping the fast path's TC links for the drain: {0}")]
+    Pins(std::io::Error),
+}
+
+/// How a handover stands after a poll.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// This many connections are still the previous mode's.
+    Serving(u64),
+    /// The previous mode's objects are gone.
+    Done,
+}
+
+/// IPVS mode's side of a switch from the fast path.
+pub struct FastPathDrain {
+    pin_dir: PathBuf,
+    tables: Box<dyn ConntrackTables>,
+    gc: Gc,
+    since: Instant,
+}
+
+impl FastPathDrain {
+    /// At IPVS mode's start: counts the fast path's flows (collecting idle ones). None: there
+    /// are none, and whatever of the fast path was attached is detached now.
+    pub fn start(pin_dir: &Path, dp: &mut Datapath, maps: &mut dyn DatapathMaps, timeouts: Timeouts) -> Result<Option<Self>, HandoverError> {
+        let tables = KernelConntrack::open(pin_dir)?;
+        Self::start_with(pin_dir, dp, maps, Box::new(tables), timeouts)
+    }
+
+    fn start_with(
+        pin_dir: &Path,
+        dp: &mut Datapath,
+        maps: &mut dyn DatapathMaps,
+        mut tables: Box<dyn ConntrackTables>,
+        timeouts: Timeouts,
+    ) -> Result<Option<Self>, HandoverError> {
+        let mut gc = Gc::new(timeouts, DRAIN_BATCH);
+        let flows = loop {
+            gc.round(tables.as_mut(), kernel::monotonic_ns())?;
+            if let Some(n) = gc.live_flows() {
+                break n;
+            }
+        };
+        let mut cfg = maps.config().unwrap_or_default();
+        if flows == 0 {
+            detach_fast_path(pin_dir, dp);
+            set_flag(maps, CFG_F_NO_NEW_FLOWS, false)?;
+            return Ok(None);
+        }
+        // A restart during the drain finds the links already kept.
+        if cfg.flags & CFG_F_NO_NEW_FLOWS == 0 {
+            kernel::keep_tc_ingress_for_drain(pin_dir).map_err(HandoverError::Pins)?;
+            cfg.flags |= CFG_F_NO_NEW_FLOWS;
+            maps.set_config(cfg)?;
+        }
+        for name in [prog_names::CONNECT4, prog_names::SENDMSG4] {
+            let _ = kernel::detach(pin_dir, name, Hook::Cgroup);
+        }
+        dp.set_after_fast_path(true);
+        info!(flows, limit_s = HANDOVER_LIMIT.as_secs(), "switch from the eBPF fast path: it keeps serving its flows; IPVS takes every new connection");
+        Ok(Some(Self { pin_dir: pin_dir.into(), tables, gc, since: Instant::now() }))
+    }
+
+    /// One collector round; once a pass finds no flow left (or the limit passed), the fast
+    /// path's programs are detached.
+    pub fn poll(&mut self, dp: &mut Datapath, maps: &mut dyn DatapathMaps) -> Progress {
+        if let Err(e) = self.gc.round(self.tables.as_mut(), kernel::monotonic_ns()) {
+            warn!(error = %e, "drain: conntrack round failed");
+        }
+        let flows = self.gc.live_flows().map_or(u64::MAX, |n| n as u64);
+        let expired = self.since.elapsed() >= HANDOVER_LIMIT;
+        if flows > 0 && !expired {
+            return Progress::Serving(flows);
+        }
+        if expired {
+            warn!(flows, "drain: the fast path's remaining flows outlived the handover limit; detaching it ends them");
+        }
+        detach_fast_path(&self.pin_dir, dp);
+        if let Err(e) = set_flag(maps, CFG_F_NO_NEW_FLOWS, false) {
+            warn!(error = %e, "drain: clearing the flag (the next sync retries)");
+        }
+        info!(seconds = self.since.elapsed().as_secs(), "switch from the eBPF fast path done: its flows ended, its programs are detached");
+        Progress::Done
+    }
+}
+
+fn detach_fast_path(pin_dir: &Path, dp: &mut Datapath) {
+    let removed = kernel::detach_fast_path(pin_dir, &prog_names::SOCK);
+    if !removed.is_empty() {
+        info!(detached = ?removed, "the eBPF fast path's programs");
+    }
+    dp.set_after_fast_path(false);
+}
+
+fn set_flag(maps: &mut dyn DatapathMaps, flag: u32, on: bool) -> Result<(), MapError> {
+    let cfg = maps.config()?;
+    let flags = if on { cfg.flags | flag } else { cfg.flags & !flag };
+    if flags != cfg.flags {
+        maps.set_config(DatapathConfig { flags, ..cfg })?;
+    }
+    Ok(())
+}
+
+/// The fast path's side of a switch from IPVS mode.
+pub struct IpvsHandover {
+    ipvs: Box<dyn Ipvs>,
+    links: Box<dyn Links>,
+    nf: Box<dyn Netfilter>,
+    /// Detach IPVS mode's programs from the kernel at the end (not in unit tests).
+    kernel_programs: bool,
+    pin_dir: PathBuf,
+    uplinks: Vec<String>,
+    since: Instant,
+    last_poll: Instant,
+}
+
+impl IpvsHandover {
+    /// At the fast path's start, before its programs attach. None: no IPVS mode was here, or
+    /// it serves no connection (and its objects are removed now). Never fails the start: a
+    /// problem is logged, and the previous mode's objects stay for `kpr cleanup`.
+    pub fn start(pin_dir: &Path, uplinks: &[String], maps: &mut dyn DatapathMaps) -> Option<Self> {
+        let ipvs = match NetlinkIpvs::connect() {
+            Ok(i) => i,
+            Err(IpvsError::NoIpvs) => return None,
+            Err(e) => {
+                warn!(error = %e, "IPVS is there but cannot be read: a previous IPVS mode's state, if any, stays");
+                return None;
+            }
+        };
+        let links = match NetlinkLinks::connect() {
+            Ok(l) => l,
+            Err(e) => {
+                warn!(error = %e, "no rtnetlink: a previous IPVS mode's state, if any, stays");
+                return None;
+            }
+        };
+        let h = Self {
+            ipvs: Box::new(ipvs),
+            links: Box::new(links),
+            nf: Box::new(SystemNetfilter),
+            kernel_programs: true,
+            pin_dir: pin_dir.into(),
+            uplinks: uplinks.to_vec(),
+            since: Instant::now(),
+            last_poll: Instant::now(),
+        };
+        h.begin(maps)
+    }
+
+    fn begin(mut self, maps: &mut dyn DatapathMaps) -> Option<Self> {
+        let ipvs_mode_was_here = self.pin_dir.join(prog_names::LOOPBACK).exists() || self.links.link_index(IPVS_DUMMY).ok().flatten().is_some();
+        if !ipvs_mode_was_here {
+            return None;
+        }
+        let mut h = self;
+        match h.established() {
+            Ok(0) => {
+                h.finish();
+                let _ = set_flag(maps, CFG_F_HANDOVER, false);
+                None
+            }
+            Ok(n) => {
+                if let Err(e) = set_flag(maps, CFG_F_HANDOVER, true) {
+                    warn!(error = %e, "switch from IPVS mode: cannot flag the handover; IPVS's connections will break");
+                }
+                info!(
+                    connections = n,
+                    limit_s = HANDOVER_LIMIT.as_secs(),
+                    "switch from IPVS mode: IPVS keeps serving its established connections; the fast path takes every new one"
+                );
+                Some(h)
+            }
+            Err(e) => {
+                warn!(error = %e, "switch from IPVS mode: cannot count IPVS's connections; its state stays for `kpr cleanup`");
+                None
+            }
+        }
+    }
+
+    fn established(&mut self) -> Result<u64, ipvs_sync::IpvsSyncError> {
+        ipvs_sync::established_connections(self.ipvs.as_mut(), self.links.as_mut(), &node_addresses())
+    }
+
+    /// Every IPVS_POLL: once IPVS counts no established connection (or the limit passed), its
+    /// virtual servers, kube-ipvs0, the fixed rules and IPVS mode's programs go.
+    pub fn poll(&mut self, maps: &mut dyn DatapathMaps) -> Progress {
+        if self.last_poll.elapsed() < IPVS_POLL {
+            return Progress::Serving(u64::MAX);
+        }
+        self.last_poll = Instant::now();
+        let n = match self.established() {
+            Ok(n) => n,
+            Err(e) => {
+                warn!(error = %e, "switch from IPVS mode: counting IPVS's connections failed");
+                return Progress::Serving(u64::MAX);
+            }
+        };
+        let expired = self.since.elapsed() >= HANDOVER_LIMIT;
+        if n > 0 && !expired {
+            return Progress::Serving(n);
+        }
+        if expired {
+            warn!(connections = n, "switch from IPVS mode: IPVS's remaining connections outlived the handover limit; removing IPVS ends them");
+        }
+        self.finish();
+        if let Err(e) = set_flag(maps, CFG_F_HANDOVER, false) {
+            warn!(error = %e, "clearing the handover flag (the next sync retries)");
+        }
+        info!(seconds = self.since.elapsed().as_secs(), "switch from IPVS mode done: its connections ended, its state is removed");
+        Progress::Done
+    }
+
+    /// Removes IPVS mode's state: what `kpr cleanup` removes of it, and its programs.
+    fn finish(&mut self) {
+        match ipvs_sync::cleanup(self.ipvs.as_mut(), self.links.as_mut(), &node_addresses()) {
+            Ok(done) => done.iter().for_each(|d| info!(what = %d, "IPVS mode's state removed")),
+            Err(e) => warn!(error = %e, "removing IPVS mode's virtual servers and kube-ipvs0"),
+        }
+        match rules::remove(self.nf.as_mut()) {
+            Ok(done) => done.iter().for_each(|d| info!(what = %d, "IPVS mode's state removed")),
+            Err(e) => warn!(error = %e, "removing IPVS mode's fixed rules"),
+        }
+        if !self.kernel_programs {
+            return;
+        }
+        for name in prog_names::SOCK_IPVS {
+            let _ = kernel::detach(&self.pin_dir, name, Hook::Cgroup);
+        }
+        // Pod interfaces' TC ingress runs the fast path now; the uplinks' still ran the set
+        // matching (the fast path has XDP there).
+        for (iface, hook) in kernel::attached_links(&self.pin_dir) {
+            if hook == Hook::TcIngress && self.uplinks.contains(&iface) {
+                let _ = kernel::detach(&self.pin_dir, &iface, hook);
+            }
+        }
+        kernel::detach_tc_filters(aya::programs::tc::TcAttachType::Ingress, prog_names::TC_IPSET);
+        let _ = std::fs::remove_file(self.pin_dir.join(prog_names::LOOPBACK));
+    }
+}
+
+/// The node's addresses (which IPVS virtual servers are NodePorts), as `kpr cleanup` finds them.
+fn node_addresses() -> Vec<IpAddr> {
+    netif::interfaces().iter().flat_map(|i| netif::addresses(i)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        dataplane::{
+            ebpf::maps::FakeMaps,
+            ipvs::client::{DestConfig, FakeIpvs, FwdMethod, ServiceConfig, ServiceId},
+        },
+        host::netfilter::FakeNetfilter,
+        netlink::rtnl::FakeLinks,
+    };
+
+    const VIP: &str = "10.96.0.10";
+
+    /// IPVS mode's state: kube-ipvs0 holding the VIP, its virtual server with one destination
+    /// carrying `active` established connections, and the fixed rules.
+    fn ipvs_mode(active: u32) -> (FakeIpvs, FakeLinks, FakeNetfilter) {
+        let id = ServiceId::Addr { proto: 6, addr: VIP.parse().unwrap(), port: 80 };
+        let mut ipvs = FakeIpvs::default();
+        ipvs.add_service(&ServiceConfig { id, scheduler: "rr".into(), flags: 0, timeout_s: 0, netmask: u32::MAX, pe_name: None }).unwrap();
+        ipvs.add_dest(&id, &DestConfig::new("10.244.1.2".parse().unwrap(), 8080, FwdMethod::Masq, 1)).unwrap();
+        ipvs.set_conns(&id, "10.244.1.2".parse().unwrap(), 8080, active, 3);
+        let mut links = FakeLinks::default();
+        let i = links.ensure_dummy(IPVS_DUMMY).unwrap();
+        links.add_address(i, VIP.parse().unwrap()).unwrap();
+        let mut nf = FakeNetfilter::default();
+        nf.saved.insert((rules::BACKEND.into(), "nat".into()), format!(":{} - [0:0]\n-A POSTROUTING -j {}\n", rules::NAT_CHAIN, rules::NAT_CHAIN));
+        (ipvs, links, nf)
+    }
+
+    fn handover(ipvs: FakeIpvs, links: FakeLinks, nf: FakeNetfilter, pins: &Path) -> IpvsHandover {
+        IpvsHandover {
+            ipvs: Box::new(ipvs),
+            links: Box::new(links),
+            nf: Box::new(nf),
+            kernel_programs: false,
+            pin_dir: pins.into(),
+            uplinks: vec![],
+            since: Instant::now(),
+            last_poll: Instant::now(),
+        }
+    }
+
+    #[test]
+    fn no_ipvs_mode_here_means_no_handover_and_nothing_touched() {
+        let pins = PathBuf::from("/nonexistent/kpr-handover-test");
+        let mut maps = FakeMaps::default();
+        // Someone else's virtual server, no kube-ipvs0: not kpr's.
+        let (ipvs, _, nf) = ipvs_mode(5);
+        let links = FakeLinks::default();
+        let h = handover(ipvs, links, nf, &pins).begin(&mut maps);
+        assert!(h.is_none());
+        assert_eq!(maps.config.flags & CFG_F_HANDOVER, 0);
+    }
+
+    #[test]
+    fn ipvs_keeps_its_connections_until_they_end_then_its_state_goes() {
+        let pins = PathBuf::from("/nonexistent/kpr-handover-test");
+        let mut maps = FakeMaps::default();
+        let (ipvs, links, nf) = ipvs_mode(2);
+        let mut h = handover(ipvs, links, nf, &pins).begin(&mut maps).expect("IPVS serves connections: a handover");
+        assert_ne!(maps.config.flags & CFG_F_HANDOVER, 0, "the fast path passes IPVS's connections on");
+        // Read again only every IPVS_POLL.
+        assert_eq!(h.poll(&mut maps), Progress::Serving(u64::MAX));
+        h.last_poll -= IPVS_POLL;
+        assert_eq!(h.poll(&mut maps), Progress::Serving(2));
+        // The connections end: here, with their destination.
+        let id = ServiceId::Addr { proto: 6, addr: VIP.parse().unwrap(), port: 80 };
+        h.ipvs.del_dest(&id, "10.244.1.2".parse().unwrap(), 8080).unwrap();
+        h.last_poll -= IPVS_POLL;
+        assert_eq!(h.poll(&mut maps), Progress::Done);
+        assert_eq!(maps.config.flags & CFG_F_HANDOVER, 0, "flag cleared");
+        assert!(h.ipvs.services().unwrap().is_empty(), "the virtual server went");
+        assert_eq!(h.links.link_index(IPVS_DUMMY).unwrap(), None, "kube-ipvs0 went");
+    }
+
+    #[test]
+    fn without_connections_ipvs_modes_state_goes_at_once() {
+        let pins = PathBuf::from("/nonexistent/kpr-handover-test");
+        let mut maps = FakeMaps::default();
+        maps.config.flags = CFG_F_HANDOVER;
+        let (ipvs, links, nf) = ipvs_mode(0);
+        assert!(handover(ipvs, links, nf, &pins).begin(&mut maps).is_none());
+        assert_eq!(maps.config.flags & CFG_F_HANDOVER, 0, "a flag left by an earlier agent is cleared");
+    }
+}
