@@ -752,6 +752,114 @@ fn cleanup_leaves_nothing(lab: &mut Lab) -> Result<()> {
     Ok(())
 }
 
+/// A held TCP connection, once it is established.
+fn held(lab: &Lab, role: &str, target: &str, secs: &str) -> Result<std::process::Child> {
+    let mut hold = lab.peer_bg(role, &["hold", target, secs]);
+    let mut line = String::new();
+    {
+        use std::io::BufRead;
+        let out = hold.stdout.as_mut().context("hold stdout")?;
+        std::io::BufReader::new(out).read_line(&mut line)?;
+    }
+    ensure!(line.trim() == "connected", "hold {role} -> {target}: {line}");
+    Ok(hold)
+}
+
+/// New connections IPVS counted for a virtual server (ipvsadm --stats).
+fn ipvs_conns(lab: &Lab, vs: &str) -> Result<u64> {
+    // IPVS folds its per-CPU counters every 2 s.
+    std::thread::sleep(Duration::from_millis(2500));
+    let stats = ipvsadm(Some(&node(lab)), &format!("-Ln --stats -t {vs}"));
+    stats.lines().find(|l| l.starts_with("TCP")).and_then(|l| l.split_whitespace().nth(2)).and_then(|c| c.parse().ok()).context("stats line")
+}
+
+/// Issue 16: switching modes on a running node keeps established TCP connections, both ways
+/// (from a pod to a ClusterIP, from a client outside to a NodePort, masqueraded); new
+/// connections go to the new mode at once; the old mode's objects go once its connections
+/// have ended.
+fn mode_switch(lab: &mut Lab) -> Result<()> {
+    let n = node(lab);
+    let ipvs_args = lab.agent_args.clone();
+    let ebpf_args: Vec<String> = ipvs_args.iter().map(|a| if a == "ipvs" { "ebpf".to_string() } else { a.clone() }).collect();
+    let nodeport = format!("{NODE_IP}:30080");
+    let finished = |what: &str, h: std::process::Child| -> Result<()> {
+        let v = Lab::finish(h);
+        ensure!(errors(&v) == 0 && per_backend(&v).len() == 1, "{what}: the held connection broke or moved: {v}");
+        println!("  {what}: {v}");
+        Ok(())
+    };
+    lab.kill_agent();
+    lab.agent_args = ipvs_args.clone();
+    lab.start_agent();
+    wait_until("IPVS mode programmed", 60, || expect_lines("agent state", &sn(lab), BASE_STATE))?;
+    let under_ipvs = [held(lab, "pod", "10.96.0.10:80", "30")?, held(lab, "cl", &nodeport, "30")?];
+
+    // IPVS -> eBPF.
+    let log_len = lab.agent_log().len();
+    lab.kill_agent();
+    lab.agent_args = ebpf_args;
+    lab.start_agent();
+    wait_until("the fast path's handover from IPVS", 60, || {
+        ensure!(lab.agent_log()[log_len..].contains("IPVS keeps serving its established connections"), "no handover logged");
+        let v = burst(lab, "pod", "10.96.0.10:80", "tcp", "3");
+        ensure!(errors(&v) == 0, "{v}");
+        Ok(())
+    })?;
+    let before = ipvs_conns(lab, "10.96.0.10:80")?;
+    let v = burst(lab, "pod", "10.96.0.10:80", "tcp", "10");
+    ensure!(errors(&v) == 0 && per_backend(&v).len() == 3, "new connections under the fast path: {v}");
+    let v = burst(lab, "cl", &nodeport, "tcp", "10");
+    ensure!(errors(&v) == 0, "new NodePort connections under the fast path: {v}");
+    ensure!(ipvs_conns(lab, "10.96.0.10:80")? == before, "new connections must bypass IPVS once the fast path runs");
+    let under_ebpf = [held(lab, "pod", "10.96.0.10:80", "75")?, held(lab, "cl", &nodeport, "75")?];
+    let [a, b] = under_ipvs;
+    finished("pod -> ClusterIP held across IPVS -> eBPF", a)?;
+    finished("client -> NodePort held across IPVS -> eBPF", b)?;
+    wait_until("IPVS mode's state removed once its connections ended", 30, || {
+        ensure!(sn(lab).trim().is_empty(), "IPVS still has:\n{}", sn(lab));
+        ensure!(!sh(&format!("ip -n {n} link show kube-ipvs0")).status.success(), "kube-ipvs0 left");
+        let nat = must(&format!("ip netns exec {n} iptables-save -t nat"));
+        ensure!(!nat.contains("KPR-POSTROUTING"), "fixed rules left:\n{nat}");
+        let up = must(&format!("tc -n {n} filter show dev up0 ingress"));
+        ensure!(!up.contains("kpr_tc_ipset"), "set matching left on the uplink: {up}");
+        Ok(())
+    })?;
+
+    // eBPF -> IPVS.
+    let log_len = lab.agent_log().len();
+    lab.kill_agent();
+    lab.agent_args = ipvs_args;
+    lab.start_agent();
+    wait_until("IPVS mode programmed behind the draining fast path", 60, || {
+        ensure!(lab.agent_log()[log_len..].contains("switch from the eBPF fast path: it keeps serving its flows"), "no drain logged");
+        expect_lines("agent state", &sn(lab), BASE_STATE)
+    })?;
+    let v = burst(lab, "pod", "10.96.0.10:80", "tcp", "10");
+    ensure!(errors(&v) == 0 && per_backend(&v).len() == 3, "new connections under IPVS: {v}");
+    let v = burst(lab, "cl", &nodeport, "tcp", "10");
+    ensure!(errors(&v) == 0, "new NodePort connections under IPVS: {v}");
+    let conns = ipvs_conns(lab, "10.96.0.10:80")?;
+    ensure!(conns >= 10, "new connections must go to IPVS while the fast path drains: IPVS counted {conns}");
+    let [a, b] = under_ebpf;
+    finished("pod -> ClusterIP held across eBPF -> IPVS", a)?;
+    finished("client -> NodePort held across eBPF -> IPVS", b)?;
+    wait_until("the fast path detached once its flows ended", 90, || {
+        for i in ["up0", "hpod", "hb1"] {
+            let f = must(&format!("tc -n {n} filter show dev {i} ingress")) + &must(&format!("tc -n {n} filter show dev {i} egress"));
+            ensure!(!f.contains("kpr_tc_ingress") && !f.contains("kpr_tc_egress"), "fast path still on {i}: {f}");
+        }
+        ensure!(!must(&format!("ip -n {n} link show up0")).contains("xdp"), "XDP still on up0");
+        Ok(())
+    })?;
+    let f = must(&format!("tc -n {n} filter show dev hpod ingress"));
+    ensure!(f.contains("kpr_tc_ipset"), "the set matching stays: {f}");
+    let v = burst(lab, "pod", "10.96.0.10:80", "tcp", "10");
+    ensure!(errors(&v) == 0 && per_backend(&v).len() == 3, "IPVS mode alone: {v}");
+    lab.kill_agent();
+    kpr(lab, &["cleanup"])?;
+    Ok(())
+}
+
 fn manifests_copy() -> Result<PathBuf> {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("vm-manifests");
     let dst = std::env::temp_dir().join(format!("kpr-vm-{}", std::process::id()));
@@ -864,6 +972,9 @@ fn main() {
                 }
                 if pick("cleanup_leaves_nothing") {
                     run("cleanup_leaves_nothing", cleanup_leaves_nothing(&mut lab));
+                }
+                if pick("mode_switch") {
+                    run("mode_switch", mode_switch(&mut lab));
                 }
                 if results.iter().any(|(_, r)| r.is_err()) {
                     println!("--- agent log ---\n{}", lab.agent_log());
