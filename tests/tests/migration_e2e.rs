@@ -45,7 +45,10 @@ fn check(mut h: InFlight, switch: &str) -> serde_json::Value {
     h.out.read_line(&mut line).unwrap();
     let _ = h.child.wait();
     let v: serde_json::Value = serde_json::from_str(&line).unwrap();
-    println!("in flight across {switch}: {HELD} connections: {} kept their backend, {} moved, {} failed", v["same"], v["moved"], v["errors"]);
+    println!(
+        "in flight across {switch}: {HELD} connections: {} kept their backend, {} moved, {} failed (first error: {})",
+        v["same"], v["moved"], v["errors"], v["first_error"]
+    );
     assert_eq!(v["same"].as_u64().unwrap() + v["moved"].as_u64().unwrap() + v["errors"].as_u64().unwrap(), HELD as u64, "{v}");
     v
 }
@@ -79,7 +82,13 @@ fn migrate_from_kube_proxy_and_roll_back() {
     new_connections_work(&lab, "kpr");
     let status = lab.cli(&["status"]);
     assert!(status.lines().any(|l| l.starts_with("new_flow") && l.split_whitespace().nth(1) != Some("0")), "kpr carried them: {status}");
-    check(held, "kube-proxy -> kpr");
+    // kube-proxy's DNAT lives on in conntrack; the fast path leaves those connections to it
+    // (and keeps conntrack running once kube-proxy's rules are gone).
+    let v = check(held, "kube-proxy -> kpr");
+    assert_eq!(v["same"], HELD as u64, "every connection kube-proxy carried keeps its backend across the switch: {v}");
+    assert!(lab.agent_log().contains("connections a proxy before kpr translated (conntrack) keep their backend"), "the handover was logged");
+    let status = lab.cli(&["status"]);
+    assert!(status.lines().any(|l| l.starts_with("handover_pass") && l.split_whitespace().nth(1) != Some("0")), "{status}");
 
     // Roll back: kpr goes, kube-proxy's rules come back (kube-proxy rewrites them at start).
     let held = hold(&lab);

@@ -12,10 +12,14 @@
 //!   fixed rules stay while IPVS counts established connections; the fast path, flagged
 //!   CFG_F_HANDOVER, passes a TCP packet that no flow of its own knows (a SYN excepted) to the
 //!   stack, where IPVS serves it.
+//! - kube-proxy → eBPF (`ConntrackHandover`): the same flag, while netfilter's conntrack holds
+//!   established connections to a Service that it translated (kube-proxy's DNAT outlives its
+//!   rules in conntrack, so `kpr cleanup --kube-proxy` does not end them).
 //!
 //! UDP has no connection to keep: the new mode balances the next datagram of a flow afresh.
 //! Both ends of a switch must run a kpr that knows these flags (upgrade in place first).
 use std::{
+    collections::BTreeSet,
     net::IpAddr,
     path::{Path, PathBuf},
     time::{Duration, Instant},
@@ -38,10 +42,13 @@ use crate::{
         },
     },
     host::{
-        netfilter::{Netfilter, SystemNetfilter},
+        netfilter::{Netfilter, NetfilterError, SystemNetfilter},
         netif,
     },
-    netlink::rtnl::{Links, NetlinkLinks, IPVS_DUMMY},
+    netlink::{
+        ctnetlink::NetlinkConntrack,
+        rtnl::{Links, NetlinkLinks, IPVS_DUMMY},
+    },
 };
 
 /// The longest the previous mode keeps serving its connections after a switch.
@@ -158,6 +165,124 @@ fn set_flag(maps: &mut dyn DatapathMaps, flag: u32, on: bool) -> Result<(), MapE
     Ok(())
 }
 
+/// What the fast path waits for after a switch from another proxy.
+pub trait PreviousProxy {
+    /// Called every second; `frontends`: the TCP Services' (address, port) at the last sync.
+    fn poll(&mut self, maps: &mut dyn DatapathMaps, frontends: &BTreeSet<(IpAddr, u16)>) -> Progress;
+}
+
+/// At the fast path's start, before its programs attach: the proxy it takes over from, if
+/// that proxy still carries connections (kpr's IPVS mode, else anything conntrack shows).
+pub fn previous_proxy(pin_dir: &Path, uplinks: &[String], maps: &mut dyn DatapathMaps) -> Option<Box<dyn PreviousProxy>> {
+    if let Some(h) = IpvsHandover::start(pin_dir, uplinks, maps) {
+        return Some(Box::new(h));
+    }
+    match NetlinkConntrack::connect() {
+        Ok(ct) => ConntrackHandover::start(Box::new(ct), Box::new(SystemNetfilter), maps).map(|h| Box::new(h) as Box<dyn PreviousProxy>),
+        Err(e) => {
+            warn!(error = %e, "no ctnetlink: connections of a proxy before kpr are not handed over");
+            None
+        }
+    }
+}
+
+/// Established TCP connections netfilter translated (see NetlinkConntrack::translated_tcp).
+pub trait TranslatedConnections {
+    fn translated_tcp(&mut self) -> Result<Vec<(IpAddr, u16)>, String>;
+}
+
+impl TranslatedConnections for NetlinkConntrack {
+    fn translated_tcp(&mut self) -> Result<Vec<(IpAddr, u16)>, String> {
+        NetlinkConntrack::translated_tcp(self)
+    }
+}
+
+/// A chain no rule jumps to, holding one conntrack match: the match alone keeps netfilter's
+/// conntrack running in this namespace. Without it, removing kube-proxy's rules (the last ones
+/// needing conntrack on a node without kubelet's) turns conntrack off, and with it the NAT of
+/// every connection kube-proxy carries.
+pub const CONNTRACK_PIN_CHAIN: &str = "KPR-HANDOVER";
+
+fn pin_conntrack(nf: &mut dyn Netfilter) -> Result<(), NetfilterError> {
+    let exists = nf.save(rules::BACKEND, "filter")?.lines().any(|l| l.starts_with(&format!(":{CONNTRACK_PIN_CHAIN} ")));
+    let declare = if exists { format!("-F {CONNTRACK_PIN_CHAIN}") } else { format!(":{CONNTRACK_PIN_CHAIN} - [0:0]") };
+    nf.restore(rules::BACKEND, &format!("*filter\n{declare}\n-A {CONNTRACK_PIN_CHAIN} -m conntrack --ctstate INVALID -j RETURN\nCOMMIT\n"))
+}
+
+/// Removes the conntrack pin (idempotent; `kpr cleanup` calls it too). Returns what went.
+pub fn unpin_conntrack(nf: &mut dyn Netfilter) -> Result<Vec<String>, NetfilterError> {
+    if !nf.save(rules::BACKEND, "filter")?.lines().any(|l| l.starts_with(&format!(":{CONNTRACK_PIN_CHAIN} "))) {
+        return Ok(Vec::new());
+    }
+    nf.restore(rules::BACKEND, &format!("*filter\n-F {CONNTRACK_PIN_CHAIN}\n-X {CONNTRACK_PIN_CHAIN}\nCOMMIT\n"))?;
+    Ok(vec![format!("removed {} filter chain {CONNTRACK_PIN_CHAIN}", rules::BACKEND)])
+}
+
+/// The fast path's side of a switch from kube-proxy (or any proxy that NATs in netfilter).
+pub struct ConntrackHandover {
+    conntrack: Box<dyn TranslatedConnections>,
+    nf: Box<dyn Netfilter>,
+    since: Instant,
+    last_poll: Instant,
+}
+
+impl ConntrackHandover {
+    /// None: conntrack holds no such connection (before the first sync, any translated one
+    /// counts; the polls then count only those to a Service).
+    pub fn start(mut conntrack: Box<dyn TranslatedConnections>, mut nf: Box<dyn Netfilter>, maps: &mut dyn DatapathMaps) -> Option<Self> {
+        let n = match conntrack.translated_tcp() {
+            Ok(v) => v.len(),
+            Err(e) => {
+                warn!(error = %e, "reading conntrack: connections of a proxy before kpr are not handed over");
+                0
+            }
+        };
+        if let Err(e) = set_flag(maps, CFG_F_HANDOVER, n > 0) {
+            warn!(error = %e, "switch from another proxy: cannot set the handover flag");
+        }
+        if n == 0 {
+            let _ = unpin_conntrack(nf.as_mut());
+            return None;
+        }
+        if let Err(e) = pin_conntrack(nf.as_mut()) {
+            warn!(error = %e, "cannot keep conntrack running: if the proxy's rules go and nothing else needs conntrack, its connections break");
+        }
+        info!(
+            connections = n,
+            limit_s = HANDOVER_LIMIT.as_secs(),
+            "connections a proxy before kpr translated (conntrack) keep their backend; the fast path takes every new one"
+        );
+        Some(Self { conntrack, nf, since: Instant::now(), last_poll: Instant::now() })
+    }
+}
+
+impl PreviousProxy for ConntrackHandover {
+    fn poll(&mut self, maps: &mut dyn DatapathMaps, frontends: &BTreeSet<(IpAddr, u16)>) -> Progress {
+        if self.last_poll.elapsed() < IPVS_POLL || frontends.is_empty() {
+            return Progress::Serving(u64::MAX);
+        }
+        self.last_poll = Instant::now();
+        let n = match self.conntrack.translated_tcp() {
+            Ok(v) => v.iter().filter(|d| frontends.contains(d)).count() as u64,
+            Err(e) => {
+                warn!(error = %e, "switch from another proxy: reading conntrack failed");
+                return Progress::Serving(u64::MAX);
+            }
+        };
+        if n > 0 && self.since.elapsed() < HANDOVER_LIMIT {
+            return Progress::Serving(n);
+        }
+        if let Err(e) = set_flag(maps, CFG_F_HANDOVER, false) {
+            warn!(error = %e, "clearing the handover flag (the next sync retries)");
+        }
+        if let Err(e) = unpin_conntrack(self.nf.as_mut()) {
+            warn!(error = %e, "removing the conntrack pin (`kpr cleanup` removes it too)");
+        }
+        info!(seconds = self.since.elapsed().as_secs(), remaining = n, "handover from the proxy before kpr done");
+        Progress::Done
+    }
+}
+
 /// The fast path's side of a switch from IPVS mode.
 pub struct IpvsHandover {
     ipvs: Box<dyn Ipvs>,
@@ -234,39 +359,6 @@ impl IpvsHandover {
         }
     }
 
-    fn established(&mut self) -> Result<u64, ipvs_sync::IpvsSyncError> {
-        ipvs_sync::established_connections(self.ipvs.as_mut(), self.links.as_mut(), &node_addresses())
-    }
-
-    /// Every IPVS_POLL: once IPVS counts no established connection (or the limit passed), its
-    /// virtual servers, kube-ipvs0, the fixed rules and IPVS mode's programs go.
-    pub fn poll(&mut self, maps: &mut dyn DatapathMaps) -> Progress {
-        if self.last_poll.elapsed() < IPVS_POLL {
-            return Progress::Serving(u64::MAX);
-        }
-        self.last_poll = Instant::now();
-        let n = match self.established() {
-            Ok(n) => n,
-            Err(e) => {
-                warn!(error = %e, "switch from IPVS mode: counting IPVS's connections failed");
-                return Progress::Serving(u64::MAX);
-            }
-        };
-        let expired = self.since.elapsed() >= HANDOVER_LIMIT;
-        if n > 0 && !expired {
-            return Progress::Serving(n);
-        }
-        if expired {
-            warn!(connections = n, "switch from IPVS mode: IPVS's remaining connections outlived the handover limit; removing IPVS ends them");
-        }
-        self.finish();
-        if let Err(e) = set_flag(maps, CFG_F_HANDOVER, false) {
-            warn!(error = %e, "clearing the handover flag (the next sync retries)");
-        }
-        info!(seconds = self.since.elapsed().as_secs(), "switch from IPVS mode done: its connections ended, its state is removed");
-        Progress::Done
-    }
-
     /// Removes IPVS mode's state: what `kpr cleanup` removes of it, and its programs.
     fn finish(&mut self) {
         match ipvs_sync::cleanup(self.ipvs.as_mut(), self.links.as_mut(), &node_addresses()) {
@@ -292,6 +384,41 @@ impl IpvsHandover {
         }
         kernel::detach_tc_filters(aya::programs::tc::TcAttachType::Ingress, prog_names::TC_IPSET);
         let _ = std::fs::remove_file(self.pin_dir.join(prog_names::LOOPBACK));
+    }
+
+    fn established(&mut self) -> Result<u64, ipvs_sync::IpvsSyncError> {
+        ipvs_sync::established_connections(self.ipvs.as_mut(), self.links.as_mut(), &node_addresses())
+    }
+}
+
+impl PreviousProxy for IpvsHandover {
+    /// Every IPVS_POLL: once IPVS counts no established connection (or the limit passed), its
+    /// virtual servers, kube-ipvs0, the fixed rules and IPVS mode's programs go.
+    fn poll(&mut self, maps: &mut dyn DatapathMaps, _frontends: &BTreeSet<(IpAddr, u16)>) -> Progress {
+        if self.last_poll.elapsed() < IPVS_POLL {
+            return Progress::Serving(u64::MAX);
+        }
+        self.last_poll = Instant::now();
+        let n = match self.established() {
+            Ok(n) => n,
+            Err(e) => {
+                warn!(error = %e, "switch from IPVS mode: counting IPVS's connections failed");
+                return Progress::Serving(u64::MAX);
+            }
+        };
+        let expired = self.since.elapsed() >= HANDOVER_LIMIT;
+        if n > 0 && !expired {
+            return Progress::Serving(n);
+        }
+        if expired {
+            warn!(connections = n, "switch from IPVS mode: IPVS's remaining connections outlived the handover limit; removing IPVS ends them");
+        }
+        self.finish();
+        if let Err(e) = set_flag(maps, CFG_F_HANDOVER, false) {
+            warn!(error = %e, "clearing the handover flag (the next sync retries)");
+        }
+        info!(seconds = self.since.elapsed().as_secs(), "switch from IPVS mode done: its connections ended, its state is removed");
+        Progress::Done
     }
 }
 
@@ -363,14 +490,15 @@ mod tests {
         let mut h = handover(ipvs, links, nf, &pins).begin(&mut maps).expect("IPVS serves connections: a handover");
         assert_ne!(maps.config.flags & CFG_F_HANDOVER, 0, "the fast path passes IPVS's connections on");
         // Read again only every IPVS_POLL.
-        assert_eq!(h.poll(&mut maps), Progress::Serving(u64::MAX));
+        let none = BTreeSet::new();
+        assert_eq!(h.poll(&mut maps, &none), Progress::Serving(u64::MAX));
         h.last_poll -= IPVS_POLL;
-        assert_eq!(h.poll(&mut maps), Progress::Serving(2));
+        assert_eq!(h.poll(&mut maps, &none), Progress::Serving(2));
         // The connections end: here, with their destination.
         let id = ServiceId::Addr { proto: 6, addr: VIP.parse().unwrap(), port: 80 };
         h.ipvs.del_dest(&id, "10.244.1.2".parse().unwrap(), 8080).unwrap();
         h.last_poll -= IPVS_POLL;
-        assert_eq!(h.poll(&mut maps), Progress::Done);
+        assert_eq!(h.poll(&mut maps, &none), Progress::Done);
         assert_eq!(maps.config.flags & CFG_F_HANDOVER, 0, "flag cleared");
         assert!(h.ipvs.services().unwrap().is_empty(), "the virtual server went");
         assert_eq!(h.links.link_index(IPVS_DUMMY).unwrap(), None, "kube-ipvs0 went");
@@ -384,5 +512,65 @@ mod tests {
         let (ipvs, links, nf) = ipvs_mode(0);
         assert!(handover(ipvs, links, nf, &pins).begin(&mut maps).is_none());
         assert_eq!(maps.config.flags & CFG_F_HANDOVER, 0, "a flag left by an earlier agent is cleared");
+    }
+
+    /// conntrack as a list the test edits.
+    struct Translated(std::rc::Rc<std::cell::RefCell<Vec<(IpAddr, u16)>>>);
+    impl TranslatedConnections for Translated {
+        fn translated_tcp(&mut self) -> Result<Vec<(IpAddr, u16)>, String> {
+            Ok(self.0.borrow().clone())
+        }
+    }
+
+    #[test]
+    fn kube_proxys_translated_connections_to_services_hold_the_handover_until_they_end() {
+        let vip: (IpAddr, u16) = (VIP.parse().unwrap(), 80);
+        let host_port: (IpAddr, u16) = ("192.0.2.1".parse().unwrap(), 8443);
+        let list = std::rc::Rc::new(std::cell::RefCell::new(vec![vip, host_port]));
+        let mut maps = FakeMaps::default();
+        let empty = Translated(std::rc::Rc::new(std::cell::RefCell::new(vec![])));
+        assert!(ConntrackHandover::start(Box::new(empty), Box::new(FakeNetfilter::default()), &mut maps).is_none());
+        assert_eq!(maps.config.flags & CFG_F_HANDOVER, 0, "nothing translated: no handover");
+        let restored = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
+        let nf = Recording(restored.clone());
+        let mut h = ConntrackHandover::start(Box::new(Translated(list.clone())), Box::new(nf), &mut maps).expect("translated connections: a handover");
+        assert_ne!(maps.config.flags & CFG_F_HANDOVER, 0);
+        assert!(restored.borrow().iter().any(|r| r.contains(":KPR-HANDOVER - [0:0]\n-A KPR-HANDOVER -m conntrack")), "conntrack pinned: {restored:?}");
+        // Before the first sync nothing is known of the Services: wait.
+        h.last_poll -= IPVS_POLL;
+        assert_eq!(h.poll(&mut maps, &BTreeSet::new()), Progress::Serving(u64::MAX));
+        let frontends: BTreeSet<(IpAddr, u16)> = [vip].into();
+        assert_eq!(h.poll(&mut maps, &frontends), Progress::Serving(1), "only the connection to a Service counts");
+        // The hostPort connection (not a Service's) does not hold the handover.
+        list.borrow_mut().retain(|d| *d != vip);
+        h.last_poll -= IPVS_POLL;
+        assert_eq!(h.poll(&mut maps, &frontends), Progress::Done);
+        assert_eq!(maps.config.flags & CFG_F_HANDOVER, 0);
+        assert!(restored.borrow().last().is_some_and(|r| r.contains("-X KPR-HANDOVER")), "conntrack unpinned: {restored:?}");
+    }
+
+    /// Netfilter whose filter table holds what was restored into it (enough for the pin).
+    struct Recording(std::rc::Rc<std::cell::RefCell<Vec<String>>>);
+    impl Netfilter for Recording {
+        fn save(&self, _backend: &str, _table: &str) -> Result<String, NetfilterError> {
+            let pinned = self.0.borrow().last().is_some_and(|r| r.contains("-A KPR-HANDOVER"));
+            Ok(if pinned { ":KPR-HANDOVER - [0:0]\n".into() } else { String::new() })
+        }
+        fn restore(&mut self, _backend: &str, input: &str) -> Result<(), NetfilterError> {
+            self.0.borrow_mut().push(input.into());
+            Ok(())
+        }
+        fn ipsets(&self) -> Result<Vec<String>, NetfilterError> {
+            Ok(vec![])
+        }
+        fn destroy_ipset(&mut self, _: &str) -> Result<(), NetfilterError> {
+            Ok(())
+        }
+        fn nft_tables(&self) -> Result<Vec<(String, String)>, NetfilterError> {
+            Ok(vec![])
+        }
+        fn delete_nft_table(&mut self, _: &str, _: &str) -> Result<(), NetfilterError> {
+            Ok(())
+        }
     }
 }

@@ -57,6 +57,11 @@ const CTA_IP_V6_DST: u16 = 4;
 const CTA_PROTO_NUM: u16 = 1;
 const CTA_PROTO_SRC_PORT: u16 = 2;
 const CTA_PROTO_DST_PORT: u16 = 3;
+const CTA_PROTOINFO: u16 = 4;
+const CTA_PROTOINFO_TCP: u16 = 1;
+const CTA_PROTOINFO_TCP_STATE: u16 = 1;
+/// TCP_CONNTRACK_ESTABLISHED (linux/netfilter/nf_conntrack_tcp.h).
+pub const TCP_ESTABLISHED: u8 = 3;
 
 /// (proto, src, sport, dst, dport) of a conntrack tuple.
 #[derive(Debug, Default, PartialEq, Eq, Clone, Copy)]
@@ -74,6 +79,15 @@ fn v4(p: &[u8]) -> Option<IpAddr> {
 
 fn v6(p: &[u8]) -> Option<IpAddr> {
     <[u8; 16]>::try_from(p).ok().map(IpAddr::from)
+}
+
+/// A CTA_PROTOINFO payload's TCP state, if it is TCP's.
+fn decode_tcp_state(p: &[u8]) -> Option<u8> {
+    let (_, tcp) = attrs("conntrack protoinfo", p).filter_map(Result::ok).find(|(ty, _)| *ty == CTA_PROTOINFO_TCP)?;
+    attrs("conntrack tcp", tcp).filter_map(Result::ok).find_map(|(ty, v)| match (ty, v) {
+        (CTA_PROTOINFO_TCP_STATE, [state]) => Some(*state),
+        _ => None,
+    })
 }
 
 /// Decodes a CTA_TUPLE_* payload; malformed input gives None.
@@ -126,14 +140,14 @@ impl NetlinkConntrack {
     }
 
     /// Every entry of either family: its family and original-direction attribute (raw, for a
-    /// delete), both tuples.
-    fn dump(&mut self) -> Result<Vec<(Raw, Tuple, Tuple)>, String> {
+    /// delete), both tuples, and a TCP entry's state.
+    fn dump(&mut self) -> Result<Vec<(Raw, Tuple, Tuple, Option<u8>)>, String> {
         let mut out = Vec::new();
         // AF_UNSPEC: the kernel filters a dump by family only when one is given.
         for b in self.request(IPCTNL_MSG_CT_GET, NlmF::DUMP, nfgenmsg(libc::AF_UNSPEC as u8)).map_err(describe)? {
             let family = b.as_ref().first().copied().unwrap_or(libc::AF_INET as u8);
             let body = b.as_ref().get(4..).unwrap_or(&[]);
-            let (mut orig_raw, mut orig, mut reply) = (None, None, None);
+            let (mut orig_raw, mut orig, mut reply, mut tcp_state) = (None, None, None, None);
             let mut off = 0;
             for a in attrs("conntrack", body) {
                 let Ok((ty, v)) = a else { break };
@@ -144,12 +158,13 @@ impl NetlinkConntrack {
                         orig = decode_tuple(v);
                     }
                     CTA_TUPLE_REPLY => reply = decode_tuple(v),
+                    CTA_PROTOINFO => tcp_state = decode_tcp_state(v),
                     _ => {}
                 }
                 off += (len + 3) & !3;
             }
             if let (Some(raw), Some(o), Some(r)) = (orig_raw, orig, reply) {
-                out.push(((family, raw), o, r));
+                out.push(((family, raw), o, r, tcp_state));
             }
         }
         Ok(out)
@@ -194,7 +209,20 @@ impl NetlinkConntrack {
                 o.proto == *proto && o.dst == Some(*vip) && o.dport == *port && r.src == Some(*be) && r.sport == *be_port
             })
         };
-        Ok(self.dump()?.into_iter().filter(|(_, o, r)| named(o, r)).map(|(raw, _, _)| raw).collect())
+        Ok(self.dump()?.into_iter().filter(|(_, o, r, _)| named(o, r)).map(|(raw, ..)| raw).collect())
+    }
+
+    /// The original destinations (address, port) of established TCP connections that netfilter
+    /// translated to another destination: connections a proxy before kpr (kube-proxy's DNAT,
+    /// IPVS with conntrack) carries. The fast path's own flows are never among them: netfilter
+    /// sees those already translated.
+    pub fn translated_tcp(&mut self) -> Result<Vec<(IpAddr, u16)>, String> {
+        Ok(self
+            .dump()?
+            .into_iter()
+            .filter(|(_, o, r, state)| o.proto == 6 && *state == Some(TCP_ESTABLISHED) && (r.src != o.dst || r.sport != o.dport))
+            .filter_map(|(_, o, ..)| Some((o.dst?, o.dport)))
+            .collect())
     }
 }
 

@@ -24,6 +24,10 @@ pub fn cleanup(pin_dir: &Path, kube_proxy: bool, keep_kpr: bool) -> Result<()> {
             Ok(done) => done.iter().for_each(|d| println!("{d}")),
             Err(e) => tracing::warn!(error = %e, "netfilter rules not checked"),
         }
+        match proxy_agent::dataplane::handover::unpin_conntrack(&mut proxy_agent::host::netfilter::SystemNetfilter) {
+            Ok(done) => done.iter().for_each(|d| println!("{d}")),
+            Err(e) => tracing::warn!(error = %e, "the handover's conntrack pin not checked"),
+        }
         let removed = kernel::cleanup(pin_dir).with_context(|| format!("cleaning {}", pin_dir.display()))?;
         println!("removed {} pinned objects under {}", removed.len(), pin_dir.display());
     }

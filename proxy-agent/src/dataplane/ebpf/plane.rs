@@ -23,14 +23,14 @@ use crate::{
             outlier::{self, Outliers},
             sync::{RemovedBackend, SyncError, Syncer},
         },
-        handover::{IpvsHandover, Progress},
+        handover::{self, PreviousProxy, Progress},
         Dataplane, DataplaneError, NodeContext, SyncStats,
     },
     host::{
         netif,
         sysctl::{self, ProcSysctls, Sysctls},
     },
-    model::{DesiredState, FrontendKey},
+    model::{DesiredState, FrontendKey, Protocol},
     netlink::{ctnetlink::NetlinkConntrack, sockdiag::NetlinkSockets},
     settings::{DetectLocal, Mode, Settings},
     stats::SharedStats,
@@ -56,8 +56,11 @@ pub struct EbpfPlane {
     max_ages: HashMap<u32, u32>,
     /// Backends ejected by the collector's outlier detection.
     outliers: Arc<Mutex<Outliers>>,
-    /// After a switch from IPVS mode: IPVS's connections, served by it until they end.
-    handover: Option<IpvsHandover>,
+    /// After a switch from IPVS mode or kube-proxy: the connections it carries, left to it
+    /// until they end.
+    handover: Option<Box<dyn PreviousProxy>>,
+    /// While handing over: the TCP Services' (address, port) at the last sync.
+    tcp_frontends: BTreeSet<(std::net::IpAddr, u16)>,
     stats: SharedStats,
 }
 
@@ -143,7 +146,7 @@ impl EbpfPlane {
         }
         let mut maps = KernelMaps::open(&pin_dir)?;
         // Before the programs attach: IPVS's connections must pass through from the first packet.
-        let handover = IpvsHandover::start(&pin_dir, &s.uplinks, &mut maps);
+        let handover = handover::previous_proxy(&pin_dir, &s.uplinks, &mut maps);
         let timeouts = Timeouts::from_settings(&s.conntrack);
         let outliers = Arc::new(Mutex::new(Outliers::new(OUTLIER_EJECTION_TIME)));
         let gc = start_gc(pin_dir.clone(), timeouts, stats.clone(), outliers.clone());
@@ -157,6 +160,7 @@ impl EbpfPlane {
             max_ages: HashMap::new(),
             outliers,
             handover,
+            tcp_frontends: BTreeSet::new(),
             stats,
         })
     }
@@ -182,7 +186,7 @@ impl Dataplane for EbpfPlane {
 
     fn reconcile_interfaces(&mut self) {
         if let Some(h) = &mut self.handover {
-            match h.poll(&mut self.maps) {
+            match h.poll(&mut self.maps, &self.tcp_frontends) {
                 Progress::Serving(u64::MAX) => {}
                 Progress::Serving(n) => self.stats.lock().unwrap().m.handover_connections.set(n as i64),
                 Progress::Done => {
@@ -200,6 +204,9 @@ impl Dataplane for EbpfPlane {
         let mut config = self.config.config(node, true)?;
         if self.handover.is_some() {
             config.flags |= proxy_common::CFG_F_HANDOVER;
+            if touched.is_none() {
+                self.tcp_frontends = desired.frontends.keys().filter(|k| k.proto == Protocol::Tcp).map(|k| (k.ip, k.port)).collect();
+            }
         }
         // Ejected backends leave the frontends of Services that opt in. A change of the set
         // comes with a full sync (full_sync_within), so an incremental one sees the same set.
