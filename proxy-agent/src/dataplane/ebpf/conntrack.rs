@@ -6,9 +6,12 @@
 //! between the read and the delete (traffic came, or the tuple now carries a new flow) is kept.
 use std::collections::{BTreeSet, HashMap};
 
-use proxy_common::{CtKey, CtRole, CtValue, CT_DIR_EGRESS, CT_DIR_INGRESS, CT_F_CLOSING, CT_F_MAX_AGE, CT_F_SEEN_REPLY, CT_F_SNAT_PENDING, PROTO_TCP};
+use proxy_common::{CtKey, CtRole, CtValue, CT_DIR_EGRESS, CT_DIR_INGRESS, CT_F_CLOSING, CT_F_SNAT_PENDING, PROTO_TCP};
 
-use crate::dataplane::ebpf::maps::{ConntrackTables, MapError, Table};
+use crate::dataplane::ebpf::{
+    maps::{ConntrackTables, MapError, Table},
+    observations::Observations,
+};
 
 /// One flow's entries as they are now.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -169,123 +172,36 @@ pub struct GcStats {
     pub syn_timeouts: Vec<u32>,
 }
 
-/// Forward keys the collector saw in a table, from when it first saw each flow on them (a flow
-/// is told by its ids `I`), with what it keeps of each (`D`): a key a whole pass over the table
-/// did not see is forgotten.
-#[derive(Debug)]
-struct Sightings<I, D> {
-    /// Key -> (first seen, the pass that last saw it, the flow's ids, its data).
-    seen: HashMap<CtKey, (u64, u64, I, D)>,
-    pass: u64,
-}
-
-impl<I, D> Default for Sightings<I, D> {
-    fn default() -> Self {
-        Self { seen: HashMap::new(), pass: 0 }
-    }
-}
-
-impl<I: PartialEq + Copy, D: Default> Sightings<I, D> {
-    /// The key seen now, carrying the flow `ids` (another flow on the tuple counts from now):
-    /// when its flow was first seen, and its data.
-    fn see(&mut self, k: CtKey, ids: I, now_ns: u64) -> (u64, &mut D) {
-        let pass = self.pass;
-        let e = self.seen.entry(k).or_insert_with(|| (now_ns, pass, ids, D::default()));
-        if e.2 != ids {
-            *e = (now_ns, pass, ids, D::default());
-        }
-        e.1 = pass;
-        (e.0, &mut e.3)
-    }
-
-    fn end_pass(&mut self) {
-        let pass = self.pass;
-        self.seen.retain(|_, e| e.1 == pass);
-        self.pass += 1;
-    }
-}
-
 /// The collector: a cursor per table, one batch of each per round.
 #[derive(Debug)]
 pub struct Gc {
     pub timeouts: Timeouts,
     pub batch: usize,
     cursors: HashMap<Table, Option<u32>>,
-    /// Maximum connection age (ns) by service id: the Services that ask for one
-    /// (kpr.io/max-connection-age).
-    max_age: HashMap<u32, u64>,
-    /// Those Services' flows, by (service id, backend id): a flow's age counts from the
-    /// collector's first sight (so it ends within a pass over the table after its maximum).
-    born: Sightings<(u32, u32), ()>,
-    /// Open (not closing) flows by backend id, per table: the pass under way and the last whole one.
-    counting: HashMap<Table, HashMap<u32, u32>>,
-    counted: HashMap<Table, HashMap<u32, u32>>,
-    /// Flows kept (closing ones too), per table: the pass under way and the last whole one.
-    live_counting: HashMap<Table, usize>,
-    live_counted: HashMap<Table, usize>,
-    /// Embryonic flows waiting for their SYN's answer, by backend id: reported yet?
-    waiting: Sightings<u32, bool>,
+    /// What the passes learn of the flows they keep.
+    observed: Observations,
 }
 
 impl Gc {
     pub fn new(timeouts: Timeouts, batch: usize) -> Self {
-        Self {
-            timeouts,
-            batch,
-            cursors: HashMap::new(),
-            max_age: HashMap::new(),
-            born: Sightings::default(),
-            counting: HashMap::new(),
-            counted: HashMap::new(),
-            live_counting: HashMap::new(),
-            live_counted: HashMap::new(),
-            waiting: Sightings::default(),
-        }
-    }
-
-    /// An embryonic flow whose SYN got no answer yet: reported once when it waited too long.
-    fn unanswered(&mut self, flow: &Flow, now_ns: u64, st: &mut GcStats) {
-        let Some((k, v)) = flow.forward.filter(|(k, v)| k.proto == PROTO_TCP && v.flags & CT_F_SEEN_REPLY == 0) else { return };
-        let (first_seen_ns, reported) = self.waiting.see(k, v.backend_id, now_ns);
-        if !*reported && now_ns.saturating_sub(first_seen_ns) >= crate::dataplane::ebpf::outlier::SYN_TIMEOUT.as_nanos() as u64 {
-            *reported = true;
-            st.syn_timeouts.push(v.backend_id);
-        }
+        Self { timeouts, batch, cursors: HashMap::new(), observed: Observations::default() }
     }
 
     /// Open flows by backend id at the last whole pass over each table (what least-connection
     /// and P2C compare).
     pub fn active_flows(&self) -> HashMap<u32, u32> {
-        let mut out: HashMap<u32, u32> = HashMap::new();
-        for (id, n) in self.counted.values().flatten() {
-            *out.entry(*id).or_default() += n;
-        }
-        out
+        self.observed.active_flows()
     }
 
     /// Flows in both tables at their last whole pass (closing ones too); None before a whole
     /// pass over each.
     pub fn live_flows(&self) -> Option<usize> {
-        Table::ALL.iter().map(|t| self.live_counted.get(t).copied()).sum()
+        self.observed.live_flows()
     }
 
     /// The Services with a maximum connection age, by service id (seconds).
     pub fn set_max_ages(&mut self, ages: HashMap<u32, u32>) {
-        self.max_age = ages.into_iter().map(|(id, s)| (id, u64::from(s) * 1_000_000_000)).collect();
-        let max_age = &self.max_age;
-        self.born.seen.retain(|_, (_, _, (service_id, _), _)| max_age.contains_key(service_id));
-    }
-
-    /// Marks a flow past its Service's maximum connection age; remembers when it was first seen.
-    fn age(&mut self, t: &mut dyn ConntrackTables, table: Table, flow: &Flow, now_ns: u64, st: &mut GcStats) -> Result<(), MapError> {
-        let Some((k, v)) = flow.forward else { return Ok(()) };
-        let Some(max) = self.max_age.get(&v.service_id).copied() else { return Ok(()) };
-        let (first_seen_ns, _) = self.born.see(k, (v.service_id, v.backend_id), now_ns);
-        if v.flags & CT_F_MAX_AGE == 0 && now_ns.saturating_sub(first_seen_ns) > max && t.set_flags_if(table, &k, &v, CT_F_MAX_AGE)? {
-            st.aged += 1;
-            self.born.seen.remove(&k);
-        }
-        Ok(())
+        self.observed.set_max_ages(ages);
     }
 
     /// One round: the next batch of each table; idle flows (every entry idle past its timeout)
@@ -311,28 +227,11 @@ impl Gc {
                     delete_flow(t, table, &flow, &mut st)?;
                     gone.extend(flow.entries().map(|(k, _)| *k));
                 } else {
-                    *self.live_counting.entry(table).or_default() += 1;
-                    if let Some((_, v)) = flow.forward.filter(|(_, v)| v.flags & CT_F_CLOSING == 0) {
-                        *self.counting.entry(table).or_default().entry(v.backend_id).or_default() += 1;
-                    }
-                    if table == Table::Assured && !self.max_age.is_empty() {
-                        self.age(t, table, &flow, now_ns, &mut st)?;
-                    }
-                    if table == Table::Embryonic {
-                        self.unanswered(&flow, now_ns, &mut st);
-                    }
+                    self.observed.kept(t, table, &flow, now_ns, &mut st)?;
                 }
             }
             if next.is_none() {
-                // A whole pass over the table is done.
-                let counts = self.counting.remove(&table).unwrap_or_default();
-                self.counted.insert(table, counts);
-                let live = self.live_counting.remove(&table).unwrap_or_default();
-                self.live_counted.insert(table, live);
-                match table {
-                    Table::Assured => self.born.end_pass(),
-                    Table::Embryonic => self.waiting.end_pass(),
-                }
+                self.observed.end_pass(table);
                 st.pass_done = true;
             }
         }
@@ -426,6 +325,7 @@ fn delete_flow(t: &mut dyn ConntrackTables, table: Table, f: &Flow, st: &mut GcS
 mod tests {
     use super::*;
     use crate::dataplane::ebpf::maps::FakeTables;
+    use proxy_common::{CT_F_MAX_AGE, CT_F_SEEN_REPLY};
     use proxy_common::{CT_F_REPLY, CT_F_SNAT, PROTO_UDP};
 
     fn a(s: &str) -> u32 {

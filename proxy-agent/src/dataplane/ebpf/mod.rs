@@ -1,6 +1,6 @@
 //! eBPF mode: the fast path's object (`kernel`: loader, pins, links), its maps behind one
 //! seam (`maps`, with a fake), their sync by difference, the `Dataplane` (`plane`), the
-//! views of `kpr services`/`conntrack`, and the collectors (conntrack, affinity, endpoints).
+//! views of `kpr services`/`conntrack`, and the collectors (conntrack, with what its passes observe; affinity; endpoints).
 pub mod affinity_gc;
 pub mod bpf_batch;
 pub mod conntrack;
@@ -10,6 +10,7 @@ pub mod kernel;
 pub mod kernel_maps;
 pub mod maglev;
 pub mod maps;
+pub mod observations;
 pub mod outlier;
 pub mod plane;
 pub mod sync;
