@@ -3,7 +3,7 @@
 //! the new one takes every new connection, and the old mode's kernel objects go once its
 //! connections have ended (or after `HANDOVER_LIMIT`).
 //!
-//! - eBPF → IPVS (`FastPathDrain`, IPVS mode's side): the fast path's programs stay (XDP, TC
+//! - eBPF → IPVS (`ipvs::drain::FastPathDrain`, IPVS mode's side): the fast path's programs stay (XDP, TC
 //!   egress, and its TC ingress in front of IPVS mode's set matching), flagged
 //!   CFG_F_NO_NEW_FLOWS: a packet of one of its flows is translated as before, any other goes on
 //!   to IPVS mode. The node's own new connections go to IPVS at once (the balancing
@@ -25,21 +25,20 @@ use std::{
     time::{Duration, Instant},
 };
 
-use proxy_common::{prog_names, DatapathConfig, CFG_F_HANDOVER, CFG_F_NO_NEW_FLOWS};
+use proxy_common::{prog_names, CFG_F_HANDOVER};
 use tracing::{info, warn};
 
 use crate::{
     dataplane::{
         ebpf::{
-            conntrack::{Gc, Timeouts},
-            kernel::{self, Datapath, Hook},
-            kernel_maps::KernelConntrack,
-            maps::{ConntrackTables, DatapathMaps, MapError},
+            kernel::{self, Hook},
+            maps::{set_config_flag, DatapathMaps},
         },
         ipvs::{
             client::{Ipvs, IpvsError, NetlinkIpvs},
             rules, sync as ipvs_sync,
         },
+        PreviousProxy, Progress, HANDOVER_LIMIT,
     },
     host::{
         netfilter::{Netfilter, NetfilterError, SystemNetfilter},
@@ -51,125 +50,8 @@ use crate::{
     },
 };
 
-/// The longest the previous mode keeps serving its connections after a switch.
-pub const HANDOVER_LIMIT: Duration = Duration::from_secs(3600);
 /// How often IPVS's connection counts are read during a handover to the fast path.
 const IPVS_POLL: Duration = Duration::from_secs(2);
-/// Conntrack entries the drain's collector reads per table per call (one call a second).
-const DRAIN_BATCH: usize = 16_384;
-
-#[derive(Debug, thiserror::Error)]
-pub enum HandoverError {
-    #[error(transparent)]
-    Map(#[from] MapError),
-    #[error("keeping the fast path's TC links for the drain: {0}")]
-    Pins(std::io::Error),
-}
-
-/// How a handover stands after a poll.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Progress {
-    /// This many connections are still the previous mode's.
-    Serving(u64),
-    /// The previous mode's objects are gone.
-    Done,
-}
-
-/// IPVS mode's side of a switch from the fast path.
-pub struct FastPathDrain {
-    pin_dir: PathBuf,
-    tables: Box<dyn ConntrackTables>,
-    gc: Gc,
-    since: Instant,
-}
-
-impl FastPathDrain {
-    /// At IPVS mode's start: counts the fast path's flows (collecting idle ones). None: there
-    /// are none, and whatever of the fast path was attached is detached now.
-    pub fn start(pin_dir: &Path, dp: &mut Datapath, maps: &mut dyn DatapathMaps, timeouts: Timeouts) -> Result<Option<Self>, HandoverError> {
-        let tables = KernelConntrack::open(pin_dir)?;
-        Self::start_with(pin_dir, dp, maps, Box::new(tables), timeouts)
-    }
-
-    fn start_with(
-        pin_dir: &Path,
-        dp: &mut Datapath,
-        maps: &mut dyn DatapathMaps,
-        mut tables: Box<dyn ConntrackTables>,
-        timeouts: Timeouts,
-    ) -> Result<Option<Self>, HandoverError> {
-        let mut gc = Gc::new(timeouts, DRAIN_BATCH);
-        let flows = loop {
-            gc.round(tables.as_mut(), kernel::monotonic_ns())?;
-            if let Some(n) = gc.live_flows() {
-                break n;
-            }
-        };
-        let mut cfg = maps.config().unwrap_or_default();
-        if flows == 0 {
-            detach_fast_path(pin_dir, dp);
-            set_flag(maps, CFG_F_NO_NEW_FLOWS, false)?;
-            return Ok(None);
-        }
-        // A restart during the drain finds the links already kept.
-        if cfg.flags & CFG_F_NO_NEW_FLOWS == 0 {
-            kernel::keep_tc_ingress_for_drain(pin_dir).map_err(HandoverError::Pins)?;
-            cfg.flags |= CFG_F_NO_NEW_FLOWS;
-            maps.set_config(cfg)?;
-        }
-        for name in [prog_names::CONNECT4, prog_names::SENDMSG4] {
-            let _ = kernel::detach(pin_dir, name, Hook::Cgroup);
-        }
-        dp.set_after_fast_path(true);
-        info!(flows, limit_s = HANDOVER_LIMIT.as_secs(), "switch from the eBPF fast path: it keeps serving its flows; IPVS takes every new connection");
-        Ok(Some(Self { pin_dir: pin_dir.into(), tables, gc, since: Instant::now() }))
-    }
-
-    /// One collector round; once a pass finds no flow left (or the limit passed), the fast
-    /// path's programs are detached.
-    pub fn poll(&mut self, dp: &mut Datapath, maps: &mut dyn DatapathMaps) -> Progress {
-        if let Err(e) = self.gc.round(self.tables.as_mut(), kernel::monotonic_ns()) {
-            warn!(error = %e, "drain: conntrack round failed");
-        }
-        let flows = self.gc.live_flows().map_or(u64::MAX, |n| n as u64);
-        let expired = self.since.elapsed() >= HANDOVER_LIMIT;
-        if flows > 0 && !expired {
-            return Progress::Serving(flows);
-        }
-        if expired {
-            warn!(flows, "drain: the fast path's remaining flows outlived the handover limit; detaching it ends them");
-        }
-        detach_fast_path(&self.pin_dir, dp);
-        if let Err(e) = set_flag(maps, CFG_F_NO_NEW_FLOWS, false) {
-            warn!(error = %e, "drain: clearing the flag (the next sync retries)");
-        }
-        info!(seconds = self.since.elapsed().as_secs(), "switch from the eBPF fast path done: its flows ended, its programs are detached");
-        Progress::Done
-    }
-}
-
-fn detach_fast_path(pin_dir: &Path, dp: &mut Datapath) {
-    let removed = kernel::detach_fast_path(pin_dir, &prog_names::SOCK);
-    if !removed.is_empty() {
-        info!(detached = ?removed, "the eBPF fast path's programs");
-    }
-    dp.set_after_fast_path(false);
-}
-
-fn set_flag(maps: &mut dyn DatapathMaps, flag: u32, on: bool) -> Result<(), MapError> {
-    let cfg = maps.config()?;
-    let flags = if on { cfg.flags | flag } else { cfg.flags & !flag };
-    if flags != cfg.flags {
-        maps.set_config(DatapathConfig { flags, ..cfg })?;
-    }
-    Ok(())
-}
-
-/// What the fast path waits for after a switch from another proxy.
-pub trait PreviousProxy {
-    /// Called every second; `frontends`: the TCP Services' (address, port) at the last sync.
-    fn poll(&mut self, maps: &mut dyn DatapathMaps, frontends: &BTreeSet<(IpAddr, u16)>) -> Progress;
-}
 
 /// At the fast path's start, before its programs attach: the proxy it takes over from, if
 /// that proxy still carries connections (kpr's IPVS mode, else anything conntrack shows).
@@ -237,7 +119,7 @@ impl ConntrackHandover {
                 0
             }
         };
-        if let Err(e) = set_flag(maps, CFG_F_HANDOVER, n > 0) {
+        if let Err(e) = set_config_flag(maps, CFG_F_HANDOVER, n > 0) {
             warn!(error = %e, "switch from another proxy: cannot set the handover flag");
         }
         if n == 0 {
@@ -272,7 +154,7 @@ impl PreviousProxy for ConntrackHandover {
         if n > 0 && self.since.elapsed() < HANDOVER_LIMIT {
             return Progress::Serving(n);
         }
-        if let Err(e) = set_flag(maps, CFG_F_HANDOVER, false) {
+        if let Err(e) = set_config_flag(maps, CFG_F_HANDOVER, false) {
             warn!(error = %e, "clearing the handover flag (the next sync retries)");
         }
         if let Err(e) = unpin_conntrack(self.nf.as_mut()) {
@@ -338,11 +220,11 @@ impl IpvsHandover {
         match h.established() {
             Ok(0) => {
                 h.finish();
-                let _ = set_flag(maps, CFG_F_HANDOVER, false);
+                let _ = set_config_flag(maps, CFG_F_HANDOVER, false);
                 None
             }
             Ok(n) => {
-                if let Err(e) = set_flag(maps, CFG_F_HANDOVER, true) {
+                if let Err(e) = set_config_flag(maps, CFG_F_HANDOVER, true) {
                     warn!(error = %e, "switch from IPVS mode: cannot flag the handover; IPVS's connections will break");
                 }
                 info!(
@@ -414,7 +296,7 @@ impl PreviousProxy for IpvsHandover {
             warn!(connections = n, "switch from IPVS mode: IPVS's remaining connections outlived the handover limit; removing IPVS ends them");
         }
         self.finish();
-        if let Err(e) = set_flag(maps, CFG_F_HANDOVER, false) {
+        if let Err(e) = set_config_flag(maps, CFG_F_HANDOVER, false) {
             warn!(error = %e, "clearing the handover flag (the next sync retries)");
         }
         info!(seconds = self.since.elapsed().as_secs(), "switch from IPVS mode done: its connections ended, its state is removed");

@@ -129,6 +129,25 @@ impl<D: Dataplane + ?Sized> Dataplane for Box<D> {
     }
 }
 
+/// The longest the previous mode (or proxy) keeps serving its connections after a switch
+/// (handover.rs, ipvs/drain.rs).
+pub const HANDOVER_LIMIT: Duration = Duration::from_secs(3600);
+
+/// How a handover from the previous mode (or proxy) stands after a poll.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// This many connections are still the previous one's (u64::MAX: not counted this time).
+    Serving(u64),
+    /// The previous one's objects are gone.
+    Done,
+}
+
+/// What the fast path waits for after a switch from another proxy (handover.rs).
+pub trait PreviousProxy {
+    /// Called every second; `frontends`: the TCP Services' (address, port) at the last sync.
+    fn poll(&mut self, maps: &mut dyn ebpf::maps::DatapathMaps, frontends: &BTreeSet<(IpAddr, u16)>) -> Progress;
+}
+
 /// Picks the data plane for `requested`: Auto tries the fast path first, then IPVS. The two
 /// starters are passed in, so the choice is tested without a kernel.
 pub fn choose<T>(

@@ -10,7 +10,7 @@ use anyhow::{Context, Result};
 use proxy_agent::{
     agent::{Agent, LoopSettings},
     dataplane::ebpf::kernel,
-    dataplane::{self, ebpf::plane::EbpfPlane, ipvs::plane::IpvsPlane, Dataplane},
+    dataplane::{self, ebpf::maps::DatapathMaps, ebpf::plane::EbpfPlane, handover, ipvs::plane::IpvsPlane, Dataplane},
     host::sysctl::{self, ProcSysctls, Sysctls},
     serve::metrics,
     settings,
@@ -38,7 +38,10 @@ pub fn run(pin_dir: PathBuf, log_format: LogFormat, flags: &settings::Flags) -> 
     let stats: SharedStats = Arc::new(Mutex::new(Stats::new(s.sync_period * 2)));
     let (mode, plane) = dataplane::choose(
         s.mode,
-        || Ok(Box::new(EbpfPlane::start(&s, pin_dir.clone(), cgroup.clone(), stats.clone())?) as Box<dyn Dataplane>),
+        || {
+            let previous = |maps: &mut dyn DatapathMaps| handover::previous_proxy(&pin_dir, &s.uplinks, maps);
+            Ok(Box::new(EbpfPlane::start(&s, pin_dir.clone(), cgroup.clone(), stats.clone(), previous)?) as Box<dyn Dataplane>)
+        },
         || Ok(Box::new(IpvsPlane::start(&s, pin_dir.clone(), cgroup.clone(), stats.clone())?) as Box<dyn Dataplane>),
     )
     .context("starting the data plane")?;

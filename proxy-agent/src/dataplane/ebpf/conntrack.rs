@@ -227,7 +227,9 @@ impl Gc {
                     delete_flow(t, table, &flow, &mut st)?;
                     gone.extend(flow.entries().map(|(k, _)| *k));
                 } else {
-                    self.observed.kept(t, table, &flow, now_ns, &mut st)?;
+                    let found = self.observed.kept(t, table, flow.forward, now_ns)?;
+                    st.aged += usize::from(found.aged);
+                    st.syn_timeouts.extend(found.syn_timeout);
                 }
             }
             if next.is_none() {

@@ -274,6 +274,16 @@ mod load_tests {
     }
 }
 
+/// Sets or clears `flag` in KPR_CFG's flags (a handover's), writing only a change.
+pub fn set_config_flag(maps: &mut dyn DatapathMaps, flag: u32, on: bool) -> Result<(), MapError> {
+    let cfg = maps.config()?;
+    let flags = if on { cfg.flags | flag } else { cfg.flags & !flag };
+    if flags != cfg.flags {
+        maps.set_config(DatapathConfig { flags, ..cfg })?;
+    }
+    Ok(())
+}
+
 pub trait ConntrackTables {
     /// Up to `max` entries of `table` from `cursor` on (None: the start), and the cursor to go on
     /// from (None: that was the end).

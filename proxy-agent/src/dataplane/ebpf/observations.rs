@@ -3,12 +3,18 @@
 //! their Service's maximum age (marked), and SYNs left unanswered (outlier detection).
 use std::collections::HashMap;
 
-use proxy_common::{CtKey, CT_F_CLOSING, CT_F_MAX_AGE, CT_F_SEEN_REPLY, PROTO_TCP};
+use proxy_common::{CtKey, CtValue, CT_F_CLOSING, CT_F_MAX_AGE, CT_F_SEEN_REPLY, PROTO_TCP};
 
-use crate::dataplane::ebpf::{
-    conntrack::{Flow, GcStats},
-    maps::{ConntrackTables, MapError, Table},
-};
+use crate::dataplane::ebpf::maps::{ConntrackTables, MapError, Table};
+
+/// What a kept flow told this pass.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Finding {
+    /// Marked as past its Service's maximum connection age now.
+    pub aged: bool,
+    /// Its SYN went unanswered for `outlier::SYN_TIMEOUT`: this backend id (once per flow).
+    pub syn_timeout: Option<u32>,
+}
 
 /// Forward keys the collector saw in a table, from when it first saw each flow on them (a flow
 /// is told by its ids `I`), with what it keeps of each (`D`): a key a whole pass over the table
@@ -66,18 +72,21 @@ pub struct Observations {
 }
 
 impl Observations {
-    /// A flow the pass keeps (not idle): counted, aged, its SYN watched.
-    pub fn kept(&mut self, t: &mut dyn ConntrackTables, table: Table, flow: &Flow, now_ns: u64, st: &mut GcStats) -> Result<(), MapError> {
+    /// A flow the pass keeps (not idle), by its forward entry if it has one: counted, aged,
+    /// its SYN watched.
+    pub fn kept(&mut self, t: &mut dyn ConntrackTables, table: Table, forward: Option<(CtKey, CtValue)>, now_ns: u64) -> Result<Finding, MapError> {
         *self.live_counting.entry(table).or_default() += 1;
-        if let Some((_, v)) = flow.forward.filter(|(_, v)| v.flags & CT_F_CLOSING == 0) {
+        let mut found = Finding::default();
+        let Some((k, v)) = forward else { return Ok(found) };
+        if v.flags & CT_F_CLOSING == 0 {
             *self.counting.entry(table).or_default().entry(v.backend_id).or_default() += 1;
         }
         match table {
-            Table::Assured if !self.max_age.is_empty() => self.age(t, table, flow, now_ns, st)?,
-            Table::Embryonic => self.unanswered(flow, now_ns, st),
+            Table::Assured if !self.max_age.is_empty() => found.aged = self.age(t, table, k, v, now_ns)?,
+            Table::Embryonic => found.syn_timeout = self.unanswered(k, v, now_ns),
             Table::Assured => {}
         }
-        Ok(())
+        Ok(found)
     }
 
     /// A whole pass over `table` is done: its counts become the last whole pass's.
@@ -93,13 +102,16 @@ impl Observations {
     }
 
     /// An embryonic flow whose SYN got no answer yet: reported once when it waited too long.
-    fn unanswered(&mut self, flow: &Flow, now_ns: u64, st: &mut GcStats) {
-        let Some((k, v)) = flow.forward.filter(|(k, v)| k.proto == PROTO_TCP && v.flags & CT_F_SEEN_REPLY == 0) else { return };
+    fn unanswered(&mut self, k: CtKey, v: CtValue, now_ns: u64) -> Option<u32> {
+        if k.proto != PROTO_TCP || v.flags & CT_F_SEEN_REPLY != 0 {
+            return None;
+        }
         let (first_seen_ns, reported) = self.waiting.see(k, v.backend_id, now_ns);
         if !*reported && now_ns.saturating_sub(first_seen_ns) >= crate::dataplane::ebpf::outlier::SYN_TIMEOUT.as_nanos() as u64 {
             *reported = true;
-            st.syn_timeouts.push(v.backend_id);
+            return Some(v.backend_id);
         }
+        None
     }
 
     /// Open flows by backend id at the last whole pass over each table (what least-connection
@@ -125,15 +137,15 @@ impl Observations {
         self.born.seen.retain(|_, (_, _, (service_id, _), _)| max_age.contains_key(service_id));
     }
 
-    /// Marks a flow past its Service's maximum connection age; remembers when it was first seen.
-    fn age(&mut self, t: &mut dyn ConntrackTables, table: Table, flow: &Flow, now_ns: u64, st: &mut GcStats) -> Result<(), MapError> {
-        let Some((k, v)) = flow.forward else { return Ok(()) };
-        let Some(max) = self.max_age.get(&v.service_id).copied() else { return Ok(()) };
+    /// Marks a flow past its Service's maximum connection age (true: now); remembers when it
+    /// was first seen.
+    fn age(&mut self, t: &mut dyn ConntrackTables, table: Table, k: CtKey, v: CtValue, now_ns: u64) -> Result<bool, MapError> {
+        let Some(max) = self.max_age.get(&v.service_id).copied() else { return Ok(false) };
         let (first_seen_ns, _) = self.born.see(k, (v.service_id, v.backend_id), now_ns);
         if v.flags & CT_F_MAX_AGE == 0 && now_ns.saturating_sub(first_seen_ns) > max && t.set_flags_if(table, &k, &v, CT_F_MAX_AGE)? {
-            st.aged += 1;
             self.born.seen.remove(&k);
+            return Ok(true);
         }
-        Ok(())
+        Ok(false)
     }
 }

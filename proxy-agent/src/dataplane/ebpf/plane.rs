@@ -19,12 +19,11 @@ use crate::{
             interfaces::Interfaces,
             kernel::{self, Datapath},
             kernel_maps::{KernelBackendLoads, KernelBackendNames, KernelConntrack, KernelFailureCounts, KernelMaps, KernelSockRev},
-            maps::write_loads,
+            maps::{write_loads, DatapathMaps},
             outlier::{self, Outliers},
             sync::{RemovedBackend, SyncError, Syncer},
         },
-        handover::{self, PreviousProxy, Progress},
-        Dataplane, DataplaneError, NodeContext, SyncStats,
+        Dataplane, DataplaneError, NodeContext, PreviousProxy, Progress, SyncStats,
     },
     host::{
         netif,
@@ -137,7 +136,15 @@ impl ConfigInputs {
 impl EbpfPlane {
     /// Loads the fast path (reusing the maps pinned under `pin_dir`), attaches connect-time
     /// balancing and starts the collector.
-    pub fn start(s: &Settings, pin_dir: PathBuf, cgroup: Option<PathBuf>, stats: SharedStats) -> Result<Self, DataplaneError> {
+    /// `previous`: what a switch from another proxy leaves to it (dataplane::handover), asked
+    /// before the programs attach.
+    pub fn start(
+        s: &Settings,
+        pin_dir: PathBuf,
+        cgroup: Option<PathBuf>,
+        stats: SharedStats,
+        previous: impl FnOnce(&mut dyn DatapathMaps) -> Option<Box<dyn PreviousProxy>>,
+    ) -> Result<Self, DataplaneError> {
         let mut dp = Datapath::load_object(&pin_dir, s.capacities)?;
         dp.load_fast_path()?;
         if let Some(cg) = &cgroup {
@@ -146,7 +153,7 @@ impl EbpfPlane {
         }
         let mut maps = KernelMaps::open(&pin_dir)?;
         // Before the programs attach: IPVS's connections must pass through from the first packet.
-        let handover = handover::previous_proxy(&pin_dir, &s.uplinks, &mut maps);
+        let handover = previous(&mut maps);
         let timeouts = Timeouts::from_settings(&s.conntrack);
         let outliers = Arc::new(Mutex::new(Outliers::new(OUTLIER_EJECTION_TIME)));
         let gc = start_gc(pin_dir.clone(), timeouts, stats.clone(), outliers.clone());

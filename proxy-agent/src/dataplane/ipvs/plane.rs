@@ -10,7 +10,7 @@ use crate::{
         ebpf::{
             conntrack::Timeouts as FlowTimeouts, interfaces::Interfaces, kernel::Datapath, kernel_maps::KernelMaps, maps::DatapathMaps, plane::ConfigInputs,
         },
-        handover::{FastPathDrain, Progress},
+        ipvs::drain::FastPathDrain,
         ipvs::{
             client::{Ipvs, IpvsError, NetlinkIpvs, ServiceId, Timeouts},
             desired::{bound_addresses, desired_virtual_servers, SyncSettings},
@@ -18,7 +18,7 @@ use crate::{
             sets::{self, KernelSetMaps, SetMaps, Sets},
             sync::IpvsSyncer,
         },
-        Dataplane, DataplaneError, NodeContext, SyncStats,
+        Dataplane, DataplaneError, NodeContext, Progress, SyncStats,
     },
     host::{
         netfilter::SystemNetfilter,
