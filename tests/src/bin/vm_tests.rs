@@ -805,6 +805,8 @@ fn mode_switch(lab: &mut Lab) -> Result<()> {
         ensure!(errors(&v) == 0, "{v}");
         Ok(())
     })?;
+    let status = kpr(lab, &["status"])?;
+    ensure!(status.contains("handover: connections of the proxy before"), "kpr status shows the handover:\n{status}");
     let before = ipvs_conns(lab, "10.96.0.10:80")?;
     let v = burst(lab, "pod", "10.96.0.10:80", "tcp", "10");
     ensure!(errors(&v) == 0 && per_backend(&v).len() == 3, "new connections under the fast path: {v}");
@@ -834,6 +836,8 @@ fn mode_switch(lab: &mut Lab) -> Result<()> {
         ensure!(lab.agent_log()[log_len..].contains("switch from the eBPF fast path: it keeps serving its flows"), "no drain logged");
         expect_lines("agent state", &sn(lab), BASE_STATE)
     })?;
+    let status = kpr(lab, &["status"])?;
+    ensure!(status.contains("handover: the fast path serves its remaining flows"), "kpr status shows the drain:\n{status}");
     let v = burst(lab, "pod", "10.96.0.10:80", "tcp", "10");
     ensure!(errors(&v) == 0 && per_backend(&v).len() == 3, "new connections under IPVS: {v}");
     let v = burst(lab, "cl", &nodeport, "tcp", "10");
@@ -853,6 +857,8 @@ fn mode_switch(lab: &mut Lab) -> Result<()> {
     })?;
     let f = must(&format!("tc -n {n} filter show dev hpod ingress"));
     ensure!(f.contains("kpr_tc_ipset"), "the set matching stays: {f}");
+    let status = kpr(lab, &["status"])?;
+    ensure!(!status.contains("handover:"), "the drain is over:\n{status}");
     let v = burst(lab, "pod", "10.96.0.10:80", "tcp", "10");
     ensure!(errors(&v) == 0 && per_backend(&v).len() == 3, "IPVS mode alone: {v}");
     lab.kill_agent();

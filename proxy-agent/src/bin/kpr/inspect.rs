@@ -20,9 +20,19 @@ pub fn status(pin_dir: &Path, json: bool, healthz: &str) -> Result<()> {
             "ebpf".into()
         }
     });
+    // A switch in progress (dataplane::handover), as the data path is told it.
+    let flags = proxy_agent::dataplane::ebpf::maps::DatapathMaps::config(&maps).map(|c| c.flags).unwrap_or(0);
+    let handover = if flags & proxy_common::CFG_F_NO_NEW_FLOWS != 0 {
+        Some("the fast path serves its remaining flows; IPVS takes every new connection (switch from the eBPF mode)")
+    } else if flags & proxy_common::CFG_F_HANDOVER != 0 {
+        Some("connections of the proxy before (IPVS mode or kube-proxy) pass to it; the fast path takes every new one")
+    } else {
+        None
+    };
     if json {
         let v = serde_json::json!({
             "mode": mode,
+            "handover": handover,
             "agent": health,
             "pin_dir": pin_dir,
             "links": links.iter().map(|(i, h)| serde_json::json!({"iface": i, "hook": h.tag()})).collect::<Vec<_>>(),
@@ -34,6 +44,9 @@ pub fn status(pin_dir: &Path, json: bool, healthz: &str) -> Result<()> {
         println!("mode: {mode}   pins: {}   fast-path frontends: {services}", pin_dir.display());
         if mode == "ipvs" {
             println!("IPVS mode: `kpr ipvs` (or ipvsadm -Ln) for virtual servers, `kpr ipset` for the sets");
+        }
+        if let Some(h) = handover {
+            println!("handover: {h}");
         }
         match &last_sync {
             Some(t) if !t.is_empty() => println!("last sync: {t} (agent healthy at {healthz})"),
