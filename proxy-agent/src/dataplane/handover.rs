@@ -1,7 +1,7 @@
 //! Switching between the eBPF and IPVS modes on a running node without breaking established
 //! connections, make before break: the mode going away keeps serving the connections it has,
 //! the new one takes every new connection, and the old mode's kernel objects go once its
-//! connections have ended (or after `HANDOVER_LIMIT`).
+//! connections have ended (or after `--mode-handover-limit`, an hour by default).
 //!
 //! - eBPF → IPVS (`ipvs::drain::FastPathDrain`, IPVS mode's side): the fast path's programs stay (XDP, TC
 //!   egress, and its TC ingress in front of IPVS mode's set matching), flagged
@@ -38,7 +38,7 @@ use crate::{
             client::{Ipvs, IpvsError, NetlinkIpvs},
             rules, sync as ipvs_sync,
         },
-        PreviousProxy, Progress, HANDOVER_LIMIT,
+        PreviousProxy, Progress,
     },
     host::{
         netfilter::{Netfilter, NetfilterError, SystemNetfilter},
@@ -55,12 +55,12 @@ const IPVS_POLL: Duration = Duration::from_secs(2);
 
 /// At the fast path's start, before its programs attach: the proxy it takes over from, if
 /// that proxy still carries connections (kpr's IPVS mode, else anything conntrack shows).
-pub fn previous_proxy(pin_dir: &Path, uplinks: &[String], maps: &mut dyn DatapathMaps) -> Option<Box<dyn PreviousProxy>> {
-    if let Some(h) = IpvsHandover::start(pin_dir, uplinks, maps) {
+pub fn previous_proxy(pin_dir: &Path, uplinks: &[String], maps: &mut dyn DatapathMaps, limit: Duration) -> Option<Box<dyn PreviousProxy>> {
+    if let Some(h) = IpvsHandover::start(pin_dir, uplinks, maps, limit) {
         return Some(Box::new(h));
     }
     match NetlinkConntrack::connect() {
-        Ok(ct) => ConntrackHandover::start(Box::new(ct), Box::new(SystemNetfilter), maps).map(|h| Box::new(h) as Box<dyn PreviousProxy>),
+        Ok(ct) => ConntrackHandover::start(Box::new(ct), Box::new(SystemNetfilter), maps, limit).map(|h| Box::new(h) as Box<dyn PreviousProxy>),
         Err(e) => {
             warn!(error = %e, "no ctnetlink: connections of a proxy before kpr are not handed over");
             None
@@ -105,13 +105,14 @@ pub struct ConntrackHandover {
     conntrack: Box<dyn TranslatedConnections>,
     nf: Box<dyn Netfilter>,
     since: Instant,
+    limit: Duration,
     last_poll: Instant,
 }
 
 impl ConntrackHandover {
     /// None: conntrack holds no such connection (before the first sync, any translated one
     /// counts; the polls then count only those to a Service).
-    pub fn start(mut conntrack: Box<dyn TranslatedConnections>, mut nf: Box<dyn Netfilter>, maps: &mut dyn DatapathMaps) -> Option<Self> {
+    pub fn start(mut conntrack: Box<dyn TranslatedConnections>, mut nf: Box<dyn Netfilter>, maps: &mut dyn DatapathMaps, limit: Duration) -> Option<Self> {
         let n = match conntrack.translated_tcp() {
             Ok(v) => v.len(),
             Err(e) => {
@@ -131,10 +132,10 @@ impl ConntrackHandover {
         }
         info!(
             connections = n,
-            limit_s = HANDOVER_LIMIT.as_secs(),
+            limit_s = limit.as_secs(),
             "connections a proxy before kpr translated (conntrack) keep their backend; the fast path takes every new one"
         );
-        Some(Self { conntrack, nf, since: Instant::now(), last_poll: Instant::now() })
+        Some(Self { conntrack, nf, since: Instant::now(), limit, last_poll: Instant::now() })
     }
 }
 
@@ -151,7 +152,7 @@ impl PreviousProxy for ConntrackHandover {
                 return Progress::Serving(u64::MAX);
             }
         };
-        if n > 0 && self.since.elapsed() < HANDOVER_LIMIT {
+        if n > 0 && self.since.elapsed() < self.limit {
             return Progress::Serving(n);
         }
         if let Err(e) = set_config_flag(maps, CFG_F_HANDOVER, false) {
@@ -175,6 +176,7 @@ pub struct IpvsHandover {
     pin_dir: PathBuf,
     uplinks: Vec<String>,
     since: Instant,
+    limit: Duration,
     last_poll: Instant,
 }
 
@@ -182,7 +184,7 @@ impl IpvsHandover {
     /// At the fast path's start, before its programs attach. None: no IPVS mode was here, or
     /// it serves no connection (and its objects are removed now). Never fails the start: a
     /// problem is logged, and the previous mode's objects stay for `kpr cleanup`.
-    pub fn start(pin_dir: &Path, uplinks: &[String], maps: &mut dyn DatapathMaps) -> Option<Self> {
+    pub fn start(pin_dir: &Path, uplinks: &[String], maps: &mut dyn DatapathMaps, limit: Duration) -> Option<Self> {
         let ipvs = match NetlinkIpvs::connect() {
             Ok(i) => i,
             Err(IpvsError::NoIpvs) => return None,
@@ -206,6 +208,7 @@ impl IpvsHandover {
             pin_dir: pin_dir.into(),
             uplinks: uplinks.to_vec(),
             since: Instant::now(),
+            limit,
             last_poll: Instant::now(),
         };
         h.begin(maps)
@@ -229,7 +232,7 @@ impl IpvsHandover {
                 }
                 info!(
                     connections = n,
-                    limit_s = HANDOVER_LIMIT.as_secs(),
+                    limit_s = h.limit.as_secs(),
                     "switch from IPVS mode: IPVS keeps serving its established connections; the fast path takes every new one"
                 );
                 Some(h)
@@ -288,7 +291,7 @@ impl PreviousProxy for IpvsHandover {
                 return Progress::Serving(u64::MAX);
             }
         };
-        let expired = self.since.elapsed() >= HANDOVER_LIMIT;
+        let expired = self.since.elapsed() >= self.limit;
         if n > 0 && !expired {
             return Progress::Serving(n);
         }
@@ -348,6 +351,7 @@ mod tests {
             pin_dir: pins.into(),
             uplinks: vec![],
             since: Instant::now(),
+            limit: Duration::from_secs(3600),
             last_poll: Instant::now(),
         }
     }
@@ -411,11 +415,12 @@ mod tests {
         let list = std::rc::Rc::new(std::cell::RefCell::new(vec![vip, host_port]));
         let mut maps = FakeMaps::default();
         let empty = Translated(std::rc::Rc::new(std::cell::RefCell::new(vec![])));
-        assert!(ConntrackHandover::start(Box::new(empty), Box::new(FakeNetfilter::default()), &mut maps).is_none());
+        assert!(ConntrackHandover::start(Box::new(empty), Box::new(FakeNetfilter::default()), &mut maps, Duration::from_secs(3600)).is_none());
         assert_eq!(maps.config.flags & CFG_F_HANDOVER, 0, "nothing translated: no handover");
         let restored = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
         let nf = Recording(restored.clone());
-        let mut h = ConntrackHandover::start(Box::new(Translated(list.clone())), Box::new(nf), &mut maps).expect("translated connections: a handover");
+        let mut h = ConntrackHandover::start(Box::new(Translated(list.clone())), Box::new(nf), &mut maps, Duration::from_secs(3600))
+            .expect("translated connections: a handover");
         assert_ne!(maps.config.flags & CFG_F_HANDOVER, 0);
         assert!(restored.borrow().iter().any(|r| r.contains(":KPR-HANDOVER - [0:0]\n-A KPR-HANDOVER -m conntrack")), "conntrack pinned: {restored:?}");
         // Before the first sync nothing is known of the Services: wait.

@@ -129,10 +129,6 @@ impl<D: Dataplane + ?Sized> Dataplane for Box<D> {
     }
 }
 
-/// The longest the previous mode (or proxy) keeps serving its connections after a switch
-/// (handover.rs, ipvs/drain.rs).
-pub const HANDOVER_LIMIT: Duration = Duration::from_secs(3600);
-
 /// How a handover from the previous mode (or proxy) stands after a poll.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Progress {

@@ -108,6 +108,10 @@ pub struct Flags {
     pub scheduler: Option<String>,
     #[arg(long, value_enum, env = "KPR_XDP_MODE")]
     pub xdp_mode: Option<XdpModeArg>,
+    /// After a switch from kube-proxy or between kpr's modes, the longest the previous one keeps
+    /// serving its connections [default: 1h].
+    #[arg(long, value_parser = parse_duration, env = "KPR_MODE_HANDOVER_LIMIT")]
+    pub mode_handover_limit: Option<Duration>,
     /// Data plane: ebpf (the fast path), ipvs (IPVS + BPF set matching), auto (ebpf where the
     /// kernel loads it, else ipvs) [file: mode; default: ebpf].
     #[arg(long)]

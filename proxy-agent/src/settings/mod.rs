@@ -67,6 +67,9 @@ pub struct Settings {
     pub pod_iface_prefixes: Vec<String>,
     pub cgroup: Cgroup,
     pub xdp_mode: XdpModeArg,
+    /// After a switch from kube-proxy or between kpr's modes, the longest the previous one
+    /// keeps serving its connections.
+    pub handover_limit: Duration,
     /// The fast path's default scheduler.
     pub scheduler: Scheduler,
     pub ipvs: IpvsSettings,
@@ -393,6 +396,7 @@ pub fn resolve(f: &Flags, file: Option<(&str, KubeProxyConfiguration)>) -> Resul
             Some(p) => Cgroup::Path(p.into()),
         },
         xdp_mode: pick(f.xdp_mode, None, XdpModeArg::Auto),
+        handover_limit: pick(f.mode_handover_limit.map(Duration::from), None, Duration::from_secs(3600)),
         scheduler: pick(flag_scheduler, file_fast_scheduler, Scheduler::Random),
         ipvs: ipvs_settings,
         conntrack: conntrack_settings,

@@ -218,3 +218,10 @@ fn detect_local_modes_parse_and_match_interfaces() {
     assert!(pre.is_local("cali12ab", None) && !pre.is_local("eth0", None));
     assert!(!DetectLocal::ClusterCidr.is_local("cali12ab", None), "by address, not interface");
 }
+
+#[test]
+fn the_mode_handover_limit_is_a_flag_with_a_default_of_an_hour() {
+    assert_eq!(settings(&[], None).handover_limit, secs(3600));
+    assert_eq!(settings(&["--mode-handover-limit", "10m"], None).handover_limit, secs(600));
+    assert!(Cli::try_parse_from(["kpr", "--mode-handover-limit", "soon"]).is_err(), "a duration, or an error naming the flag");
+}

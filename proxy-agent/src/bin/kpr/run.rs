@@ -39,7 +39,7 @@ pub fn run(pin_dir: PathBuf, log_format: LogFormat, flags: &settings::Flags) -> 
     let (mode, plane) = dataplane::choose(
         s.mode,
         || {
-            let previous = |maps: &mut dyn DatapathMaps| handover::previous_proxy(&pin_dir, &s.uplinks, maps);
+            let previous = |maps: &mut dyn DatapathMaps| handover::previous_proxy(&pin_dir, &s.uplinks, maps, s.handover_limit);
             Ok(Box::new(EbpfPlane::start(&s, pin_dir.clone(), cgroup.clone(), stats.clone(), previous)?) as Box<dyn Dataplane>)
         },
         || Ok(Box::new(IpvsPlane::start(&s, pin_dir.clone(), cgroup.clone(), stats.clone())?) as Box<dyn Dataplane>),

@@ -1,10 +1,10 @@
 //! IPVS mode's side of a switch from the eBPF mode that keeps established connections (see
 //! dataplane::handover for the whole): the fast path's programs stay attached, flagged
 //! CFG_F_NO_NEW_FLOWS, its TC ingress in front of IPVS mode's set matching, until a collector
-//! pass finds none of its flows left (or HANDOVER_LIMIT passes); then they are detached.
+//! pass finds none of its flows left (or the handover limit passes); then they are detached.
 use std::{
     path::{Path, PathBuf},
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use proxy_common::{prog_names, CFG_F_NO_NEW_FLOWS};
@@ -17,7 +17,7 @@ use crate::dataplane::{
         kernel_maps::KernelConntrack,
         maps::{set_config_flag, ConntrackTables, DatapathMaps, MapError},
     },
-    Progress, HANDOVER_LIMIT,
+    Progress,
 };
 
 /// Conntrack entries the drain's collector reads per table per call (one call a second).
@@ -37,14 +37,15 @@ pub struct FastPathDrain {
     tables: Box<dyn ConntrackTables>,
     gc: Gc,
     since: Instant,
+    limit: Duration,
 }
 
 impl FastPathDrain {
     /// At IPVS mode's start: counts the fast path's flows (collecting idle ones). None: there
     /// are none, and whatever of the fast path was attached is detached now.
-    pub fn start(pin_dir: &Path, dp: &mut Datapath, maps: &mut dyn DatapathMaps, timeouts: Timeouts) -> Result<Option<Self>, DrainError> {
+    pub fn start(pin_dir: &Path, dp: &mut Datapath, maps: &mut dyn DatapathMaps, timeouts: Timeouts, limit: Duration) -> Result<Option<Self>, DrainError> {
         let tables = KernelConntrack::open(pin_dir)?;
-        Self::start_with(pin_dir, dp, maps, Box::new(tables), timeouts)
+        Self::start_with(pin_dir, dp, maps, Box::new(tables), timeouts, limit)
     }
 
     fn start_with(
@@ -53,6 +54,7 @@ impl FastPathDrain {
         maps: &mut dyn DatapathMaps,
         mut tables: Box<dyn ConntrackTables>,
         timeouts: Timeouts,
+        limit: Duration,
     ) -> Result<Option<Self>, DrainError> {
         let mut gc = Gc::new(timeouts, DRAIN_BATCH);
         let flows = loop {
@@ -77,8 +79,8 @@ impl FastPathDrain {
             let _ = kernel::detach(pin_dir, name, Hook::Cgroup);
         }
         dp.set_after_fast_path(true);
-        info!(flows, limit_s = HANDOVER_LIMIT.as_secs(), "switch from the eBPF fast path: it keeps serving its flows; IPVS takes every new connection");
-        Ok(Some(Self { pin_dir: pin_dir.into(), tables, gc, since: Instant::now() }))
+        info!(flows, limit_s = limit.as_secs(), "switch from the eBPF fast path: it keeps serving its flows; IPVS takes every new connection");
+        Ok(Some(Self { pin_dir: pin_dir.into(), tables, gc, since: Instant::now(), limit }))
     }
 
     /// One collector round; once a pass finds no flow left (or the limit passed), the fast
@@ -88,7 +90,7 @@ impl FastPathDrain {
             warn!(error = %e, "drain: conntrack round failed");
         }
         let flows = self.gc.live_flows().map_or(u64::MAX, |n| n as u64);
-        let expired = self.since.elapsed() >= HANDOVER_LIMIT;
+        let expired = self.since.elapsed() >= self.limit;
         if flows > 0 && !expired {
             return Progress::Serving(flows);
         }

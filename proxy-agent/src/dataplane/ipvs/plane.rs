@@ -108,7 +108,7 @@ impl IpvsPlane {
         let settings = SyncSettings { scheduler: s.ipvs.scheduler.clone(), exclude_cidrs: s.ipvs.exclude_cidrs.clone(), ..SyncSettings::default() };
         let mut maps = KernelMaps::open(&pin_dir)?;
         let timeouts = FlowTimeouts::from_settings(&s.conntrack);
-        let drain = FastPathDrain::start(&pin_dir, &mut dp, &mut maps, timeouts).unwrap_or_else(|e| {
+        let drain = FastPathDrain::start(&pin_dir, &mut dp, &mut maps, timeouts, s.handover_limit).unwrap_or_else(|e| {
             warn!(error = %e, "switch from the eBPF fast path: its flows cannot be kept; IPVS takes over at once");
             None
         });
