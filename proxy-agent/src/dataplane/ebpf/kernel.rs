@@ -137,17 +137,19 @@ impl Datapath {
     /// IPVS mode: loads the set-matching TC program (attached instead of the fast path) and the
     /// KUBE-LOOP-BACK match, pinned for the fixed POSTROUTING rule's `-m bpf --object-pinned`.
     pub fn load_ipset(&mut self) -> Result<PathBuf, KernelError> {
-        self.classifier(prog_names::TC_IPSET)?.load().map_err(|err| KernelError::Program { name: prog_names::TC_IPSET, err })?;
+        let prog = self.classifier(prog_names::TC_IPSET)?;
+        load(prog_names::TC_IPSET, || prog.load())?;
         self.tc_program = prog_names::TC_IPSET;
         let name = prog_names::LOOPBACK;
         let path = self.pin_dir.join(name);
         let prog: &mut SocketFilter = self.program(name)?;
-        prog.load().map_err(|err| KernelError::Program { name, err })?;
+        load(name, || prog.load())?;
         // The rule holds the program it was created with; a new pin serves the next rule.
         let _ = std::fs::remove_file(&path);
         prog.pin(&path).map_err(|e| KernelError::Attach { iface: path.display().to_string(), what: "pin loop-back match", err: e.to_string() })?;
         for name in prog_names::SOCK_IPVS {
-            self.sock_addr(name)?.load().map_err(|err| KernelError::Program { name, err })?;
+            let prog = self.sock_addr(name)?;
+            load(name, || prog.load())?;
         }
         Ok(path)
     }
@@ -155,13 +157,16 @@ impl Datapath {
     /// Verifies and loads the eBPF fast path (TC, XDP, connect-time programs).
     pub fn load_fast_path(&mut self) -> Result<(), KernelError> {
         for name in [prog_names::TC_INGRESS, prog_names::TC_EGRESS, prog_names::TC_PASS] {
-            self.classifier(name)?.load().map_err(|err| KernelError::Program { name, err })?;
+            let prog = self.classifier(name)?;
+            load(name, || prog.load())?;
         }
         for name in [prog_names::XDP_INGRESS, prog_names::XDP_PASS] {
-            self.xdp(name)?.load().map_err(|err| KernelError::Program { name, err })?;
+            let prog = self.xdp(name)?;
+            load(name, || prog.load())?;
         }
         for name in prog_names::SOCK {
-            self.sock_addr(name)?.load().map_err(|err| KernelError::Program { name, err })?;
+            let prog = self.sock_addr(name)?;
+            load(name, || prog.load())?;
         }
         Ok(())
     }
@@ -303,6 +308,21 @@ impl Datapath {
 
     pub fn ebpf(&mut self) -> &mut Ebpf {
         &mut self.ebpf
+    }
+}
+
+/// Loads a program, again if the verifier was interrupted: it gives up with EAGAIN when a signal
+/// arrives while it works (a long program, a busy node), and the kernel means "try again".
+fn load(name: &'static str, mut load: impl FnMut() -> Result<(), aya::programs::ProgramError>) -> Result<(), KernelError> {
+    let mut interrupted = 0;
+    loop {
+        match load() {
+            Err(aya::programs::ProgramError::LoadError { io_error, .. }) if io_error.raw_os_error() == Some(libc::EAGAIN) && interrupted < 5 => {
+                interrupted += 1;
+                tracing::debug!(program = name, interrupted, "the verifier was interrupted; loading again");
+            }
+            r => return r.map_err(|err| KernelError::Program { name, err }),
+        }
     }
 }
 
