@@ -220,7 +220,7 @@ impl NetlinkConntrack {
         Ok(self
             .dump()?
             .into_iter()
-            .filter(|(_, o, r, state)| o.proto == 6 && *state == Some(TCP_ESTABLISHED) && (r.src != o.dst || r.sport != o.dport))
+            .filter(|(_, o, r, state)| o.proto == proxy_common::PROTO_TCP && *state == Some(TCP_ESTABLISHED) && (r.src != o.dst || r.sport != o.dport))
             .filter_map(|(_, o, ..)| Some((o.dst?, o.dport)))
             .collect())
     }

@@ -418,13 +418,9 @@ pub fn detach_tc_filters(at: TcAttachType, name: &str) -> Vec<String> {
 /// holds), then links (detaching the programs), then maps. Idempotent.
 pub fn cleanup(pin_dir: &Path) -> io::Result<Vec<PathBuf>> {
     let mut removed = Vec::new();
-    for iface in crate::host::netif::interfaces() {
-        for name in TC_PROGRAMS {
-            for at in [TcAttachType::Ingress, TcAttachType::Egress] {
-                if tc::qdisc_detach_program(&iface, at, name).is_ok() {
-                    removed.push(PathBuf::from(format!("tc filter {name} on {iface}")));
-                }
-            }
+    for name in TC_PROGRAMS {
+        for at in [TcAttachType::Ingress, TcAttachType::Egress] {
+            removed.extend(detach_tc_filters(at, name).into_iter().map(PathBuf::from));
         }
     }
     removed.extend(unpin_all(pin_dir)?);

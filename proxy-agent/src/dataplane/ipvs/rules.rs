@@ -39,6 +39,11 @@ pub fn rules(loopback_pin: &Path) -> String {
     )
 }
 
+/// Whether `saved` (iptables-save of one table) declares `chain`.
+pub fn has_chain(saved: &str, chain: &str) -> bool {
+    saved.lines().any(|l| l.starts_with(&format!(":{chain} ")))
+}
+
 fn has_jump(saved: &str, chain: &str, target: &str) -> bool {
     saved.lines().any(|l| l.starts_with(&format!("-A {chain} ")) && l.ends_with(&format!("-j {target}")))
 }
@@ -78,7 +83,7 @@ fn remove_from(nf: &mut dyn Netfilter, backend: &str) -> Result<Vec<String>, Net
         for _ in 0..n {
             input += &format!("-D {hook} -j {chain}\n");
         }
-        let exists = saved.lines().any(|l| l == format!(":{chain} - [0:0]") || l.starts_with(&format!(":{chain} ")));
+        let exists = has_chain(&saved, chain);
         if exists {
             input += &format!("-F {chain}\n-X {chain}\n");
         }
