@@ -22,7 +22,7 @@ use std::{
     collections::BTreeSet,
     net::IpAddr,
     path::{Path, PathBuf},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use proxy_common::{prog_names, CFG_F_HANDOVER};
@@ -38,7 +38,7 @@ use crate::{
             client::{Ipvs, IpvsError, NetlinkIpvs},
             rules, sync as ipvs_sync,
         },
-        PreviousProxy, Progress,
+        HandoverClock, PreviousProxy, Progress,
     },
     host::{
         netfilter::{Netfilter, NetfilterError, SystemNetfilter},
@@ -50,8 +50,8 @@ use crate::{
     },
 };
 
-/// How often IPVS's connection counts are read during a handover to the fast path.
-const IPVS_POLL: Duration = Duration::from_secs(2);
+/// How often the previous proxy's connections are counted during a handover.
+const POLL: Duration = Duration::from_secs(2);
 
 /// At the fast path's start, before its programs attach: the proxy it takes over from, if
 /// that proxy still carries connections (kpr's IPVS mode, else anything conntrack shows).
@@ -104,9 +104,7 @@ pub fn unpin_conntrack(nf: &mut dyn Netfilter) -> Result<Vec<String>, NetfilterE
 pub struct ConntrackHandover {
     conntrack: Box<dyn TranslatedConnections>,
     nf: Box<dyn Netfilter>,
-    since: Instant,
-    limit: Duration,
-    last_poll: Instant,
+    clock: HandoverClock,
 }
 
 impl ConntrackHandover {
@@ -135,16 +133,15 @@ impl ConntrackHandover {
             limit_s = limit.as_secs(),
             "connections a proxy before kpr translated (conntrack) keep their backend; the fast path takes every new one"
         );
-        Some(Self { conntrack, nf, since: Instant::now(), limit, last_poll: Instant::now() })
+        Some(Self { conntrack, nf, clock: HandoverClock::new(limit) })
     }
 }
 
 impl PreviousProxy for ConntrackHandover {
     fn poll(&mut self, maps: &mut dyn DatapathMaps, frontends: &BTreeSet<(IpAddr, u16)>) -> Progress {
-        if self.last_poll.elapsed() < IPVS_POLL || frontends.is_empty() {
+        if frontends.is_empty() || !self.clock.due(POLL) {
             return Progress::Serving(u64::MAX);
         }
-        self.last_poll = Instant::now();
         let n = match self.conntrack.translated_tcp() {
             Ok(v) => v.iter().filter(|d| frontends.contains(d)).count() as u64,
             Err(e) => {
@@ -152,7 +149,7 @@ impl PreviousProxy for ConntrackHandover {
                 return Progress::Serving(u64::MAX);
             }
         };
-        if n > 0 && self.since.elapsed() < self.limit {
+        if n > 0 && !self.clock.expired() {
             return Progress::Serving(n);
         }
         if let Err(e) = set_config_flag(maps, CFG_F_HANDOVER, false) {
@@ -161,7 +158,7 @@ impl PreviousProxy for ConntrackHandover {
         if let Err(e) = unpin_conntrack(self.nf.as_mut()) {
             warn!(error = %e, "removing the conntrack pin (`kpr cleanup` removes it too)");
         }
-        info!(seconds = self.since.elapsed().as_secs(), remaining = n, "handover from the proxy before kpr done");
+        info!(seconds = self.clock.elapsed_s(), remaining = n, "handover from the proxy before kpr done");
         Progress::Done
     }
 }
@@ -175,9 +172,7 @@ pub struct IpvsHandover {
     kernel_programs: bool,
     pin_dir: PathBuf,
     uplinks: Vec<String>,
-    since: Instant,
-    limit: Duration,
-    last_poll: Instant,
+    clock: HandoverClock,
 }
 
 impl IpvsHandover {
@@ -207,9 +202,7 @@ impl IpvsHandover {
             kernel_programs: true,
             pin_dir: pin_dir.into(),
             uplinks: uplinks.to_vec(),
-            since: Instant::now(),
-            limit,
-            last_poll: Instant::now(),
+            clock: HandoverClock::new(limit),
         };
         h.begin(maps)
     }
@@ -219,10 +212,9 @@ impl IpvsHandover {
         if !ipvs_mode_was_here {
             return None;
         }
-        let mut h = self;
-        match h.established() {
+        match self.established() {
             Ok(0) => {
-                h.finish();
+                self.finish();
                 let _ = set_config_flag(maps, CFG_F_HANDOVER, false);
                 None
             }
@@ -232,10 +224,10 @@ impl IpvsHandover {
                 }
                 info!(
                     connections = n,
-                    limit_s = h.limit.as_secs(),
+                    limit_s = self.clock.limit_s(),
                     "switch from IPVS mode: IPVS keeps serving its established connections; the fast path takes every new one"
                 );
-                Some(h)
+                Some(self)
             }
             Err(e) => {
                 warn!(error = %e, "switch from IPVS mode: cannot count IPVS's connections; its state stays for `kpr cleanup`");
@@ -277,13 +269,12 @@ impl IpvsHandover {
 }
 
 impl PreviousProxy for IpvsHandover {
-    /// Every IPVS_POLL: once IPVS counts no established connection (or the limit passed), its
+    /// Every POLL: once IPVS counts no established connection (or the limit passed), its
     /// virtual servers, kube-ipvs0, the fixed rules and IPVS mode's programs go.
     fn poll(&mut self, maps: &mut dyn DatapathMaps, _frontends: &BTreeSet<(IpAddr, u16)>) -> Progress {
-        if self.last_poll.elapsed() < IPVS_POLL {
+        if !self.clock.due(POLL) {
             return Progress::Serving(u64::MAX);
         }
-        self.last_poll = Instant::now();
         let n = match self.established() {
             Ok(n) => n,
             Err(e) => {
@@ -291,7 +282,7 @@ impl PreviousProxy for IpvsHandover {
                 return Progress::Serving(u64::MAX);
             }
         };
-        let expired = self.since.elapsed() >= self.limit;
+        let expired = self.clock.expired();
         if n > 0 && !expired {
             return Progress::Serving(n);
         }
@@ -302,7 +293,7 @@ impl PreviousProxy for IpvsHandover {
         if let Err(e) = set_config_flag(maps, CFG_F_HANDOVER, false) {
             warn!(error = %e, "clearing the handover flag (the next sync retries)");
         }
-        info!(seconds = self.since.elapsed().as_secs(), "switch from IPVS mode done: its connections ended, its state is removed");
+        info!(seconds = self.clock.elapsed_s(), "switch from IPVS mode done: its connections ended, its state is removed");
         Progress::Done
     }
 }
@@ -350,9 +341,7 @@ mod tests {
             kernel_programs: false,
             pin_dir: pins.into(),
             uplinks: vec![],
-            since: Instant::now(),
-            limit: Duration::from_secs(3600),
-            last_poll: Instant::now(),
+            clock: HandoverClock::new(Duration::from_secs(3600)),
         }
     }
 
@@ -378,12 +367,12 @@ mod tests {
         // Read again only every IPVS_POLL.
         let none = BTreeSet::new();
         assert_eq!(h.poll(&mut maps, &none), Progress::Serving(u64::MAX));
-        h.last_poll -= IPVS_POLL;
+        h.clock.last_count -= POLL;
         assert_eq!(h.poll(&mut maps, &none), Progress::Serving(2));
         // The connections end: here, with their destination.
         let id = ServiceId::Addr { proto: 6, addr: VIP.parse().unwrap(), port: 80 };
         h.ipvs.del_dest(&id, "10.244.1.2".parse().unwrap(), 8080).unwrap();
-        h.last_poll -= IPVS_POLL;
+        h.clock.last_count -= POLL;
         assert_eq!(h.poll(&mut maps, &none), Progress::Done);
         assert_eq!(maps.config.flags & CFG_F_HANDOVER, 0, "flag cleared");
         assert!(h.ipvs.services().unwrap().is_empty(), "the virtual server went");
@@ -424,13 +413,13 @@ mod tests {
         assert_ne!(maps.config.flags & CFG_F_HANDOVER, 0);
         assert!(restored.borrow().iter().any(|r| r.contains(":KPR-HANDOVER - [0:0]\n-A KPR-HANDOVER -m conntrack")), "conntrack pinned: {restored:?}");
         // Before the first sync nothing is known of the Services: wait.
-        h.last_poll -= IPVS_POLL;
+        h.clock.last_count -= POLL;
         assert_eq!(h.poll(&mut maps, &BTreeSet::new()), Progress::Serving(u64::MAX));
         let frontends: BTreeSet<(IpAddr, u16)> = [vip].into();
         assert_eq!(h.poll(&mut maps, &frontends), Progress::Serving(1), "only the connection to a Service counts");
         // The hostPort connection (not a Service's) does not hold the handover.
         list.borrow_mut().retain(|d| *d != vip);
-        h.last_poll -= IPVS_POLL;
+        h.clock.last_count -= POLL;
         assert_eq!(h.poll(&mut maps, &frontends), Progress::Done);
         assert_eq!(maps.config.flags & CFG_F_HANDOVER, 0);
         assert!(restored.borrow().last().is_some_and(|r| r.contains("-X KPR-HANDOVER")), "conntrack unpinned: {restored:?}");

@@ -13,7 +13,11 @@ pub mod ebpf;
 pub mod handover;
 pub mod ipvs;
 
-use std::{collections::BTreeSet, net::IpAddr, time::Duration};
+use std::{
+    collections::BTreeSet,
+    net::IpAddr,
+    time::{Duration, Instant},
+};
 
 use ipnet::IpNet;
 
@@ -136,6 +140,50 @@ pub enum Progress {
     Serving(u64),
     /// The previous one's objects are gone.
     Done,
+}
+
+impl Progress {
+    /// Shows it in `gauge` (an uncounted poll leaves the gauge as it is); true when done.
+    pub fn record(self, gauge: &prometheus::IntGauge) -> bool {
+        match self {
+            Progress::Serving(u64::MAX) => {}
+            Progress::Serving(n) => gauge.set(n as i64),
+            Progress::Done => gauge.set(0),
+        }
+        self == Progress::Done
+    }
+}
+
+/// A handover's time: when it started, how long it may last, when it last counted.
+#[derive(Debug)]
+pub struct HandoverClock {
+    since: Instant,
+    limit: Duration,
+    last_count: Instant,
+}
+
+impl HandoverClock {
+    pub fn new(limit: Duration) -> Self {
+        Self { since: Instant::now(), limit, last_count: Instant::now() }
+    }
+    /// Whether a count is due (one per `every`); a due count is taken now.
+    pub fn due(&mut self, every: Duration) -> bool {
+        let due = self.last_count.elapsed() >= every;
+        if due {
+            self.last_count = Instant::now();
+        }
+        due
+    }
+    /// Past the limit: what the previous one still serves is ended.
+    pub fn expired(&self) -> bool {
+        self.since.elapsed() >= self.limit
+    }
+    pub fn elapsed_s(&self) -> u64 {
+        self.since.elapsed().as_secs()
+    }
+    pub fn limit_s(&self) -> u64 {
+        self.limit.as_secs()
+    }
 }
 
 /// What the fast path waits for after a switch from another proxy (handover.rs).

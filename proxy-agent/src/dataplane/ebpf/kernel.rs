@@ -269,8 +269,8 @@ impl Datapath {
                     let _ = tc::qdisc_detach_program(iface, attach_type, name);
                 }
                 let prog = self.classifier(program)?;
-                let tcx = KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
-                let id = if behind && !tcx {
+                let netlink_behind = behind && !KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
+                let id = if netlink_behind {
                     let options = tc::NlOptions { priority: AFTER_FAST_PATH_PRIORITY, ..Default::default() };
                     prog.attach_with_options(iface, attach_type, tc::TcAttachOptions::Netlink(options))
                 } else {

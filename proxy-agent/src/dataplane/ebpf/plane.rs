@@ -23,7 +23,7 @@ use crate::{
             outlier::{self, Outliers},
             sync::{RemovedBackend, SyncError, Syncer},
         },
-        Dataplane, DataplaneError, NodeContext, PreviousProxy, Progress, SyncStats,
+        Dataplane, DataplaneError, NodeContext, PreviousProxy, SyncStats,
     },
     host::{
         netif,
@@ -193,13 +193,8 @@ impl Dataplane for EbpfPlane {
 
     fn reconcile_interfaces(&mut self) {
         if let Some(h) = &mut self.handover {
-            match h.poll(&mut self.maps, &self.tcp_frontends) {
-                Progress::Serving(u64::MAX) => {}
-                Progress::Serving(n) => self.stats.lock().unwrap().m.handover_connections.set(n as i64),
-                Progress::Done => {
-                    self.stats.lock().unwrap().m.handover_connections.set(0);
-                    self.handover = None;
-                }
+            if h.poll(&mut self.maps, &self.tcp_frontends).record(&self.stats.lock().unwrap().m.handover_connections) {
+                self.handover = None;
             }
         }
         if self.interfaces.reconcile(&mut self.dp, &mut self.maps) {

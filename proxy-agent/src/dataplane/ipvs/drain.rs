@@ -4,7 +4,7 @@
 //! pass finds none of its flows left (or the handover limit passes); then they are detached.
 use std::{
     path::{Path, PathBuf},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use proxy_common::{prog_names, CFG_F_NO_NEW_FLOWS};
@@ -15,9 +15,9 @@ use crate::dataplane::{
         conntrack::{Gc, Timeouts},
         kernel::{self, Datapath, Hook},
         kernel_maps::KernelConntrack,
-        maps::{set_config_flag, ConntrackTables, DatapathMaps, MapError},
+        maps::{set_config_flag, DatapathMaps, MapError},
     },
-    Progress,
+    HandoverClock, Progress,
 };
 
 /// Conntrack entries the drain's collector reads per table per call (one call a second).
@@ -34,63 +34,49 @@ pub enum DrainError {
 /// IPVS mode's side of a switch from the fast path.
 pub struct FastPathDrain {
     pin_dir: PathBuf,
-    tables: Box<dyn ConntrackTables>,
+    tables: KernelConntrack,
     gc: Gc,
-    since: Instant,
-    limit: Duration,
+    clock: HandoverClock,
 }
 
 impl FastPathDrain {
     /// At IPVS mode's start: counts the fast path's flows (collecting idle ones). None: there
     /// are none, and whatever of the fast path was attached is detached now.
     pub fn start(pin_dir: &Path, dp: &mut Datapath, maps: &mut dyn DatapathMaps, timeouts: Timeouts, limit: Duration) -> Result<Option<Self>, DrainError> {
-        let tables = KernelConntrack::open(pin_dir)?;
-        Self::start_with(pin_dir, dp, maps, Box::new(tables), timeouts, limit)
-    }
-
-    fn start_with(
-        pin_dir: &Path,
-        dp: &mut Datapath,
-        maps: &mut dyn DatapathMaps,
-        mut tables: Box<dyn ConntrackTables>,
-        timeouts: Timeouts,
-        limit: Duration,
-    ) -> Result<Option<Self>, DrainError> {
+        let mut tables = KernelConntrack::open(pin_dir)?;
         let mut gc = Gc::new(timeouts, DRAIN_BATCH);
         let flows = loop {
-            gc.round(tables.as_mut(), kernel::monotonic_ns())?;
+            gc.round(&mut tables, kernel::monotonic_ns())?;
             if let Some(n) = gc.live_flows() {
                 break n;
             }
         };
-        let mut cfg = maps.config().unwrap_or_default();
         if flows == 0 {
             detach_fast_path(pin_dir, dp);
             set_config_flag(maps, CFG_F_NO_NEW_FLOWS, false)?;
             return Ok(None);
         }
         // A restart during the drain finds the links already kept.
-        if cfg.flags & CFG_F_NO_NEW_FLOWS == 0 {
+        if maps.config().map_or(true, |c| c.flags & CFG_F_NO_NEW_FLOWS == 0) {
             kernel::keep_tc_ingress_for_drain(pin_dir).map_err(DrainError::Pins)?;
-            cfg.flags |= CFG_F_NO_NEW_FLOWS;
-            maps.set_config(cfg)?;
+            set_config_flag(maps, CFG_F_NO_NEW_FLOWS, true)?;
         }
         for name in [prog_names::CONNECT4, prog_names::SENDMSG4] {
             let _ = kernel::detach(pin_dir, name, Hook::Cgroup);
         }
         dp.set_after_fast_path(true);
         info!(flows, limit_s = limit.as_secs(), "switch from the eBPF fast path: it keeps serving its flows; IPVS takes every new connection");
-        Ok(Some(Self { pin_dir: pin_dir.into(), tables, gc, since: Instant::now(), limit }))
+        Ok(Some(Self { pin_dir: pin_dir.into(), tables, gc, clock: HandoverClock::new(limit) }))
     }
 
     /// One collector round; once a pass finds no flow left (or the limit passed), the fast
     /// path's programs are detached.
     pub fn poll(&mut self, dp: &mut Datapath, maps: &mut dyn DatapathMaps) -> Progress {
-        if let Err(e) = self.gc.round(self.tables.as_mut(), kernel::monotonic_ns()) {
+        if let Err(e) = self.gc.round(&mut self.tables, kernel::monotonic_ns()) {
             warn!(error = %e, "drain: conntrack round failed");
         }
         let flows = self.gc.live_flows().map_or(u64::MAX, |n| n as u64);
-        let expired = self.since.elapsed() >= self.limit;
+        let expired = self.clock.expired();
         if flows > 0 && !expired {
             return Progress::Serving(flows);
         }
@@ -101,7 +87,7 @@ impl FastPathDrain {
         if let Err(e) = set_config_flag(maps, CFG_F_NO_NEW_FLOWS, false) {
             warn!(error = %e, "drain: clearing the flag (the next sync retries)");
         }
-        info!(seconds = self.since.elapsed().as_secs(), "switch from the eBPF fast path done: its flows ended, its programs are detached");
+        info!(seconds = self.clock.elapsed_s(), "switch from the eBPF fast path done: its flows ended, its programs are detached");
         Progress::Done
     }
 }

@@ -18,7 +18,7 @@ use crate::{
             sets::{self, KernelSetMaps, SetMaps, Sets},
             sync::IpvsSyncer,
         },
-        Dataplane, DataplaneError, NodeContext, Progress, SyncStats,
+        Dataplane, DataplaneError, NodeContext, SyncStats,
     },
     host::{
         netfilter::SystemNetfilter,
@@ -146,14 +146,8 @@ impl Dataplane for IpvsPlane {
 
     fn reconcile_interfaces(&mut self) {
         if let Some(d) = &mut self.drain {
-            let progress = d.poll(&mut self.dp, &mut self.maps);
-            let gauge = &self.stats.lock().unwrap().m.handover_connections;
-            match progress {
-                Progress::Serving(n) => gauge.set(n as i64),
-                Progress::Done => {
-                    gauge.set(0);
-                    self.drain = None;
-                }
+            if d.poll(&mut self.dp, &mut self.maps).record(&self.stats.lock().unwrap().m.handover_connections) {
+                self.drain = None;
             }
         }
         self.interfaces.reconcile(&mut self.dp, &mut self.maps);
