@@ -226,9 +226,27 @@ async fn handle(State(api): State<FakeApi>, Query(q): Query<HashMap<String, Stri
     if q.get("watch").map(String::as_str) != Some("true") {
         let mut db = api.db.lock().unwrap();
         db.lists += 1;
-        let items: Vec<Value> =
-            db.objects.iter().filter(|((k, _, _), o)| *k == kind && matches(o, labels.as_deref(), fields.as_deref())).map(|(_, o)| o.clone()).collect();
-        let body = json!({"kind": list_kind, "apiVersion": api_version, "metadata": {"resourceVersion": db.rv.to_string()}, "items": items});
+        // Pages as the API server serves a list from etcd (kube-rs asks for 500 at a time): the
+        // continue token names the snapshot's resourceVersion and the last key served. Later
+        // pages show the current objects; the watch from the snapshot replays what changed.
+        let limit: usize = q.get("limit").and_then(|s| s.parse().ok()).filter(|l| *l > 0).unwrap_or(usize::MAX);
+        let (snapshot, after) = match q.get("continue").and_then(|c| c.split_once('/')) {
+            Some((rv, key)) => (rv.parse().unwrap_or(db.rv), key.split_once('/').map(|(ns, n)| (ns.to_string(), n.to_string()))),
+            None => (db.rv, None),
+        };
+        let mut page = db
+            .objects
+            .iter()
+            .filter(|((k, ns, name), _)| *k == kind && after.as_ref().is_none_or(|(a_ns, a_name)| (ns, name) > (a_ns, a_name)))
+            .filter(|(_, o)| matches(o, labels.as_deref(), fields.as_deref()))
+            .map(|((_, ns, name), o)| (ns, name, o));
+        let items: Vec<Value> = page.by_ref().take(limit).map(|(_, _, o)| o.clone()).collect();
+        let mut meta = json!({"resourceVersion": snapshot.to_string()});
+        if page.next().is_some() {
+            let last = items.last().map(|o| key_of(kind, o)).expect("a full page");
+            meta["continue"] = json!(format!("{snapshot}/{}/{}", last.1, last.2));
+        }
+        let body = json!({"kind": list_kind, "apiVersion": api_version, "metadata": meta, "items": items});
         return ([("content-type", "application/json")], body.to_string()).into_response();
     }
     let from: u64 = q.get("resourceVersion").and_then(|s| s.parse().ok()).unwrap_or(0);
