@@ -184,7 +184,7 @@ fn what_is_not_programmed_stays_known_across_incremental_syncs() {
     let mut a = agent(2);
     // s0 asks for a scheduler kpr does not have: programmed with the default, and reported.
     let svc = a.source.objects.services.get_mut(&("demo".to_string(), "s0".to_string())).unwrap();
-    svc.metadata.annotations = Some([(crate::model::SCHEDULER_ANNOTATION.to_string(), "fastest".to_string())].into());
+    svc.annotations = Some([(crate::model::SCHEDULER_ANNOTATION.to_string(), "fastest".to_string())].into());
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     a.events = Some(tx);
     let t0 = Instant::now();
@@ -202,7 +202,7 @@ fn what_is_not_programmed_stays_known_across_incremental_syncs() {
     assert!(rx.try_recv().is_err(), "once while it lasts");
     // s0 is fixed: gone from the list and the gauge.
     let svc = a.source.objects.services.get_mut(&("demo".to_string(), "s0".to_string())).unwrap();
-    svc.metadata.annotations = None;
+    svc.annotations = None;
     a.source.pending = changed(&["s0"]);
     assert_eq!(a.step(t0 + Duration::from_secs(4), W), Step::Synced { full: false });
     assert_eq!((listed(&a), gauge(&a)), (Vec::<String>::new(), 0));

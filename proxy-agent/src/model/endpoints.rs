@@ -1,10 +1,8 @@
 //! Which endpoints of a Service port a frontend uses: readiness (KEP-1669) and topology hints.
 use std::{collections::BTreeSet, net::IpAddr};
 
-use k8s_openapi::api::discovery::v1::EndpointSlice;
-
 use crate::model::{
-    objects::{err, unsupported, ObjectError},
+    objects::{err, unsupported, Address, ObjectError, SliceObject},
     BackendKey, NodeInfo, Protocol,
 };
 
@@ -17,7 +15,7 @@ pub(crate) struct Ep {
     pub terminating: bool,
     pub local: bool,
     /// EndpointSlice hints.forZones, when the controller set them.
-    pub zones: Option<Vec<String>>,
+    pub zones: Option<Box<[Box<str>]>>,
 }
 
 /// KEP-1669: ready endpoints; when none, the serving-and-terminating ones.
@@ -45,20 +43,24 @@ pub(crate) fn topology_filtered(eps: &[&Ep], node: &NodeInfo, publish_not_ready:
         .zone
         .as_ref()
         .filter(|_| !ready.is_empty() && ready.iter().all(|e| e.zones.as_ref().is_some_and(|z| !z.is_empty())))
-        .filter(|zone| ready.iter().any(|e| e.zones.as_ref().is_some_and(|z| z.contains(zone))));
+        .filter(|zone| ready.iter().any(|e| hinted_for(e, zone)));
     match applies {
         Some(zone) => {
-            let ours: Vec<&Ep> = ready.iter().map(|e| **e).filter(|e| e.zones.as_ref().is_some_and(|z| z.contains(zone))).collect();
+            let ours: Vec<&Ep> = ready.iter().map(|e| **e).filter(|e| hinted_for(e, zone)).collect();
             usable(&ours, publish_not_ready)
         }
         None => usable(eps, publish_not_ready),
     }
 }
 
+fn hinted_for(e: &Ep, zone: &str) -> bool {
+    e.zones.as_ref().is_some_and(|z| z.iter().any(|z| &**z == zone))
+}
+
 /// The endpoints of one Service port (by name and protocol) across the Service's slices; what
 /// cannot be read is reported on its slice.
 pub(crate) fn port_endpoints(
-    slices: &[(&String, &EndpointSlice)],
+    slices: &[(&String, &SliceObject)],
     ns: &str,
     port_name: &str,
     proto: Protocol,
@@ -87,30 +89,29 @@ pub(crate) fn port_endpoints(
             }
         };
         let target =
-            slice.ports.iter().flatten().find(|p| p.name.clone().unwrap_or_default() == port_name && p.protocol.as_deref().unwrap_or("TCP") == proto.name());
+            slice.ports.iter().find(|p| p.name.clone().unwrap_or_default() == port_name && p.protocol.as_deref().unwrap_or("TCP") == proto.name());
         let Some(target) = target else { continue };
         let Some(tport) = target.port.and_then(|p| u16::try_from(p).ok()).filter(|p| *p != 0) else {
             err(errors, &sobj, "ports[].port", format!("port {port_name:?} has no valid port number"));
             continue;
         };
         for (ei, ep) in slice.endpoints.iter().enumerate() {
-            let cond = ep.conditions.clone().unwrap_or_default();
-            let ready = cond.ready.unwrap_or(true);
-            let serving = cond.serving.unwrap_or(ready);
-            let terminating = cond.terminating.unwrap_or(false);
+            let ready = ep.ready.unwrap_or(true);
+            let serving = ep.serving.unwrap_or(ready);
+            let terminating = ep.terminating.unwrap_or(false);
             let local = ep.node_name.as_deref() == Some(node.name.as_str());
             for (ai, a) in ep.addresses.iter().enumerate() {
-                match a.parse::<IpAddr>() {
-                    Ok(ip) if ip.is_ipv4() == v4 => eps.push(Ep {
-                        ip,
+                match a {
+                    Address::Ip(ip) if ip.is_ipv4() == v4 => eps.push(Ep {
+                        ip: *ip,
                         port: tport,
                         ready,
                         serving,
                         terminating,
                         local,
-                        zones: ep.hints.as_ref().and_then(|h| h.for_zones.as_ref()).map(|z| z.iter().map(|z| z.name.clone()).collect()),
+                        zones: ep.zones.clone(),
                     }),
-                    _ => err(errors, &sobj, format!("endpoints[{ei}].addresses[{ai}]"), format!("{a:?} is not an {} address", slice.address_type)),
+                    _ => err(errors, &sobj, format!("endpoints[{ei}].addresses[{ai}]"), format!("{:?} is not an {} address", a.to_string(), slice.address_type)),
                 }
             }
         }

@@ -13,13 +13,12 @@ use std::{
 };
 
 use ipnet::IpNet;
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
 pub use crate::model::annotations::{
     IpvsForward, IpvsOptions, IPVS_FORWARD_ANNOTATION, IPVS_SCHEDULER_ANNOTATION, IPVS_WEIGHTS_ANNOTATION, MAX_CONNECTION_AGE_ANNOTATION,
     OUTLIER_EJECTION_ANNOTATION, SCHEDULER_ANNOTATION,
 };
-use crate::model::objects::{err, ObjectError, Objects};
+use crate::model::objects::{err, ObjectError, Objects, ServiceObject, SliceObject};
 
 pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -194,9 +193,9 @@ pub fn compute(objects: &Objects, node: &NodeInfo, cfg: &ModelConfig) -> Desired
 pub fn compute_filtered(objects: &Objects, node: &NodeInfo, cfg: &ModelConfig, only: Option<&BTreeSet<(String, String)>>) -> DesiredState {
     let mut out = DesiredState::default();
     // Slices by owning service.
-    let mut slices_by_svc: BTreeMap<(String, String), Vec<(&String, &EndpointSlice)>> = BTreeMap::new();
+    let mut slices_by_svc: BTreeMap<(String, String), Vec<(&String, &SliceObject)>> = BTreeMap::new();
     for ((ns, name), slice) in &objects.slices {
-        let owner = slice.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_NAME_LABEL));
+        let owner = slice.service.as_ref();
         if let (Some(only), Some(svc)) = (only, owner) {
             if !only.contains(&(ns.clone(), svc.clone())) {
                 continue;
@@ -212,7 +211,7 @@ pub fn compute_filtered(objects: &Objects, node: &NodeInfo, cfg: &ModelConfig, o
             ),
         }
     }
-    let selected: Box<dyn Iterator<Item = (&(String, String), &Service)>> = match only {
+    let selected: Box<dyn Iterator<Item = (&(String, String), &ServiceObject)>> = match only {
         None => Box::new(objects.services.iter()),
         Some(names) => Box::new(names.iter().filter_map(|n| objects.services.get_key_value(n))),
     };

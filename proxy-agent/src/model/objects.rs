@@ -1,16 +1,135 @@
 //! The model's input: the Services and EndpointSlices a source delivers, and what is wrong
 //! with one of them.
-use std::{collections::BTreeMap, fmt};
+//!
+//! A source keeps every object for the agent's lifetime, so it keeps only what the model reads
+//! (`ServiceObject`, `SliceObject`), not the k8s-openapi types: an endpoint of those is about
+//! 340 bytes before its strings, and at 10,000 Services the cached types were most of the
+//! agent's memory. Values stay as the API wrote them where the model reports them (a bad
+//! address is kept as text, so its error names it).
+use std::{collections::BTreeMap, fmt, net::IpAddr, time::SystemTime};
 
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use k8s_openapi::api::{
+    core::v1::{LoadBalancerIngress, Service, ServiceSpec},
+    discovery::v1::{EndpointPort, EndpointSlice},
+};
+
+use crate::model::{SERVICE_NAME_LABEL, SERVICE_PROXY_NAME_LABEL};
 
 /// (namespace, name).
 pub type ObjectName = (String, String);
 
 #[derive(Debug, Default, Clone)]
 pub struct Objects {
-    pub services: BTreeMap<ObjectName, Service>,
-    pub slices: BTreeMap<ObjectName, EndpointSlice>,
+    pub services: BTreeMap<ObjectName, ServiceObject>,
+    pub slices: BTreeMap<ObjectName, SliceObject>,
+}
+
+/// The annotations the model reads: kpr's own.
+const KPR_ANNOTATION_PREFIX: &str = "kpr.io/";
+/// Written by the endpoint controllers (network programming latency).
+pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+
+/// What the model reads of a Service.
+#[derive(Debug, Default, Clone)]
+pub struct ServiceObject {
+    /// Renewed by every change (the change trackers compare it).
+    pub resource_version: Option<String>,
+    /// Labelled service.kubernetes.io/service-proxy-name: another proxy's Service.
+    pub other_proxy: bool,
+    /// Its kpr.io/ annotations.
+    pub annotations: Option<BTreeMap<String, String>>,
+    /// The spec without its selector (the endpoint controllers' concern).
+    pub spec: Option<ServiceSpec>,
+    /// status.loadBalancer.ingress.
+    pub ingress: Vec<LoadBalancerIngress>,
+}
+
+impl From<Service> for ServiceObject {
+    fn from(svc: Service) -> Self {
+        let meta = svc.metadata;
+        let annotations = meta.annotations.map(|a| a.into_iter().filter(|(k, _)| k.starts_with(KPR_ANNOTATION_PREFIX)).collect::<BTreeMap<_, _>>());
+        let ingress = svc.status.and_then(|s| s.load_balancer).and_then(|l| l.ingress).unwrap_or_default();
+        ServiceObject {
+            resource_version: meta.resource_version,
+            other_proxy: meta.labels.as_ref().is_some_and(|l| l.contains_key(SERVICE_PROXY_NAME_LABEL)),
+            annotations: annotations.filter(|a| !a.is_empty()),
+            spec: svc.spec.map(|spec| ServiceSpec { selector: None, ..spec }),
+            ingress: ingress.into_iter().map(|i| LoadBalancerIngress { hostname: None, ports: None, ..i }).collect(),
+        }
+    }
+}
+
+/// What the model reads of an EndpointSlice.
+#[derive(Debug, Default, Clone)]
+pub struct SliceObject {
+    pub resource_version: Option<String>,
+    /// The owning Service (the kubernetes.io/service-name label).
+    pub service: Option<String>,
+    pub address_type: String,
+    pub ports: Vec<EndpointPort>,
+    pub endpoints: Box<[Endpoint]>,
+    /// endpoints.kubernetes.io/last-change-trigger-time, when it parses.
+    pub trigger_time: Option<SystemTime>,
+}
+
+/// One endpoint of a slice: about 60 bytes and its address, against 340 for the API type.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    pub addresses: Box<[Address]>,
+    /// conditions.ready, .serving, .terminating as written (None: not set).
+    pub ready: Option<bool>,
+    pub serving: Option<bool>,
+    pub terminating: Option<bool>,
+    pub node_name: Option<Box<str>>,
+    /// hints.forZones, when the controller set them.
+    pub zones: Option<Box<[Box<str>]>>,
+}
+
+/// An endpoint's address: parsed when it is one, else the text, for the error that names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Address {
+    Ip(IpAddr),
+    Invalid(Box<str>),
+}
+
+impl fmt::Display for Address {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Address::Ip(ip) => ip.fmt(f),
+            Address::Invalid(text) => f.write_str(text),
+        }
+    }
+}
+
+impl From<EndpointSlice> for SliceObject {
+    fn from(slice: EndpointSlice) -> Self {
+        let meta = slice.metadata;
+        let label = |k: &str| meta.labels.as_ref().and_then(|l| l.get(k)).cloned();
+        let trigger_time = meta.annotations.as_ref().and_then(|a| a.get(TRIGGER_TIME_ANNOTATION)).and_then(|t| humantime::parse_rfc3339_weak(t.trim()).ok());
+        let endpoints = slice
+            .endpoints
+            .into_iter()
+            .map(|e| {
+                let conditions = e.conditions.unwrap_or_default();
+                Endpoint {
+                    addresses: e.addresses.into_iter().map(|a| a.parse().map(Address::Ip).unwrap_or_else(|_| Address::Invalid(a.into()))).collect(),
+                    ready: conditions.ready,
+                    serving: conditions.serving,
+                    terminating: conditions.terminating,
+                    node_name: e.node_name.map(String::into_boxed_str),
+                    zones: e.hints.and_then(|h| h.for_zones).map(|z| z.into_iter().map(|z| z.name.into_boxed_str()).collect()),
+                }
+            })
+            .collect();
+        SliceObject {
+            resource_version: meta.resource_version.clone(),
+            service: label(SERVICE_NAME_LABEL),
+            address_type: slice.address_type,
+            ports: slice.ports.unwrap_or_default().into_iter().map(|p| EndpointPort { app_protocol: None, ..p }).collect(),
+            endpoints,
+            trigger_time,
+        }
+    }
 }
 
 /// A problem with one object: where it came from, which object, which field, what is wrong.

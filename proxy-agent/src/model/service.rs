@@ -2,18 +2,14 @@
 use std::{collections::BTreeSet, net::IpAddr};
 
 use ipnet::IpNet;
-use k8s_openapi::api::{
-    core::v1::{Service, ServiceSpec},
-    discovery::v1::EndpointSlice,
-};
+use k8s_openapi::api::core::v1::ServiceSpec;
 use proxy_common::limits::MAX_BACKENDS_PER_SERVICE;
 
 use crate::model::{
     annotations::{ipvs_options, max_connection_age, outlier_ejection, scheduler, IpvsForward, IPVS_FORWARD_ANNOTATION},
     endpoints::{port_endpoints, to_keys_of, topology_filtered, usable, Ep},
-    objects::{err, unsupported, ObjectError},
+    objects::{err, unsupported, Address, ObjectError, ServiceObject, SliceObject},
     BackendKey, DesiredState, Frontend, FrontendKey, FrontendKind, ModelConfig, NodeInfo, Protocol, Scope, DEFAULT_AFFINITY_TIMEOUT_S,
-    SERVICE_PROXY_NAME_LABEL,
 };
 
 const NO_IPV6: &str = "IPv6 is served in IPVS mode only, not by the eBPF fast path; the IPv4 parts of this Service are programmed";
@@ -30,15 +26,15 @@ enum Policy {
 pub(super) fn service_frontends(
     ns: &str,
     name: &str,
-    svc: &Service,
-    slices: &[(&String, &EndpointSlice)],
+    svc: &ServiceObject,
+    slices: &[(&String, &SliceObject)],
     node: &NodeInfo,
     cfg: &ModelConfig,
     out: &mut DesiredState,
 ) {
     let object = format!("Service {ns}/{name}");
     let errors = &mut out.errors;
-    if svc.metadata.labels.as_ref().is_some_and(|l| l.contains_key(SERVICE_PROXY_NAME_LABEL)) {
+    if svc.other_proxy {
         return;
     }
     let Some(spec) = &svc.spec else { return };
@@ -56,11 +52,11 @@ pub(super) fn service_frontends(
     let itp_local = spec.internal_traffic_policy.as_deref() == Some("Local");
     let publish_not_ready = spec.publish_not_ready_addresses.unwrap_or(false);
 
-    let scheduler = scheduler(svc.metadata.annotations.as_ref(), cfg.default_scheduler, &object, errors);
+    let scheduler = scheduler(svc.annotations.as_ref(), cfg.default_scheduler, &object, errors);
     let affinity_timeout_s = affinity_timeout(spec, &object, errors);
-    let ipvs = ipvs_options(svc.metadata.annotations.as_ref(), &object, errors);
-    let max_connection_age_s = max_connection_age(svc.metadata.annotations.as_ref(), cfg.max_connection_age, &object, errors);
-    let outlier_ejection = outlier_ejection(svc.metadata.annotations.as_ref(), cfg.outlier_ejection, &object, errors);
+    let ipvs = ipvs_options(svc.annotations.as_ref(), &object, errors);
+    let max_connection_age_s = max_connection_age(svc.annotations.as_ref(), cfg.max_connection_age, &object, errors);
+    let outlier_ejection = outlier_ejection(svc.annotations.as_ref(), cfg.outlier_ejection, &object, errors);
 
     if etp_local && matches!(svc_type, "LoadBalancer" | "NodePort") {
         if let Some(hc) = spec.health_check_node_port {
@@ -235,7 +231,7 @@ struct Addresses {
 }
 
 /// None: the clusterIP is not an address, and nothing of the Service can be programmed.
-fn addresses(svc: &Service, spec: &ServiceSpec, ipv6: bool, object: &str, errors: &mut Vec<ObjectError>) -> Option<Addresses> {
+fn addresses(svc: &ServiceObject, spec: &ServiceSpec, ipv6: bool, object: &str, errors: &mut Vec<ObjectError>) -> Option<Addresses> {
     let cluster_ip = spec.cluster_ip.as_deref().unwrap_or("");
     let svc_type = spec.type_.as_deref().unwrap_or("ClusterIP");
     let mut cluster_ips: Vec<IpAddr> = Vec::new();
@@ -287,8 +283,7 @@ fn addresses(svc: &Service, spec: &ServiceSpec, ipv6: bool, object: &str, errors
     }
     let mut lb_ips = Vec::new();
     if svc_type == "LoadBalancer" {
-        let ingress = svc.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|l| l.ingress.as_ref());
-        for (i, ing) in ingress.into_iter().flatten().enumerate() {
+        for (i, ing) in svc.ingress.iter().enumerate() {
             // KEP-1860: the load balancer proxies this address itself; kube-proxy programs
             // nothing for it.
             if ing.ip_mode.as_deref() == Some("Proxy") {
@@ -341,13 +336,16 @@ fn affinity_timeout(spec: &ServiceSpec, object: &str, errors: &mut Vec<ObjectErr
 }
 
 /// The ready endpoints on this node (the answer of a healthCheckNodePort).
-fn local_ready_endpoints(slices: &[(&String, &EndpointSlice)], node: &NodeInfo, publish_not_ready: bool) -> usize {
+fn local_ready_endpoints(slices: &[(&String, &SliceObject)], node: &NodeInfo, publish_not_ready: bool) -> usize {
     let local: BTreeSet<IpAddr> = slices
         .iter()
         .flat_map(|(_, s)| s.endpoints.iter())
         .filter(|e| e.node_name.as_deref() == Some(node.name.as_str()))
-        .filter(|e| publish_not_ready || e.conditions.as_ref().and_then(|c| c.ready).unwrap_or(true))
-        .flat_map(|e| e.addresses.iter().filter_map(|a| a.parse().ok()))
+        .filter(|e| publish_not_ready || e.ready.unwrap_or(true))
+        .flat_map(|e| e.addresses.iter().filter_map(|a| match a {
+            Address::Ip(ip) => Some(*ip),
+            Address::Invalid(_) => None,
+        }))
         .collect();
     local.len()
 }

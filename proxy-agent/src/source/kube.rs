@@ -19,12 +19,11 @@ use kube::{
 };
 use tracing::{info, warn};
 
-use crate::model::objects::{ObjectName, Objects};
+use crate::model::objects::{ObjectName, Objects, ServiceObject, SliceObject};
 
 /// kube-proxy's label selectors: services of another proxy, and headless slices, are not ours.
 pub const SERVICE_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name";
 pub const SLICE_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
-pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
 
 /// Pending changes of one kind of object since the last sync, collapsed: an object changed and
 /// changed back is no change; several updates are one.
@@ -130,79 +129,34 @@ pub struct Version {
     owner: Option<String>,
 }
 
-fn version<K: Resource>(o: &K) -> Version {
-    Version { rv: o.meta().resource_version.clone(), owner: o.labels().get(crate::model::SERVICE_NAME_LABEL).cloned() }
+/// An object as the source keeps it.
+trait Cached {
+    fn version(&self) -> Version;
 }
 
-/// Drops what kpr never reads and what can dwarf the rest of an object.
-/// What the agent keeps of an object: no managed fields, no last-applied copy; of a slice, the
-/// endpoints without the fields kpr never reads and without spare capacity (at 10,000 slices
-/// of 10 the deserializer's doubling left 60% more room than endpoints: 20 MB).
-trait Slim: Resource + Sized {
-    fn slim(mut self) -> Self {
-        let m = self.meta_mut();
-        m.managed_fields = None;
-        if let Some(a) = m.annotations.as_mut() {
-            a.remove("kubectl.kubernetes.io/last-applied-configuration");
-        }
-        self
+impl Cached for ServiceObject {
+    fn version(&self) -> Version {
+        Version { rv: self.resource_version.clone(), owner: None }
     }
 }
 
-impl Slim for Service {}
-impl Slim for Node {}
-impl Slim for EndpointSlice {
-    fn slim(mut self) -> Self {
-        let m = self.meta_mut();
-        m.managed_fields = None;
-        if let Some(a) = m.annotations.as_mut() {
-            a.remove("kubectl.kubernetes.io/last-applied-configuration");
-        }
-        for e in &mut self.endpoints {
-            e.target_ref = None;
-            e.deprecated_topology = None;
-            e.hostname = None;
-            e.addresses.shrink_to_fit();
-        }
-        self.endpoints.shrink_to_fit();
-        self
+impl Cached for SliceObject {
+    fn version(&self) -> Version {
+        Version { rv: self.resource_version.clone(), owner: self.service.clone() }
     }
+}
+
+/// The node as kpr keeps it: no managed fields, no last-applied copy.
+fn slim_node(mut node: Node) -> Node {
+    node.metadata.managed_fields = None;
+    if let Some(a) = node.metadata.annotations.as_mut() {
+        a.remove("kubectl.kubernetes.io/last-applied-configuration");
+    }
+    node
 }
 
 fn name_of<K: Resource>(o: &K) -> ObjectName {
     (o.namespace().unwrap_or_default(), o.name_any())
-}
-
-fn trigger_time(s: &EndpointSlice) -> Option<SystemTime> {
-    let v = s.annotations().get(TRIGGER_TIME_ANNOTATION)?;
-    let t = chrono_like_parse(v)?;
-    Some(t)
-}
-
-/// RFC 3339 "2006-01-02T15:04:05Z" (what the endpoint controllers write), without a date crate.
-fn chrono_like_parse(s: &str) -> Option<SystemTime> {
-    let s = s.trim();
-    let (date, time) = s.split_once('T')?;
-    let mut d = date.split('-').map(|p| p.parse::<i64>().ok());
-    let (y, m, day) = (d.next()??, d.next()??, d.next()??);
-    let time = time.trim_end_matches('Z');
-    let (hms, frac) = time.split_once('.').unwrap_or((time, "0"));
-    let mut t = hms.split(':').map(|p| p.parse::<i64>().ok());
-    let (hh, mm, ss) = (t.next()??, t.next()??, t.next()??);
-    // Days from civil (Howard Hinnant's algorithm).
-    let y2 = if m <= 2 { y - 1 } else { y };
-    let era = if y2 >= 0 { y2 } else { y2 - 399 } / 400;
-    let yoe = y2 - era * 400;
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + day - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    let secs = days * 86_400 + hh * 3600 + mm * 60 + ss;
-    let nanos = format!("{frac:0<9}")[..9].parse::<u64>().ok()?;
-    if secs < 0 {
-        return None;
-    }
-    Some(SystemTime::UNIX_EPOCH + Duration::from_secs(secs as u64) + Duration::from_nanos(nanos))
 }
 
 enum Kind {
@@ -214,23 +168,23 @@ enum Kind {
 /// Per-stream buffers for re-lists (Init .. InitDone), applied atomically at InitDone.
 #[derive(Default)]
 struct Relist {
-    services: Option<BTreeMap<ObjectName, Service>>,
-    slices: Option<BTreeMap<ObjectName, EndpointSlice>>,
+    services: Option<BTreeMap<ObjectName, ServiceObject>>,
+    slices: Option<BTreeMap<ObjectName, SliceObject>>,
     node: Option<Option<Node>>,
 }
 
 /// Replaces `cache` with a re-listed set, recording every difference; `changed` sees each
 /// object that is new or different.
-fn replace_all<K: Resource>(cache: &mut BTreeMap<ObjectName, K>, fresh: BTreeMap<ObjectName, K>, tracker: &mut Tracker<Version>, mut changed: impl FnMut(&K)) {
+fn replace_all<K: Cached>(cache: &mut BTreeMap<ObjectName, K>, fresh: BTreeMap<ObjectName, K>, tracker: &mut Tracker<Version>, mut changed: impl FnMut(&K)) {
     let old = std::mem::replace(cache, fresh);
     for (n, o) in &old {
         if !cache.contains_key(n) {
-            tracker.record(n.clone(), Some(version(o)), None);
+            tracker.record(n.clone(), Some(o.version()), None);
         }
     }
     for (n, o) in cache.iter() {
-        let prev = old.get(n).map(version);
-        let cur = version(o);
+        let prev = old.get(n).map(K::version);
+        let cur = o.version();
         if prev.as_ref() != Some(&cur) {
             changed(o);
         }
@@ -238,18 +192,20 @@ fn replace_all<K: Resource>(cache: &mut BTreeMap<ObjectName, K>, fresh: BTreeMap
     }
 }
 
-fn upsert<K: Slim>(cache: &mut BTreeMap<ObjectName, K>, tracker: &mut Tracker<Version>, o: K) {
-    let o = o.slim();
+/// Keeps what the model reads of `o` (converted once, on arrival).
+fn upsert<'a, R: Resource, K: Cached + From<R>>(cache: &'a mut BTreeMap<ObjectName, K>, tracker: &mut Tracker<Version>, o: R) -> &'a K {
     let n = name_of(&o);
-    let v = version(&o);
+    let o = K::from(o);
+    let v = o.version();
     let prev = cache.insert(n.clone(), o);
-    tracker.record(n, prev.as_ref().map(version), Some(v));
+    tracker.record(n.clone(), prev.as_ref().map(K::version), Some(v));
+    &cache[&n]
 }
 
-fn remove<K: Resource>(cache: &mut BTreeMap<ObjectName, K>, tracker: &mut Tracker<Version>, o: &K) {
+fn remove<R: Resource, K: Cached>(cache: &mut BTreeMap<ObjectName, K>, tracker: &mut Tracker<Version>, o: &R) {
     let n = name_of(o);
     let prev = cache.remove(&n);
-    tracker.record(n, prev.as_ref().map(version), None);
+    tracker.record(n, prev.as_ref().map(K::version), None);
 }
 
 fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
@@ -266,7 +222,7 @@ fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
         Kind::Service(e) => match e {
             watcher::Event::Init => relist.services = Some(BTreeMap::new()),
             watcher::Event::InitApply(o) => {
-                relist.services.get_or_insert_with(BTreeMap::new).insert(name_of(&o), o.slim());
+                relist.services.get_or_insert_with(BTreeMap::new).insert(name_of(&o), o.into());
             }
             watcher::Event::InitDone => {
                 let fresh = relist.services.take().unwrap_or_default();
@@ -276,37 +232,39 @@ fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
                 }
                 st.services_synced = true;
             }
-            watcher::Event::Apply(o) => upsert(&mut st.objects.services, &mut st.service_changes, o),
+            watcher::Event::Apply(o) => {
+                upsert(&mut st.objects.services, &mut st.service_changes, o);
+            }
             watcher::Event::Delete(o) => remove(&mut st.objects.services, &mut st.service_changes, &o),
         },
         Kind::Slice(e) => match e {
             watcher::Event::Init => relist.slices = Some(BTreeMap::new()),
             watcher::Event::InitApply(o) => {
-                relist.slices.get_or_insert_with(BTreeMap::new).insert(name_of(&o), o.slim());
+                relist.slices.get_or_insert_with(BTreeMap::new).insert(name_of(&o), o.into());
             }
             watcher::Event::InitDone => {
                 let fresh = relist.slices.take().unwrap_or_default();
                 let triggers = &mut st.trigger_times;
-                replace_all(&mut st.objects.slices, fresh, &mut st.slice_changes, |o| triggers.extend(trigger_time(o)));
+                replace_all(&mut st.objects.slices, fresh, &mut st.slice_changes, |o| triggers.extend(o.trigger_time));
                 if !st.slices_synced {
                     info!(slices = st.objects.slices.len(), "endpoint slices listed");
                 }
                 st.slices_synced = true;
             }
             watcher::Event::Apply(o) => {
-                st.trigger_times.extend(trigger_time(&o));
-                upsert(&mut st.objects.slices, &mut st.slice_changes, o);
+                let slice = upsert(&mut st.objects.slices, &mut st.slice_changes, o);
+                st.trigger_times.extend(slice.trigger_time);
             }
             watcher::Event::Delete(o) => remove(&mut st.objects.slices, &mut st.slice_changes, &o),
         },
         Kind::Node(e) => match e {
             watcher::Event::Init => relist.node = Some(None),
-            watcher::Event::InitApply(o) => relist.node = Some(Some(o)),
+            watcher::Event::InitApply(o) => relist.node = Some(Some(slim_node(o))),
             watcher::Event::InitDone => {
                 st.node = relist.node.take().flatten();
                 st.node_synced = true;
             }
-            watcher::Event::Apply(o) => st.node = Some(o),
+            watcher::Event::Apply(o) => st.node = Some(slim_node(o)),
             watcher::Event::Delete(_) => st.node = None,
         },
     }
@@ -354,11 +312,15 @@ mod tests {
     }
 
     #[test]
-    fn trigger_time_parses_rfc3339() {
-        let t = chrono_like_parse("2024-02-29T12:34:56Z").unwrap();
-        assert_eq!(t.duration_since(SystemTime::UNIX_EPOCH).unwrap().as_secs(), 1_709_210_096);
-        let t = chrono_like_parse("1970-01-01T00:00:01.5Z").unwrap();
-        assert_eq!(t.duration_since(SystemTime::UNIX_EPOCH).unwrap().as_millis(), 1500);
+    fn trigger_time_is_read_from_the_annotation() {
+        let at = |t: &str| {
+            let mut slice = EndpointSlice::default();
+            slice.metadata.annotations = Some([(crate::model::objects::TRIGGER_TIME_ANNOTATION.to_string(), t.to_string())].into());
+            SliceObject::from(slice).trigger_time.map(|t| t.duration_since(SystemTime::UNIX_EPOCH).unwrap().as_millis())
+        };
+        assert_eq!(at("2024-02-29T12:34:56Z"), Some(1_709_210_096_000));
+        assert_eq!(at("1970-01-01T00:00:01.5Z"), Some(1500));
+        assert_eq!(at("yesterday"), None);
     }
 }
 

@@ -121,12 +121,12 @@ fn add_value(source: &str, value: serde_yaml::Value, report: &mut LoadReport) {
         }
         "Service" => {
             if let Some(svc) = typed::<Service>(source, &object, value, report) {
-                report.objects.services.insert((ns, name), svc);
+                report.objects.services.insert((ns, name), svc.into());
             }
         }
         "EndpointSlice" => {
             if let Some(slice) = typed::<EndpointSlice>(source, &object, value, report) {
-                report.objects.slices.insert((ns, name), slice);
+                report.objects.slices.insert((ns, name), slice.into());
             }
         }
         // Other kinds (Deployments, ...) may live beside them; they are not ours.
