@@ -116,7 +116,7 @@ pub struct Loaded {
 impl Loaded {
     pub fn new(name: &str, yaml: &str, node: &NodeInfo, cfg: DatapathConfig) -> Self {
         let pins = PinDir::new(name);
-        let caps = Capacities { services: 4096, frontends: 8192, backends: 8192, slots: 65536, conntrack: 65536, conntrack_new: 16384, affinity: 16384 };
+        let caps = Capacities { services: 8192, backends: 8192, slots: 65536, conntrack: 65536, conntrack_new: 16384, affinity: 16384 };
         let dp = Datapath::load(pins.path(), caps).expect("load eBPF object");
         let mut maps = KernelMaps::open(pins.path()).expect("open maps");
         let mut syncer = Syncer::new(4096, 16);
@@ -150,7 +150,7 @@ pub fn xdp_pass_on(ns: &str, ifaces: &[&str], pin_dir: &Path) {
     let (ns, ifaces, pin_dir) = (ns.to_string(), ifaces.iter().map(|s| s.to_string()).collect::<Vec<_>>(), pin_dir.to_path_buf());
     std::thread::spawn(move || {
         proxy_agent::host::netif::enter_netns(&ns).expect("enter the namespace");
-        let small = Capacities { services: 16, frontends: 16, backends: 16, slots: 16, conntrack: 16, conntrack_new: 16, affinity: 16 };
+        let small = Capacities { services: 16, backends: 16, slots: 16, conntrack: 16, conntrack_new: 16, affinity: 16 };
         let mut dp = Datapath::load_object(&pin_dir, small).expect("load the object");
         let prog: &mut Xdp = dp.ebpf().program_mut(proxy_common::prog_names::XDP_PASS).unwrap().try_into().unwrap();
         prog.load().expect("load the pass program");

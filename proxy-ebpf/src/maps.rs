@@ -26,7 +26,7 @@ const NO_PREALLOC: u32 = 1;
 
 map! {
     /// (VIP or node address, port, protocol, scope) -> frontend: service id, backend count, scheduler.
-    SERVICES: HashMap<ServiceKey, ServiceValue> = HashMap::pinned(MAX_FRONTENDS, NO_PREALLOC)
+    SERVICES: HashMap<ServiceKey, ServiceValue> = HashMap::pinned(MAX_SERVICES, NO_PREALLOC)
 }
 
 map! {

@@ -176,7 +176,6 @@ fn main() {
     let max = *sizes.iter().max().unwrap();
     let caps = Capacities {
         services: (2 * max + 16).max(1024),
-        frontends: (2 * max + 16).max(1024),
         backends: 65_536,
         slots: (6 * max + 64).max(4096),
         conntrack: 1_048_576,

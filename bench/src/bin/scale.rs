@@ -94,7 +94,8 @@ fn main() {
         ])
         // Room for what the cluster needs: the capacities are flags.
         .args(["--max-backends", &(n * e + n * e / 4).max(proxy_common::limits::MAX_BACKENDS).to_string()])
-        .args(["--max-services", &(n + n / 4).max(proxy_common::limits::MAX_SERVICES).to_string()])
+        // Two frontends (service ids) a ClusterIP port.
+        .args(["--max-services", &(2 * n + n / 2).max(proxy_common::limits::MAX_SERVICES).to_string()])
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()

@@ -140,7 +140,6 @@ fn control_plane(n: u32) -> Cp {
     let pins = PinDir::new("vmbench");
     let caps = Capacities {
         services: 2 * n + 16,
-        frontends: 2 * n + 16,
         backends: (10 * n + 64).max(65_536),
         slots: 20 * n + 64,
         conntrack: 65_536,

@@ -164,7 +164,8 @@ pub struct Flags {
     /// oom_score_adj of the agent [file: oomScoreAdj; default: -999].
     #[arg(long, allow_hyphen_values = true)]
     pub oom_score_adj: Option<i32>,
-    /// Services (ClusterIP, NodePort, ... counted once) the maps hold [default: 65536].
+    /// Frontends the maps hold, each with a service id: a ClusterIP port takes two (internal
+    /// and external traffic), a NodePort two per node address [default: 131072].
     #[arg(long, env = "KPR_MAX_SERVICES")]
     pub max_services: Option<u32>,
     /// Endpoints the maps hold, all services together [default: 262144].

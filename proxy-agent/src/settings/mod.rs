@@ -342,7 +342,6 @@ pub fn resolve(f: &Flags, file: Option<(&str, KubeProxyConfiguration)>) -> Resul
     let dc = Capacities::default();
     let capacities = Capacities {
         services: pick(f.max_services, None, dc.services),
-        frontends: f.max_services.map_or(dc.frontends, |s| s.saturating_mul(2)),
         backends: pick(f.max_backends, None, dc.backends),
         slots: f.max_backends.map_or(dc.slots, |b| b.saturating_mul(4)),
         conntrack: pick(f.max_conntrack, None, dc.conntrack),

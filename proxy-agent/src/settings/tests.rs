@@ -125,7 +125,7 @@ fn flag_only_settings_take_the_flag_else_the_default() {
         ],
         None,
     );
-    assert_eq!((s.capacities.services, s.capacities.frontends, s.capacities.backends, s.capacities.slots), (1000, 2000, 4000, 16_000));
+    assert_eq!((s.capacities.services, s.capacities.backends, s.capacities.slots), (1000, 4000, 16_000));
     assert_eq!((s.capacities.conntrack, s.capacities.affinity, s.conntrack.tcp_closing), (99, 7, secs(3)));
     assert_eq!(s.k8s_api_server.as_deref(), Some("https://192.0.2.1:6443"));
     assert_eq!((d.capacities, d.conntrack.tcp_closing, d.k8s_api_server.clone()), (Capacities::default(), secs(10), None));

@@ -210,10 +210,9 @@ impl Default for IpvsSettings {
 /// this much. See docs/configuration.md for the memory each costs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Capacities {
-    /// Service ports (ids): ClusterIP, NodePort, external and LB addresses share one.
+    /// Frontends (address, port, protocol, scope), each with its own service id: a ClusterIP
+    /// port takes two (internal and external traffic), a NodePort two more per node address.
     pub services: u32,
-    /// Frontends: (address, port, protocol, scope).
-    pub frontends: u32,
     pub backends: u32,
     /// Backend slots: endpoints counted once per service port they serve.
     pub slots: u32,
@@ -227,7 +226,6 @@ impl Default for Capacities {
         use proxy_common::limits::*;
         Self {
             services: MAX_SERVICES,
-            frontends: MAX_FRONTENDS,
             backends: MAX_BACKENDS,
             slots: MAX_SLOTS,
             conntrack: MAX_CONNTRACK,

@@ -161,7 +161,7 @@ fn client_api() -> Result<()> {
 fn programs_load() -> Result<()> {
     let pins = kpr_lab::PinDir::new("vmload");
     let small =
-        proxy_agent::settings::Capacities { services: 64, frontends: 128, backends: 128, slots: 512, conntrack: 1024, conntrack_new: 256, affinity: 256 };
+        proxy_agent::settings::Capacities { services: 128, backends: 128, slots: 512, conntrack: 1024, conntrack_new: 256, affinity: 256 };
     let mut dp = proxy_agent::dataplane::ebpf::kernel::Datapath::load_object(pins.path(), small)?;
     dp.load_fast_path()?;
     dp.load_ipset()?;

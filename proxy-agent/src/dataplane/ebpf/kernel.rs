@@ -430,7 +430,7 @@ pub fn cleanup(pin_dir: &Path) -> io::Result<Vec<PathBuf>> {
 /// The maps whose capacity the settings give, with it.
 fn sized_maps(caps: &Capacities) -> [(&'static str, u32); 9] {
     [
-        (map_names::SERVICES, caps.frontends),
+        (map_names::SERVICES, caps.services),
         (map_names::RR_STATE, caps.services),
         (map_names::BACKENDS, caps.backends),
         (map_names::BACKEND_NEW, caps.backends),

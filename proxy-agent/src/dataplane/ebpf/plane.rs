@@ -160,7 +160,7 @@ impl EbpfPlane {
         Ok(Self {
             dp,
             maps,
-            syncer: Syncer::default(),
+            syncer: Syncer::new(s.capacities.services, proxy_common::limits::MAGLEV_ROWS),
             interfaces: Interfaces::new(s, pin_dir, true),
             config: ConfigInputs::new(s, timeouts),
             gc,

@@ -363,9 +363,10 @@ impl Syncer {
         desired_ranges: &mut BTreeSet<SrcRange>,
     ) -> Result<Option<(u32, Vec<u32>)>, SyncError> {
         let key = wire::service_key(fk);
+        // Every frontend has its own id and the services map holds as many entries as there
+        // are ids: no free id is a full services map (retried once deletes made room).
         let Some(service_id) = self.alloc_service_id(key) else {
-            st.errors.push(format!("{} {}:{}: no free service id (capacity {})", f.service, fk.ip, fk.port, self.max_services));
-            return Ok(None);
+            return Err(SyncError::Map(MapError::Full { map: proxy_common::map_names::SERVICES }));
         };
         let ids: Vec<u32> = f.backends.iter().map(|b| self.backend_ids[&wire::backend(b)]).collect();
         let mut scheduler = wire::scheduler(f.scheduler);
@@ -639,6 +640,22 @@ mod tests {
             assert_eq!(maps.backends.len(), fresh.backends.len(), "{from:?} -> {to:?}");
             assert_eq!(maps.services.len(), 2);
         }
+    }
+
+    #[test]
+    fn the_service_ids_are_the_configured_capacity_and_running_out_is_a_full_services_map() {
+        let mut maps = FakeMaps::default();
+        // Ids 1..=2 (id 0 is never given out).
+        let mut s = Syncer::new(3, 2);
+        let d = state(&[("10.96.0.1", &[("10.244.1.1", 80)]), ("10.96.0.2", &[("10.244.1.1", 80)]), ("10.96.0.3", &[("10.244.1.1", 80)])]);
+        let st = s.sync(&mut maps, &d, DatapathConfig::default()).unwrap();
+        assert_eq!(st.full, vec![(proxy_common::map_names::SERVICES, "ns/10.96.0.3:http".to_string())]);
+        assert_eq!(maps.services.len(), 2);
+        // One leaves: its id goes to the one that did not fit.
+        let d = state(&[("10.96.0.2", &[("10.244.1.1", 80)]), ("10.96.0.3", &[("10.244.1.1", 80)])]);
+        let st = s.sync(&mut maps, &d, DatapathConfig::default()).unwrap();
+        assert!(st.full.is_empty(), "{:?}", st.full);
+        assert_eq!(maps.services.len(), 2);
     }
 
     #[test]
