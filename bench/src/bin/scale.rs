@@ -46,6 +46,17 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
     v[((v.len() as f64 - 1.0) * p).round() as usize]
 }
 
+/// The agent, killed when the run ends, also when an assertion fails on the way (it would
+/// otherwise keep running, and syncing, after the harness is gone).
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let opt = |n: &str, d: u32| args.iter().position(|a| a == n).and_then(|i| args.get(i + 1)).map(|s| s.parse().unwrap()).unwrap_or(d);
@@ -73,7 +84,7 @@ fn main() {
         }
         None => Command::new(kpr_lab::sibling_bin("kpr")),
     };
-    let mut agent = cmd
+    let mut agent = KillOnDrop(cmd
         .arg("--pin-dir")
         .arg(pins.path())
         .args(["run", "--kubeconfig"])
@@ -99,7 +110,7 @@ fn main() {
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
-        .expect("start kpr");
+        .expect("start kpr"));
     // Initial sync: until the maps hold every frontend.
     let want = 2 * n as usize;
     loop {
@@ -156,16 +167,14 @@ fn main() {
         lat.push(t.elapsed().as_secs_f64() * 1e3);
         std::thread::sleep(Duration::from_millis(20));
     }
-    let hwm = vm_hwm_kb(agent.id());
-    let maps_bytes = kpr_bench::bpf_map_memlock(&agent.id().to_string());
+    let hwm = vm_hwm_kb(agent.0.id());
+    let maps_bytes = kpr_bench::bpf_map_memlock(&agent.0.id().to_string());
     if wrap.is_some() {
         // The agent under the wrapper: a graceful stop, so the profiler writes its data.
         let _ = Command::new("pkill").args(["-TERM", "-f"]).arg(pins.path()).status();
-        let _ = agent.wait();
-    } else {
-        let _ = agent.kill();
-        let _ = agent.wait();
+        let _ = agent.0.wait();
     }
+    drop(agent);
     println!(
         "one change, API write -> kernel map: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({changes} changes)",
         percentile(&mut lat.clone(), 0.5),
