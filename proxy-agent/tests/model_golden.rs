@@ -476,3 +476,59 @@ frontend [fd00:198::1]:30080/TCP external nodeport g/dual:http sched=random affi
     let d4 = compute(&r.objects, &node, &ModelConfig::default());
     assert!(d4.frontends.keys().all(|k| k.ip.is_ipv4()), "{}", d4.dump());
 }
+
+/// An incremental sync (the changed Services computed alone, then put in place) gives what a
+/// full compute gives, also when a slice moves to another Service, one loses its label, and two
+/// Services claim the same address and port.
+#[test]
+fn incremental_compute_equals_full_compute() {
+    use proxy_agent::model::compute_filtered;
+    let svc = |name: &str, ip: &str| {
+        format!("apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: i}}\nspec: {{clusterIP: {ip}, ports: [{{name: http, port: 80}}]}}\n---\n")
+    };
+    let slice = |name: &str, owner: Option<&str>, ep: &str| {
+        let labels = owner.map(|o| format!(", labels: {{kubernetes.io/service-name: {o}}}")).unwrap_or_default();
+        format!("apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}, namespace: i{labels}}}\naddressType: IPv4\nports: [{{name: http, port: 8080}}]\nendpoints: [{{addresses: [{ep}]}}]\n---\n")
+    };
+    let load = |y: String| {
+        let mut r = LoadReport::default();
+        load_text("i.yaml", &y, &mut r);
+        r.objects
+    };
+    let node = NodeInfo::default();
+    let cfg = ModelConfig::default();
+    let before = load(
+        [svc("a", "10.96.2.1"), svc("b", "10.96.2.2"), svc("c", "10.96.2.3"), slice("a-1", Some("a"), "10.244.0.1"), slice("b-1", Some("b"), "10.244.0.2"), slice("c-1", Some("c"), "10.244.0.3")]
+            .concat(),
+    );
+    // a-1 moves to b; c-1 loses its label; c claims b's address (c, computed later, holds it).
+    let after = load(
+        [svc("a", "10.96.2.1"), svc("b", "10.96.2.2"), svc("c", "10.96.2.2"), slice("a-1", Some("b"), "10.244.0.1"), slice("b-1", Some("b"), "10.244.0.2"), slice("c-1", None, "10.244.0.3")]
+            .concat(),
+    );
+    // The agent recomputes the changed Services and the owners of changed slices, before and after.
+    let changed: std::collections::BTreeSet<(String, String)> = ["a", "b", "c"].iter().map(|n| ("i".to_string(), n.to_string())).collect();
+    let mut d = compute(&before, &node, &cfg);
+    let partial = compute_filtered(&after, &node, &cfg, Some(&changed));
+    let touched = d.replace_services(&changed, partial);
+    let full = compute(&after, &node, &cfg);
+    assert_eq!(d.dump(), full.dump());
+    assert_eq!(d.by_service, full.by_service);
+    assert_eq!(d.problems().map(|e| e.to_string()).collect::<Vec<_>>(), full.problems().map(|e| e.to_string()).collect::<Vec<_>>());
+    assert_eq!(touched.len(), 6, "{touched:?}");
+    assert!(full.dump().contains("10.96.2.2:80/TCP internal clusterip i/c:http"), "{}", full.dump());
+    assert!(full.problems().any(|e| e.object == "EndpointSlice i/c-1" && e.field.contains("kubernetes.io/service-name")));
+    // Only b changes back: b's recompute takes its address again; c's index entry is stale and
+    // must not remove b's frontends on c's next change.
+    let mut d = full.clone();
+    let b_only: std::collections::BTreeSet<(String, String)> = [("i".to_string(), "b".to_string())].into();
+    let partial = compute_filtered(&after, &node, &cfg, Some(&b_only));
+    d.replace_services(&b_only, partial);
+    assert!(d.dump().contains("10.96.2.2:80/TCP internal clusterip i/b:http"), "{}", d.dump());
+    let c_only: std::collections::BTreeSet<(String, String)> = [("i".to_string(), "c".to_string())].into();
+    let mut c_removed = after.clone();
+    c_removed.services.remove(&("i".to_string(), "c".to_string()));
+    let partial = compute_filtered(&c_removed, &node, &cfg, Some(&c_only));
+    d.replace_services(&c_only, partial);
+    assert!(d.dump().contains("10.96.2.2:80/TCP internal clusterip i/b:http"), "c's removal keeps b's frontends:\n{}", d.dump());
+}

@@ -172,6 +172,8 @@ pub struct ModelConfig {
 #[derive(Clone, Debug, Default)]
 pub struct DesiredState {
     pub frontends: BTreeMap<FrontendKey, Frontend>,
+    /// Each Service's frontend keys, by (namespace, name): what an incremental sync replaces.
+    pub by_service: BTreeMap<(String, String), Vec<FrontendKey>>,
     /// healthCheckNodePort -> (namespace/name, local ready endpoints): what the health check
     /// servers of externalTrafficPolicy Local services answer.
     pub health_checks: BTreeMap<u16, (String, String, usize)>,
@@ -192,33 +194,22 @@ pub fn compute(objects: &Objects, node: &NodeInfo, cfg: &ModelConfig) -> Desired
 /// The desired state of only the `only` services (all when None): the incremental path.
 pub fn compute_filtered(objects: &Objects, node: &NodeInfo, cfg: &ModelConfig, only: Option<&BTreeSet<(String, String)>>) -> DesiredState {
     let mut out = DesiredState::default();
-    // Slices by owning service.
-    let mut slices_by_svc: BTreeMap<(String, String), Vec<(&String, &SliceObject)>> = BTreeMap::new();
-    for ((ns, name), slice) in &objects.slices {
-        let owner = slice.service.as_ref();
-        if let (Some(only), Some(svc)) = (only, owner) {
-            if !only.contains(&(ns.clone(), svc.clone())) {
-                continue;
-            }
-        }
-        match owner {
-            Some(svc) => slices_by_svc.entry((ns.clone(), svc.clone())).or_default().push((name, slice)),
-            None => err(
-                &mut out.errors,
-                &format!("EndpointSlice {ns}/{name}"),
-                format!("metadata.labels[{SERVICE_NAME_LABEL}]"),
-                "missing: the slice belongs to no Service",
-            ),
-        }
+    for (ns, name) in objects.slices.unowned() {
+        err(
+            &mut out.errors,
+            &format!("EndpointSlice {ns}/{name}"),
+            format!("metadata.labels[{SERVICE_NAME_LABEL}]"),
+            "missing: the slice belongs to no Service",
+        );
     }
     let selected: Box<dyn Iterator<Item = (&(String, String), &ServiceObject)>> = match only {
         None => Box::new(objects.services.iter()),
         Some(names) => Box::new(names.iter().filter_map(|n| objects.services.get_key_value(n))),
     };
     for ((ns, name), svc) in selected {
-        let slices = slices_by_svc.get(&(ns.clone(), name.clone())).map(Vec::as_slice).unwrap_or(&[]);
+        let slices: Vec<(&String, &SliceObject)> = objects.slices.of_service(ns, name).collect();
         let before = out.errors.len();
-        service::service_frontends(ns, name, svc, slices, node, cfg, &mut out);
+        service::service_frontends(ns, name, svc, &slices, node, cfg, &mut out);
         let own = out.errors.split_off(before);
         if !own.is_empty() {
             out.service_errors.insert((ns.clone(), name.clone()), own);
@@ -235,15 +226,18 @@ impl DesiredState {
         if names.is_empty() {
             return touched;
         }
-        let prefixes: Vec<String> = names.iter().map(|(ns, n)| format!("{ns}/{n}:")).collect();
-        self.frontends.retain(|k, f| {
-            let drop = prefixes.iter().any(|p| f.service.starts_with(p.as_str()));
-            if drop {
-                touched.insert(*k);
+        for name in names {
+            // A key another Service took over since (the same address and port) stays its own.
+            let prefix = format!("{}/{}:", name.0, name.1);
+            for k in self.by_service.remove(name).unwrap_or_default() {
+                if self.frontends.get(&k).is_some_and(|f| f.service.starts_with(&prefix)) {
+                    self.frontends.remove(&k);
+                    touched.insert(k);
+                }
             }
-            !drop
-        });
+        }
         touched.extend(partial.frontends.keys().copied());
+        self.by_service.extend(partial.by_service);
         self.health_checks.retain(|_, (ns, n, _)| !names.contains(&(ns.clone(), n.clone())));
         self.no_local_endpoints.retain(|k, _| !names.contains(k));
         self.no_local_endpoints.extend(partial.no_local_endpoints);

@@ -6,7 +6,12 @@
 //! 340 bytes before its strings, and at 10,000 Services the cached types were most of the
 //! agent's memory. Values stay as the API wrote them where the model reports them (a bad
 //! address is kept as text, so its error names it).
-use std::{collections::BTreeMap, fmt, net::IpAddr, time::SystemTime};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+    net::IpAddr,
+    time::SystemTime,
+};
 
 use k8s_openapi::api::{
     core::v1::{LoadBalancerIngress, Service, ServiceSpec},
@@ -21,7 +26,98 @@ pub type ObjectName = (String, String);
 #[derive(Debug, Default, Clone)]
 pub struct Objects {
     pub services: BTreeMap<ObjectName, ServiceObject>,
-    pub slices: BTreeMap<ObjectName, SliceObject>,
+    pub slices: Slices,
+}
+
+/// The EndpointSlices, by name and by owning Service: an incremental sync reads the slices of
+/// the changed Services only, not every slice of the cluster.
+#[derive(Debug, Default, Clone)]
+pub struct Slices {
+    by_name: BTreeMap<ObjectName, SliceObject>,
+    /// (namespace, Service) -> its slices' names.
+    by_service: BTreeMap<ObjectName, BTreeSet<String>>,
+    /// Slices without the kubernetes.io/service-name label (reported at every sync).
+    unowned: BTreeSet<ObjectName>,
+}
+
+impl Slices {
+    pub fn get(&self, name: &ObjectName) -> Option<&SliceObject> {
+        self.by_name.get(name)
+    }
+    pub fn contains_key(&self, name: &ObjectName) -> bool {
+        self.by_name.contains_key(name)
+    }
+    pub fn len(&self) -> usize {
+        self.by_name.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.by_name.is_empty()
+    }
+    pub fn iter(&self) -> impl Iterator<Item = (&ObjectName, &SliceObject)> {
+        self.by_name.iter()
+    }
+
+    fn index(&mut self, name: &ObjectName, slice: &SliceObject) {
+        match &slice.service {
+            Some(svc) => {
+                self.by_service.entry((name.0.clone(), svc.clone())).or_default().insert(name.1.clone());
+            }
+            None => {
+                self.unowned.insert(name.clone());
+            }
+        }
+    }
+    fn unindex(&mut self, name: &ObjectName, slice: &SliceObject) {
+        match &slice.service {
+            Some(svc) => {
+                let owner = (name.0.clone(), svc.clone());
+                if let Some(names) = self.by_service.get_mut(&owner) {
+                    names.remove(&name.1);
+                    if names.is_empty() {
+                        self.by_service.remove(&owner);
+                    }
+                }
+            }
+            None => {
+                self.unowned.remove(name);
+            }
+        }
+    }
+
+    pub fn insert(&mut self, name: ObjectName, slice: SliceObject) -> Option<SliceObject> {
+        let previous = self.remove(&name);
+        self.index(&name, &slice);
+        self.by_name.insert(name, slice);
+        previous
+    }
+
+    pub fn remove(&mut self, name: &ObjectName) -> Option<SliceObject> {
+        let previous = self.by_name.remove(name)?;
+        self.unindex(name, &previous);
+        Some(previous)
+    }
+
+    /// The slices of Service `ns`/`service`, by name.
+    pub fn of_service<'a>(&'a self, ns: &str, service: &str) -> impl Iterator<Item = (&'a String, &'a SliceObject)> + 'a {
+        let names = self.by_service.get(&(ns.to_string(), service.to_string()));
+        let ns = ns.to_string();
+        names.into_iter().flatten().filter_map(move |n| self.by_name.get_key_value(&(ns.clone(), n.clone())).map(|((_, n), s)| (n, s)))
+    }
+
+    /// The slices that name no Service.
+    pub fn unowned(&self) -> impl Iterator<Item = &ObjectName> {
+        self.unowned.iter()
+    }
+}
+
+impl FromIterator<(ObjectName, SliceObject)> for Slices {
+    fn from_iter<I: IntoIterator<Item = (ObjectName, SliceObject)>>(iter: I) -> Self {
+        let mut s = Slices::default();
+        for (n, o) in iter {
+            s.insert(n, o);
+        }
+        s
+    }
 }
 
 /// The annotations the model reads: kpr's own.
@@ -167,4 +263,35 @@ pub(crate) fn unsupported(errors: &mut Vec<ObjectError>, object: &str, field: im
 
 pub(crate) fn err(errors: &mut Vec<ObjectError>, object: &str, field: impl Into<String>, message: impl Into<String>) {
     errors.push(ObjectError { source: "model".into(), object: object.into(), field: field.into(), message: message.into(), reason: FIELD_NOT_PROGRAMMED });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slice(owner: Option<&str>) -> SliceObject {
+        SliceObject { service: owner.map(str::to_string), address_type: "IPv4".into(), ..Default::default() }
+    }
+    fn names<'a>(s: &'a Slices, svc: &str) -> Vec<&'a str> {
+        s.of_service("ns", svc).map(|(n, _)| n.as_str()).collect()
+    }
+
+    #[test]
+    fn slices_stay_indexed_by_owner_through_relabels_and_removals() {
+        let n = |s: &str| ("ns".to_string(), s.to_string());
+        let mut s = Slices::default();
+        s.insert(n("a-1"), slice(Some("a")));
+        s.insert(n("a-2"), slice(Some("a")));
+        s.insert(n("x"), slice(None));
+        assert_eq!((names(&s, "a"), s.unowned().count()), (vec!["a-1", "a-2"], 1));
+        // a-2 is relabelled to b, x gets a label, a-1 loses its own.
+        s.insert(n("a-2"), slice(Some("b")));
+        s.insert(n("x"), slice(Some("b")));
+        s.insert(n("a-1"), slice(None));
+        assert_eq!((names(&s, "a"), names(&s, "b")), (vec![], vec!["a-2", "x"]));
+        assert_eq!(s.unowned().collect::<Vec<_>>(), vec![&n("a-1")]);
+        assert!(s.remove(&n("x")).is_some() && s.remove(&n("x")).is_none());
+        assert_eq!((names(&s, "b"), s.len()), (vec!["a-2"], 2));
+        assert!(names(&s, "a").is_empty() && s.by_service.len() == 1, "no empty index entries left");
+    }
 }

@@ -148,6 +148,7 @@ pub(super) fn service_frontends(
                 vec![]
             };
             let key = FrontendKey { ip, port: p, proto, scope };
+            out.by_service.entry((ns.to_string(), name.to_string())).or_default().push(key);
             out.frontends.insert(
                 key,
                 Frontend {

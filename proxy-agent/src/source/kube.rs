@@ -19,7 +19,7 @@ use kube::{
 };
 use tracing::{info, warn};
 
-use crate::model::objects::{ObjectName, Objects, ServiceObject, SliceObject};
+use crate::model::objects::{ObjectName, Objects, ServiceObject, SliceObject, Slices};
 
 /// kube-proxy's label selectors: services of another proxy, and headless slices, are not ours.
 pub const SERVICE_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name";
@@ -146,6 +146,44 @@ impl Cached for SliceObject {
     }
 }
 
+/// Where the source keeps one kind of object.
+trait Store<K>: Default {
+    fn put(&mut self, name: ObjectName, o: K) -> Option<K>;
+    fn take(&mut self, name: &ObjectName) -> Option<K>;
+    fn lookup(&self, name: &ObjectName) -> Option<&K>;
+    fn entries(&self) -> Box<dyn Iterator<Item = (&ObjectName, &K)> + '_>;
+}
+
+impl<K> Store<K> for BTreeMap<ObjectName, K> {
+    fn put(&mut self, name: ObjectName, o: K) -> Option<K> {
+        self.insert(name, o)
+    }
+    fn take(&mut self, name: &ObjectName) -> Option<K> {
+        self.remove(name)
+    }
+    fn lookup(&self, name: &ObjectName) -> Option<&K> {
+        self.get(name)
+    }
+    fn entries(&self) -> Box<dyn Iterator<Item = (&ObjectName, &K)> + '_> {
+        Box::new(self.iter())
+    }
+}
+
+impl Store<SliceObject> for Slices {
+    fn put(&mut self, name: ObjectName, o: SliceObject) -> Option<SliceObject> {
+        self.insert(name, o)
+    }
+    fn take(&mut self, name: &ObjectName) -> Option<SliceObject> {
+        self.remove(name)
+    }
+    fn lookup(&self, name: &ObjectName) -> Option<&SliceObject> {
+        self.get(name)
+    }
+    fn entries(&self) -> Box<dyn Iterator<Item = (&ObjectName, &SliceObject)> + '_> {
+        Box::new(self.iter())
+    }
+}
+
 /// The node as kpr keeps it: no managed fields, no last-applied copy.
 fn slim_node(mut node: Node) -> Node {
     node.metadata.managed_fields = None;
@@ -169,21 +207,21 @@ enum Kind {
 #[derive(Default)]
 struct Relist {
     services: Option<BTreeMap<ObjectName, ServiceObject>>,
-    slices: Option<BTreeMap<ObjectName, SliceObject>>,
+    slices: Option<Slices>,
     node: Option<Option<Node>>,
 }
 
 /// Replaces `cache` with a re-listed set, recording every difference; `changed` sees each
 /// object that is new or different.
-fn replace_all<K: Cached>(cache: &mut BTreeMap<ObjectName, K>, fresh: BTreeMap<ObjectName, K>, tracker: &mut Tracker<Version>, mut changed: impl FnMut(&K)) {
+fn replace_all<K: Cached, S: Store<K>>(cache: &mut S, fresh: S, tracker: &mut Tracker<Version>, mut changed: impl FnMut(&K)) {
     let old = std::mem::replace(cache, fresh);
-    for (n, o) in &old {
-        if !cache.contains_key(n) {
+    for (n, o) in old.entries() {
+        if cache.lookup(n).is_none() {
             tracker.record(n.clone(), Some(o.version()), None);
         }
     }
-    for (n, o) in cache.iter() {
-        let prev = old.get(n).map(K::version);
+    for (n, o) in cache.entries() {
+        let prev = old.lookup(n).map(K::version);
         let cur = o.version();
         if prev.as_ref() != Some(&cur) {
             changed(o);
@@ -193,18 +231,18 @@ fn replace_all<K: Cached>(cache: &mut BTreeMap<ObjectName, K>, fresh: BTreeMap<O
 }
 
 /// Keeps what the model reads of `o` (converted once, on arrival).
-fn upsert<'a, R: Resource, K: Cached + From<R>>(cache: &'a mut BTreeMap<ObjectName, K>, tracker: &mut Tracker<Version>, o: R) -> &'a K {
+fn upsert<'a, R: Resource, K: Cached + From<R>, S: Store<K>>(cache: &'a mut S, tracker: &mut Tracker<Version>, o: R) -> &'a K {
     let n = name_of(&o);
     let o = K::from(o);
     let v = o.version();
-    let prev = cache.insert(n.clone(), o);
+    let prev = cache.put(n.clone(), o);
     tracker.record(n.clone(), prev.as_ref().map(K::version), Some(v));
-    &cache[&n]
+    cache.lookup(&n).expect("just stored")
 }
 
-fn remove<R: Resource, K: Cached>(cache: &mut BTreeMap<ObjectName, K>, tracker: &mut Tracker<Version>, o: &R) {
+fn remove<R: Resource, K: Cached, S: Store<K>>(cache: &mut S, tracker: &mut Tracker<Version>, o: &R) {
     let n = name_of(o);
-    let prev = cache.remove(&n);
+    let prev = cache.take(&n);
     tracker.record(n, prev.as_ref().map(K::version), None);
 }
 
@@ -238,9 +276,9 @@ fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
             watcher::Event::Delete(o) => remove(&mut st.objects.services, &mut st.service_changes, &o),
         },
         Kind::Slice(e) => match e {
-            watcher::Event::Init => relist.slices = Some(BTreeMap::new()),
+            watcher::Event::Init => relist.slices = Some(Slices::default()),
             watcher::Event::InitApply(o) => {
-                relist.slices.get_or_insert_with(BTreeMap::new).insert(name_of(&o), o.into());
+                relist.slices.get_or_insert_with(Slices::default).insert(name_of(&o), o.into());
             }
             watcher::Event::InitDone => {
                 let fresh = relist.slices.take().unwrap_or_default();
