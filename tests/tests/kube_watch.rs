@@ -162,3 +162,30 @@ async fn list_watch_bookmarks_gone_drops_slowness_and_outage() {
     assert!(st.service_changes.total >= 3 && st.slice_changes.total >= 5, "{} {}", st.service_changes.total, st.slice_changes.total);
     assert!(!st.trigger_times.is_empty(), "EndpointSlice trigger times are collected for the programming-latency metric");
 }
+
+/// kube-rs lists 500 objects a page, as the API server serves them from etcd: 1,234 Services
+/// and slices arrive over three pages each, and the agent sees every one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_list_longer_than_a_page_arrives_whole() {
+    let api = FakeApi::start().await;
+    api.apply(Kind::Node, node());
+    let n = 1234;
+    for i in 0..n {
+        let name = format!("p{i}");
+        api.apply(Kind::Service, service(&name, &format!("10.97.{}.{}", i / 256, i % 256), 80, json!({})));
+        api.apply(Kind::Slice, slice(&name, &[&format!("10.245.{}.{}", i / 256, i % 256)]));
+    }
+    let h = Harness::start(api.clone()).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !h.shared.state.lock().unwrap().synced() {
+        assert!(tokio::time::Instant::now() < deadline, "did not sync");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let st = h.shared.state.lock().unwrap();
+    assert_eq!((st.objects.services.len(), st.objects.slices.len()), (n, n));
+    assert_eq!(st.objects.slices.of_service("w", "p1233").count(), 1);
+    // Three pages of Services, three of slices, one list of the Node.
+    assert!(api.lists() >= 7, "{} list requests: the list was not paged", api.lists());
+    let node = NodeInfo { name: "node-a".into(), ..Default::default() };
+    assert_eq!(compute(&st.objects, &node, &ModelConfig::default()).frontends.len(), 2 * n);
+}

@@ -121,6 +121,18 @@ impl Shared {
     }
 }
 
+/// The cluster autoscaler's taint on a node it is about to remove.
+pub const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
+
+/// Whether load balancers should still send new connections to this node (kube-proxy's
+/// `nodeEligible`, KEP-3836): not when it is being deleted, nor when the cluster autoscaler
+/// has marked it for removal. /healthz then answers 503 so they drain it first.
+pub fn node_eligible(node: Option<&Node>) -> bool {
+    let Some(n) = node else { return true };
+    let marked = n.spec.as_ref().and_then(|s| s.taints.as_ref()).is_some_and(|t| t.iter().any(|t| t.key == TO_BE_DELETED_TAINT));
+    n.metadata.deletion_timestamp.is_none() && !marked
+}
+
 /// What a tracker keeps of an object (not the object: at 10,000 services that would double the
 /// cache): its resourceVersion, which every change renews, and a slice's owning Service.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -347,6 +359,22 @@ mod tests {
         t.record(n.clone(), None, Some(5));
         assert_eq!(t.take(), vec![n]);
         assert_eq!(t.pending(), 0);
+    }
+
+    #[test]
+    fn a_node_being_deleted_or_marked_by_the_autoscaler_is_not_eligible() {
+        use k8s_openapi::api::core::v1::{NodeSpec, Taint};
+        assert!(node_eligible(None), "no Node yet: eligible, as kube-proxy");
+        let mut node = Node::default();
+        assert!(node_eligible(Some(&node)));
+        let taint = |key: &str| Taint { key: key.into(), effect: "NoSchedule".into(), ..Default::default() };
+        node.spec = Some(NodeSpec { taints: Some(vec![taint("node.kubernetes.io/unschedulable")]), ..Default::default() });
+        assert!(node_eligible(Some(&node)), "cordoned only: still eligible");
+        node.spec = Some(NodeSpec { taints: Some(vec![taint("node.kubernetes.io/unschedulable"), taint(TO_BE_DELETED_TAINT)]), ..Default::default() });
+        assert!(!node_eligible(Some(&node)));
+        node.spec = None;
+        node.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Default::default()));
+        assert!(!node_eligible(Some(&node)));
     }
 
     #[test]

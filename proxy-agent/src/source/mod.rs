@@ -132,7 +132,7 @@ impl Source for KubeSource {
         stats.m.endpoint_changes_pending.set(st.slice_changes.pending() as i64);
         crate::stats::counter_to(&stats.m.service_changes_total, st.service_changes.total);
         crate::stats::counter_to(&stats.m.endpoint_changes_total, st.slice_changes.total);
-        stats.node_eligible = st.node.as_ref().is_none_or(|n| n.metadata.deletion_timestamp.is_none());
+        stats.node_eligible = kube::node_eligible(st.node.as_ref());
     }
 }
 
