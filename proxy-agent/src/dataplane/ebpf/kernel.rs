@@ -452,13 +452,18 @@ pub fn map_capacities(pin_dir: &Path) -> Vec<(&'static str, u32)> {
 }
 
 /// The maps whose pinned copy holds a different capacity than the settings ask for: a pinned
-/// map keeps its size (the object reuses it), so such a change needs `kpr cleanup` first.
+/// map keeps its size (the object reuses it), so such a change needs `kpr cleanup` first. A
+/// larger one that allocates per entry (BPF_F_NO_PREALLOC) costs nothing and is left out
+/// (earlier releases made the services map twice the service ids).
 pub fn capacity_mismatches(pin_dir: &Path, caps: &Capacities) -> Vec<(&'static str, u32, u32)> {
+    const BPF_F_NO_PREALLOC: u32 = 1;
     sized_maps(caps)
         .into_iter()
         .filter_map(|(name, want)| {
-            let have = aya::maps::MapInfo::from_pin(pin_dir.join(name)).ok()?.max_entries();
-            (have != want).then_some((name, have, want))
+            let info = aya::maps::MapInfo::from_pin(pin_dir.join(name)).ok()?;
+            let have = info.max_entries();
+            let harmless = have > want && info.map_flags() & BPF_F_NO_PREALLOC != 0;
+            (have != want && !harmless).then_some((name, have, want))
         })
         .collect()
 }
