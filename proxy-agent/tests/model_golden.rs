@@ -498,13 +498,27 @@ fn incremental_compute_equals_full_compute() {
     let node = NodeInfo::default();
     let cfg = ModelConfig::default();
     let before = load(
-        [svc("a", "10.96.2.1"), svc("b", "10.96.2.2"), svc("c", "10.96.2.3"), slice("a-1", Some("a"), "10.244.0.1"), slice("b-1", Some("b"), "10.244.0.2"), slice("c-1", Some("c"), "10.244.0.3")]
-            .concat(),
+        [
+            svc("a", "10.96.2.1"),
+            svc("b", "10.96.2.2"),
+            svc("c", "10.96.2.3"),
+            slice("a-1", Some("a"), "10.244.0.1"),
+            slice("b-1", Some("b"), "10.244.0.2"),
+            slice("c-1", Some("c"), "10.244.0.3"),
+        ]
+        .concat(),
     );
     // a-1 moves to b; c-1 loses its label; c claims b's address (c, computed later, holds it).
     let after = load(
-        [svc("a", "10.96.2.1"), svc("b", "10.96.2.2"), svc("c", "10.96.2.2"), slice("a-1", Some("b"), "10.244.0.1"), slice("b-1", Some("b"), "10.244.0.2"), slice("c-1", None, "10.244.0.3")]
-            .concat(),
+        [
+            svc("a", "10.96.2.1"),
+            svc("b", "10.96.2.2"),
+            svc("c", "10.96.2.2"),
+            slice("a-1", Some("b"), "10.244.0.1"),
+            slice("b-1", Some("b"), "10.244.0.2"),
+            slice("c-1", None, "10.244.0.3"),
+        ]
+        .concat(),
     );
     // The agent recomputes the changed Services and the owners of changed slices, before and after.
     let changed: std::collections::BTreeSet<(String, String)> = ["a", "b", "c"].iter().map(|n| ("i".to_string(), n.to_string())).collect();

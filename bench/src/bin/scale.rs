@@ -84,33 +84,34 @@ fn main() {
         }
         None => Command::new(kpr_lab::sibling_bin("kpr")),
     };
-    let mut agent = KillOnDrop(cmd
-        .arg("--pin-dir")
-        .arg(pins.path())
-        .args(["run", "--kubeconfig"])
-        .arg(dir.join("kubeconfig"))
-        .args([
-            "--node-name",
-            "n1",
-            "--node-ip",
-            "192.0.2.1",
-            "--cgroup",
-            "none",
-            "--healthz-bind-address",
-            "",
-            "--metrics-bind-address",
-            "",
-            "--min-sync-period",
-            "0",
-        ])
-        // Room for what the cluster needs: the capacities are flags.
-        .args(["--max-backends", &(n * e + n * e / 4).max(proxy_common::limits::MAX_BACKENDS).to_string()])
-        // Two frontends (service ids) a ClusterIP port.
-        .args(["--max-services", &(2 * n + n / 2).max(proxy_common::limits::MAX_SERVICES).to_string()])
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .expect("start kpr"));
+    let mut agent = KillOnDrop(
+        cmd.arg("--pin-dir")
+            .arg(pins.path())
+            .args(["run", "--kubeconfig"])
+            .arg(dir.join("kubeconfig"))
+            .args([
+                "--node-name",
+                "n1",
+                "--node-ip",
+                "192.0.2.1",
+                "--cgroup",
+                "none",
+                "--healthz-bind-address",
+                "",
+                "--metrics-bind-address",
+                "",
+                "--min-sync-period",
+                "0",
+            ])
+            // Room for what the cluster needs: the capacities are flags.
+            .args(["--max-backends", &(n * e + n * e / 4).max(proxy_common::limits::MAX_BACKENDS).to_string()])
+            // Two frontends (service ids) a ClusterIP port.
+            .args(["--max-services", &(2 * n + n / 2).max(proxy_common::limits::MAX_SERVICES).to_string()])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("start kpr"),
+    );
     // Initial sync: until the maps hold every frontend.
     let want = 2 * n as usize;
     loop {

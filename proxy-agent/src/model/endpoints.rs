@@ -88,8 +88,7 @@ pub(crate) fn port_endpoints(
                 continue;
             }
         };
-        let target =
-            slice.ports.iter().find(|p| p.name.clone().unwrap_or_default() == port_name && p.protocol.as_deref().unwrap_or("TCP") == proto.name());
+        let target = slice.ports.iter().find(|p| p.name.clone().unwrap_or_default() == port_name && p.protocol.as_deref().unwrap_or("TCP") == proto.name());
         let Some(target) = target else { continue };
         let Some(tport) = target.port.and_then(|p| u16::try_from(p).ok()).filter(|p| *p != 0) else {
             err(errors, &sobj, "ports[].port", format!("port {port_name:?} has no valid port number"));
@@ -102,16 +101,10 @@ pub(crate) fn port_endpoints(
             let local = ep.node_name.as_deref() == Some(node.name.as_str());
             for (ai, a) in ep.addresses.iter().enumerate() {
                 match a {
-                    Address::Ip(ip) if ip.is_ipv4() == v4 => eps.push(Ep {
-                        ip: *ip,
-                        port: tport,
-                        ready,
-                        serving,
-                        terminating,
-                        local,
-                        zones: ep.zones.clone(),
-                    }),
-                    _ => err(errors, &sobj, format!("endpoints[{ei}].addresses[{ai}]"), format!("{:?} is not an {} address", a.to_string(), slice.address_type)),
+                    Address::Ip(ip) if ip.is_ipv4() == v4 => eps.push(Ep { ip: *ip, port: tport, ready, serving, terminating, local, zones: ep.zones.clone() }),
+                    _ => {
+                        err(errors, &sobj, format!("endpoints[{ei}].addresses[{ai}]"), format!("{:?} is not an {} address", a.to_string(), slice.address_type))
+                    }
                 }
             }
         }
