@@ -95,17 +95,22 @@ pub struct KubeSource {
     shared: Arc<kube::Shared>,
     /// The generation of the state last handed out.
     seen: u64,
+    /// The generation the last poll saw: the next one waits for a newer one. (Waiting for one
+    /// newer than `seen` returned at once while a change was pending and not yet taken, during
+    /// the initial list and under the sync rate limit: the loop spun a core.)
+    polled: u64,
 }
 
 impl KubeSource {
     pub fn new(shared: Arc<kube::Shared>) -> Self {
-        Self { shared, seen: u64::MAX }
+        Self { shared, seen: u64::MAX, polled: u64::MAX }
     }
 }
 
 impl Source for KubeSource {
     fn poll(&mut self, timeout: Duration) -> Poll {
-        let generation = self.shared.wait(self.seen, timeout);
+        let generation = self.shared.wait(self.polled, timeout);
+        self.polled = generation;
         if !self.shared.state.lock().unwrap().synced() {
             return Poll::NotReady;
         }
@@ -167,5 +172,47 @@ impl Source for FakeSource {
             trigger_times: Vec::new(),
             unavailable: self.unavailable.clone(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    fn bump(shared: &kube::Shared) {
+        shared.state.lock().unwrap().generation += 1;
+        shared.changed.notify_all();
+    }
+
+    #[test]
+    fn a_pending_change_does_not_make_the_loop_spin() {
+        let shared = Arc::new(kube::Shared::default());
+        {
+            let mut st = shared.state.lock().unwrap();
+            (st.services_synced, st.slices_synced, st.node_synced) = (true, true, true);
+        }
+        bump(&shared);
+        let mut source = KubeSource::new(shared.clone());
+        assert_eq!(source.poll(Duration::from_secs(5)), Poll::Changed);
+        // Not taken yet (the rate limit holds the sync back): still pending, but the next poll
+        // waits for news instead of returning at once.
+        let t = Instant::now();
+        assert_eq!(source.poll(Duration::from_millis(100)), Poll::Changed);
+        assert!(t.elapsed() >= Duration::from_millis(90), "returned after {:?}", t.elapsed());
+        // News wakes a waiting poll.
+        let waker = std::thread::spawn({
+            let shared = shared.clone();
+            move || {
+                std::thread::sleep(Duration::from_millis(50));
+                bump(&shared);
+            }
+        });
+        let t = Instant::now();
+        assert_eq!(source.poll(Duration::from_secs(30)), Poll::Changed);
+        assert!(t.elapsed() < Duration::from_secs(10));
+        waker.join().unwrap();
+        source.with_input(|_| ());
+        assert_eq!(source.poll(Duration::from_millis(10)), Poll::Unchanged);
     }
 }
