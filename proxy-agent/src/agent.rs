@@ -267,8 +267,7 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
             let full = periodic || last.is_none() || node_version != last_node_version || input.changed.is_none();
             let (desired, touched) = match (last, input.changed) {
                 (Some(mut d), Some(changed)) if !full => {
-                    let partial = model::compute_filtered(input.objects, &info, &cfg.model, Some(&changed));
-                    let touched = d.replace_services(&changed, partial);
+                    let touched = d.recompute_services(input.objects, &info, &cfg.model, &changed);
                     (d, Some(touched))
                 }
                 _ => (model::compute(input.objects, &info, &cfg.model), None),

@@ -482,7 +482,6 @@ frontend [fd00:198::1]:30080/TCP external nodeport g/dual:http sched=random affi
 /// Services claim the same address and port.
 #[test]
 fn incremental_compute_equals_full_compute() {
-    use proxy_agent::model::compute_filtered;
     let svc = |name: &str, ip: &str| {
         format!("apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: i}}\nspec: {{clusterIP: {ip}, ports: [{{name: http, port: 80}}]}}\n---\n")
     };
@@ -523,8 +522,7 @@ fn incremental_compute_equals_full_compute() {
     // The agent recomputes the changed Services and the owners of changed slices, before and after.
     let changed: std::collections::BTreeSet<(String, String)> = ["a", "b", "c"].iter().map(|n| ("i".to_string(), n.to_string())).collect();
     let mut d = compute(&before, &node, &cfg);
-    let partial = compute_filtered(&after, &node, &cfg, Some(&changed));
-    let touched = d.replace_services(&changed, partial);
+    let touched = d.recompute_services(&after, &node, &cfg, &changed);
     let full = compute(&after, &node, &cfg);
     assert_eq!(d.dump(), full.dump());
     assert_eq!(d.by_service, full.by_service);
@@ -536,13 +534,11 @@ fn incremental_compute_equals_full_compute() {
     // must not remove b's frontends on c's next change.
     let mut d = full.clone();
     let b_only: std::collections::BTreeSet<(String, String)> = [("i".to_string(), "b".to_string())].into();
-    let partial = compute_filtered(&after, &node, &cfg, Some(&b_only));
-    d.replace_services(&b_only, partial);
+    d.recompute_services(&after, &node, &cfg, &b_only);
     assert!(d.dump().contains("10.96.2.2:80/TCP internal clusterip i/b:http"), "{}", d.dump());
     let c_only: std::collections::BTreeSet<(String, String)> = [("i".to_string(), "c".to_string())].into();
     let mut c_removed = after.clone();
     c_removed.services.remove(&("i".to_string(), "c".to_string()));
-    let partial = compute_filtered(&c_removed, &node, &cfg, Some(&c_only));
-    d.replace_services(&c_only, partial);
+    d.recompute_services(&c_removed, &node, &cfg, &c_only);
     assert!(d.dump().contains("10.96.2.2:80/TCP internal clusterip i/b:http"), "c's removal keeps b's frontends:\n{}", d.dump());
 }

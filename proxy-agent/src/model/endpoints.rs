@@ -2,7 +2,7 @@
 use std::{collections::BTreeSet, net::IpAddr};
 
 use crate::model::{
-    objects::{err, unsupported, Address, ObjectError, SliceObject},
+    objects::{err, unsupported, ObjectError, SliceObject},
     BackendKey, NodeInfo, Protocol,
 };
 
@@ -100,8 +100,8 @@ pub(crate) fn port_endpoints(
             let terminating = ep.terminating.unwrap_or(false);
             let local = ep.node_name.as_deref() == Some(node.name.as_str());
             for (ai, a) in ep.addresses.iter().enumerate() {
-                match a {
-                    Address::Ip(ip) if ip.is_ipv4() == v4 => eps.push(Ep { ip: *ip, port: tport, ready, serving, terminating, local, zones: ep.zones.clone() }),
+                match a.ip() {
+                    Some(ip) if ip.is_ipv4() == v4 => eps.push(Ep { ip, port: tport, ready, serving, terminating, local, zones: ep.zones.clone() }),
                     _ => {
                         err(errors, &sobj, format!("endpoints[{ei}].addresses[{ai}]"), format!("{:?} is not an {} address", a.to_string(), slice.address_type))
                     }

@@ -192,7 +192,7 @@ pub fn compute(objects: &Objects, node: &NodeInfo, cfg: &ModelConfig) -> Desired
 }
 
 /// The desired state of only the `only` services (all when None): the incremental path.
-pub fn compute_filtered(objects: &Objects, node: &NodeInfo, cfg: &ModelConfig, only: Option<&BTreeSet<(String, String)>>) -> DesiredState {
+fn compute_filtered(objects: &Objects, node: &NodeInfo, cfg: &ModelConfig, only: Option<&BTreeSet<(String, String)>>) -> DesiredState {
     let mut out = DesiredState::default();
     for (ns, name) in objects.slices.unowned() {
         err(
@@ -219,9 +219,16 @@ pub fn compute_filtered(objects: &Objects, node: &NodeInfo, cfg: &ModelConfig, o
 }
 
 impl DesiredState {
+    /// The incremental path: recomputes the `names` services from `objects` and puts them in
+    /// place of what this state held of them. Returns every frontend key that may differ: those
+    /// removed and those (re)added.
+    pub fn recompute_services(&mut self, objects: &Objects, node: &NodeInfo, cfg: &ModelConfig, names: &BTreeSet<(String, String)>) -> BTreeSet<FrontendKey> {
+        let partial = compute_filtered(objects, node, cfg, Some(names));
+        self.replace_services(names, partial)
+    }
+
     /// Replaces everything of the `names` services with `partial` (computed for them alone).
-    /// Returns every frontend key that may differ: those removed and those (re)added.
-    pub fn replace_services(&mut self, names: &BTreeSet<(String, String)>, partial: DesiredState) -> BTreeSet<FrontendKey> {
+    fn replace_services(&mut self, names: &BTreeSet<(String, String)>, partial: DesiredState) -> BTreeSet<FrontendKey> {
         let mut touched = BTreeSet::new();
         if names.is_empty() {
             return touched;

@@ -44,9 +44,6 @@ impl Slices {
     pub fn get(&self, name: &ObjectName) -> Option<&SliceObject> {
         self.by_name.get(name)
     }
-    pub fn contains_key(&self, name: &ObjectName) -> bool {
-        self.by_name.contains_key(name)
-    }
     pub fn len(&self) -> usize {
         self.by_name.len()
     }
@@ -107,16 +104,6 @@ impl Slices {
     /// The slices that name no Service.
     pub fn unowned(&self) -> impl Iterator<Item = &ObjectName> {
         self.unowned.iter()
-    }
-}
-
-impl FromIterator<(ObjectName, SliceObject)> for Slices {
-    fn from_iter<I: IntoIterator<Item = (ObjectName, SliceObject)>>(iter: I) -> Self {
-        let mut s = Slices::default();
-        for (n, o) in iter {
-            s.insert(n, o);
-        }
-        s
     }
 }
 
@@ -200,6 +187,16 @@ pub struct Endpoint {
 pub enum Address {
     Ip(IpAddr),
     Invalid(Box<str>),
+}
+
+impl Address {
+    /// The address, when the text was one.
+    pub fn ip(&self) -> Option<IpAddr> {
+        match self {
+            Address::Ip(ip) => Some(*ip),
+            Address::Invalid(_) => None,
+        }
+    }
 }
 
 impl fmt::Display for Address {

@@ -343,12 +343,7 @@ fn local_ready_endpoints(slices: &[(&String, &SliceObject)], node: &NodeInfo, pu
         .flat_map(|(_, s)| s.endpoints.iter())
         .filter(|e| e.node_name.as_deref() == Some(node.name.as_str()))
         .filter(|e| publish_not_ready || e.ready.unwrap_or(true))
-        .flat_map(|e| {
-            e.addresses.iter().filter_map(|a| match a {
-                Address::Ip(ip) => Some(*ip),
-                Address::Invalid(_) => None,
-            })
-        })
+        .flat_map(|e| e.addresses.iter().filter_map(Address::ip))
         .collect();
     local.len()
 }
