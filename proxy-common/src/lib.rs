@@ -385,6 +385,10 @@ pub const SVC_F_SOURCE_RANGES: u8 = 1 << 2;
 /// not reject.
 pub const SVC_F_NO_LOCAL_ENDPOINT: u8 = 1 << 3;
 
+/// BPF_F_NO_PREALLOC (a map's flags): the control plane's hash maps (services, slots, backends,
+/// IPVS-mode sets) cost memory in proportion to their entries, not their capacity.
+pub const BPF_F_NO_PREALLOC: u32 = 1;
+
 /// DatapathConfig::flags.
 pub const CFG_F_MASQUERADE_ALL: u32 = 1 << 0;
 /// Every established packet probes conntrack (the benchmark's baseline; a troubleshooting aid).

@@ -20,9 +20,8 @@ macro_rules! map {
     };
 }
 
-/// BPF_F_NO_PREALLOC: the control plane's hash maps (services, slots, backends, IPVS-mode sets)
-/// cost memory in proportion to their entries, not their capacity (V2: this flag changed).
-const NO_PREALLOC: u32 = 1;
+/// The control plane's hash maps allocate per entry (V2 map names: this flag changed).
+const NO_PREALLOC: u32 = proxy_common::BPF_F_NO_PREALLOC;
 
 map! {
     /// (VIP or node address, port, protocol, scope) -> frontend: service id, backend count, scheduler.

@@ -456,13 +456,12 @@ pub fn map_capacities(pin_dir: &Path) -> Vec<(&'static str, u32)> {
 /// larger one that allocates per entry (BPF_F_NO_PREALLOC) costs nothing and is left out
 /// (earlier releases made the services map twice the service ids).
 pub fn capacity_mismatches(pin_dir: &Path, caps: &Capacities) -> Vec<(&'static str, u32, u32)> {
-    const BPF_F_NO_PREALLOC: u32 = 1;
     sized_maps(caps)
         .into_iter()
         .filter_map(|(name, want)| {
             let info = aya::maps::MapInfo::from_pin(pin_dir.join(name)).ok()?;
             let have = info.max_entries();
-            let harmless = have > want && info.map_flags() & BPF_F_NO_PREALLOC != 0;
+            let harmless = have > want && info.map_flags() & proxy_common::BPF_F_NO_PREALLOC != 0;
             (have != want && !harmless).then_some((name, have, want))
         })
         .collect()
