@@ -37,6 +37,7 @@ use proxy_agent::{
     model::{self, BackendKey, DesiredState, FrontendKey, NodeInfo, Protocol},
     netlink::ctnetlink::FakeConntrack,
     netlink::rtnl::{Links, NetlinkLinks, IPVS_DUMMY},
+    settings::VipBinding,
 };
 
 fn vip(i: u32) -> IpAddr {
@@ -64,6 +65,10 @@ struct Cp {
     ipvs_program_s: f64,
     /// Of ipvs_program_s, kube-ipvs0's addresses.
     ipvs_bind_s: f64,
+    /// Pipelined, the IPv4 VIPs as local routes (`--ipvs-vip-binding route`).
+    ipvs_routes_program_s: f64,
+    /// Of it, the routes.
+    ipvs_routes_bind_s: f64,
     ipvs_change_ms: f64,
     bpf_program_s: f64,
     bpf_change_ms: f64,
@@ -71,35 +76,41 @@ struct Cp {
 }
 
 /// Programs `n` services x 10 endpoints from nothing, in this process's network namespace:
-/// (seconds binding kube-ipvs0's addresses, seconds writing IPVS). `pipelined` false: one netlink
-/// request at a time (kpr before pipelining, and kube-proxy's way).
-fn ipvs_program(n: u32, pipelined: bool) -> (f64, f64) {
+/// (seconds binding the VIPs `binding`'s way, seconds writing IPVS). `pipelined` false: one
+/// netlink request at a time (kpr before pipelining, and kube-proxy's way).
+fn ipvs_program(n: u32, pipelined: bool, binding: VipBinding) -> (f64, f64) {
     let (mut ipvs, mut links) = (NetlinkIpvs::connect().expect("IPVS"), NetlinkLinks::connect().expect("rtnetlink"));
     if !pipelined {
         (ipvs, links) = (ipvs.one_at_a_time(), links.one_at_a_time());
     }
-    let settings = SyncSettings::default();
+    let settings = SyncSettings { vip_binding: binding, ..SyncSettings::default() };
     let vs = desired_virtual_servers(&desired(n, 10), &settings);
     let t = Instant::now();
     let ifindex = links.ensure_dummy(IPVS_DUMMY).expect("kube-ipvs0");
     let addrs: Vec<IpAddr> = bound_addresses(&vs).into_iter().collect();
-    assert!(links.change_addresses(ifindex, true, &addrs).iter().all(Result::is_ok), "binding kube-ipvs0's addresses");
+    let bound = match binding {
+        VipBinding::Address => links.change_addresses(ifindex, true, &addrs),
+        VipBinding::Route => links.change_local_routes(ifindex, true, &addrs),
+    };
+    assert!(bound.iter().all(Result::is_ok), "binding the VIPs ({binding:?})");
     let bind_s = t.elapsed().as_secs_f64();
     let t = Instant::now();
     let st = IpvsSyncer::new(settings).sync(&mut ipvs, &mut links, &mut FakeConntrack::default(), &vs, None).expect("ipvs sync");
     assert!(st.errors.is_empty(), "{:?}", &st.errors[..st.errors.len().min(3)]);
+    assert_eq!(st.addresses_bound, 0, "every VIP was bound before");
     (bind_s, t.elapsed().as_secs_f64())
 }
 
 /// `ipvs_program` in a network namespace of its own (IPVS's tables, its trash of deleted
 /// destinations, which every add searches, and kube-ipvs0 are per namespace: one run never
 /// slows the next).
-/// Returns [bind s, IPVS s, one change ms (pipelined only)].
-fn ipvs_program_isolated(n: u32, pipelined: bool) -> [f64; 3] {
-    let ns = format!("kvb-{n}-{pipelined}");
+/// Returns [bind s, IPVS s, one change ms (pipelined addresses only)].
+fn ipvs_program_isolated(n: u32, pipelined: bool, binding: VipBinding) -> [f64; 3] {
+    let ns = format!("kvb-{n}-{pipelined}-{binding:?}");
     must(&format!("ip netns add {ns}"));
     let exe = std::env::current_exe().expect("own path");
-    let out = Command::new("ip").args(["netns", "exec", &ns]).arg(exe).args(["ipvs-program", &n.to_string(), &pipelined.to_string()]).output().expect("spawn");
+    let args = [n.to_string(), pipelined.to_string(), format!("{binding:?}")];
+    let out = Command::new("ip").args(["netns", "exec", &ns]).arg(exe).arg("ipvs-program").args(args).output().expect("spawn");
     let _ = sh(&format!("ip netns del {ns}"));
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "ipvs-program {n}: {text}{}", String::from_utf8_lossy(&out.stderr));
@@ -132,8 +143,9 @@ fn ipvs_changes(n: u32) -> f64 {
 fn control_plane(n: u32) -> Cp {
     let changes = 5;
     let _ = Command::new("modprobe").arg("ip_vs").status();
-    let [bind_1, ipvs_1, _] = ipvs_program_isolated(n, false);
-    let [bind_p, ipvs_p, ipvs_change_ms] = ipvs_program_isolated(n, true);
+    let [bind_1, ipvs_1, _] = ipvs_program_isolated(n, false, VipBinding::Address);
+    let [bind_p, ipvs_p, ipvs_change_ms] = ipvs_program_isolated(n, true, VipBinding::Address);
+    let [bind_r, ipvs_r, _] = ipvs_program_isolated(n, true, VipBinding::Route);
     let (ipvs_one_at_a_time_s, ipvs_program_s) = (bind_1 + ipvs_1, bind_p + ipvs_p);
 
     // The BPF maps, same services.
@@ -171,6 +183,8 @@ fn control_plane(n: u32) -> Cp {
         ipvs_one_at_a_time_s,
         ipvs_program_s,
         ipvs_bind_s: bind_p,
+        ipvs_routes_program_s: bind_r + ipvs_r,
+        ipvs_routes_bind_s: bind_r,
         ipvs_change_ms,
         bpf_program_s,
         bpf_change_ms: median(times),
@@ -381,8 +395,9 @@ fn main() {
     }
     if args.get(1).map(String::as_str) == Some("ipvs-program") {
         let (n, pipelined) = (args[2].parse().expect("N"), args[3] == "true");
-        let (bind, ipvs) = ipvs_program(n, pipelined);
-        let change_ms = if pipelined { ipvs_changes(n) } else { 0.0 };
+        let binding = if args[4] == "Route" { VipBinding::Route } else { VipBinding::Address };
+        let (bind, ipvs) = ipvs_program(n, pipelined, binding);
+        let change_ms = if pipelined && binding == VipBinding::Address { ipvs_changes(n) } else { 0.0 };
         return println!("{bind} {ipvs} {change_ms}");
     }
     let opt = |n: &str| args.iter().position(|a| a == n).and_then(|i| args.get(i + 1)).cloned();
@@ -398,21 +413,35 @@ fn main() {
 
     println!("\ncontrol plane: N services x 10 endpoints from nothing; 1 change = one service's endpoints replaced (median of 5)");
     println!("IPVS prog: kpr's pipelined netlink (up to 128 requests per sendmsg), of which binding kube-ipvs0's addresses; 1-by-1: one request at a time, as");
-    println!("before (and as kube-proxy); each in a fresh network namespace. Goal at 30,000: < 60 s");
+    println!("before (and as kube-proxy); routes: pipelined, the VIPs as local routes through kube-ipvs0 (--ipvs-vip-binding route), of which binding them;");
+    println!("each in a fresh network namespace. Goal at 30,000: < 60 s");
     println!(
-        "{:>8} {:>14} {:>14} {:>10} {:>9} {:>14} {:>14} {:>14} {:>10} {:>12}",
-        "services", "IPVS 1-by-1 s", "IPVS prog (s)", "of it bind", "speedup", "IPVS 1 chg ms", "maps prog (s)", "maps 1 chg ms", "prog ratio", "BPF map MiB"
+        "{:>8} {:>14} {:>14} {:>10} {:>9} {:>12} {:>10} {:>14} {:>14} {:>14} {:>10} {:>12}",
+        "services",
+        "IPVS 1-by-1 s",
+        "IPVS prog (s)",
+        "of it bind",
+        "speedup",
+        "routes (s)",
+        "of it bind",
+        "IPVS 1 chg ms",
+        "maps prog (s)",
+        "maps 1 chg ms",
+        "prog ratio",
+        "BPF map MiB"
     );
     let mut cps = Vec::new();
     for &n in &cp_sizes {
         let c = control_plane(n);
         println!(
-            "{:>8} {:>14.2} {:>14.2} {:>10.2} {:>8.1}x {:>14.2} {:>14.2} {:>14.2} {:>9.1}x {:>12.1}",
+            "{:>8} {:>14.2} {:>14.2} {:>10.2} {:>8.1}x {:>12.2} {:>10.2} {:>14.2} {:>14.2} {:>14.2} {:>9.1}x {:>12.1}",
             c.n,
             c.ipvs_one_at_a_time_s,
             c.ipvs_program_s,
             c.ipvs_bind_s,
             c.ipvs_one_at_a_time_s / c.ipvs_program_s.max(1e-9),
+            c.ipvs_routes_program_s,
+            c.ipvs_routes_bind_s,
             c.ipvs_change_ms,
             c.bpf_program_s,
             c.bpf_change_ms,
@@ -469,7 +498,7 @@ fn main() {
         }
     }
     if let Some(path) = opt("--json") {
-        let cp: Vec<_> = cps.iter().map(|c| serde_json::json!({"services": c.n, "endpoints_per_service": 10, "ipvs_one_at_a_time_s": c.ipvs_one_at_a_time_s, "ipvs_program_s": c.ipvs_program_s, "ipvs_bind_s": c.ipvs_bind_s, "ipvs_one_change_ms": c.ipvs_change_ms, "bpf_program_s": c.bpf_program_s, "bpf_one_change_ms": c.bpf_change_ms, "bpf_map_memlock_bytes": c.bpf_map_bytes})).collect();
+        let cp: Vec<_> = cps.iter().map(|c| serde_json::json!({"services": c.n, "endpoints_per_service": 10, "ipvs_one_at_a_time_s": c.ipvs_one_at_a_time_s, "ipvs_program_s": c.ipvs_program_s, "ipvs_bind_s": c.ipvs_bind_s, "ipvs_routes_program_s": c.ipvs_routes_program_s, "ipvs_routes_bind_s": c.ipvs_routes_bind_s, "ipvs_one_change_ms": c.ipvs_change_ms, "bpf_program_s": c.bpf_program_s, "bpf_one_change_ms": c.bpf_change_ms, "bpf_map_memlock_bytes": c.bpf_map_bytes})).collect();
         let t: Vec<_> = tr
             .iter()
             .map(|t| serde_json::json!({"services": t.n, "mode": t.mode, "conn_per_s": t.rate, "p50_us": t.p50, "p99_us": t.p99, "errors": t.errors}))

@@ -1,5 +1,6 @@
-//! Links and addresses over rtnetlink (neli): the dummy interface `kube-ipvs0` that holds the
-//! virtual IPs IPVS answers for. Behind the `Links` trait; `FakeLinks` keeps a map.
+//! Links, addresses and local routes over rtnetlink (neli): the dummy interface `kube-ipvs0`
+//! and the virtual IPs IPVS answers for, bound on it as addresses (kube-proxy's way) or as
+//! local routes through it. Behind the `Links` trait; `FakeLinks` keeps maps.
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::IpAddr,
@@ -8,11 +9,11 @@ use std::{
 use neli::{
     consts::{
         nl::NlmF,
-        rtnl::{Ifa, IfaF, Ifla, IflaInfo, RtAddrFamily, RtScope, Rtm},
+        rtnl::{Ifa, IfaF, Ifla, IflaInfo, RtAddrFamily, RtScope, RtTable, Rta, Rtm, Rtn, Rtprot},
         socket::NlFamily,
     },
     nl::{NlPayload, Nlmsghdr, NlmsghdrBuilder},
-    rtnl::{Ifaddrmsg, IfaddrmsgBuilder, IfinfomsgBuilder, RtattrBuilder},
+    rtnl::{Ifaddrmsg, IfaddrmsgBuilder, IfinfomsgBuilder, RtattrBuilder, Rtmsg, RtmsgBuilder},
     socket::synchronous::NlSocketHandle,
     types::{Buffer, RtBuffer},
     utils::Groups,
@@ -23,6 +24,10 @@ use crate::netlink::socket::NlError;
 
 /// kube-proxy's name, so operators' habits (`ip addr show kube-ipvs0`) carry over.
 pub const IPVS_DUMMY: &str = "kube-ipvs0";
+
+/// The `rtm_protocol` of the local routes kpr adds (`ip route show table local proto 107`): what
+/// tells them from the kernel's own local routes, which every address brings.
+pub const RTPROT_KPR: u8 = 107;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LinkError {
@@ -59,6 +64,13 @@ pub trait Links {
     fn change_addresses(&mut self, ifindex: u32, add: bool, addrs: &[IpAddr]) -> Vec<Result<(), LinkError>> {
         addrs.iter().map(|a| if add { self.add_address(ifindex, *a) } else { self.del_address(ifindex, *a) }).collect()
     }
+    /// The IPv4 local routes kpr added through `ifindex` (table local, protocol `RTPROT_KPR`).
+    fn local_routes(&mut self, ifindex: u32) -> Result<BTreeSet<IpAddr>, LinkError>;
+    /// Adds (`add`) or deletes a host-scope local route to each of `addrs` (IPv4) through
+    /// `ifindex`, each with its own outcome: it makes the address local as an address would
+    /// (source: the address itself), but costs O(log n) in the kernel where an IPv4 address
+    /// costs a walk of the link's address list. Idempotent both ways.
+    fn change_local_routes(&mut self, ifindex: u32, add: bool, addrs: &[IpAddr]) -> Vec<Result<(), LinkError>>;
 }
 
 pub struct NetlinkLinks {
@@ -130,6 +142,55 @@ impl NetlinkLinks {
             .rtattrs(attrs)
             .build()
             .map_err(sock_err)
+    }
+
+    /// A host-scope local route to `addr` through `ifindex`, in table local, as the kernel
+    /// makes for an address: the address is its own preferred source.
+    fn local_route_msg(ifindex: u32, addr: IpAddr) -> Result<Rtmsg, LinkError> {
+        let IpAddr::V4(v4) = addr else {
+            return Err(LinkError::Socket(format!("{addr}: local routes are for IPv4 addresses")));
+        };
+        let mut attrs = RtBuffer::<Rta, Buffer>::new();
+        for ty in [Rta::Dst, Rta::Prefsrc] {
+            attrs.push(RtattrBuilder::default().rta_type(ty).rta_payload(v4.octets().to_vec()).build().map_err(sock_err)?);
+        }
+        attrs.push(RtattrBuilder::default().rta_type(Rta::Oif).rta_payload(ifindex).build().map_err(sock_err)?);
+        RtmsgBuilder::default()
+            .rtm_family(RtAddrFamily::Inet)
+            .rtm_dst_len(32)
+            .rtm_src_len(0)
+            .rtm_tos(0)
+            .rtm_table(RtTable::Local)
+            .rtm_protocol(Rtprot::UnrecognizedConst(RTPROT_KPR))
+            .rtm_scope(RtScope::Host)
+            .rtm_type(Rtn::Local)
+            .rtattrs(attrs)
+            .build()
+            .map_err(sock_err)
+    }
+
+    /// Each pipelined request's outcome, by the address it was for: errnos in `harmless` (the
+    /// idempotent cases) are success.
+    fn outcomes(answers: Result<Vec<Result<(), i32>>, NlError>, addrs: &[IpAddr], op: &'static str, harmless: &[i32]) -> Vec<Result<(), LinkError>> {
+        match answers {
+            Ok(answers) => addrs
+                .iter()
+                .zip(answers)
+                .map(|(addr, a)| match a {
+                    Err(errno) if !harmless.contains(&errno) => {
+                        Err(LinkError::Kernel { op, object: addr.to_string(), err: std::io::Error::from_raw_os_error(errno) })
+                    }
+                    _ => Ok(()),
+                })
+                .collect(),
+            Err(e) => {
+                let e = match e {
+                    NlError::Errno(errno) => std::io::Error::from_raw_os_error(errno).to_string(),
+                    NlError::Socket(s) => s,
+                };
+                addrs.iter().map(|_| Err(LinkError::Socket(e.clone()))).collect()
+            }
+        }
     }
 }
 
@@ -242,31 +303,59 @@ impl Links for NetlinkLinks {
                 Err(e) => return addrs.iter().map(|_| Err(LinkError::Socket(e.to_string()))).collect(),
             }
         }
-        match crate::netlink::socket::pipeline(&self.sock, &msgs, self.depth) {
-            Ok(answers) => addrs
-                .iter()
-                .zip(answers)
-                .map(|(addr, a)| match a {
-                    Err(errno) if !harmless.contains(&errno) => {
-                        Err(LinkError::Kernel { op, object: addr.to_string(), err: std::io::Error::from_raw_os_error(errno) })
-                    }
-                    _ => Ok(()),
-                })
-                .collect(),
-            Err(e) => {
-                let e = match e {
-                    NlError::Errno(errno) => std::io::Error::from_raw_os_error(errno).to_string(),
-                    NlError::Socket(s) => s,
-                };
-                addrs.iter().map(|_| Err(LinkError::Socket(e.clone()))).collect()
+        Self::outcomes(crate::netlink::socket::pipeline(&self.sock, &msgs, self.depth), addrs, op, harmless)
+    }
+
+    fn local_routes(&mut self, ifindex: u32) -> Result<BTreeSet<IpAddr>, LinkError> {
+        let msg = RtmsgBuilder::default()
+            .rtm_family(RtAddrFamily::Inet)
+            .rtm_dst_len(0)
+            .rtm_src_len(0)
+            .rtm_tos(0)
+            .rtm_table(RtTable::Unspec)
+            .rtm_protocol(Rtprot::Unspec)
+            .rtm_scope(RtScope::Universe)
+            .rtm_type(Rtn::Unspec)
+            .build()
+            .map_err(sock_err)?;
+        let all: Vec<Rtmsg> = self.request(Rtm::Getroute, NlmF::DUMP, msg, "list routes", "")?;
+        Ok(all
+            .iter()
+            .filter(|r| *r.rtm_table() == RtTable::Local && *r.rtm_type() == Rtn::Local && u8::from(*r.rtm_protocol()) == RTPROT_KPR)
+            .filter(|r| r.rtattrs().get_attr_handle().get_attr_payload_as::<u32>(Rta::Oif).ok() == Some(ifindex))
+            .filter_map(|r| {
+                let dst = r.rtattrs().iter().find(|a| *a.rta_type() == Rta::Dst)?;
+                addr_from(*r.rtm_family(), dst.rta_payload().as_ref())
+            })
+            .collect())
+    }
+
+    fn change_local_routes(&mut self, ifindex: u32, add: bool, addrs: &[IpAddr]) -> Vec<Result<(), LinkError>> {
+        // CREATE without EXCL: an address's own local route to the same destination (protocol
+        // kernel) is another route, so ours is added beside it; only ours again is EEXIST.
+        let (ty, flags, op, harmless): (_, _, _, &[i32]) = if add {
+            (Rtm::Newroute, NlmF::CREATE, "add local route", &[libc::EEXIST])
+        } else {
+            (Rtm::Delroute, NlmF::empty(), "delete local route", &[libc::ESRCH, libc::ENODEV])
+        };
+        let mut msgs = Vec::with_capacity(addrs.len());
+        for addr in addrs {
+            let msg = Self::local_route_msg(ifindex, *addr).and_then(|m| self.message(ty, NlmF::ACK | flags, m));
+            match msg {
+                Ok(m) => msgs.push(m),
+                Err(e) => return addrs.iter().map(|_| Err(LinkError::Socket(e.to_string()))).collect(),
             }
         }
+        Self::outcomes(crate::netlink::socket::pipeline(&self.sock, &msgs, self.depth), addrs, op, harmless)
     }
 }
 
 #[derive(Default, Debug)]
 pub struct FakeLinks {
+    /// name -> (index, addresses)
     pub links: BTreeMap<String, (u32, BTreeSet<IpAddr>)>,
+    /// index -> kpr's local routes through it
+    pub local_routes: BTreeMap<u32, BTreeSet<IpAddr>>,
 }
 
 impl Links for FakeLinks {
@@ -278,7 +367,10 @@ impl Links for FakeLinks {
         Ok(self.links.get(name).map(|l| l.0))
     }
     fn delete_link(&mut self, name: &str) -> Result<(), LinkError> {
-        self.links.remove(name);
+        // The kernel's routes through a link go with it.
+        if let Some((i, _)) = self.links.remove(name) {
+            self.local_routes.remove(&i);
+        }
         Ok(())
     }
     fn addresses(&mut self, ifindex: u32) -> Result<BTreeSet<IpAddr>, LinkError> {
@@ -294,5 +386,28 @@ impl Links for FakeLinks {
             l.1.remove(&addr);
         }
         Ok(())
+    }
+    fn local_routes(&mut self, ifindex: u32) -> Result<BTreeSet<IpAddr>, LinkError> {
+        Ok(self.local_routes.get(&ifindex).cloned().unwrap_or_default())
+    }
+    fn change_local_routes(&mut self, ifindex: u32, add: bool, addrs: &[IpAddr]) -> Vec<Result<(), LinkError>> {
+        if add && !self.links.values().any(|l| l.0 == ifindex) {
+            return addrs.iter().map(|_| Err(LinkError::NoLink(ifindex.to_string()))).collect();
+        }
+        let routes = self.local_routes.entry(ifindex).or_default();
+        addrs
+            .iter()
+            .map(|a| {
+                if !a.is_ipv4() {
+                    return Err(LinkError::Socket(format!("{a}: local routes are for IPv4 addresses")));
+                }
+                if add {
+                    routes.insert(*a);
+                } else {
+                    routes.remove(a);
+                }
+                Ok(())
+            })
+            .collect()
     }
 }

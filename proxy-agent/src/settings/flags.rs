@@ -135,6 +135,11 @@ pub struct Flags {
     /// IPVS's UDP timeout; 0 keeps the kernel's [file: ipvs.udpTimeout].
     #[arg(long, value_parser = parse_duration)]
     pub ipvs_udp_timeout: Option<Duration>,
+    /// IPVS mode: bind IPv4 virtual IPs as addresses on kube-ipvs0 (kube-proxy's way) or as
+    /// local routes through it (no O(N²) kernel cost at tens of thousands of Services)
+    /// [default: address].
+    #[arg(long, value_enum, env = "KPR_IPVS_VIP_BINDING")]
+    pub ipvs_vip_binding: Option<super::VipBinding>,
     /// nf_conntrack_max per CPU; 0 leaves the kernel's [file: conntrack.maxPerCore; default: 32768].
     #[arg(long)]
     pub conntrack_max_per_core: Option<u32>,

@@ -317,6 +317,7 @@ pub fn resolve(f: &Flags, file: Option<(&str, KubeProxyConfiguration)>) -> Resul
         tcp_timeout: pick(f.ipvs_tcp_timeout.map(Duration::from), ipv.tcp_timeout.map(Duration::from), Duration::ZERO),
         tcp_fin_timeout: pick(f.ipvs_tcp_fin_timeout.map(Duration::from), ipv.tcp_fin_timeout.map(Duration::from), Duration::ZERO),
         udp_timeout: pick(f.ipvs_udp_timeout.map(Duration::from), ipv.udp_timeout.map(Duration::from), Duration::ZERO),
+        vip_binding: pick(f.ipvs_vip_binding, None, VipBinding::Address),
     };
 
     let ct = conntrack.unwrap_or_default();

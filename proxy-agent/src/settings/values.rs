@@ -191,6 +191,22 @@ pub struct IpvsSettings {
     pub tcp_timeout: Duration,
     pub tcp_fin_timeout: Duration,
     pub udp_timeout: Duration,
+    pub vip_binding: VipBinding,
+}
+
+/// How IPVS mode makes its IPv4 virtual IPs local (IPVS sees only packets to local addresses).
+/// IPv6 ones are always addresses: the kernel adds those in constant time, and refuses an IPv6
+/// route through a link that is down, as kube-ipvs0 is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum VipBinding {
+    /// An address on kube-ipvs0 each, as kube-proxy (`ip addr show kube-ipvs0`). The kernel
+    /// walks the link's address list on every add, so binding N costs O(N²): seconds at tens of
+    /// thousands of Services, once per node start from an empty kube-ipvs0.
+    #[default]
+    Address,
+    /// A local route through kube-ipvs0 each (`ip route show table local dev kube-ipvs0`):
+    /// the same delivery, O(log N) each.
+    Route,
 }
 
 impl Default for IpvsSettings {
@@ -202,6 +218,7 @@ impl Default for IpvsSettings {
             tcp_timeout: Duration::ZERO,
             tcp_fin_timeout: Duration::ZERO,
             udp_timeout: Duration::ZERO,
+            vip_binding: VipBinding::Address,
         }
     }
 }

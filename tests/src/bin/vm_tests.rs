@@ -731,6 +731,63 @@ fn restart_changes_nothing(lab: &mut Lab) -> Result<()> {
     Ok(())
 }
 
+/// IPv4 virtual IPs as kpr's local routes: the VIPs move off kube-ipvs0's addresses (IPv6 ones
+/// stay), every path still answers, IPVS is not touched; and back.
+fn vip_binding_routes(lab: &mut Lab) -> Result<()> {
+    let n = node(lab);
+    // Empty until the first sync made kube-ipvs0.
+    let out = |cmd: String| String::from_utf8_lossy(&sh(&cmd).stdout).into_owned();
+    let v4_addrs = || -> BTreeSet<String> {
+        out(format!("ip -n {n} -4 -o addr show dev kube-ipvs0")).split_whitespace().filter_map(|w| w.strip_suffix("/32")).map(str::to_string).collect()
+    };
+    let routes = || -> BTreeSet<String> {
+        out(format!("ip -n {n} -4 route show table local proto 107 dev kube-ipvs0"))
+            .lines()
+            .filter_map(|l| l.strip_prefix("local ").and_then(|r| r.split_whitespace().next()).map(str::to_string))
+            .collect()
+    };
+    wait_until("the VIPs bound", 60, || {
+        ensure!(v4_addrs().contains("10.96.0.10") && v4_addrs().contains("203.0.113.10"), "kube-ipvs0: {:?}", v4_addrs());
+        Ok(())
+    })?;
+    let v6_before = out(format!("ip -n {n} -6 -o addr show dev kube-ipvs0"));
+    let vips = v4_addrs();
+    ensure!(routes().is_empty(), "before: routes {:?}", routes());
+    let state = sn(lab);
+    let traffic = |lab: &Lab, how: &str| -> Result<()> {
+        for (role, target, proto, backends) in
+            [("cl", "10.96.0.10:80", "tcp", 3), ("pod", "10.96.0.53:53", "udp", 3), ("cl", "203.0.113.10:80", "tcp", 2), ("node", "10.96.0.10:80", "tcp", 3)]
+        {
+            let v = burst(lab, role, target, proto, "12");
+            ensure!(errors(&v) == 0 && per_backend(&v).len() == backends, "{how}: {role} -> {target} {proto}: {v}");
+        }
+        let v = burst(lab, "pod", "10.96.0.10:81", "tcp", "1");
+        ensure!(errors(&v) == 1 && v["first_error"].as_str().unwrap_or("").contains("refused"), "{how}: VIP:81 must be refused: {v}");
+        println!("  {how}: ClusterIP TCP and UDP, LoadBalancer IP, from the node, VIP:81 refused");
+        Ok(())
+    };
+    let restart = |lab: &mut Lab, binding: &str| {
+        lab.kill_agent();
+        lab.agent_args.retain(|a| !a.starts_with("--ipvs-vip-binding"));
+        lab.agent_args.push(format!("--ipvs-vip-binding={binding}"));
+        lab.start_agent();
+    };
+    restart(lab, "route");
+    wait_until("the VIPs as routes", 60, || {
+        ensure!(routes() == vips && v4_addrs().is_empty(), "routes {:?}, IPv4 addresses {:?}", routes(), v4_addrs());
+        Ok(())
+    })?;
+    ensure!(out(format!("ip -n {n} -6 -o addr show dev kube-ipvs0")) == v6_before, "IPv6 VIPs stay addresses");
+    ensure!(sn(lab) == state, "IPVS changed with the binding");
+    traffic(lab, "VIPs as local routes")?;
+    restart(lab, "address");
+    wait_until("the VIPs as addresses again", 60, || {
+        ensure!(routes().is_empty() && v4_addrs() == vips, "routes {:?}, IPv4 addresses {:?}", routes(), v4_addrs());
+        Ok(())
+    })?;
+    traffic(lab, "VIPs as addresses again")
+}
+
 /// `kpr cleanup` leaves nothing of IPVS mode behind.
 fn cleanup_leaves_nothing(lab: &mut Lab) -> Result<()> {
     lab.kill_agent();
@@ -981,6 +1038,9 @@ fn main() {
                 }
                 if pick("restart_changes_nothing") {
                     run("restart_changes_nothing", restart_changes_nothing(&mut lab));
+                }
+                if pick("vip_binding_routes") {
+                    run("vip_binding_routes", vip_binding_routes(&mut lab));
                 }
                 if let Some(h) = hold {
                     run("graceful_termination_finishes", graceful_termination_finishes(&lab, h));

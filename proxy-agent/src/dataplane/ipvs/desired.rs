@@ -11,6 +11,7 @@ use ipnet::IpNet;
 use crate::{
     dataplane::ipvs::client::{flags, DestConfig, FwdMethod, ServiceConfig, ServiceId},
     model::{DesiredState, FrontendKind, IpvsForward, Scope},
+    settings::VipBinding,
 };
 
 pub const DEFAULT_NODE_PORT_RANGE: RangeInclusive<u16> = proxy_common::NODE_PORT_MIN..=proxy_common::NODE_PORT_MAX;
@@ -26,6 +27,8 @@ pub struct SyncSettings {
     /// `node_port_range` is ours.
     pub node_addresses: Vec<IpAddr>,
     pub node_port_range: RangeInclusive<u16>,
+    /// IPv4 virtual IPs as kube-ipvs0's addresses or as local routes through it.
+    pub vip_binding: VipBinding,
 }
 
 impl Default for SyncSettings {
@@ -35,6 +38,7 @@ impl Default for SyncSettings {
             exclude_cidrs: vec![],
             node_addresses: vec![],
             node_port_range: DEFAULT_NODE_PORT_RANGE,
+            vip_binding: VipBinding::Address,
         }
     }
 }

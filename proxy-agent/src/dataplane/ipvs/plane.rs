@@ -105,7 +105,12 @@ impl IpvsPlane {
                 None
             }
         };
-        let settings = SyncSettings { scheduler: s.ipvs.scheduler.clone(), exclude_cidrs: s.ipvs.exclude_cidrs.clone(), ..SyncSettings::default() };
+        let settings = SyncSettings {
+            scheduler: s.ipvs.scheduler.clone(),
+            exclude_cidrs: s.ipvs.exclude_cidrs.clone(),
+            vip_binding: s.ipvs.vip_binding,
+            ..SyncSettings::default()
+        };
         let mut maps = KernelMaps::open(&pin_dir)?;
         let timeouts = FlowTimeouts::from_settings(&s.conntrack);
         let drain = FastPathDrain::start(&pin_dir, &mut dp, &mut maps, timeouts, s.handover_limit).unwrap_or_else(|e| {

@@ -13,6 +13,7 @@ use crate::{
     dataplane::ipvs::client::{flags, DestConfig, FwdMethod, Ipvs, IpvsError, ServiceConfig, ServiceId, Write},
     netlink::ctnetlink::ConntrackFlusher,
     netlink::rtnl::{LinkError, Links, IPVS_DUMMY},
+    settings::VipBinding,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -39,9 +40,62 @@ pub struct IpvsSyncStats {
 
 pub struct IpvsSyncer {
     pub settings: SyncSettings,
-    /// kube-ipvs0's index and addresses as of the last sync: an incremental sync trusts them
+    /// kube-ipvs0's index and bindings as of the last sync: an incremental sync trusts them
     /// (listing 10,000 addresses per change would make a change O(N)); a full sync re-lists.
-    link_cache: Option<(u32, BTreeSet<IpAddr>)>,
+    link_cache: Option<(u32, Bindings)>,
+}
+
+/// The virtual IPs made local through kube-ipvs0, each way. Both count as bound (ownership),
+/// whatever the setting: a node switched from one way to the other still owns the first's.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Bindings {
+    addresses: BTreeSet<IpAddr>,
+    routes: BTreeSet<IpAddr>,
+}
+
+impl Bindings {
+    fn read(links: &mut dyn Links, ifindex: u32) -> Result<Self, LinkError> {
+        Ok(Bindings { addresses: links.addresses(ifindex)?, routes: links.local_routes(ifindex)? })
+    }
+
+    /// The bindings `want` takes under `binding`: IPv4 as routes in route mode, all else
+    /// addresses.
+    fn wanted(want: &BTreeSet<IpAddr>, binding: VipBinding) -> Self {
+        let (routes, addresses) = want.iter().partition(|a| binding == VipBinding::Route && a.is_ipv4());
+        Bindings { addresses, routes }
+    }
+
+    fn all(&self) -> BTreeSet<IpAddr> {
+        self.addresses.union(&self.routes).copied().collect()
+    }
+
+    fn is_subset(&self, other: &Bindings) -> bool {
+        self.addresses.is_subset(&other.addresses) && self.routes.is_subset(&other.routes)
+    }
+}
+
+/// Binds (`add`) or unbinds `addrs` as addresses or (`routes`) local routes on `ifindex`,
+/// recording each success in `now` and each failure in `st`.
+fn change_bindings(links: &mut dyn Links, ifindex: u32, add: bool, routes: bool, addrs: &[IpAddr], now: &mut BTreeSet<IpAddr>, st: &mut IpvsSyncStats) {
+    if addrs.is_empty() {
+        return;
+    }
+    let results = if routes { links.change_local_routes(ifindex, add, addrs) } else { links.change_addresses(ifindex, add, addrs) };
+    let what = if routes { "local route" } else { "address" };
+    for (addr, r) in addrs.iter().zip(results) {
+        match (r, add) {
+            (Ok(()), true) => {
+                st.addresses_bound += 1;
+                now.insert(*addr);
+            }
+            (Ok(()), false) => {
+                st.addresses_unbound += 1;
+                now.remove(addr);
+            }
+            (Err(e), true) => st.errors.push(format!("bind {addr} on {IPVS_DUMMY} ({what}): {e}")),
+            (Err(e), false) => st.errors.push(format!("unbind {addr} from {IPVS_DUMMY} ({what}): {e}")),
+        }
+    }
 }
 
 fn dest_differs(want: &DestConfig, have: &DestConfig) -> bool {
@@ -98,23 +152,19 @@ impl IpvsSyncer {
             (Some(cached), Some(_)) => cached,
             _ => {
                 let i = links.ensure_dummy(IPVS_DUMMY)?;
-                (i, links.addresses(i)?)
+                (i, Bindings::read(links, i)?)
             }
         };
-        let mut now_bound = bound.clone();
+        let mut now = bound.clone();
 
         // Bind first: IPVS only sees packets to local addresses.
-        let want_bound = bound_addresses(desired);
-        let to_bind: Vec<IpAddr> = want_bound.difference(&bound).copied().collect();
-        for (addr, r) in to_bind.iter().zip(links.change_addresses(ifindex, true, &to_bind)) {
-            match r {
-                Ok(()) => {
-                    st.addresses_bound += 1;
-                    now_bound.insert(*addr);
-                }
-                Err(e) => st.errors.push(format!("bind {addr} on {IPVS_DUMMY}: {e}")),
-            }
-        }
+        let want_all = bound_addresses(desired);
+        let want = Bindings::wanted(&want_all, self.settings.vip_binding);
+        let to_route: Vec<IpAddr> = want.routes.difference(&bound.routes).copied().collect();
+        change_bindings(links, ifindex, true, true, &to_route, &mut now.routes, &mut st);
+        let to_address: Vec<IpAddr> = want.addresses.difference(&bound.addresses).copied().collect();
+        change_bindings(links, ifindex, true, false, &to_address, &mut now.addresses, &mut st);
+        let bound_all = bound.all();
 
         let actual: BTreeMap<ServiceId, ServiceConfig> = match only {
             None => ipvs.services()?.into_iter().map(|s| (s.config.id, s.config)).collect(),
@@ -138,7 +188,7 @@ impl IpvsSyncer {
         for id in scope {
             let r = match (desired.get(&id), actual.get(&id)) {
                 (Some(want), have) => self.plan_service(ipvs, want, have, &mut st, &mut plan),
-                (None, Some(_)) if self.owned(&id, &bound) || self.owned(&id, &want_bound) => {
+                (None, Some(_)) if self.owned(&id, &bound_all) || self.owned(&id, &want_all) => {
                     plan.push(Write::DelService(id));
                     Ok(())
                 }
@@ -169,21 +219,16 @@ impl IpvsSyncer {
             }
         }
 
-        // Unbind addresses no virtual server needs (a full sync sees them all).
-        if only.is_none() || !bound.is_subset(&want_bound) {
-            let to_unbind: Vec<IpAddr> =
-                bound.difference(&want_bound).filter(|a| !self.settings.exclude_cidrs.iter().any(|c| c.contains(*a))).copied().collect();
-            for (addr, r) in to_unbind.iter().zip(links.change_addresses(ifindex, false, &to_unbind)) {
-                match r {
-                    Ok(()) => {
-                        st.addresses_unbound += 1;
-                        now_bound.remove(addr);
-                    }
-                    Err(e) => st.errors.push(format!("unbind {addr} from {IPVS_DUMMY}: {e}")),
-                }
-            }
+        // Unbind what no virtual server needs, or is bound the other way now (a full sync sees
+        // them all). After the binds: an address switched to a route is never unbound between.
+        if only.is_none() || !bound.is_subset(&want) {
+            let kept = |a: &&IpAddr| !self.settings.exclude_cidrs.iter().any(|c| c.contains(*a));
+            let stale_routes: Vec<IpAddr> = bound.routes.difference(&want.routes).filter(kept).copied().collect();
+            change_bindings(links, ifindex, false, true, &stale_routes, &mut now.routes, &mut st);
+            let stale_addresses: Vec<IpAddr> = bound.addresses.difference(&want.addresses).filter(kept).copied().collect();
+            change_bindings(links, ifindex, false, false, &stale_addresses, &mut now.addresses, &mut st);
         }
-        self.link_cache = Some((ifindex, now_bound));
+        self.link_cache = Some((ifindex, now));
         Ok(st)
     }
 
@@ -254,7 +299,7 @@ pub fn cleanup(ipvs: &mut dyn Ipvs, links: &mut dyn Links, node_addresses: &[IpA
     }
     if links.link_index(IPVS_DUMMY)?.is_some() {
         links.delete_link(IPVS_DUMMY)?;
-        done.push(format!("deleted link {IPVS_DUMMY} ({} addresses)", bound.len()));
+        done.push(format!("deleted link {IPVS_DUMMY} ({} virtual IPs bound)", bound.len()));
     }
     Ok(done)
 }
@@ -263,7 +308,7 @@ pub fn cleanup(ipvs: &mut dyn Ipvs, links: &mut dyn Links, node_addresses: &[IpA
 /// `node_addresses`).
 fn owned_services(ipvs: &mut dyn Ipvs, links: &mut dyn Links, node_addresses: &[IpAddr]) -> Result<(Vec<ServiceId>, BTreeSet<IpAddr>), IpvsSyncError> {
     let bound = match links.link_index(IPVS_DUMMY)? {
-        Some(i) => links.addresses(i)?,
+        Some(i) => Bindings::read(links, i)?.all(),
         None => BTreeSet::new(),
     };
     let syncer = IpvsSyncer::new(SyncSettings { node_addresses: node_addresses.to_vec(), ..Default::default() });
@@ -338,6 +383,10 @@ mod tests {
         }
         fn bound(&self) -> Vec<String> {
             self.links.links.get(IPVS_DUMMY).map(|l| l.1.iter().map(|a| a.to_string()).collect()).unwrap_or_default()
+        }
+        fn routed(&self) -> Vec<String> {
+            let Some((i, _)) = self.links.links.get(IPVS_DUMMY) else { return vec![] };
+            self.links.local_routes.get(i).map(|r| r.iter().map(|a| a.to_string()).collect()).unwrap_or_default()
         }
     }
 
@@ -418,6 +467,51 @@ mod tests {
         w.syncer.sync(&mut w.ipvs, &mut w.links, &mut w.ct, &vs, Some(&only)).unwrap();
         assert!(!w.ipvs.services.contains_key(&tcp("10.96.0.2", 80)));
         assert_eq!(w.bound(), vec!["10.96.0.1"]);
+    }
+
+    #[test]
+    fn route_binding_routes_ipv4_vips_and_takes_over_addresses_both_ways() {
+        let mut w = World::new();
+        let d = state(vec![
+            ("10.96.0.1", 80, Protocol::Tcp, fe(FrontendKind::ClusterIp, &[("10.244.1.2", 80)], Protocol::Tcp)),
+            ("fd00:96::1", 80, Protocol::Tcp, fe(FrontendKind::ClusterIp, &[("fd00:244::2", 80)], Protocol::Tcp)),
+            ("192.0.2.50", 80, Protocol::Tcp, fe(FrontendKind::LoadBalancer, &[("10.244.1.2", 80)], Protocol::Tcp)),
+        ]);
+        // A node bound as kube-proxy does, then switched to routes: IPv4 moves, IPv6 stays.
+        w.sync(&d);
+        assert_eq!((w.bound(), w.routed()), (vec!["10.96.0.1".to_string(), "192.0.2.50".into(), "fd00:96::1".into()], vec![]));
+        w.syncer.settings.vip_binding = VipBinding::Route;
+        let st = w.sync(&d);
+        assert_eq!((st.addresses_bound, st.addresses_unbound), (2, 2));
+        assert_eq!((w.bound(), w.routed()), (vec!["fd00:96::1".to_string()], vec!["10.96.0.1".to_string(), "192.0.2.50".into()]));
+        w.ipvs.writes.clear();
+        assert_eq!(w.sync(&d).addresses_bound, 0, "settled");
+        assert!(w.ipvs.writes.is_empty());
+        // A Service removed incrementally takes its route with it.
+        let mut less = d.clone();
+        less.frontends.retain(|k, _| k.ip != "192.0.2.50".parse::<IpAddr>().unwrap());
+        let vs = desired_virtual_servers(&less, &w.syncer.settings);
+        let only: BTreeSet<ServiceId> = [tcp("192.0.2.50", 80)].into();
+        w.syncer.sync(&mut w.ipvs, &mut w.links, &mut w.ct, &vs, Some(&only)).unwrap();
+        assert_eq!(w.routed(), vec!["10.96.0.1"]);
+        assert!(!w.ipvs.services.contains_key(&tcp("192.0.2.50", 80)));
+        // A virtual server on a routed VIP is ours after a switch back: it goes with its Service.
+        w.syncer.settings.vip_binding = VipBinding::Address;
+        w.sync(&DesiredState::default());
+        assert!(w.ipvs.services.is_empty(), "{:?}", w.ipvs.services.keys().collect::<Vec<_>>());
+        assert_eq!((w.bound(), w.routed()), (vec![], vec![]));
+    }
+
+    #[test]
+    fn cleanup_owns_routed_vips() {
+        let mut w = World::new();
+        w.syncer.settings.vip_binding = VipBinding::Route;
+        w.sync(&state(vec![("10.96.0.1", 80, Protocol::Tcp, fe(FrontendKind::ClusterIp, &[("10.244.1.2", 80)], Protocol::Tcp))]));
+        let foreign = ServiceConfig { id: tcp("192.0.2.10", 80), scheduler: "wlc".into(), flags: 0, timeout_s: 0, netmask: u32::MAX, pe_name: None };
+        w.ipvs.add_service(&foreign).unwrap();
+        cleanup(&mut w.ipvs, &mut w.links, &[]).unwrap();
+        assert_eq!(w.ipvs.services.keys().copied().collect::<Vec<_>>(), vec![foreign.id]);
+        assert!(w.links.local_routes.is_empty() && w.links.links.is_empty());
     }
 
     #[test]
