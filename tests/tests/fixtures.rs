@@ -737,6 +737,16 @@ fn the_collector_deletes_only_what_it_read_in_the_kernel_maps() {
     assert_eq!(ct.get(&k, 0).unwrap(), newer, "the newer entry must survive");
     assert!(l.maps.conntrack_mut().delete_if(Table::Assured, &k, &newer).unwrap());
     assert!(ct.get(&k, 0).is_err());
+    // A purge (the backend left): a stamp since the read does not save the flow, another flow
+    // in the key does.
+    let mut other_flow = newer;
+    other_flow.backend_id += 1;
+    ct.insert(k, other_flow, 0).unwrap();
+    assert!(!l.maps.conntrack_mut().delete_if_same_flow(Table::Assured, &k, &v).unwrap());
+    assert_eq!(ct.get(&k, 0).unwrap(), other_flow, "another flow's entry must survive");
+    ct.insert(k, newer, 0).unwrap();
+    assert!(l.maps.conntrack_mut().delete_if_same_flow(Table::Assured, &k, &v).unwrap());
+    assert!(ct.get(&k, 0).is_err());
     // Batch reads page through the table.
     let (first, next) = l.maps.conntrack().read_batch(Table::Assured, None, 1).unwrap();
     assert_eq!(first.len(), 1);

@@ -224,7 +224,7 @@ impl Gc {
                 };
                 let timeout = self.timeouts.of(table, flow.proto(), flow.closing());
                 if now_ns.saturating_sub(flow.last_seen_ns()) > timeout {
-                    delete_flow(t, table, &flow, &mut st)?;
+                    delete_flow(t, table, &flow, Kept::IfChanged, &mut st)?;
                     gone.extend(flow.entries().map(|(k, _)| *k));
                 } else {
                     let found = self.observed.kept(t, table, flow.forward, now_ns)?;
@@ -291,7 +291,7 @@ impl Gc {
             for f in assemble(&t.entries(table)?) {
                 st.read += f.entries().count();
                 if pairs.contains(&f.ids()) {
-                    delete_flow(t, table, &f, &mut st)?;
+                    delete_flow(t, table, &f, Kept::IfAnotherFlow, &mut st)?;
                 }
             }
         }
@@ -302,11 +302,25 @@ impl Gc {
     }
 }
 
+/// What keeps an entry that changed between the read and the delete.
+#[derive(Clone, Copy)]
+enum Kept {
+    /// Any change: an expiring flow that saw a packet meanwhile lives on.
+    IfChanged,
+    /// Only another flow in its key: the flow of a removed backend goes however busy it is (a
+    /// UDP client sending every few milliseconds stamps its entry between any read and delete).
+    IfAnotherFlow,
+}
+
 /// Forward entry first (a packet then starts a new flow, and picks ports around the remaining
-/// entries), then the others; if the forward entry changed since it was read, the flow lives on.
-fn delete_flow(t: &mut dyn ConntrackTables, table: Table, f: &Flow, st: &mut GcStats) -> Result<(), MapError> {
+/// entries), then the others; if the forward entry is kept (`kept`), the flow lives on.
+fn delete_flow(t: &mut dyn ConntrackTables, table: Table, f: &Flow, kept: Kept, st: &mut GcStats) -> Result<(), MapError> {
+    let mut delete = |k: &CtKey, v: &CtValue| match kept {
+        Kept::IfChanged => t.delete_if(table, k, v),
+        Kept::IfAnotherFlow => t.delete_if_same_flow(table, k, v),
+    };
     if let Some((k, v)) = &f.forward {
-        if !t.delete_if(table, k, v)? {
+        if !delete(k, v)? {
             st.kept += 1;
             return Ok(());
         }
@@ -314,7 +328,7 @@ fn delete_flow(t: &mut dyn ConntrackTables, table: Table, f: &Flow, st: &mut GcS
         st.entries += 1;
     }
     for (k, v) in [&f.reverse_dnat, &f.snat, &f.reverse_snat].into_iter().flatten() {
-        if t.delete_if(table, k, v)? {
+        if delete(k, v)? {
             st.entries += 1;
         } else {
             st.kept += 1;
@@ -517,6 +531,30 @@ mod tests {
         assert!(gc.round(&mut t, 102 * s).unwrap().syn_timeouts.is_empty());
         assert_eq!(gc.round(&mut t, 103 * s).unwrap().syn_timeouts, vec![7]);
         assert!(gc.round(&mut t, 104 * s).unwrap().syn_timeouts.is_empty(), "once per flow");
+    }
+
+    #[test]
+    fn purge_deletes_a_busy_flow_that_a_round_keeps() {
+        let s = 1_000_000_000u64;
+        let old = flow(PROTO_UDP, ("10.244.9.2", 6000), ("10.96.0.53", 53), ("10.244.2.2", 5353), 6000, None, 0);
+        // A datagram after the read stamps the forward entry: same flow, newer stamp.
+        let mut stamped = old[0].1;
+        stamped.last_seen_ns = 5 * s;
+        let fill = || {
+            let mut t = FakeTables::default();
+            t.assured.extend(old.iter().copied());
+            t.reused.insert(old[0].0, stamped);
+            t
+        };
+        let mut t = fill();
+        let st = Gc::new(Timeouts::default(), 16).purge(&mut t, &[(old[0].1.service_id, old[0].1.backend_id)].into_iter().collect()).unwrap();
+        assert_eq!((st.flows, st.kept), (1, 0), "the removed backend's flow went, busy or not");
+        assert!(t.assured.is_empty(), "{:?}", t.assured);
+        // Its own expiry (a round) keeps it: the stamp says it is alive.
+        let mut t = fill();
+        let st = Gc::new(Timeouts::default(), 16).round(&mut t, 1_000 * s).unwrap();
+        assert_eq!((st.flows, st.kept), (0, 1));
+        assert_eq!(t.assured.get(&old[0].0), Some(&stamped));
     }
 
     #[test]

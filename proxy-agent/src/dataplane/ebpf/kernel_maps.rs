@@ -155,6 +155,25 @@ impl crate::dataplane::ebpf::endpoint_cleanup::BalancedSockets for KernelSockRev
     }
 }
 
+impl KernelConntrack {
+    /// Takes `key` out if `keep_out` holds for its entry; else puts the entry back (unless the
+    /// data path wrote a newer one in the moment it was out). Returns whether it stayed out.
+    fn take_if(&mut self, table: Table, key: &CtKey, keep_out: impl Fn(&CtValue) -> bool) -> Result<bool, MapError> {
+        let name = table.map_name();
+        let fd = aya::maps::IterableMap::map(self.map(table)).fd();
+        let taken: Option<CtValue> =
+            crate::dataplane::ebpf::bpf_batch::lookup_and_delete(fd, key).map_err(|source| MapError::Op { map: name, op: "lookup and delete", source })?;
+        match taken {
+            None => Ok(false),
+            Some(v) if keep_out(&v) => Ok(true),
+            Some(v) => {
+                crate::dataplane::ebpf::bpf_batch::insert_new(fd, key, &v).map_err(|source| MapError::Op { map: name, op: "update", source })?;
+                Ok(false)
+            }
+        }
+    }
+}
+
 impl ConntrackTables for KernelConntrack {
     fn read_batch(&self, table: Table, cursor: Option<u32>, max: usize) -> Result<(Vec<(CtKey, CtValue)>, Option<u32>), MapError> {
         let fd = aya::maps::IterableMap::map(self.map(table)).fd();
@@ -168,7 +187,7 @@ impl ConntrackTables for KernelConntrack {
         }
     }
     fn set_flags_if(&mut self, table: Table, key: &CtKey, expected: &CtValue, flags: u16) -> Result<bool, MapError> {
-        let Some(mut v) = self.get(table, key)?.filter(|v| v.service_id == expected.service_id && v.backend_id == expected.backend_id) else {
+        let Some(mut v) = self.get(table, key)?.filter(|v| crate::dataplane::ebpf::maps::same_flow(v, expected)) else {
             return Ok(false);
         };
         v.flags |= flags;
@@ -176,20 +195,10 @@ impl ConntrackTables for KernelConntrack {
         crate::dataplane::ebpf::bpf_batch::update_existing(fd, key, &v).map_err(|source| MapError::Op { map: table.map_name(), op: "update", source })
     }
     fn delete_if(&mut self, table: Table, key: &CtKey, expected: &CtValue) -> Result<bool, MapError> {
-        let name = table.map_name();
-        let fd = aya::maps::IterableMap::map(self.map(table)).fd();
-        let taken: Option<CtValue> =
-            crate::dataplane::ebpf::bpf_batch::lookup_and_delete(fd, key).map_err(|source| MapError::Op { map: name, op: "lookup and delete", source })?;
-        match taken {
-            None => Ok(false),
-            Some(v) if v == *expected => Ok(true),
-            Some(v) => {
-                // Changed since it was read: put it back, unless the data path already wrote a
-                // newer one in the moment it was out.
-                crate::dataplane::ebpf::bpf_batch::insert_new(fd, key, &v).map_err(|source| MapError::Op { map: name, op: "update", source })?;
-                Ok(false)
-            }
-        }
+        self.take_if(table, key, |v| v == expected)
+    }
+    fn delete_if_same_flow(&mut self, table: Table, key: &CtKey, expected: &CtValue) -> Result<bool, MapError> {
+        self.take_if(table, key, |v| crate::dataplane::ebpf::maps::same_flow(v, expected))
     }
     fn invalidate_flow_cache(&mut self) -> Result<(), MapError> {
         let name = map_names::FLOW_CACHE_GEN;

@@ -284,6 +284,11 @@ pub fn set_config_flag(maps: &mut dyn DatapathMaps, flag: u32, on: bool) -> Resu
     Ok(())
 }
 
+/// Do two entries belong to one flow (the same service and backend), whatever their stamps?
+pub fn same_flow(a: &CtValue, b: &CtValue) -> bool {
+    (a.service_id, a.backend_id) == (b.service_id, b.backend_id)
+}
+
 pub trait ConntrackTables {
     /// Up to `max` entries of `table` from `cursor` on (None: the start), and the cursor to go on
     /// from (None: that was the end).
@@ -292,6 +297,10 @@ pub trait ConntrackTables {
     /// Deletes `key` if it still holds `expected`. An entry that changed meanwhile is kept (put
     /// back if it was taken out). Returns whether it was deleted.
     fn delete_if(&mut self, table: Table, key: &CtKey, expected: &CtValue) -> Result<bool, MapError>;
+    /// Deletes `key` if it still belongs to the flow of `expected` (same service and backend),
+    /// however the data path stamped it meanwhile: a flow that must go however busy it is. A
+    /// new flow in the key is kept (put back). Returns whether it was deleted.
+    fn delete_if_same_flow(&mut self, table: Table, key: &CtKey, expected: &CtValue) -> Result<bool, MapError>;
     /// Sets `flags` on `key`'s entry if it still belongs to the flow of `expected` (same service
     /// and backend). Returns whether it did. The data path may stamp the entry meanwhile: the
     /// stamp written back is at most one round old.
@@ -364,9 +373,22 @@ impl ConntrackTables for FakeTables {
             _ => Ok(false),
         }
     }
+    fn delete_if_same_flow(&mut self, table: Table, key: &CtKey, expected: &CtValue) -> Result<bool, MapError> {
+        if let Some(v) = self.reused.remove(key) {
+            self.table_mut(table).insert(*key, v);
+        }
+        let m = self.table_mut(table);
+        match m.get(key) {
+            Some(v) if same_flow(v, expected) => {
+                m.remove(key);
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
     fn set_flags_if(&mut self, table: Table, key: &CtKey, expected: &CtValue, flags: u16) -> Result<bool, MapError> {
         match self.table_mut(table).get_mut(key) {
-            Some(v) if v.service_id == expected.service_id && v.backend_id == expected.backend_id => {
+            Some(v) if same_flow(v, expected) => {
                 v.flags |= flags;
                 Ok(true)
             }
