@@ -439,6 +439,10 @@ pub const CT_F_SEEN_REPLY: u16 = 1 << 4;
 /// Forward entry of a flow past its Service's maximum connection age (set by the agent's
 /// collector): the next TCP packet is answered with a reset, a UDP flow starts over.
 pub const CT_F_MAX_AGE: u16 = 1 << 5;
+/// Forward entry of a new TCP flow its backend refused (a reset, or an ICMP destination
+/// unreachable, answering the SYN): counted once as a refusal by the data path, so the
+/// collector does not count it again as an unanswered SYN.
+pub const CT_F_REFUSED: u16 = 1 << 6;
 
 /// Source ports for masquerade and for moved ports when the agent sets none
 /// (DatapathConfig::snat_port_min/max): below the NodePort range and the node's default

@@ -15,7 +15,7 @@ use aya_ebpf::{
 };
 use proxy_common::{
     counter, Backend, CtKey, CtRole, CtValue, DatapathConfig, CT_DIR_EGRESS, CT_DIR_INGRESS,
-    CT_F_CLOSING, CT_F_MAX_AGE, CT_F_REPLY, CT_F_SEEN_REPLY, CT_F_SNAT, CT_F_SNAT_PENDING, PROTO_TCP,
+    CT_F_CLOSING, CT_F_MAX_AGE, CT_F_REFUSED, CT_F_REPLY, CT_F_SEEN_REPLY, CT_F_SNAT, CT_F_SNAT_PENDING, PROTO_TCP,
     SNAT_PORT_MAX, SNAT_PORT_MIN,
 };
 
@@ -235,14 +235,38 @@ fn closing(key: &CtKey, v: &mut CtValue) {
 #[inline(never)]
 fn seen_reply(rst: bool, key: &CtKey, v: &mut CtValue) {
     if rst {
-        counters::backend_refused(v.backend_id);
+        refused(key, v);
         return;
     }
     counters::backend_answered(v.backend_id);
     v.flags |= CT_F_SEEN_REPLY;
+    mark_forward(key, v, CT_F_SEEN_REPLY);
+}
+
+/// An ICMP refusal about an embryonic flow: counted once, at its reverse-DNAT entry (a
+/// masqueraded flow's error also meets its reverse-SNAT entry, at another hook), and only before
+/// the backend answered. A subprogram: rare, off the hot path's stack.
+#[inline(never)]
+fn handshake_refused(key: &CtKey, v: &CtValue) {
+    if key.role(v) == CtRole::ReverseDnat && v.flags & CT_F_SEEN_REPLY == 0 {
+        refused(key, v);
+    }
+}
+
+/// The backend refused a new flow (`key`, `v`: its reverse-DNAT entry): one refusal in a row,
+/// and the forward entry says so, so the collector does not count the SYN as unanswered too.
+#[inline(always)]
+fn refused(key: &CtKey, v: &CtValue) {
+    counters::backend_refused(v.backend_id);
+    mark_forward(key, v, CT_F_REFUSED);
+}
+
+/// Sets `flag` on the embryonic forward entry of the flow whose reverse-DNAT entry is `key`, `v`.
+#[inline(always)]
+fn mark_forward(key: &CtKey, v: &CtValue, flag: u16) {
     let fwd = CtKey::reversed_of(v, key.proto, CT_DIR_INGRESS);
     if let Some(fv) = CONNTRACK_NEW.get_ptr_mut(&fwd) {
-        unsafe { (*fv).flags |= CT_F_SEEN_REPLY };
+        unsafe { (*fv).flags |= flag };
     }
 }
 
@@ -420,9 +444,20 @@ pub fn create(f: &Flow, now: u64, backend_id: u32, service_id: u32, be: &Backend
 }
 
 /// The entry an ICMP error is translated by: the reply of the packet it quotes, at this hook.
+/// A `refusal` (destination unreachable) of a handshake counts against the backend as a reset
+/// would (outlier detection).
 #[inline(always)]
-pub fn for_icmp_error(quoted_reverse: &CtKey) -> Option<Rewrite> {
-    let v = unsafe { CONNTRACK.get(quoted_reverse).or_else(|| CONNTRACK_NEW.get(quoted_reverse))? };
+pub fn for_icmp_error(quoted_reverse: &CtKey, refusal: bool) -> Option<Rewrite> {
+    let v = match unsafe { CONNTRACK.get(quoted_reverse) } {
+        Some(v) => v,
+        None => {
+            let v = unsafe { CONNTRACK_NEW.get(quoted_reverse)? };
+            if refusal {
+                handshake_refused(quoted_reverse, v);
+            }
+            v
+        }
+    };
     if v.flags & CT_F_SNAT_PENDING != 0 {
         return None;
     }

@@ -32,7 +32,7 @@ pub fn translate<P: Pkt>(p: &mut P, e: &IcmpError, dir: u8) -> Verdict {
         dir,
         _pad: 0,
     };
-    let Some(rw) = conntrack::for_icmp_error(&quoted_reply) else {
+    let Some(rw) = conntrack::for_icmp_error(&quoted_reply, e.refusal) else {
         return Verdict::Pass;
     };
     // The quote is the forward packet of the reply `rw` rewrites: its source becomes the

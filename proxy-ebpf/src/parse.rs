@@ -62,6 +62,9 @@ pub struct IcmpError {
     pub inner_sport: u16,
     pub inner_dport: u16,
     pub inner_proto: u8,
+    /// Destination unreachable, but for fragmentation needed: whoever sent it refuses the
+    /// quoted packet (a port or host unreachable, an administrative prohibition).
+    pub refusal: bool,
     /// The quoted L4 checksum, when the quote holds it (UDP's always; TCP's from 18 bytes on);
     /// offset 0 when it does not. (Not an Option: Rust's enum layout is not valid BTF, and the
     /// object's BTF must load.)
@@ -176,6 +179,8 @@ fn parse_l4<P: Pkt, const SCTP: bool>(p: &P) -> Parsed {
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_TIME_EXCEEDED: u8 = 11;
 const ICMP_PARAMETERPROB: u8 = 12;
+/// Destination unreachable's "fragmentation needed" (path MTU discovery, not a refusal).
+const ICMP_FRAG_NEEDED: u8 = 4;
 
 #[inline(always)]
 fn parse_icmp_error<P: Pkt>(p: &P, outer: &[u16; 10], ihl_bytes: usize) -> Parsed {
@@ -183,7 +188,7 @@ fn parse_icmp_error<P: Pkt>(p: &P, outer: &[u16; 10], ihl_bytes: usize) -> Parse
     if ihl_bytes != 20 || frag & 0x3fff != 0 {
         return Parsed::Other;
     }
-    let Some(icmp_type) = p.load::<u8>(ICMP_OFF) else {
+    let Some([icmp_type, icmp_code]) = p.load::<[u8; 2]>(ICMP_OFF) else {
         return Parsed::Other;
     };
     if icmp_type != ICMP_DEST_UNREACH && icmp_type != ICMP_TIME_EXCEEDED && icmp_type != ICMP_PARAMETERPROB {
@@ -213,6 +218,7 @@ fn parse_icmp_error<P: Pkt>(p: &P, outer: &[u16; 10], ihl_bytes: usize) -> Parse
         inner_sport: inner[10],
         inner_dport: inner[11],
         inner_proto: proto,
+        refusal: icmp_type == ICMP_DEST_UNREACH && icmp_code != ICMP_FRAG_NEEDED,
         inner_csum,
     })
 }

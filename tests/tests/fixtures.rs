@@ -853,13 +853,6 @@ fn least_connection_and_p2c_follow_the_active_flow_counts() {
 #[test]
 fn a_reset_answering_a_syn_counts_as_a_refusal_until_a_handshake_completes() {
     let mut l = load("refusal");
-    let fails = |l: &Loaded| -> Vec<(u32, u32)> {
-        let m: aya::maps::HashMap<_, u32, u32> = aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(
-            aya::maps::MapData::from_pin(l.pins.path().join(proxy_common::map_names::BACKEND_FAIL)).unwrap(),
-        ))
-        .unwrap();
-        m.iter().map(|e| e.unwrap()).collect()
-    };
     // "np" has one endpoint, 10.244.1.1:8080.
     for port in [48000, 48001] {
         let (_, o) = tc(&mut l.dp, &Frame::tcp("10.244.0.9", port, "10.96.0.13", 80, SYN));
@@ -873,8 +866,69 @@ fn a_reset_answering_a_syn_counts_as_a_refusal_until_a_handshake_completes() {
     let f = fails(&l);
     assert_eq!(f.len(), 1);
     assert_eq!(f[0].1, 2, "two refusals in a row: {f:?}");
+    assert_eq!(refused_flows(&l), vec![48000, 48001], "the collector must not count them again as unanswered SYNs");
     // A handshake with the same backend: the refusals are no longer in a row.
     handshake(&mut l, "10.244.0.9", 48002, "10.96.0.13", 80);
+    assert!(fails(&l).is_empty(), "{:?}", fails(&l));
+}
+
+/// Client ports of the embryonic flows marked refused (CT_F_REFUSED on the forward entry).
+fn refused_flows(l: &Loaded) -> Vec<u16> {
+    let mut ports: Vec<u16> = l
+        .conntrack(Table::Embryonic)
+        .iter()
+        .filter(|(k, v)| k.role(v) == proxy_common::CtRole::Forward && v.flags & proxy_common::CT_F_REFUSED != 0)
+        .map(|(k, _)| u16::from_be(k.sport))
+        .collect();
+    ports.sort();
+    ports
+}
+
+/// (backend id, refusals in a row) from KPR_BE_FAIL_V1.
+fn fails(l: &Loaded) -> Vec<(u32, u32)> {
+    let m: aya::maps::HashMap<_, u32, u32> = aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(
+        aya::maps::MapData::from_pin(l.pins.path().join(proxy_common::map_names::BACKEND_FAIL)).unwrap(),
+    ))
+    .unwrap();
+    m.iter().map(|e| e.unwrap()).collect()
+}
+
+/// The same for a destination unreachable answering a SYN (a REJECT rule at the backend, a
+/// host that is gone): one refusal per error, once though a masqueraded flow's error is
+/// translated at two hooks; fragmentation needed refuses nothing.
+#[test]
+fn an_icmp_unreachable_answering_a_syn_counts_as_a_refusal() {
+    let mut l = load("icmprefusal");
+    // A pod's SYN to "np" (one endpoint, 10.244.1.1:8080); the errors go back at egress.
+    let (_, o) = tc(&mut l.dp, &Frame::tcp("10.244.0.9", 48100, "10.96.0.13", 80, SYN));
+    let fwd = parse(&o);
+    let backend = fwd.dst.to_string();
+    let mtu = icmp_error(&backend, "10.244.0.9", 3, 4, &frame(&fwd, SYN), 20);
+    let (_, back) = out(&mut l.dp, &mtu);
+    assert_eq!(parse(&back).src.to_string(), "10.96.0.13");
+    assert!(fails(&l).is_empty(), "fragmentation needed is no refusal: {:?}", fails(&l));
+    assert!(refused_flows(&l).is_empty());
+    let refused = icmp_error(&backend, "10.244.0.9", 3, 3, &frame(&fwd, SYN), 8);
+    let (_, back) = out(&mut l.dp, &refused);
+    assert_eq!(parse(&back).src.to_string(), "10.96.0.13", "the error still reaches the client, from the service");
+    assert_eq!(fails(&l).iter().map(|f| f.1).collect::<Vec<_>>(), vec![1]);
+    assert_eq!(refused_flows(&l), vec![48100]);
+    // From outside to the NodePort (masqueraded): host unreachable, reversed at ingress then at
+    // egress, counts once.
+    let (_, o) = run(&mut l.dp, true, &Frame::tcp("198.18.0.9", 51100, NODE_IP, 30080, SYN).bytes());
+    let (_, o) = out(&mut l.dp, &o);
+    let m = parse(&o);
+    assert_eq!(m.dst.to_string(), backend);
+    let err = icmp_error(&backend, NODE_IP, 3, 1, &frame(&m, SYN), 8);
+    let (_, o) = run_at(&mut l.dp, Hook::TcIngress, &err);
+    let (_, o) = out(&mut l.dp, &o);
+    assert_eq!(parse(&o).dst.to_string(), "198.18.0.9");
+    assert_eq!(fails(&l).iter().map(|f| f.1).collect::<Vec<_>>(), vec![2]);
+    // An error about an established flow is no refusal of a new connection.
+    let est = handshake(&mut l, "10.244.0.9", 48101, "10.96.0.13", 80);
+    assert!(fails(&l).is_empty());
+    let late = icmp_error(&backend, "10.244.0.9", 3, 3, &frame(&est, ACK), 8);
+    out(&mut l.dp, &late);
     assert!(fails(&l).is_empty(), "{:?}", fails(&l));
 }
 

@@ -339,22 +339,21 @@ fn least_connection_evens_out_skewed_connection_lengths_where_round_robin_and_ra
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// kpr.io/outlier-ejection: a backend that stops listening while its EndpointSlice still says
-/// ready is left out of new connections after three refusals in a row (an Event's reason, the
-/// not-programmed list), and comes back after its back-off once it listens again.
-#[test]
-fn a_backend_that_refuses_new_connections_is_ejected_then_comes_back() {
-    let dir = std::env::temp_dir().join(format!("kpr-flows-kpf9-{}", std::process::id()));
+/// kpr.io/outlier-ejection: a backend that refuses new connections while its EndpointSlice
+/// still says ready (`refuse`) is left out of them after three refusals in a row (an Event's
+/// reason, the not-programmed list), and comes back after its back-off once it takes them again
+/// (`mend`).
+fn ejected_then_back(name: &str, refuse: impl Fn(&Lab), mend: impl Fn(&Lab)) {
+    let dir = std::env::temp_dir().join(format!("kpr-flows-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let eps: Vec<(&str, &str)> = ALL.iter().map(|b| (*b, A)).collect();
     std::fs::write(dir.join("services.yaml"), service("ej", "10.96.0.81", 80, 8080, "TCP", &eps, "", ", annotations: {kpr.io/outlier-ejection: \"true\"}"))
         .unwrap();
-    let mut lab = Lab::build("kpf9", &dir);
+    let mut lab = Lab::build(name, &dir);
     lab.start_agent();
     lab.wait_backends("10.96.0.81:80", 3);
-    // b2's server goes; its endpoint stays ready.
-    kpr_lab::must(&format!("ip netns pids {} | xargs -r kill", lab.ns("b2")));
+    refuse(&lab);
     std::thread::sleep(Duration::from_millis(300));
     // New connections until b2 has refused three (it gets about a third of them); bounded.
     let (mut refused, mut first) = (0, serde_json::Value::Null);
@@ -367,6 +366,7 @@ fn a_backend_that_refuses_new_connections_is_ejected_then_comes_back() {
         }
     }
     assert!(refused >= 3, "b2 must have refused three new connections: {first}");
+    assert!(first["first_error"].as_str().unwrap_or("").contains("refused"), "a refusal reaches the client as one: {first}");
     let t = Instant::now();
     lab.wait_backends("10.96.0.81:80", 2);
     let took = t.elapsed();
@@ -378,13 +378,34 @@ fn a_backend_that_refuses_new_connections_is_ejected_then_comes_back() {
         skipped.as_array().unwrap().iter().any(|e| e["reason"] == "OutlierEjected" && e["message"].as_str().unwrap_or("").contains("10.244.2.2:8080")),
         "{skipped}"
     );
-    // Listening again: back after its 10 s back-off.
-    lab.serve("b2", 8080, 5353);
+    // Taking connections again: back after its 10 s back-off.
+    mend(&lab);
     lab.wait_backends("10.96.0.81:80", 3);
     let back = lab.peer("pod", &["burst", "10.96.0.81:80", "tcp", "30"]);
     assert_eq!(errors(&back), 0, "{back}");
     assert!(per_backend(&back).iter().any(|(b, _)| b == "b2"), "{back}");
-    println!("refused: {refused} of 20 ({first}); left out {took:?} after the burst");
+    println!("{name}: refused: {refused} of 20 ({first}); left out {took:?} after the burst");
     lab.kill_agent();
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The backend's server goes (its kernel answers SYNs with a reset).
+#[test]
+fn a_backend_that_refuses_new_connections_is_ejected_then_comes_back() {
+    let stop = |lab: &Lab| {
+        kpr_lab::must(&format!("ip netns pids {} | xargs -r kill", lab.ns("b2")));
+    };
+    ejected_then_back("kpf9", stop, |lab| lab.serve("b2", 8080, 5353));
+}
+
+/// A REJECT rule at the backend answers SYNs with ICMP port unreachable (iptables' default).
+#[test]
+fn a_backend_that_answers_syns_with_icmp_unreachable_is_ejected_then_comes_back() {
+    let rule = |lab: &Lab, op: &str| {
+        kpr_lab::must(&format!(
+            "ip netns exec {} iptables -w {op} INPUT -p tcp --dport 8080 --syn -j REJECT --reject-with icmp-port-unreachable",
+            lab.ns("b2")
+        ));
+    };
+    ejected_then_back("kpfa", |lab| rule(lab, "-I"), |lab| rule(lab, "-D"));
 }

@@ -341,7 +341,7 @@ fn delete_flow(t: &mut dyn ConntrackTables, table: Table, f: &Flow, kept: Kept, 
 mod tests {
     use super::*;
     use crate::dataplane::ebpf::maps::FakeTables;
-    use proxy_common::{CT_F_MAX_AGE, CT_F_SEEN_REPLY};
+    use proxy_common::{CT_F_MAX_AGE, CT_F_REFUSED, CT_F_SEEN_REPLY};
     use proxy_common::{CT_F_REPLY, CT_F_SNAT, PROTO_UDP};
 
     fn a(s: &str) -> u32 {
@@ -521,10 +521,12 @@ mod tests {
         for (k, v) in flow(PROTO_TCP, ("10.244.9.2", 7000), ("10.96.0.10", 80), ("10.244.1.2", 8080), 7000, None, 100 * s) {
             t.embryonic.insert(k, v);
         }
-        // Answered: never reported.
-        for (k, mut v) in flow(PROTO_TCP, ("10.244.9.2", 7001), ("10.96.0.10", 80), ("10.244.1.2", 8080), 7001, None, 100 * s) {
-            v.flags |= CT_F_SEEN_REPLY;
-            t.embryonic.insert(k, v);
+        // Answered, or refused (counted by the data path): never reported.
+        for (port, flag) in [(7001, CT_F_SEEN_REPLY), (7002, CT_F_REFUSED)] {
+            for (k, mut v) in flow(PROTO_TCP, ("10.244.9.2", port), ("10.96.0.10", 80), ("10.244.1.2", 8080), port, None, 100 * s) {
+                v.flags |= flag;
+                t.embryonic.insert(k, v);
+            }
         }
         let mut gc = Gc::new(Timeouts::default(), 16);
         assert!(gc.round(&mut t, 100 * s).unwrap().syn_timeouts.is_empty());

@@ -3,7 +3,7 @@
 //! their Service's maximum age (marked), and SYNs left unanswered (outlier detection).
 use std::collections::HashMap;
 
-use proxy_common::{CtKey, CtValue, CT_F_CLOSING, CT_F_MAX_AGE, CT_F_SEEN_REPLY, PROTO_TCP};
+use proxy_common::{CtKey, CtValue, CT_F_CLOSING, CT_F_MAX_AGE, CT_F_REFUSED, CT_F_SEEN_REPLY, PROTO_TCP};
 
 use crate::dataplane::ebpf::maps::{ConntrackTables, MapError, Table};
 
@@ -103,7 +103,8 @@ impl Observations {
 
     /// An embryonic flow whose SYN got no answer yet: reported once when it waited too long.
     fn unanswered(&mut self, k: CtKey, v: CtValue, now_ns: u64) -> Option<u32> {
-        if k.proto != PROTO_TCP || v.flags & CT_F_SEEN_REPLY != 0 {
+        // Answered, or refused (the data path counted that refusal already).
+        if k.proto != PROTO_TCP || v.flags & (CT_F_SEEN_REPLY | CT_F_REFUSED) != 0 {
             return None;
         }
         let (first_seen_ns, reported) = self.waiting.see(k, v.backend_id, now_ns);
