@@ -15,7 +15,7 @@ use crate::{
     pipeline::{off_cluster, off_cluster6},
     maps::{CONFIG, SET_IP_PORT_IP, SET_IP_PORT_NET, SET_IP_PORT, SET_IP, SET_PORT},
     parse::{Flow, TCP_ACK, TCP_SYN},
-    parse6::Flow6,
+    parse6::{walk_ext_headers, Flow6, L4At, IPV6_HDR_LEN},
 };
 
 pub enum SetVerdict {
@@ -146,8 +146,8 @@ pub fn tc_verdict(p: &mut Tc, f: &SetFlow, v4: Option<&Flow>) -> i32 {
 }
 
 /// KUBE-LOOP-BACK (dst,dst,src) on a packet as POSTROUTING sees it (after IPVS's DNAT):
-/// an endpoint that reached itself through its service. `ctx` starts at the IP header (IPv4,
-/// or IPv6 with L4 right after the fixed header).
+/// an endpoint that reached itself through its service. `ctx` starts at the IP header (IPv4, or
+/// IPv6 with the L4 header past up to six extension headers, as the set matching walks them).
 #[inline(always)]
 pub fn loopback_match(ctx: &SkBuffContext) -> bool {
     let Ok(vihl) = ctx.load::<u8>(0) else { return false };
@@ -162,13 +162,16 @@ pub fn loopback_match(ctx: &SkBuffContext) -> bool {
             SetIpPortIp { ip_port: SetIpPort { addr: [daddr, 0, 0, 0], port: dport, proto, family: FAMILY_V4 }, addr2: [saddr, 0, 0, 0] }
         }
         6 => {
-            let (Ok(proto), Ok(saddr), Ok(daddr), Ok(dport)) = (ctx.load::<u8>(6), ctx.load::<[u32; 4]>(8), ctx.load::<[u32; 4]>(24), ctx.load::<u16>(42))
-            else {
+            let (Ok(first), Ok(saddr), Ok(daddr)) = (ctx.load::<u8>(6), ctx.load::<[u32; 4]>(8), ctx.load::<[u32; 4]>(24)) else {
                 return false;
             };
             if saddr != daddr {
                 return false;
             }
+            let L4At::Header { next: proto, off } = walk_ext_headers(first, IPV6_HDR_LEN, |off| ctx.load::<[u8; 2]>(off).ok()) else {
+                return false;
+            };
+            let Ok(dport) = ctx.load::<u16>(off + 2) else { return false };
             SetIpPortIp { ip_port: SetIpPort { addr: daddr, port: dport, proto, family: FAMILY_V6 }, addr2: saddr }
         }
         _ => return false,

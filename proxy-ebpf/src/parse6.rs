@@ -5,7 +5,7 @@ use proxy_common::{PROTO_SCTP, PROTO_TCP, PROTO_UDP};
 use crate::{parse::IP_OFF, pkt::Pkt};
 
 pub const ETH_P_IPV6_BE: u16 = 0x86ddu16.to_be();
-const IPV6_HDR_LEN: usize = 40;
+pub const IPV6_HDR_LEN: usize = 40;
 
 /// Extension headers (RFC 8200 section 4) walked to reach L4.
 const NEXTHDR_HOP: u8 = 0;
@@ -39,6 +39,43 @@ pub enum Parsed6 {
     Flow(Flow6),
 }
 
+/// Where a walk over extension headers ends.
+pub enum L4At {
+    /// The first header that is no extension header, and its offset.
+    Header { next: u8, off: usize },
+    /// A fragment header (first or later fragment).
+    Fragment,
+    /// Truncated, or more extension headers than are walked.
+    Malformed,
+}
+
+/// Walks the extension headers from `next` at `off` (just past the fixed header); `load2` reads
+/// a header's first two bytes (next header, length) at an offset. One walk for every reader of
+/// IPv6: the TC set matching (direct packet access) and the KUBE-LOOP-BACK match (skb loads).
+#[inline(always)]
+pub fn walk_ext_headers(mut next: u8, mut off: usize, load2: impl Fn(usize) -> Option<[u8; 2]>) -> L4At {
+    for _ in 0..MAX_EXT_HEADERS {
+        let len = match next {
+            NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST | NEXTHDR_AUTH => {
+                let Some(e) = load2(off) else {
+                    return L4At::Malformed;
+                };
+                // AH counts 4-byte units beyond the first two; the others 8-byte units beyond the first.
+                let len = if next == NEXTHDR_AUTH { (usize::from(e[1]) + 2) * 4 } else { (usize::from(e[1]) + 1) * 8 };
+                next = e[0];
+                len
+            }
+            NEXTHDR_FRAGMENT => return L4At::Fragment,
+            _ => return L4At::Header { next, off },
+        };
+        off += len;
+    }
+    match next {
+        NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST | NEXTHDR_AUTH | NEXTHDR_FRAGMENT => L4At::Malformed,
+        _ => L4At::Header { next, off },
+    }
+}
+
 #[inline(always)]
 pub fn parse<P: Pkt>(p: &P) -> Parsed6 {
     let Some(ethertype) = p.load::<u16>(12) else {
@@ -59,26 +96,13 @@ pub fn parse<P: Pkt>(p: &P) -> Parsed6 {
     if IP_OFF + IPV6_HDR_LEN + payload_len > p.wire_len() {
         return Parsed6::Malformed;
     }
-    let mut next = w1[2];
-    let mut off = IP_OFF + IPV6_HDR_LEN;
-    for _ in 0..MAX_EXT_HEADERS {
-        let len = match next {
-            NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST | NEXTHDR_AUTH => {
-                let Some(e) = p.load::<[u8; 2]>(off) else {
-                    return Parsed6::Malformed;
-                };
-                // AH counts 4-byte units beyond the first two; the others 8-byte units beyond the first.
-                let len = if next == NEXTHDR_AUTH { (usize::from(e[1]) + 2) * 4 } else { (usize::from(e[1]) + 1) * 8 };
-                next = e[0];
-                len
-            }
-            NEXTHDR_FRAGMENT => return Parsed6::Fragment,
-            _ => break,
-        };
-        off += len;
-    }
+    let (next, off) = match walk_ext_headers(w1[2], IP_OFF + IPV6_HDR_LEN, |off| p.load::<[u8; 2]>(off)) {
+        L4At::Header { next, off } => (next, off),
+        L4At::Fragment => return Parsed6::Fragment,
+        L4At::Malformed => return Parsed6::Malformed,
+    };
     if next != PROTO_TCP && next != PROTO_UDP && next != PROTO_SCTP {
-        return if matches!(next, NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST | NEXTHDR_AUTH) { Parsed6::Malformed } else { Parsed6::Other };
+        return Parsed6::Other;
     }
     // Ports (and TCP's flags) in one load.
     let (ports, tcp_flags) = if next == PROTO_TCP {

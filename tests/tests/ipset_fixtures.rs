@@ -207,3 +207,24 @@ fn ipv6_set_matching_follows_kube_proxys_ipv6_rules() {
     // traffic to an unknown IPv6 address passes untouched.
     assert_eq!(l.run(&frame6(outside, "fd00:96::11", TCP, 40007, 80, SYN, &[])), (TC_ACT_OK, NONE));
 }
+
+/// KUBE-LOOP-BACK, the xt_bpf match of the POSTROUTING rule that masquerades hairpin traffic
+/// (an endpoint that reached itself through its service): IPv6 past extension headers too.
+#[test]
+fn ipv6_loop_back_matches_past_extension_headers() {
+    let mut l = load("loopback6");
+    let mut matches = |frame: &[u8]| -> bool {
+        let mut out = vec![0u8; 1600];
+        let opts = TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), repeat: 1, ..Default::default() };
+        l.dp.socket_filter(prog_names::LOOPBACK).unwrap().test_run(opts).expect("BPF_PROG_TEST_RUN").return_value != 0
+    };
+    // The endpoint fd00:244:1::2 serves 8080/TCP and 5353/UDP.
+    let ep = "fd00:244:1::2";
+    assert!(matches(&frame6(ep, ep, TCP, 40000, 8080, SYN, &[])));
+    assert!(matches(&frame6(ep, ep, UDP, 40001, 5353, 0, &[])));
+    assert!(matches(&frame6(ep, ep, TCP, 40002, 8080, SYN, &[(0, 0), (60, 2)])), "hop-by-hop and destination options before TCP");
+    assert!(!matches(&frame6(ep, ep, TCP, 40003, 8080, SYN, &[(44, 0)])), "a fragment has no reliable ports");
+    assert!(!matches(&frame6(ep, ep, TCP, 40004, 9090, SYN, &[])), "no service's endpoint port");
+    assert!(!matches(&frame6("fd00:244:5::9", ep, TCP, 40005, 8080, SYN, &[])), "another client: no hairpin");
+    assert!(!matches(&frame6(ep, ep, TCP, 40006, 8080, SYN, &[(0, 0); 7])), "more extension headers than are walked");
+}

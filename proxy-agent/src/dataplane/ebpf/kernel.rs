@@ -224,6 +224,10 @@ impl Datapath {
         self.program(name)
     }
 
+    pub fn socket_filter(&mut self, name: &'static str) -> Result<&mut SocketFilter, KernelError> {
+        self.program(name)
+    }
+
     pub fn link_path(&self, iface: &str, hook: Hook) -> PathBuf {
         link_path(&self.pin_dir, iface, hook)
     }
