@@ -17,7 +17,7 @@ use crate::{
     dataplane::ebpf::{maps::MapError, wire},
     model::{
         objects::{ObjectError, OUTLIER_EJECTED},
-        BackendKey, DesiredState,
+        BackendKey, DesiredState, Frontend, FrontendKey,
     },
 };
 
@@ -75,20 +75,23 @@ pub fn round(
     Ok(out)
 }
 
-/// `desired` without the ejected backends, in the frontends of Services that opt in (never more
-/// than half of a frontend's), and an Event's content for each (Service, backend) left out. None
-/// when nothing is left out.
-pub fn leave_out(desired: &DesiredState, ejected: &BTreeMap<Backend, Ejection>) -> (Option<DesiredState>, Vec<ObjectError>) {
-    if ejected.is_empty() || !desired.frontends.values().any(|f| f.outlier_ejection) {
-        return (None, Vec::new());
+/// The frontends of Services that opt in which hold an ejected backend, each without its
+/// ejected backends (never more than half of a frontend's), and an Event's content for each
+/// (Service, backend) left out. Only those frontends are copied: the sync programs them in
+/// place of the desired state's (a copy of the whole state per sync would make every change
+/// O(cluster) while a backend is ejected).
+pub fn leave_out(desired: &DesiredState, ejected: &BTreeMap<Backend, Ejection>) -> (HashMap<FrontendKey, Frontend>, Vec<ObjectError>) {
+    let mut left: HashMap<FrontendKey, Frontend> = HashMap::new();
+    if ejected.is_empty() {
+        return (left, Vec::new());
     }
-    let mut d = desired.clone();
     let mut events: BTreeMap<(String, BackendKey), ObjectError> = BTreeMap::new();
-    for f in d.frontends.values_mut().filter(|f| f.outlier_ejection) {
+    for (k, f) in desired.frontends.iter().filter(|(_, f)| f.outlier_ejection) {
         let out: Vec<BackendKey> = f.backends.iter().filter(|b| ejected.contains_key(&wire::backend(b))).take(f.backends.len() / 2).copied().collect();
         if out.is_empty() {
             continue;
         }
+        let mut f = f.clone();
         f.backends.retain(|b| !out.contains(b));
         for b in out {
             let e = &ejected[&wire::backend(&b)];
@@ -107,8 +110,9 @@ pub fn leave_out(desired: &DesiredState, ejected: &BTreeMap<Backend, Ejection>) 
                 reason: OUTLIER_EJECTED,
             });
         }
+        left.insert(*k, f);
     }
-    (Some(d), events.into_values().collect())
+    (left, events.into_values().collect())
 }
 
 /// Refusals or unanswered SYNs in a row that eject a backend.
@@ -188,7 +192,7 @@ impl Outliers {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Frontend, FrontendKey, FrontendKind, IpvsOptions, Protocol, Scheduler, Scope};
+    use crate::model::{FrontendKind, IpvsOptions, Protocol, Scheduler, Scope};
 
     #[test]
     fn a_round_ejects_at_the_threshold_and_a_frontend_keeps_half_of_its_backends() {
@@ -226,12 +230,11 @@ mod tests {
         d.frontends.insert(key("10.96.0.10"), fe(true));
         d.frontends.insert(key("10.96.0.11"), fe(false));
         let (left, events) = leave_out(&d, o.ejected());
-        let left = left.unwrap();
-        assert_eq!(left.frontends[&key("10.96.0.10")].backends, vec![bk(4), bk(6)]);
-        assert_eq!(left.frontends[&key("10.96.0.11")].backends.len(), 3);
+        assert_eq!(left[&key("10.96.0.10")].backends, vec![bk(4), bk(6)]);
+        assert!(!left.contains_key(&key("10.96.0.11")), "only the frontends that change are copied");
         assert_eq!(events.len(), 1);
         assert!(events[0].message.contains("10.244.2.5:8080") && events[0].reason == OUTLIER_EJECTED, "{events:?}");
-        assert!(leave_out(&d, &BTreeMap::new()).0.is_none());
+        assert!(leave_out(&d, &BTreeMap::new()).0.is_empty());
     }
 
     fn be(last: u8) -> Backend {

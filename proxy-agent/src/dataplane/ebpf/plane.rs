@@ -220,7 +220,7 @@ impl Dataplane for EbpfPlane {
             o.ejected().clone()
         };
         let (left_out, ejected_events) = outlier::leave_out(desired, &ejected);
-        let desired = left_out.as_ref().unwrap_or(desired);
+        self.syncer.set_overrides(left_out);
         let r = match touched {
             None => self.syncer.sync(&mut self.maps, desired, config),
             Some(t) => self.syncer.sync_subset(&mut self.maps, desired, config, t),

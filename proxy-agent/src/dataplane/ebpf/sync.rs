@@ -113,6 +113,9 @@ pub struct Syncer {
     mirror: Option<Mirror>,
     /// Backend id -> frontends whose slots use it (a backend is deleted when unused).
     backend_refs: HashMap<u32, u32>,
+    /// Frontends programmed as given here rather than as the desired state has them (outlier
+    /// ejection leaves backends out of a few): set before each sync (`set_overrides`).
+    overrides: std::sync::Arc<HashMap<FrontendKey, Frontend>>,
 }
 
 impl Default for Syncer {
@@ -132,6 +135,15 @@ impl Syncer {
         self.service_ids.get(&crate::dataplane::ebpf::wire::service_key(k)).copied()
     }
 
+    /// Frontends the next syncs program as given here in place of the desired state's (only
+    /// their slots: their backends stay in the backend map, as an established flow may use
+    /// them).
+    pub fn set_overrides(&mut self, overrides: HashMap<FrontendKey, Frontend>) {
+        if !(overrides.is_empty() && self.overrides.is_empty()) {
+            self.overrides = std::sync::Arc::new(overrides);
+        }
+    }
+
     pub fn new(max_services: u32, maglev_rows: u32) -> Self {
         Self {
             backend_ids: HashMap::new(),
@@ -148,6 +160,7 @@ impl Syncer {
             seeded: false,
             mirror: None,
             backend_refs: HashMap::new(),
+            overrides: Default::default(),
         }
     }
 
@@ -248,9 +261,10 @@ impl Syncer {
         }
 
         // What stays: every backend and frontend the desired state names.
+        let overrides = std::sync::Arc::clone(&self.overrides);
         let wanted: std::collections::HashSet<ServiceKey> = desired.frontends.keys().map(wire::service_key).collect();
         let live_backends: std::collections::HashSet<u32> =
-            desired.frontends.values().flat_map(|f| f.backends.iter()).map(|b| self.backend_id(wire::backend(b))).collect();
+            desired.frontends.iter().map(|(k, f)| effective(&overrides, k, f)).flat_map(|f| f.backends.iter()).map(|b| self.backend_id(wire::backend(b))).collect();
         st.backends = live_backends.len();
 
         // Deletes that cannot break anything go first, so a full map makes room before the
@@ -274,7 +288,11 @@ impl Syncer {
         // Frontends that met a full map: tried again once the rest made room.
         let mut retry: Vec<(&FrontendKey, &Frontend)> = Vec::new();
         for pass in 0..2 {
-            let todo: Vec<(&FrontendKey, &Frontend)> = if pass == 0 { desired.frontends.iter().collect() } else { std::mem::take(&mut retry) };
+            let todo: Vec<(&FrontendKey, &Frontend)> = if pass == 0 {
+                desired.frontends.iter().map(|(k, f)| (k, effective(&overrides, k, f))).collect()
+            } else {
+                std::mem::take(&mut retry)
+            };
             for (fk, f) in todo {
                 // Its backends first: a slot must never point to a backend that is not there.
                 let programmed =
@@ -474,7 +492,8 @@ impl Syncer {
             st.writes += 1;
         }
         // Backends first.
-        for f in touched.iter().filter_map(|fk| desired.frontends.get(fk)) {
+        let overrides = std::sync::Arc::clone(&self.overrides);
+        for f in touched.iter().filter_map(|fk| desired.frontends.get(fk).map(|f| effective(&overrides, fk, f))) {
             self.put_backends(maps, &mut m, f, &mut st)?;
         }
         let mut released: BTreeSet<u32> = BTreeSet::new();
@@ -498,7 +517,7 @@ impl Syncer {
                 None => BTreeSet::new(),
             };
             let mut new_ranges = BTreeSet::new();
-            match desired.frontends.get(fk) {
+            match desired.frontends.get(fk).map(|f| effective(&overrides, fk, f)) {
                 Some(f) => {
                     if let Some((_, ids)) = self.program_frontend(maps, &mut m, fk, f, false, &mut st, &mut new_ranges)? {
                         for id in ids {
@@ -549,6 +568,11 @@ impl Syncer {
         self.mirror = Some(m);
         Ok(st)
     }
+}
+
+/// The frontend to program for `k`: its override, else the desired state's `f`.
+fn effective<'a>(overrides: &'a HashMap<FrontendKey, Frontend>, k: &FrontendKey, f: &'a Frontend) -> &'a Frontend {
+    overrides.get(k).unwrap_or(f)
 }
 
 /// What the maps hold, as far as the syncer is concerned.
@@ -640,6 +664,53 @@ mod tests {
             Syncer::default().sync(&mut fresh, to, DatapathConfig::default()).unwrap();
             assert_eq!(maps.backends.len(), fresh.backends.len(), "{from:?} -> {to:?}");
             assert_eq!(maps.services.len(), 2);
+        }
+    }
+
+    /// Each service (by VIP) -> the backend addresses its slots point to, sorted.
+    fn programmed(maps: &FakeMaps) -> BTreeMap<[u32; 4], Vec<[u32; 4]>> {
+        maps.services
+            .iter()
+            .map(|(k, v)| {
+                let mut bes: Vec<[u32; 4]> =
+                    (1..=v.backend_count).map(|slot| maps.backends[&maps.slots[&SlotKey { service_id: v.service_id, slot }]].addr).collect();
+                bes.sort();
+                (k.addr, bes)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn overridden_frontends_are_programmed_as_overridden_in_full_and_incremental_syncs() {
+        let d = state(&[("10.96.0.1", &[("10.244.1.1", 80), ("10.244.1.2", 80)]), ("10.96.0.2", &[("10.244.1.2", 80), ("10.244.2.2", 80)])]);
+        // Outlier ejection leaves 10.244.1.2 out of the first frontend only.
+        let mut left = d.clone();
+        left.frontends.get_mut(&key("10.96.0.1")).unwrap().backends.retain(|b| b.ip != "10.244.1.2".parse::<std::net::IpAddr>().unwrap());
+        let overrides: HashMap<FrontendKey, Frontend> = [(key("10.96.0.1"), left.frontends[&key("10.96.0.1")].clone())].into();
+        let mut want = FakeMaps::default();
+        Syncer::default().sync(&mut want, &left, DatapathConfig::default()).unwrap();
+        let mut plain = FakeMaps::default();
+        Syncer::default().sync(&mut plain, &d, DatapathConfig::default()).unwrap();
+        assert_ne!(programmed(&want), programmed(&plain));
+        for incremental in [false, true] {
+            let (mut maps, mut s) = (FakeMaps::default(), Syncer::default());
+            s.sync(&mut maps, &d, DatapathConfig::default()).unwrap();
+            s.set_overrides(overrides.clone());
+            let touched: BTreeSet<FrontendKey> = [key("10.96.0.1")].into();
+            if incremental {
+                s.sync_subset(&mut maps, &d, DatapathConfig::default(), &touched).unwrap();
+            } else {
+                s.sync(&mut maps, &d, DatapathConfig::default()).unwrap();
+            }
+            assert_eq!(programmed(&maps), programmed(&want), "incremental: {incremental}");
+            // The ejection ends: the desired state's own frontend again.
+            s.set_overrides(HashMap::new());
+            if incremental {
+                s.sync_subset(&mut maps, &d, DatapathConfig::default(), &touched).unwrap();
+            } else {
+                s.sync(&mut maps, &d, DatapathConfig::default()).unwrap();
+            }
+            assert_eq!(programmed(&maps), programmed(&plain), "incremental: {incremental}");
         }
     }
 
