@@ -143,6 +143,28 @@ pub struct Frontend {
     pub ipvs: IpvsOptions,
 }
 
+#[cfg(test)]
+impl Frontend {
+    /// A frontend of "ns/web:http" with these backends and every option off, for tests (each
+    /// sets what it checks with `..Frontend::for_test(..)`).
+    pub(crate) fn for_test(kind: FrontendKind, backends: &[(&str, u16)], proto: Protocol) -> Self {
+        Frontend {
+            service: "ns/web:http".into(),
+            kind,
+            scheduler: Scheduler::Random,
+            affinity_timeout_s: 0,
+            masquerade: false,
+            preserve_source: false,
+            no_local_endpoint: false,
+            source_ranges: vec![],
+            max_connection_age_s: 0,
+            outlier_ejection: false,
+            backends: backends.iter().map(|(ip, port)| BackendKey { ip: ip.parse().unwrap(), port: *port, proto }).collect(),
+            ipvs: IpvsOptions::default(),
+        }
+    }
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct NodeInfo {
     pub name: String,

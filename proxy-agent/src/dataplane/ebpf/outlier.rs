@@ -192,7 +192,7 @@ impl Outliers {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{FrontendKind, IpvsOptions, Protocol, Scheduler, Scope};
+    use crate::model::{FrontendKind, Protocol, Scope};
 
     #[test]
     fn a_round_ejects_at_the_threshold_and_a_frontend_keeps_half_of_its_backends() {
@@ -212,18 +212,9 @@ mod tests {
         o.fail(be(6), FAILURES, s);
         let bk = |last: u8| BackendKey { ip: std::net::IpAddr::from([10, 244, 2, last]), port: 8080, proto: Protocol::Tcp };
         let fe = |opt_in: bool| Frontend {
-            service: "ns/web:http".into(),
-            kind: FrontendKind::ClusterIp,
-            scheduler: Scheduler::Random,
-            affinity_timeout_s: 0,
-            masquerade: false,
-            preserve_source: false,
-            no_local_endpoint: false,
-            source_ranges: vec![],
-            max_connection_age_s: 0,
             outlier_ejection: opt_in,
             backends: vec![bk(4), bk(5), bk(6)],
-            ipvs: IpvsOptions::default(),
+            ..Frontend::for_test(FrontendKind::ClusterIp, &[], Protocol::Tcp)
         };
         let mut d = DesiredState::default();
         let key = |ip: &str| FrontendKey { ip: ip.parse().unwrap(), port: 80, proto: Protocol::Tcp, scope: Scope::Internal };

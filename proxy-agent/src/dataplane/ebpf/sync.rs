@@ -263,8 +263,13 @@ impl Syncer {
         // What stays: every backend and frontend the desired state names.
         let overrides = std::sync::Arc::clone(&self.overrides);
         let wanted: std::collections::HashSet<ServiceKey> = desired.frontends.keys().map(wire::service_key).collect();
-        let live_backends: std::collections::HashSet<u32> =
-            desired.frontends.iter().map(|(k, f)| effective(&overrides, k, f)).flat_map(|f| f.backends.iter()).map(|b| self.backend_id(wire::backend(b))).collect();
+        let live_backends: std::collections::HashSet<u32> = desired
+            .frontends
+            .iter()
+            .map(|(k, f)| effective(&overrides, k, f))
+            .flat_map(|f| f.backends.iter())
+            .map(|b| self.backend_id(wire::backend(b)))
+            .collect();
         st.backends = live_backends.len();
 
         // Deletes that cannot break anything go first, so a full map makes room before the
@@ -288,11 +293,8 @@ impl Syncer {
         // Frontends that met a full map: tried again once the rest made room.
         let mut retry: Vec<(&FrontendKey, &Frontend)> = Vec::new();
         for pass in 0..2 {
-            let todo: Vec<(&FrontendKey, &Frontend)> = if pass == 0 {
-                desired.frontends.iter().map(|(k, f)| (k, effective(&overrides, k, f))).collect()
-            } else {
-                std::mem::take(&mut retry)
-            };
+            let todo: Vec<(&FrontendKey, &Frontend)> =
+                if pass == 0 { desired.frontends.iter().map(|(k, f)| (k, effective(&overrides, k, f))).collect() } else { std::mem::take(&mut retry) };
             for (fk, f) in todo {
                 // Its backends first: a slot must never point to a backend that is not there.
                 let programmed =
@@ -606,23 +608,14 @@ mod tests {
     use super::*;
     use crate::{
         dataplane::ebpf::maps::FakeMaps,
-        model::{BackendKey, Frontend, FrontendKey, FrontendKind, Protocol, Scheduler},
+        model::{Frontend, FrontendKey, FrontendKind, Protocol, Scheduler},
     };
 
     fn frontend(backends: &[(&str, u16)], sched: Scheduler) -> Frontend {
         Frontend {
-            service: "ns/web:http".into(),
-            kind: FrontendKind::ClusterIp,
             scheduler: sched,
-            affinity_timeout_s: 0,
-            masquerade: false,
-            preserve_source: false,
-            no_local_endpoint: false,
             source_ranges: vec!["198.18.0.0/24".parse().unwrap()],
-            max_connection_age_s: 0,
-            outlier_ejection: false,
-            backends: backends.iter().map(|(ip, port)| BackendKey { ip: ip.parse().unwrap(), port: *port, proto: Protocol::Tcp }).collect(),
-            ipvs: Default::default(),
+            ..Frontend::for_test(FrontendKind::ClusterIp, backends, Protocol::Tcp)
         }
     }
 

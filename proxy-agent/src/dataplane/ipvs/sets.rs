@@ -324,23 +324,16 @@ pub fn render(sets: &[SetListing]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{BackendKey, Frontend, FrontendKey, IpvsOptions, Protocol, Scheduler};
+    use crate::model::{Frontend, FrontendKey, Protocol};
 
     /// `local`: externalTrafficPolicy Local (the client address kept); else masqueraded.
     fn fe(kind: FrontendKind, local: bool, ranges: &[&str]) -> Frontend {
         Frontend {
             service: "ns/s:p".into(),
-            kind,
-            scheduler: Scheduler::Random,
-            affinity_timeout_s: 0,
             masquerade: !local && kind != FrontendKind::ClusterIp,
             preserve_source: local,
-            no_local_endpoint: false,
             source_ranges: ranges.iter().map(|r| r.parse().unwrap()).collect(),
-            max_connection_age_s: 0,
-            outlier_ejection: false,
-            backends: vec![BackendKey { ip: "10.244.1.2".parse().unwrap(), port: 8080, proto: Protocol::Tcp }],
-            ipvs: IpvsOptions::default(),
+            ..Frontend::for_test(kind, &[("10.244.1.2", 8080)], Protocol::Tcp)
         }
     }
 

@@ -331,26 +331,13 @@ mod tests {
     use super::*;
     use crate::{
         dataplane::ipvs::{client::FakeIpvs, desired::desired_virtual_servers},
-        model::{BackendKey, DesiredState, Frontend, FrontendKey, FrontendKind, IpvsForward, IpvsOptions, Protocol, Scheduler, Scope},
+        model::{DesiredState, Frontend, FrontendKey, FrontendKind, IpvsForward, IpvsOptions, Protocol, Scope},
         netlink::ctnetlink::FakeConntrack,
         netlink::rtnl::FakeLinks,
     };
 
     fn fe(kind: FrontendKind, backends: &[(&str, u16)], proto: Protocol) -> Frontend {
-        Frontend {
-            service: "ns/web:http".into(),
-            kind,
-            scheduler: Scheduler::Random,
-            affinity_timeout_s: 0,
-            masquerade: false,
-            preserve_source: false,
-            no_local_endpoint: false,
-            source_ranges: vec![],
-            max_connection_age_s: 0,
-            outlier_ejection: false,
-            backends: backends.iter().map(|(ip, port)| BackendKey { ip: ip.parse().unwrap(), port: *port, proto }).collect(),
-            ipvs: IpvsOptions::default(),
-        }
+        Frontend::for_test(kind, backends, proto)
     }
 
     fn state(frontends: Vec<(&str, u16, Protocol, Frontend)>) -> DesiredState {
