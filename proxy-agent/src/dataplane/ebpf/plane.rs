@@ -53,6 +53,8 @@ pub struct EbpfPlane {
     gc: Option<mpsc::Sender<GcMessage>>,
     /// The maximum connection ages last sent to the collector.
     max_ages: HashMap<u32, u32>,
+    /// Frontends with a maximum connection age (kpr.io/max-connection-age), in seconds.
+    max_age_frontends: HashMap<FrontendKey, u32>,
     /// Backends ejected by the collector's outlier detection.
     outliers: Arc<Mutex<Outliers>>,
     /// After a switch from IPVS mode or kube-proxy: the connections it carries, left to it
@@ -165,6 +167,7 @@ impl EbpfPlane {
             config: ConfigInputs::new(s, timeouts),
             gc,
             max_ages: HashMap::new(),
+            max_age_frontends: HashMap::new(),
             outliers,
             handover,
             tcp_frontends: BTreeSet::new(),
@@ -231,12 +234,8 @@ impl Dataplane for EbpfPlane {
         if let (Some(gc), false) = (&self.gc, st.removed.is_empty()) {
             let _ = gc.send(GcMessage::Removed(st.removed));
         }
-        let max_ages: HashMap<u32, u32> = desired
-            .frontends
-            .iter()
-            .filter(|(_, f)| f.max_connection_age_s > 0)
-            .filter_map(|(k, f)| Some((self.syncer.service_id(k)?, f.max_connection_age_s)))
-            .collect();
+        track_max_ages(&mut self.max_age_frontends, desired, touched);
+        let max_ages: HashMap<u32, u32> = self.max_age_frontends.iter().filter_map(|(k, age)| Some((self.syncer.service_id(k)?, *age))).collect();
         if max_ages != self.max_ages {
             if let Some(gc) = &self.gc {
                 let _ = gc.send(GcMessage::MaxAges(max_ages.clone()));
@@ -244,6 +243,24 @@ impl Dataplane for EbpfPlane {
             self.max_ages = max_ages;
         }
         Ok(SyncStats { ejected: ejected_events, ..st.plane })
+    }
+}
+
+/// Keeps `ages` (frontend -> its maximum connection age) equal to the desired state's, by key:
+/// a removed frontend's service id is gone after the sync. A full sync (`touched` None) reads
+/// every frontend, an incremental one its touched frontends alone.
+fn track_max_ages(ages: &mut HashMap<FrontendKey, u32>, desired: &DesiredState, touched: Option<&BTreeSet<FrontendKey>>) {
+    let age_of = |k: &FrontendKey| desired.frontends.get(k).map(|f| f.max_connection_age_s).filter(|age| *age > 0);
+    match touched {
+        None => *ages = desired.frontends.iter().filter(|(_, f)| f.max_connection_age_s > 0).map(|(k, f)| (*k, f.max_connection_age_s)).collect(),
+        Some(t) => {
+            for k in t {
+                match age_of(k) {
+                    Some(age) => ages.insert(*k, age),
+                    None => ages.remove(k),
+                };
+            }
+        }
     }
 }
 
@@ -371,5 +388,34 @@ fn start_gc(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats, outliers: 
             error!(error = %e, "cannot start the conntrack collector");
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Frontend, FrontendKind, Scope};
+
+    #[test]
+    fn maximum_ages_follow_full_and_incremental_syncs() {
+        let key = |ip: &str| FrontendKey { ip: ip.parse().unwrap(), port: 80, proto: Protocol::Tcp, scope: Scope::Internal };
+        let aged = |s: u32| Frontend { max_connection_age_s: s, ..Frontend::for_test(FrontendKind::ClusterIp, &[("10.244.1.2", 8080)], Protocol::Tcp) };
+        let mut d = DesiredState::default();
+        d.frontends.insert(key("10.96.0.1"), aged(600));
+        d.frontends.insert(key("10.96.0.2"), aged(0));
+        d.frontends.insert(key("10.96.0.3"), aged(60));
+        let mut ages = HashMap::new();
+        track_max_ages(&mut ages, &d, None);
+        assert_eq!(ages, [(key("10.96.0.1"), 600), (key("10.96.0.3"), 60)].into());
+        // An incremental sync: one gets an age, one loses it, one goes; the same as a full one.
+        d.frontends.insert(key("10.96.0.2"), aged(30));
+        d.frontends.insert(key("10.96.0.1"), aged(0));
+        d.frontends.remove(&key("10.96.0.3"));
+        let touched: BTreeSet<FrontendKey> = [key("10.96.0.1"), key("10.96.0.2"), key("10.96.0.3")].into();
+        track_max_ages(&mut ages, &d, Some(&touched));
+        assert_eq!(ages, [(key("10.96.0.2"), 30)].into());
+        let mut full = HashMap::new();
+        track_max_ages(&mut full, &d, None);
+        assert_eq!(ages, full);
     }
 }
