@@ -4,27 +4,14 @@ pub mod chart;
 
 use std::{fmt::Write as _, net::IpAddr};
 
-use proxy_agent::model::{BackendKey, DesiredState, Frontend, FrontendKey, FrontendKind, Protocol, Scheduler, Scope};
+use proxy_agent::model::{BackendKey, DesiredState, Frontend, FrontendKey, FrontendKind, Protocol, Scope};
 
 use kpr_lab::lab::backend_ip;
 
 /// Sets (or replaces) service `i`'s ClusterIP frontend `vip:80`, both scopes, on `backends`.
 pub fn set_clusterip(d: &mut DesiredState, i: u32, vip: IpAddr, backends: Vec<BackendKey>) {
     for scope in [Scope::Internal, Scope::External] {
-        let fe = Frontend {
-            service: format!("bench/s{i}:http"),
-            kind: FrontendKind::ClusterIp,
-            scheduler: Scheduler::Random,
-            affinity_timeout_s: 0,
-            masquerade: false,
-            preserve_source: false,
-            no_local_endpoint: false,
-            source_ranges: vec![],
-            max_connection_age_s: 0,
-            outlier_ejection: false,
-            backends: backends.clone(),
-            ipvs: Default::default(),
-        };
+        let fe = Frontend::plain(format!("bench/s{i}:http"), FrontendKind::ClusterIp, backends.clone());
         d.frontends.insert(FrontendKey { ip: vip, port: 80, proto: Protocol::Tcp, scope }, fe);
     }
 }

@@ -90,7 +90,7 @@ fn ipvs_program(n: u32, pipelined: bool, binding: VipBinding) -> (f64, f64) {
     let addrs: Vec<IpAddr> = bound_addresses(&vs).into_iter().collect();
     let bound = match binding {
         VipBinding::Address => links.change_addresses(ifindex, true, &addrs),
-        VipBinding::Route => links.change_local_routes(ifindex, true, &addrs),
+        VipBinding::Route => links.change_local_routes(true, &addrs),
     };
     assert!(bound.iter().all(Result::is_ok), "binding the VIPs ({binding:?})");
     let bind_s = t.elapsed().as_secs_f64();
@@ -413,7 +413,7 @@ fn main() {
 
     println!("\ncontrol plane: N services x 10 endpoints from nothing; 1 change = one service's endpoints replaced (median of 5)");
     println!("IPVS prog: kpr's pipelined netlink (up to 128 requests per sendmsg), of which binding kube-ipvs0's addresses; 1-by-1: one request at a time, as");
-    println!("before (and as kube-proxy); routes: pipelined, the VIPs as local routes through kube-ipvs0 (--ipvs-vip-binding route), of which binding them;");
+    println!("before (and as kube-proxy); routes: pipelined, the VIPs as local routes (--ipvs-vip-binding route), of which binding them;");
     println!("each in a fresh network namespace. Goal at 30,000: < 60 s");
     println!(
         "{:>8} {:>14} {:>14} {:>10} {:>9} {:>12} {:>10} {:>14} {:>14} {:>14} {:>10} {:>12}",

@@ -143,13 +143,12 @@ pub struct Frontend {
     pub ipvs: IpvsOptions,
 }
 
-#[cfg(test)]
 impl Frontend {
-    /// A frontend of "ns/web:http" with these backends and every option off, for tests (each
-    /// sets what it checks with `..Frontend::for_test(..)`).
-    pub(crate) fn for_test(kind: FrontendKind, backends: &[(&str, u16)], proto: Protocol) -> Self {
+    /// A frontend with every option off (random scheduling, no affinity, no masquerade, no
+    /// source ranges): what the benchmarks and tests start from.
+    pub fn plain(service: String, kind: FrontendKind, backends: Vec<BackendKey>) -> Self {
         Frontend {
-            service: "ns/web:http".into(),
+            service,
             kind,
             scheduler: Scheduler::Random,
             affinity_timeout_s: 0,
@@ -159,9 +158,16 @@ impl Frontend {
             source_ranges: vec![],
             max_connection_age_s: 0,
             outlier_ejection: false,
-            backends: backends.iter().map(|(ip, port)| BackendKey { ip: ip.parse().unwrap(), port: *port, proto }).collect(),
+            backends,
             ipvs: IpvsOptions::default(),
         }
+    }
+
+    /// `plain` "ns/web:http" with these backends, for tests (each sets what it checks with
+    /// `..Frontend::for_test(..)`).
+    #[cfg(test)]
+    pub(crate) fn for_test(kind: FrontendKind, backends: &[(&str, u16)], proto: Protocol) -> Self {
+        Self::plain("ns/web:http".into(), kind, backends.iter().map(|(ip, port)| BackendKey { ip: ip.parse().unwrap(), port: *port, proto }).collect())
     }
 }
 

@@ -1,6 +1,6 @@
 //! Links, addresses and local routes over rtnetlink (neli): the dummy interface `kube-ipvs0`
 //! and the virtual IPs IPVS answers for, bound on it as addresses (kube-proxy's way) or as
-//! local routes through it. Behind the `Links` trait; `FakeLinks` keeps maps.
+//! local routes. Behind the `Links` trait; `FakeLinks` keeps maps.
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::IpAddr,
@@ -28,6 +28,9 @@ pub const IPVS_DUMMY: &str = "kube-ipvs0";
 /// The `rtm_protocol` of the local routes kpr adds (`ip route show table local proto 107`): what
 /// tells them from the kernel's own local routes, which every address brings.
 pub const RTPROT_KPR: u8 = 107;
+
+/// The loopback link's index in every network namespace (the kernel's LOOPBACK_IFINDEX).
+const LOOPBACK_IFINDEX: u32 = 1;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LinkError {
@@ -64,13 +67,15 @@ pub trait Links {
     fn change_addresses(&mut self, ifindex: u32, add: bool, addrs: &[IpAddr]) -> Vec<Result<(), LinkError>> {
         addrs.iter().map(|a| if add { self.add_address(ifindex, *a) } else { self.del_address(ifindex, *a) }).collect()
     }
-    /// The IPv4 local routes kpr added through `ifindex` (table local, protocol `RTPROT_KPR`).
-    fn local_routes(&mut self, ifindex: u32) -> Result<BTreeSet<IpAddr>, LinkError>;
-    /// Adds (`add`) or deletes a host-scope local route to each of `addrs` (IPv4) through
-    /// `ifindex`, each with its own outcome: it makes the address local as an address would
-    /// (source: the address itself), but costs O(log n) in the kernel where an IPv4 address
-    /// costs a walk of the link's address list. Idempotent both ways.
-    fn change_local_routes(&mut self, ifindex: u32, add: bool, addrs: &[IpAddr]) -> Vec<Result<(), LinkError>>;
+    /// The IPv4 local routes kpr added (table local, protocol `RTPROT_KPR`, through `lo`).
+    fn local_routes(&mut self) -> Result<BTreeSet<IpAddr>, LinkError>;
+    /// Adds (`add`) or deletes a host-scope local route to each of `addrs` (IPv4), each with its
+    /// own outcome: it makes the address local as an address would (source: the address
+    /// itself), but costs O(log n) in the kernel where an IPv4 address costs a walk of the
+    /// link's address list. Through `lo`, never kube-ipvs0: the kernel deletes every route
+    /// through a link whose last IPv4 address goes, as kube-ipvs0's do when route binding takes
+    /// over from addresses. Idempotent both ways.
+    fn change_local_routes(&mut self, add: bool, addrs: &[IpAddr]) -> Vec<Result<(), LinkError>>;
 }
 
 pub struct NetlinkLinks {
@@ -144,9 +149,9 @@ impl NetlinkLinks {
             .map_err(sock_err)
     }
 
-    /// A host-scope local route to `addr` through `ifindex`, in table local, as the kernel
-    /// makes for an address: the address is its own preferred source.
-    fn local_route_msg(ifindex: u32, addr: IpAddr) -> Result<Rtmsg, LinkError> {
+    /// A host-scope local route to `addr` through `lo`, in table local, as the kernel makes for
+    /// an address: the address is its own preferred source.
+    fn local_route_msg(addr: IpAddr) -> Result<Rtmsg, LinkError> {
         let IpAddr::V4(v4) = addr else {
             return Err(LinkError::Socket(format!("{addr}: local routes are for IPv4 addresses")));
         };
@@ -154,7 +159,7 @@ impl NetlinkLinks {
         for ty in [Rta::Dst, Rta::Prefsrc] {
             attrs.push(RtattrBuilder::default().rta_type(ty).rta_payload(v4.octets().to_vec()).build().map_err(sock_err)?);
         }
-        attrs.push(RtattrBuilder::default().rta_type(Rta::Oif).rta_payload(ifindex).build().map_err(sock_err)?);
+        attrs.push(RtattrBuilder::default().rta_type(Rta::Oif).rta_payload(LOOPBACK_IFINDEX).build().map_err(sock_err)?);
         RtmsgBuilder::default()
             .rtm_family(RtAddrFamily::Inet)
             .rtm_dst_len(32)
@@ -169,16 +174,27 @@ impl NetlinkLinks {
             .map_err(sock_err)
     }
 
-    /// Each pipelined request's outcome, by the address it was for: errnos in `harmless` (the
-    /// idempotent cases) are success.
-    fn outcomes(answers: Result<Vec<Result<(), i32>>, NlError>, addrs: &[IpAddr], op: &'static str, harmless: &[i32]) -> Vec<Result<(), LinkError>> {
-        match answers {
+    /// One request per address (`payload` builds each), pipelined: each address's outcome.
+    fn pipelined<P: Size + ToBytes + std::fmt::Debug>(
+        &mut self,
+        c: Change,
+        addrs: &[IpAddr],
+        payload: impl Fn(IpAddr) -> Result<P, LinkError>,
+    ) -> Vec<Result<(), LinkError>> {
+        let mut msgs = Vec::with_capacity(addrs.len());
+        for addr in addrs {
+            match payload(*addr).and_then(|m| self.message(c.ty, NlmF::ACK | c.flags, m)) {
+                Ok(m) => msgs.push(m),
+                Err(e) => return addrs.iter().map(|_| Err(LinkError::Socket(e.to_string()))).collect(),
+            }
+        }
+        match crate::netlink::socket::pipeline(&self.sock, &msgs, self.depth) {
             Ok(answers) => addrs
                 .iter()
                 .zip(answers)
                 .map(|(addr, a)| match a {
-                    Err(errno) if !harmless.contains(&errno) => {
-                        Err(LinkError::Kernel { op, object: addr.to_string(), err: std::io::Error::from_raw_os_error(errno) })
+                    Err(errno) if !c.harmless.contains(&errno) => {
+                        Err(LinkError::Kernel { op: c.op, object: addr.to_string(), err: std::io::Error::from_raw_os_error(errno) })
                     }
                     _ => Ok(()),
                 })
@@ -192,6 +208,15 @@ impl NetlinkLinks {
             }
         }
     }
+}
+
+/// A kind of pipelined change: the request, and the errnos that mean it is already so
+/// (idempotent adds and deletes).
+struct Change {
+    ty: Rtm,
+    flags: NlmF,
+    op: &'static str,
+    harmless: &'static [i32],
 }
 
 fn addr_from(family: RtAddrFamily, p: &[u8]) -> Option<IpAddr> {
@@ -290,23 +315,15 @@ impl Links for NetlinkLinks {
     }
 
     fn change_addresses(&mut self, ifindex: u32, add: bool, addrs: &[IpAddr]) -> Vec<Result<(), LinkError>> {
-        let (ty, flags, op, harmless): (_, _, _, &[i32]) = if add {
-            (Rtm::Newaddr, NlmF::CREATE | NlmF::EXCL, "add address", &[libc::EEXIST])
+        let change = if add {
+            Change { ty: Rtm::Newaddr, flags: NlmF::CREATE | NlmF::EXCL, op: "add address", harmless: &[libc::EEXIST] }
         } else {
-            (Rtm::Deladdr, NlmF::empty(), "delete address", &[libc::EADDRNOTAVAIL, libc::ENODEV])
+            Change { ty: Rtm::Deladdr, flags: NlmF::empty(), op: "delete address", harmless: &[libc::EADDRNOTAVAIL, libc::ENODEV] }
         };
-        let mut msgs = Vec::with_capacity(addrs.len());
-        for addr in addrs {
-            let msg = Self::addr_msg(ifindex, *addr).and_then(|m| self.message(ty, NlmF::ACK | flags, m));
-            match msg {
-                Ok(m) => msgs.push(m),
-                Err(e) => return addrs.iter().map(|_| Err(LinkError::Socket(e.to_string()))).collect(),
-            }
-        }
-        Self::outcomes(crate::netlink::socket::pipeline(&self.sock, &msgs, self.depth), addrs, op, harmless)
+        self.pipelined(change, addrs, |a| Self::addr_msg(ifindex, a))
     }
 
-    fn local_routes(&mut self, ifindex: u32) -> Result<BTreeSet<IpAddr>, LinkError> {
+    fn local_routes(&mut self) -> Result<BTreeSet<IpAddr>, LinkError> {
         let msg = RtmsgBuilder::default()
             .rtm_family(RtAddrFamily::Inet)
             .rtm_dst_len(0)
@@ -322,7 +339,6 @@ impl Links for NetlinkLinks {
         Ok(all
             .iter()
             .filter(|r| *r.rtm_table() == RtTable::Local && *r.rtm_type() == Rtn::Local && u8::from(*r.rtm_protocol()) == RTPROT_KPR)
-            .filter(|r| r.rtattrs().get_attr_handle().get_attr_payload_as::<u32>(Rta::Oif).ok() == Some(ifindex))
             .filter_map(|r| {
                 let dst = r.rtattrs().iter().find(|a| *a.rta_type() == Rta::Dst)?;
                 addr_from(*r.rtm_family(), dst.rta_payload().as_ref())
@@ -330,23 +346,15 @@ impl Links for NetlinkLinks {
             .collect())
     }
 
-    fn change_local_routes(&mut self, ifindex: u32, add: bool, addrs: &[IpAddr]) -> Vec<Result<(), LinkError>> {
+    fn change_local_routes(&mut self, add: bool, addrs: &[IpAddr]) -> Vec<Result<(), LinkError>> {
         // CREATE without EXCL: an address's own local route to the same destination (protocol
         // kernel) is another route, so ours is added beside it; only ours again is EEXIST.
-        let (ty, flags, op, harmless): (_, _, _, &[i32]) = if add {
-            (Rtm::Newroute, NlmF::CREATE, "add local route", &[libc::EEXIST])
+        let change = if add {
+            Change { ty: Rtm::Newroute, flags: NlmF::CREATE, op: "add local route", harmless: &[libc::EEXIST] }
         } else {
-            (Rtm::Delroute, NlmF::empty(), "delete local route", &[libc::ESRCH, libc::ENODEV])
+            Change { ty: Rtm::Delroute, flags: NlmF::empty(), op: "delete local route", harmless: &[libc::ESRCH, libc::ENODEV] }
         };
-        let mut msgs = Vec::with_capacity(addrs.len());
-        for addr in addrs {
-            let msg = Self::local_route_msg(ifindex, *addr).and_then(|m| self.message(ty, NlmF::ACK | flags, m));
-            match msg {
-                Ok(m) => msgs.push(m),
-                Err(e) => return addrs.iter().map(|_| Err(LinkError::Socket(e.to_string()))).collect(),
-            }
-        }
-        Self::outcomes(crate::netlink::socket::pipeline(&self.sock, &msgs, self.depth), addrs, op, harmless)
+        self.pipelined(change, addrs, Self::local_route_msg)
     }
 }
 
@@ -354,8 +362,8 @@ impl Links for NetlinkLinks {
 pub struct FakeLinks {
     /// name -> (index, addresses)
     pub links: BTreeMap<String, (u32, BTreeSet<IpAddr>)>,
-    /// index -> kpr's local routes through it
-    pub local_routes: BTreeMap<u32, BTreeSet<IpAddr>>,
+    /// kpr's local routes.
+    pub local_routes: BTreeSet<IpAddr>,
 }
 
 impl Links for FakeLinks {
@@ -367,10 +375,7 @@ impl Links for FakeLinks {
         Ok(self.links.get(name).map(|l| l.0))
     }
     fn delete_link(&mut self, name: &str) -> Result<(), LinkError> {
-        // The kernel's routes through a link go with it.
-        if let Some((i, _)) = self.links.remove(name) {
-            self.local_routes.remove(&i);
-        }
+        self.links.remove(name);
         Ok(())
     }
     fn addresses(&mut self, ifindex: u32) -> Result<BTreeSet<IpAddr>, LinkError> {
@@ -387,14 +392,10 @@ impl Links for FakeLinks {
         }
         Ok(())
     }
-    fn local_routes(&mut self, ifindex: u32) -> Result<BTreeSet<IpAddr>, LinkError> {
-        Ok(self.local_routes.get(&ifindex).cloned().unwrap_or_default())
+    fn local_routes(&mut self) -> Result<BTreeSet<IpAddr>, LinkError> {
+        Ok(self.local_routes.clone())
     }
-    fn change_local_routes(&mut self, ifindex: u32, add: bool, addrs: &[IpAddr]) -> Vec<Result<(), LinkError>> {
-        if add && !self.links.values().any(|l| l.0 == ifindex) {
-            return addrs.iter().map(|_| Err(LinkError::NoLink(ifindex.to_string()))).collect();
-        }
-        let routes = self.local_routes.entry(ifindex).or_default();
+    fn change_local_routes(&mut self, add: bool, addrs: &[IpAddr]) -> Vec<Result<(), LinkError>> {
         addrs
             .iter()
             .map(|a| {
@@ -402,9 +403,9 @@ impl Links for FakeLinks {
                     return Err(LinkError::Socket(format!("{a}: local routes are for IPv4 addresses")));
                 }
                 if add {
-                    routes.insert(*a);
+                    self.local_routes.insert(*a);
                 } else {
-                    routes.remove(a);
+                    self.local_routes.remove(a);
                 }
                 Ok(())
             })

@@ -136,7 +136,7 @@ pub struct Flags {
     #[arg(long, value_parser = parse_duration)]
     pub ipvs_udp_timeout: Option<Duration>,
     /// IPVS mode: bind IPv4 virtual IPs as addresses on kube-ipvs0 (kube-proxy's way) or as
-    /// local routes through it (no O(N²) kernel cost at tens of thousands of Services)
+    /// local routes (no O(N²) kernel cost at tens of thousands of Services)
     /// [default: address].
     #[arg(long, value_enum, env = "KPR_IPVS_VIP_BINDING")]
     pub ipvs_vip_binding: Option<super::VipBinding>,

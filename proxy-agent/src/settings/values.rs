@@ -195,8 +195,7 @@ pub struct IpvsSettings {
 }
 
 /// How IPVS mode makes its IPv4 virtual IPs local (IPVS sees only packets to local addresses).
-/// IPv6 ones are always addresses: the kernel adds those in constant time, and refuses an IPv6
-/// route through a link that is down, as kube-ipvs0 is.
+/// IPv6 ones are always addresses: the kernel adds those in constant time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum VipBinding {
     /// An address on kube-ipvs0 each, as kube-proxy (`ip addr show kube-ipvs0`). The kernel
@@ -204,7 +203,7 @@ pub enum VipBinding {
     /// thousands of Services, once per node start from an empty kube-ipvs0.
     #[default]
     Address,
-    /// A local route through kube-ipvs0 each (`ip route show table local dev kube-ipvs0`):
+    /// A local route each, through `lo` (`ip route show table local proto 107`):
     /// the same delivery, O(log N) each.
     Route,
 }

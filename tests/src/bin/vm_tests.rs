@@ -741,7 +741,7 @@ fn vip_binding_routes(lab: &mut Lab) -> Result<()> {
         out(format!("ip -n {n} -4 -o addr show dev kube-ipvs0")).split_whitespace().filter_map(|w| w.strip_suffix("/32")).map(str::to_string).collect()
     };
     let routes = || -> BTreeSet<String> {
-        out(format!("ip -n {n} -4 route show table local proto 107 dev kube-ipvs0"))
+        out(format!("ip -n {n} -4 route show table local proto 107"))
             .lines()
             .filter_map(|l| l.strip_prefix("local ").and_then(|r| r.split_whitespace().next()).map(str::to_string))
             .collect()

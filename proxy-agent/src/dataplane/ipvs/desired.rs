@@ -27,7 +27,7 @@ pub struct SyncSettings {
     /// `node_port_range` is ours.
     pub node_addresses: Vec<IpAddr>,
     pub node_port_range: RangeInclusive<u16>,
-    /// IPv4 virtual IPs as kube-ipvs0's addresses or as local routes through it.
+    /// IPv4 virtual IPs as kube-ipvs0's addresses or as local routes.
     pub vip_binding: VipBinding,
 }
 

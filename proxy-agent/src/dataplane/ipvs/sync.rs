@@ -45,7 +45,7 @@ pub struct IpvsSyncer {
     link_cache: Option<(u32, Bindings)>,
 }
 
-/// The virtual IPs made local through kube-ipvs0, each way. Both count as bound (ownership),
+/// The virtual IPs made local, each way: kube-ipvs0's addresses, kpr's local routes. Both count as bound (ownership),
 /// whatever the setting: a node switched from one way to the other still owns the first's.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct Bindings {
@@ -55,7 +55,7 @@ struct Bindings {
 
 impl Bindings {
     fn read(links: &mut dyn Links, ifindex: u32) -> Result<Self, LinkError> {
-        Ok(Bindings { addresses: links.addresses(ifindex)?, routes: links.local_routes(ifindex)? })
+        Ok(Bindings { addresses: links.addresses(ifindex)?, routes: links.local_routes()? })
     }
 
     /// The bindings `want` takes under `binding`: IPv4 as routes in route mode, all else
@@ -74,13 +74,13 @@ impl Bindings {
     }
 }
 
-/// Binds (`add`) or unbinds `addrs` as addresses or (`routes`) local routes on `ifindex`,
+/// Binds (`add`) or unbinds `addrs` as addresses on `ifindex` or (`routes`) as local routes,
 /// recording each success in `now` and each failure in `st`.
 fn change_bindings(links: &mut dyn Links, ifindex: u32, add: bool, routes: bool, addrs: &[IpAddr], now: &mut BTreeSet<IpAddr>, st: &mut IpvsSyncStats) {
     if addrs.is_empty() {
         return;
     }
-    let results = if routes { links.change_local_routes(ifindex, add, addrs) } else { links.change_addresses(ifindex, add, addrs) };
+    let results = if routes { links.change_local_routes(add, addrs) } else { links.change_addresses(ifindex, add, addrs) };
     let what = if routes { "local route" } else { "address" };
     for (addr, r) in addrs.iter().zip(results) {
         match (r, add) {
@@ -92,8 +92,8 @@ fn change_bindings(links: &mut dyn Links, ifindex: u32, add: bool, routes: bool,
                 st.addresses_unbound += 1;
                 now.remove(addr);
             }
-            (Err(e), true) => st.errors.push(format!("bind {addr} on {IPVS_DUMMY} ({what}): {e}")),
-            (Err(e), false) => st.errors.push(format!("unbind {addr} from {IPVS_DUMMY} ({what}): {e}")),
+            (Err(e), true) => st.errors.push(format!("bind {addr} ({what}): {e}")),
+            (Err(e), false) => st.errors.push(format!("unbind {addr} ({what}): {e}")),
         }
     }
 }
@@ -287,8 +287,8 @@ impl IpvsSyncer {
     }
 }
 
-/// `kpr cleanup` in IPVS mode: deletes the virtual servers the agent owns (on kube-ipvs0's
-/// addresses or on `node_addresses`), then kube-ipvs0 itself. Other virtual servers stay.
+/// `kpr cleanup` in IPVS mode: deletes the virtual servers the agent owns (on its VIPs or on
+/// `node_addresses`), then its local routes and kube-ipvs0 itself. Other virtual servers stay.
 /// Returns what went.
 pub fn cleanup(ipvs: &mut dyn Ipvs, links: &mut dyn Links, node_addresses: &[IpAddr]) -> Result<Vec<String>, IpvsSyncError> {
     let mut done = Vec::new();
@@ -297,22 +297,27 @@ pub fn cleanup(ipvs: &mut dyn Ipvs, links: &mut dyn Links, node_addresses: &[IpA
         ipvs.del_service(&id)?;
         done.push(format!("deleted IPVS service {id}"));
     }
+    let routes: Vec<IpAddr> = bound.routes.iter().copied().collect();
+    for (addr, r) in routes.iter().zip(links.change_local_routes(false, &routes)) {
+        r?;
+        done.push(format!("deleted local route {addr}"));
+    }
     if links.link_index(IPVS_DUMMY)?.is_some() {
         links.delete_link(IPVS_DUMMY)?;
-        done.push(format!("deleted link {IPVS_DUMMY} ({} virtual IPs bound)", bound.len()));
+        done.push(format!("deleted link {IPVS_DUMMY} ({} addresses)", bound.addresses.len()));
     }
     Ok(done)
 }
 
-/// The virtual servers the agent owns (on kube-ipvs0's addresses, which come second, or on
-/// `node_addresses`).
-fn owned_services(ipvs: &mut dyn Ipvs, links: &mut dyn Links, node_addresses: &[IpAddr]) -> Result<(Vec<ServiceId>, BTreeSet<IpAddr>), IpvsSyncError> {
+/// The virtual servers the agent owns (on its VIPs, or on `node_addresses`), and its VIPs.
+fn owned_services(ipvs: &mut dyn Ipvs, links: &mut dyn Links, node_addresses: &[IpAddr]) -> Result<(Vec<ServiceId>, Bindings), IpvsSyncError> {
     let bound = match links.link_index(IPVS_DUMMY)? {
-        Some(i) => Bindings::read(links, i)?.all(),
-        None => BTreeSet::new(),
+        Some(i) => Bindings::read(links, i)?,
+        None => Bindings { addresses: BTreeSet::new(), routes: links.local_routes()? },
     };
     let syncer = IpvsSyncer::new(SyncSettings { node_addresses: node_addresses.to_vec(), ..Default::default() });
-    let owned = ipvs.services()?.into_iter().map(|s| s.config.id).filter(|id| syncer.owned(id, &bound)).collect();
+    let all = bound.all();
+    let owned = ipvs.services()?.into_iter().map(|s| s.config.id).filter(|id| syncer.owned(id, &all)).collect();
     Ok((owned, bound))
 }
 
@@ -372,8 +377,7 @@ mod tests {
             self.links.links.get(IPVS_DUMMY).map(|l| l.1.iter().map(|a| a.to_string()).collect()).unwrap_or_default()
         }
         fn routed(&self) -> Vec<String> {
-            let Some((i, _)) = self.links.links.get(IPVS_DUMMY) else { return vec![] };
-            self.links.local_routes.get(i).map(|r| r.iter().map(|a| a.to_string()).collect()).unwrap_or_default()
+            self.links.local_routes.iter().map(|a| a.to_string()).collect()
         }
     }
 
