@@ -5,6 +5,7 @@ pub mod affinity_gc;
 pub mod bpf_batch;
 pub mod conntrack;
 pub mod endpoint_cleanup;
+pub mod ids;
 pub mod interfaces;
 pub mod kernel;
 pub mod kernel_maps;

@@ -10,7 +10,7 @@ use proxy_common::{
 
 use crate::{
     dataplane::ebpf::maps::{DatapathMaps, MapError, SrcRange},
-    dataplane::ebpf::{maglev, wire},
+    dataplane::ebpf::{ids::Ids, maglev, wire},
     model::{DesiredState, Frontend, FrontendKey},
 };
 
@@ -96,19 +96,9 @@ fn note_removed(st: &mut SyncStats, m: &Mirror, key: &ServiceKey, service_id: u3
 }
 
 pub struct Syncer {
-    backend_ids: HashMap<Backend, u32>,
-    next_backend_id: u32,
-    service_ids: HashMap<ServiceKey, u32>,
-    /// Service id -> its ServiceValue::generation; a new one each time an id is given out.
-    generations: HashMap<u32, u16>,
-    next_generation: u16,
-    free_service_ids: BTreeSet<u32>,
-    next_service_id: u32,
-    max_services: u32,
-    maglev_rows: HashMap<u32, u32>,
-    free_maglev_rows: BTreeSet<u32>,
+    ids: Ids,
+    /// Maglev row -> the table last written there.
     maglev_written: HashMap<u32, Vec<u32>>,
-    seeded: bool,
     /// What the maps hold after the last successful sync (None: list them next time).
     mirror: Option<Mirror>,
     /// Backend id -> frontends whose slots use it (a backend is deleted when unused).
@@ -132,7 +122,7 @@ fn range_key(service_id: u32, net: &ipnet::IpNet) -> SrcRange {
 impl Syncer {
     /// The service id given to a frontend, once synced.
     pub fn service_id(&self, k: &crate::model::FrontendKey) -> Option<u32> {
-        self.service_ids.get(&crate::dataplane::ebpf::wire::service_key(k)).copied()
+        self.ids.service_of(&crate::dataplane::ebpf::wire::service_key(k))
     }
 
     /// Frontends the next syncs program as given here in place of the desired state's (only
@@ -146,90 +136,19 @@ impl Syncer {
 
     pub fn new(max_services: u32, maglev_rows: u32) -> Self {
         Self {
-            backend_ids: HashMap::new(),
-            next_backend_id: 1,
-            service_ids: HashMap::new(),
-            generations: HashMap::new(),
-            next_generation: 1,
-            free_service_ids: BTreeSet::new(),
-            next_service_id: 1,
-            max_services,
-            maglev_rows: HashMap::new(),
-            free_maglev_rows: (0..maglev_rows).collect(),
+            ids: Ids::new(max_services, maglev_rows),
             maglev_written: HashMap::new(),
-            seeded: false,
             mirror: None,
             backend_refs: HashMap::new(),
             overrides: Default::default(),
         }
     }
 
-    /// Recovers ids from a previous agent's maps, so a restart changes nothing that works.
-    fn seed(&mut self, services: &[(ServiceKey, ServiceValue)], backends: &[(u32, Backend)]) {
-        for (id, b) in backends {
-            self.backend_ids.insert(*b, *id);
-            self.next_backend_id = self.next_backend_id.max(id + 1);
-        }
-        let mut used = BTreeSet::new();
-        for (k, v) in services {
-            self.service_ids.insert(*k, v.service_id);
-            self.generations.insert(v.service_id, v.generation);
-            self.note_generation(v.generation);
-            used.insert(v.service_id);
-            if v.scheduler == SCHED_MAGLEV {
-                self.maglev_rows.insert(v.service_id, v.maglev_row);
-                self.free_maglev_rows.remove(&v.maglev_row);
-            }
-        }
-        let max = used.iter().next_back().copied().unwrap_or(0);
-        self.next_service_id = max + 1;
-        self.free_service_ids = (1..=max).filter(|i| !used.contains(i)).collect();
-        self.seeded = true;
-    }
-
-    /// Generations handed out from now on are newer than `g` (wrapping, never 0).
-    fn note_generation(&mut self, g: u16) {
-        if g.wrapping_sub(self.next_generation) < u16::MAX / 2 {
-            self.next_generation = g.wrapping_add(1).max(1);
-        }
-    }
-
-    fn alloc_service_id(&mut self, key: ServiceKey) -> Option<u32> {
-        if let Some(id) = self.service_ids.get(&key) {
-            return Some(*id);
-        }
-        let id = match self.free_service_ids.pop_first() {
-            Some(id) => id,
-            None if self.next_service_id < self.max_services => {
-                self.next_service_id += 1;
-                self.next_service_id - 1
-            }
-            None => return None,
-        };
-        self.service_ids.insert(key, id);
-        self.generations.insert(id, self.next_generation);
-        self.next_generation = self.next_generation.wrapping_add(1).max(1);
-        Some(id)
-    }
-
+    /// Takes `key`'s service id back; what was written to its Maglev row is forgotten.
     fn release_service_id(&mut self, key: &ServiceKey) {
-        if let Some(id) = self.service_ids.remove(key) {
-            self.free_service_ids.insert(id);
-            if let Some(row) = self.maglev_rows.remove(&id) {
-                self.free_maglev_rows.insert(row);
-                self.maglev_written.remove(&row);
-            }
+        if let Some(row) = self.ids.release_service(key) {
+            self.maglev_written.remove(&row);
         }
-    }
-
-    fn backend_id(&mut self, b: Backend) -> u32 {
-        if let Some(id) = self.backend_ids.get(&b) {
-            return *id;
-        }
-        let id = self.next_backend_id;
-        self.next_backend_id += 1;
-        self.backend_ids.insert(b, id);
-        id
     }
 
     /// Full sync: lists what the maps hold now, then writes the difference. Repairs any drift
@@ -237,10 +156,10 @@ impl Syncer {
     pub fn sync(&mut self, maps: &mut dyn DatapathMaps, desired: &DesiredState, config: DatapathConfig) -> Result<SyncStats, SyncError> {
         self.mirror = None;
         let actual = Mirror::read(maps)?;
-        if !self.seeded {
+        if !self.ids.seeded {
             let svcs: Vec<_> = actual.services.iter().map(|(k, v)| (*k, *v)).collect();
             let bes: Vec<_> = actual.backends.iter().map(|(k, v)| (*k, *v)).collect();
-            self.seed(&svcs, &bes);
+            self.ids.seed(&svcs, &bes);
         }
         self.apply(maps, desired, config, actual, true)
     }
@@ -268,7 +187,7 @@ impl Syncer {
             .iter()
             .map(|(k, f)| effective(&overrides, k, f))
             .flat_map(|f| f.backends.iter())
-            .map(|b| self.backend_id(wire::backend(b)))
+            .map(|b| self.ids.backend(wire::backend(b)))
             .collect();
         st.backends = live_backends.len();
 
@@ -281,7 +200,7 @@ impl Syncer {
             maps.del_service(key)?;
             m.services.remove(&key);
             st.deletes += 1;
-            if self.service_ids.get(&key) == Some(&v.service_id) {
+            if self.ids.service_of(&key) == Some(v.service_id) {
                 self.release_service_id(&key);
             }
         }
@@ -325,7 +244,7 @@ impl Syncer {
                 break;
             }
         }
-        self.backend_ids.retain(|_, id| live_backends.contains(id));
+        self.ids.retain_backends(|id| live_backends.contains(&id));
 
         let old_ranges = std::mem::take(&mut m.ranges);
         for r in old_ranges.difference(&desired_ranges) {
@@ -342,7 +261,7 @@ impl Syncer {
         // data path already ignores affinity to a backend that no longer exists).
         if full {
             for (k, v) in maps.affinity()? {
-                self.note_generation(v.generation);
+                self.ids.note_generation(v.generation);
                 let keep = m.slots.get(&k.service_id).is_some_and(|slots| slots.values().any(|id| *id == v.backend_id));
                 if !keep {
                     maps.del_affinity(k)?;
@@ -359,7 +278,7 @@ impl Syncer {
     fn put_backends(&mut self, maps: &mut dyn DatapathMaps, m: &mut Mirror, f: &Frontend, st: &mut SyncStats) -> Result<(), SyncError> {
         for b in &f.backends {
             let wire = wire::backend(b);
-            let id = self.backend_id(wire);
+            let id = self.ids.backend(wire);
             if m.backends.get(&id) != Some(&wire) {
                 maps.put_backend(id, wire)?;
                 m.backends.insert(id, wire);
@@ -385,20 +304,14 @@ impl Syncer {
         let key = wire::service_key(fk);
         // Every frontend has its own id and the services map holds as many entries as there
         // are ids: no free id is a full services map (retried once deletes made room).
-        let Some(service_id) = self.alloc_service_id(key) else {
+        let Some(service_id) = self.ids.service(key) else {
             return Err(SyncError::Map(MapError::Full { map: proxy_common::map_names::SERVICES }));
         };
-        let ids: Vec<u32> = f.backends.iter().map(|b| self.backend_ids[&wire::backend(b)]).collect();
+        let ids: Vec<u32> = f.backends.iter().map(|b| self.ids.backend(wire::backend(b))).collect();
         let mut scheduler = wire::scheduler(f.scheduler);
         let mut maglev_row = 0;
         if scheduler == SCHED_MAGLEV {
-            let row = match self.maglev_rows.get(&service_id) {
-                Some(r) => Some(*r),
-                None => self.free_maglev_rows.pop_first().inspect(|r| {
-                    self.maglev_rows.insert(service_id, *r);
-                }),
-            };
-            match row {
+            match self.ids.maglev_row(service_id) {
                 Some(row) => {
                     let idents: Vec<(Vec<u8>, u32)> = f.backends.iter().zip(&ids).map(|(b, id)| (format!("{}:{}", b.ip, b.port).into_bytes(), *id)).collect();
                     let table = maglev::table(&idents);
@@ -414,7 +327,7 @@ impl Syncer {
                     maglev_row = row;
                 }
                 None => {
-                    st.errors.push(format!("{}: all {} Maglev rows in use; using random", f.service, self.free_maglev_rows.len() + self.maglev_rows.len()));
+                    st.errors.push(format!("{}: all {} Maglev rows in use; using random", f.service, self.ids.maglev_rows_total()));
                     scheduler = SCHED_RANDOM;
                 }
             }
@@ -438,7 +351,7 @@ impl Syncer {
             maglev_row,
             scheduler,
             flags: wire::service_flags(f),
-            generation: self.generations.get(&service_id).copied().unwrap_or(0),
+            generation: self.ids.generation(service_id),
         };
         if m.services.get(&key) != Some(&value) {
             maps.put_service(key, value)?;
@@ -513,7 +426,7 @@ impl Syncer {
                     }
                 }
             }
-            let sid = old.map(|v| v.service_id).or_else(|| self.service_ids.get(&key).copied());
+            let sid = old.map(|v| v.service_id).or_else(|| self.ids.service_of(&key));
             let old_ranges: BTreeSet<SrcRange> = match sid {
                 Some(sid) => m.ranges.iter().filter(|r| r.1.service_id_be == sid.to_be()).copied().collect(),
                 None => BTreeSet::new(),
@@ -559,9 +472,7 @@ impl Syncer {
             maps.del_backend(*id)?;
             // The id table by key (a pass over it would cost a million steps at 100,000 Services).
             if let Some(b) = m.backends.remove(id) {
-                if self.backend_ids.get(&b) == Some(id) {
-                    self.backend_ids.remove(&b);
-                }
+                self.ids.forget_backend(&b, *id);
             }
             self.backend_refs.remove(id);
             st.deletes += 1;
