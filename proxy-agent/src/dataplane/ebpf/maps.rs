@@ -347,6 +347,20 @@ impl FakeTables {
             Table::Embryonic => &mut self.embryonic,
         }
     }
+
+    /// Deletes `key` if `delete` holds for its entry, after the data path's simulated write
+    /// (`reused`) landed. Returns whether it did.
+    fn take_if(&mut self, table: Table, key: &CtKey, delete: impl Fn(&CtValue) -> bool) -> bool {
+        if let Some(v) = self.reused.remove(key) {
+            self.table_mut(table).insert(*key, v);
+        }
+        let m = self.table_mut(table);
+        let hit = m.get(key).is_some_and(delete);
+        if hit {
+            m.remove(key);
+        }
+        hit
+    }
 }
 
 impl ConntrackTables for FakeTables {
@@ -361,30 +375,10 @@ impl ConntrackTables for FakeTables {
         Ok(self.table(table).get(key).copied())
     }
     fn delete_if(&mut self, table: Table, key: &CtKey, expected: &CtValue) -> Result<bool, MapError> {
-        if let Some(v) = self.reused.remove(key) {
-            self.table_mut(table).insert(*key, v);
-        }
-        let m = self.table_mut(table);
-        match m.get(key) {
-            Some(v) if v == expected => {
-                m.remove(key);
-                Ok(true)
-            }
-            _ => Ok(false),
-        }
+        Ok(self.take_if(table, key, |v| v == expected))
     }
     fn delete_if_same_flow(&mut self, table: Table, key: &CtKey, expected: &CtValue) -> Result<bool, MapError> {
-        if let Some(v) = self.reused.remove(key) {
-            self.table_mut(table).insert(*key, v);
-        }
-        let m = self.table_mut(table);
-        match m.get(key) {
-            Some(v) if same_flow(v, expected) => {
-                m.remove(key);
-                Ok(true)
-            }
-            _ => Ok(false),
-        }
+        Ok(self.take_if(table, key, |v| same_flow(v, expected)))
     }
     fn set_flags_if(&mut self, table: Table, key: &CtKey, expected: &CtValue, flags: u16) -> Result<bool, MapError> {
         match self.table_mut(table).get_mut(key) {
