@@ -29,7 +29,7 @@ use crate::{
         netif,
         sysctl::{self, ProcSysctls, Sysctls},
     },
-    model::{DesiredState, FrontendKey, Protocol},
+    model::{DesiredState, Frontend, FrontendKey, Protocol},
     netlink::{ctnetlink::NetlinkConntrack, sockdiag::NetlinkSockets},
     settings::{DetectLocal, Mode, Settings},
     stats::SharedStats,
@@ -250,12 +250,12 @@ impl Dataplane for EbpfPlane {
 /// a removed frontend's service id is gone after the sync. A full sync (`touched` None) reads
 /// every frontend, an incremental one its touched frontends alone.
 fn track_max_ages(ages: &mut HashMap<FrontendKey, u32>, desired: &DesiredState, touched: Option<&BTreeSet<FrontendKey>>) {
-    let age_of = |k: &FrontendKey| desired.frontends.get(k).map(|f| f.max_connection_age_s).filter(|age| *age > 0);
+    let age = |f: &Frontend| Some(f.max_connection_age_s).filter(|s| *s > 0);
     match touched {
-        None => *ages = desired.frontends.iter().filter(|(_, f)| f.max_connection_age_s > 0).map(|(k, f)| (*k, f.max_connection_age_s)).collect(),
+        None => *ages = desired.frontends.iter().filter_map(|(k, f)| Some((*k, age(f)?))).collect(),
         Some(t) => {
             for k in t {
-                match age_of(k) {
+                match desired.frontends.get(k).and_then(age) {
                     Some(age) => ages.insert(*k, age),
                     None => ages.remove(k),
                 };
@@ -394,7 +394,7 @@ fn start_gc(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats, outliers: 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Frontend, FrontendKind, Scope};
+    use crate::model::{FrontendKind, Scope};
 
     #[test]
     fn maximum_ages_follow_full_and_incremental_syncs() {
