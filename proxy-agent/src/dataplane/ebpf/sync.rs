@@ -125,9 +125,9 @@ impl Syncer {
         self.ids.service_of(&crate::dataplane::ebpf::wire::service_key(k))
     }
 
-    /// Frontends the next syncs program as given here in place of the desired state's (only
-    /// their slots: their backends stay in the backend map, as an established flow may use
-    /// them).
+    /// Frontends the next syncs program as given here in place of the desired state's: their
+    /// slots, and which backends stay live (one that no programmed frontend uses leaves the
+    /// backend map, as it did when the whole desired state was copied).
     pub fn set_overrides(&mut self, overrides: HashMap<FrontendKey, Frontend>) {
         if !(overrides.is_empty() && self.overrides.is_empty()) {
             self.overrides = std::sync::Arc::new(overrides);

@@ -45,8 +45,9 @@ pub struct IpvsSyncer {
     link_cache: Option<(u32, Bindings)>,
 }
 
-/// The virtual IPs made local, each way: kube-ipvs0's addresses, kpr's local routes. Both count as bound (ownership),
-/// whatever the setting: a node switched from one way to the other still owns the first's.
+/// The virtual IPs made local, each way: kube-ipvs0's addresses, kpr's local routes. Both count
+/// as bound (ownership), whatever the setting: a node switched from one way to the other still
+/// owns the first's.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct Bindings {
     addresses: BTreeSet<IpAddr>,
