@@ -434,14 +434,17 @@ pub const CT_F_CLOSING: u16 = 1 << 1;
 pub const CT_F_REPLY: u16 = 1 << 2;
 /// SNAT entry whose address and port are chosen at egress, where the interface is known.
 pub const CT_F_SNAT_PENDING: u16 = 1 << 3;
-/// Forward entry of a flow whose reply was seen (a TCP flow is assured at its next packet).
+/// Forward entry of a flow whose reply was seen (a TCP flow is assured at its next packet);
+/// also the reverse-DNAT entry of a TCP flow in its handshake and of a UDP flow once its
+/// backend replied (an ICMP error after that is no refusal).
 pub const CT_F_SEEN_REPLY: u16 = 1 << 4;
 /// Forward entry of a flow past its Service's maximum connection age (set by the agent's
 /// collector): the next TCP packet is answered with a reset, a UDP flow starts over.
 pub const CT_F_MAX_AGE: u16 = 1 << 5;
 /// Forward entry of a new TCP flow its backend refused (a reset, or an ICMP destination
 /// unreachable, answering the SYN): counted once as a refusal by the data path, so the
-/// collector does not count it again as an unanswered SYN.
+/// collector does not count it again as an unanswered SYN. On a UDP flow's reverse-DNAT entry:
+/// an ICMP destination unreachable answered it before any reply (counted once).
 pub const CT_F_REFUSED: u16 = 1 << 6;
 
 /// Source ports for masquerade and for moved ports when the agent sets none

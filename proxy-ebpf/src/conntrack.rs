@@ -15,7 +15,7 @@ use aya_ebpf::{
 };
 use proxy_common::{
     counter, Backend, CtKey, CtRole, CtValue, DatapathConfig, CT_DIR_EGRESS, CT_DIR_INGRESS,
-    CT_F_CLOSING, CT_F_MAX_AGE, CT_F_REFUSED, CT_F_REPLY, CT_F_SEEN_REPLY, CT_F_SNAT, CT_F_SNAT_PENDING, PROTO_TCP,
+    CT_F_CLOSING, CT_F_MAX_AGE, CT_F_REFUSED, CT_F_REPLY, CT_F_SEEN_REPLY, CT_F_SNAT, CT_F_SNAT_PENDING, PROTO_TCP, PROTO_UDP,
     SNAT_PORT_MAX, SNAT_PORT_MIN,
 };
 
@@ -201,6 +201,7 @@ fn entry(f: &Flow, key: &CtKey, v: &mut CtValue, table: Table, cfg: &DatapathCon
             }
         }
         CtRole::ReverseDnat if table == Table::Embryonic && v.flags & CT_F_SEEN_REPLY == 0 => seen_reply(f.tcp_flags & TCP_RST != 0, key, v),
+        CtRole::ReverseDnat if f.proto == PROTO_UDP && v.flags & CT_F_SEEN_REPLY == 0 => udp_answered(v),
         _ => {}
     }
     // The coarse clock ticks every few ms: most packets find the stamp current and leave the
@@ -241,6 +242,30 @@ fn seen_reply(rst: bool, key: &CtKey, v: &mut CtValue) {
     counters::backend_answered(v.backend_id);
     v.flags |= CT_F_SEEN_REPLY;
     mark_forward(key, v, CT_F_SEEN_REPLY);
+}
+
+/// A UDP flow's first reply from its backend (its reverse-DNAT entry `v`): the backend serves
+/// the port, which ends its refusals in a row, and an ICMP error about the flow from now on is a
+/// late one, not a refusal. Once per flow; a subprogram, off the reply path's stack.
+#[inline(never)]
+fn udp_answered(v: &mut CtValue) {
+    v.flags |= CT_F_SEEN_REPLY;
+    counters::backend_answered(v.backend_id);
+}
+
+/// An ICMP refusal (port unreachable: no socket; a REJECT rule) answering a UDP flow its
+/// backend never replied to (`key`: its reverse-DNAT entry's): counted once per flow, as a
+/// refused TCP handshake is. A subprogram with its own lookup: rare, and off the stack of the
+/// hook that translates the error.
+#[inline(never)]
+fn udp_refused(key: &CtKey) {
+    if let Some(v) = CONNTRACK.get_ptr_mut(key) {
+        let v = unsafe { &mut *v };
+        if key.role(v) == CtRole::ReverseDnat && v.flags & (CT_F_SEEN_REPLY | CT_F_REFUSED) == 0 {
+            v.flags |= CT_F_REFUSED;
+            counters::backend_refused(v.backend_id);
+        }
+    }
 }
 
 /// An ICMP refusal about an embryonic flow: counted once, at its reverse-DNAT entry (a
@@ -444,12 +469,17 @@ pub fn create(f: &Flow, now: u64, backend_id: u32, service_id: u32, be: &Backend
 }
 
 /// The entry an ICMP error is translated by: the reply of the packet it quotes, at this hook.
-/// A `refusal` (destination unreachable) of a handshake counts against the backend as a reset
-/// would (outlier detection).
+/// A `refusal` (destination unreachable) of a TCP handshake, or of a UDP flow before any reply,
+/// counts against the backend as a reset would (outlier detection).
 #[inline(always)]
 pub fn for_icmp_error(quoted_reverse: &CtKey, refusal: bool) -> Option<Rewrite> {
     let v = match unsafe { CONNTRACK.get(quoted_reverse) } {
-        Some(v) => v,
+        Some(v) => {
+            if refusal && quoted_reverse.proto == PROTO_UDP {
+                udp_refused(quoted_reverse);
+            }
+            v
+        }
         None => {
             let v = unsafe { CONNTRACK_NEW.get(quoted_reverse)? };
             if refusal {

@@ -932,6 +932,47 @@ fn an_icmp_unreachable_answering_a_syn_counts_as_a_refusal() {
     assert!(fails(&l).is_empty(), "{:?}", fails(&l));
 }
 
+/// UDP has no handshake, but a port unreachable answering a flow its backend never replied to
+/// is a refusal all the same (a DNS pod whose server died while it stays ready): counted once
+/// per flow, and a reply from the backend ends the refusals in a row and makes later errors
+/// about that flow late ones.
+#[test]
+fn a_port_unreachable_answering_a_new_udp_flow_counts_as_a_refusal() {
+    let mut l = load("udprefusal");
+    // A pod's query to "dns" (one endpoint, 10.244.1.3:5353); the errors go back at egress.
+    let query = |l: &mut Loaded, port: u16| {
+        let (_, o) = tc(&mut l.dp, &Frame::udp("10.244.0.50", port, "10.96.0.15", 53, b"query"));
+        let sent = parse(&o);
+        assert_eq!((sent.dst.to_string().as_str(), sent.dport), ("10.244.1.3", 5353));
+        Frame::udp("10.244.0.50", sent.sport, "10.244.1.3", 5353, b"query")
+    };
+    let refusals = |l: &Loaded| fails(l).iter().map(|f| f.1).collect::<Vec<_>>();
+    let first = query(&mut l, 47100);
+    let unreachable = icmp_error("10.244.1.3", "10.244.0.50", 3, 3, &first, 8);
+    let (_, back) = out(&mut l.dp, &unreachable);
+    assert_eq!(parse(&back).src.to_string(), "10.96.0.15", "the error still reaches the client, from the service");
+    assert_eq!(refusals(&l), vec![1]);
+    // The client asks again on the same flow: still one refused flow.
+    query(&mut l, 47100);
+    out(&mut l.dp, &unreachable);
+    assert_eq!(refusals(&l), vec![1], "one count per flow");
+    // Fragmentation needed is no refusal.
+    let second = query(&mut l, 47101);
+    out(&mut l.dp, &icmp_error("10.244.1.3", "10.244.0.50", 3, 4, &second, 8));
+    assert_eq!(refusals(&l), vec![1]);
+    out(&mut l.dp, &icmp_error("10.244.1.3", "10.244.0.50", 3, 3, &second, 8));
+    assert_eq!(refusals(&l), vec![2]);
+    // A flow the backend answers: the refusals are no longer in a row.
+    let third = query(&mut l, 47102);
+    let reply = Frame::udp("10.244.1.3", 5353, "10.244.0.50", third.sport, b"answer");
+    let (_, o) = out(&mut l.dp, &reply.bytes());
+    assert_eq!(parse(&o).src.to_string(), "10.96.0.15");
+    assert!(fails(&l).is_empty(), "{:?}", fails(&l));
+    // An error about that flow afterwards (the server died mid-conversation) is a late one.
+    out(&mut l.dp, &icmp_error("10.244.1.3", "10.244.0.50", 3, 3, &third, 8));
+    assert!(fails(&l).is_empty(), "{:?}", fails(&l));
+}
+
 const TC_ACT_UNSPEC: u32 = u32::MAX;
 
 fn set_flag(l: &mut Loaded, flag: u32) {

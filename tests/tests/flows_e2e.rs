@@ -339,26 +339,29 @@ fn least_connection_evens_out_skewed_connection_lengths_where_round_robin_and_ra
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// kpr.io/outlier-ejection: a backend that refuses new connections while its EndpointSlice
-/// still says ready (`refuse`) is left out of them after three refusals in a row (an Event's
-/// reason, the not-programmed list), and comes back after its back-off once it takes them again
-/// (`mend`).
-fn ejected_then_back(name: &str, refuse: impl Fn(&Lab), mend: impl Fn(&Lab)) {
+/// kpr.io/outlier-ejection: a backend that refuses new connections (`proto`: "tcp" or "udp")
+/// while its EndpointSlice still says ready (`refuse`) is left out of them after three refusals
+/// in a row (an Event's reason, the not-programmed list), and comes back after its back-off once
+/// it takes them again (`mend`).
+fn ejected_then_back(name: &str, proto: &str, refuse: impl Fn(&Lab), mend: impl Fn(&Lab)) {
     let dir = std::env::temp_dir().join(format!("kpr-flows-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let eps: Vec<(&str, &str)> = ALL.iter().map(|b| (*b, A)).collect();
-    std::fs::write(dir.join("services.yaml"), service("ej", "10.96.0.81", 80, 8080, "TCP", &eps, "", ", annotations: {kpr.io/outlier-ejection: \"true\"}"))
-        .unwrap();
+    // The peers serve TCP on 8080 and UDP on 5353.
+    let (port, target_port) = if proto == "udp" { (53, 5353) } else { (80, 8080) };
+    let annotation = ", annotations: {kpr.io/outlier-ejection: \"true\"}";
+    std::fs::write(dir.join("services.yaml"), service("ej", "10.96.0.81", port, target_port, &proto.to_uppercase(), &eps, "", annotation)).unwrap();
+    let frontend = format!("10.96.0.81:{port}");
     let mut lab = Lab::build(name, &dir);
     lab.start_agent();
-    lab.wait_backends("10.96.0.81:80", 3);
+    lab.wait_backends(&frontend, 3);
     refuse(&lab);
     std::thread::sleep(Duration::from_millis(300));
     // New connections until b2 has refused three (it gets about a third of them); bounded.
     let (mut refused, mut first) = (0, serde_json::Value::Null);
     for _ in 0..5 {
-        first = lab.peer("pod", &["burst", "10.96.0.81:80", "tcp", "20"]);
+        first = lab.peer("pod", &["burst", &frontend, proto, "20"]);
         assert!(per_backend(&first).iter().all(|(b, _)| b != "b2"), "{first}");
         refused += errors(&first);
         if refused >= 3 {
@@ -366,22 +369,22 @@ fn ejected_then_back(name: &str, refuse: impl Fn(&Lab), mend: impl Fn(&Lab)) {
         }
     }
     assert!(refused >= 3, "b2 must have refused three new connections: {first}");
-    assert!(first["first_error"].as_str().unwrap_or("").contains("refused"), "a refusal reaches the client as one: {first}");
+    if proto == "tcp" {
+        assert!(first["first_error"].as_str().unwrap_or("").contains("refused"), "a refusal reaches the client as one: {first}");
+    }
     let t = Instant::now();
-    lab.wait_backends("10.96.0.81:80", 2);
+    lab.wait_backends(&frontend, 2);
     let took = t.elapsed();
-    let after = lab.peer("pod", &["burst", "10.96.0.81:80", "tcp", "30"]);
+    let after = lab.peer("pod", &["burst", &frontend, proto, "30"]);
     assert_eq!(errors(&after), 0, "{after}");
     assert!(per_backend(&after).iter().all(|(b, _)| b != "b2"), "{after}");
     let skipped: serde_json::Value = serde_json::from_str(&lab.cli(&["services", "--skipped", "--json"])).unwrap();
-    assert!(
-        skipped.as_array().unwrap().iter().any(|e| e["reason"] == "OutlierEjected" && e["message"].as_str().unwrap_or("").contains("10.244.2.2:8080")),
-        "{skipped}"
-    );
+    let ejected = format!("10.244.2.2:{target_port}");
+    assert!(skipped.as_array().unwrap().iter().any(|e| e["reason"] == "OutlierEjected" && e["message"].as_str().unwrap_or("").contains(&ejected)), "{skipped}");
     // Taking connections again: back after its 10 s back-off.
     mend(&lab);
-    lab.wait_backends("10.96.0.81:80", 3);
-    let back = lab.peer("pod", &["burst", "10.96.0.81:80", "tcp", "30"]);
+    lab.wait_backends(&frontend, 3);
+    let back = lab.peer("pod", &["burst", &frontend, proto, "30"]);
     assert_eq!(errors(&back), 0, "{back}");
     assert!(per_backend(&back).iter().any(|(b, _)| b == "b2"), "{back}");
     println!("{name}: refused: {refused} of 20 ({first}); left out {took:?} after the burst");
@@ -395,7 +398,17 @@ fn a_backend_that_refuses_new_connections_is_ejected_then_comes_back() {
     let stop = |lab: &Lab| {
         kpr_lab::must(&format!("ip netns pids {} | xargs -r kill", lab.ns("b2")));
     };
-    ejected_then_back("kpf9", stop, |lab| lab.serve("b2", 8080, 5353));
+    ejected_then_back("kpf9", "tcp", stop, |lab| lab.serve("b2", 8080, 5353));
+}
+
+/// A UDP server goes while its pod stays ready (a DNS pod whose server died): its kernel answers
+/// each new flow with ICMP port unreachable, which the client only sees as a timeout.
+#[test]
+fn a_udp_backend_without_its_server_is_ejected_then_comes_back() {
+    let stop = |lab: &Lab| {
+        kpr_lab::must(&format!("ip netns pids {} | xargs -r kill", lab.ns("b2")));
+    };
+    ejected_then_back("kpfb", "udp", stop, |lab| lab.serve("b2", 8080, 5353));
 }
 
 /// A REJECT rule at the backend answers SYNs with ICMP port unreachable (iptables' default).
@@ -407,5 +420,5 @@ fn a_backend_that_answers_syns_with_icmp_unreachable_is_ejected_then_comes_back(
             lab.ns("b2")
         ));
     };
-    ejected_then_back("kpfa", |lab| rule(lab, "-I"), |lab| rule(lab, "-D"));
+    ejected_then_back("kpfa", "tcp", |lab| rule(lab, "-I"), |lab| rule(lab, "-D"));
 }
