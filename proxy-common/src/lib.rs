@@ -36,7 +36,8 @@ macro_rules! map_name {
     (IFACES) => { "KPR_IFACE_V1" };
     (AFFINITY) => { "KPR_AFF_V1" };
     (SOURCE_RANGES) => { "KPR_SRCRNG_V1" };
-    (RR_STATE) => { "KPR_RR_V1" };
+    // V2: one cursor per service for all CPUs (an array, not a per-CPU array).
+    (RR_STATE) => { "KPR_RR_V2" };
     // V3: the IPv6 cluster CIDR.
     (CONFIG) => { "KPR_CFG_V3" };
     // V6: handover_pass.
@@ -90,7 +91,7 @@ pub mod map_names {
     pub const SETS: [&str; 5] = [SET_IP_PORT, SET_IP_PORT_IP, SET_IP_PORT_NET, SET_PORT, SET_IP];
     /// Pins of earlier layouts: removed at load, so an upgrade does not keep them (and their
     /// memory) alive next to their successors.
-    pub const RETIRED: [&str; 17] = [
+    pub const RETIRED: [&str; 18] = [
         "KPR_SVC_V1",
         "KPR_SLOT_V1",
         "KPR_BE_V1",
@@ -108,6 +109,7 @@ pub mod map_names {
         "KPR_SET_IPPN_V1",
         "KPR_SET_PORT_V1",
         "KPR_SET_IP_V1",
+        "KPR_RR_V1",
     ];
     /// Every map the fast path pins.
     pub const ALL: [&str; 17] = [

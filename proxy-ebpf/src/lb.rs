@@ -48,7 +48,9 @@ fn schedule(svc: &ServiceValue, f: &Flow) -> Option<u32> {
         return least_loaded(svc);
     } else if svc.scheduler == SCHED_ROUND_ROBIN {
         let cursor = RR_STATE.get_ptr_mut(svc.service_id)?;
-        // This CPU's cursor only: no other writer.
+        // One cursor per service for every CPU, as IPVS's rr: the rotation is the service's, not
+        // each CPU's. Not atomic (the BPF target has no atomic add in Rust): two CPUs stepping
+        // at once send two flows to one backend and the rotation goes on from there.
         unsafe {
             let next = *cursor % count + 1;
             *cursor = next;

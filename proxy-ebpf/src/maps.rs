@@ -72,8 +72,9 @@ map! {
 }
 
 map! {
-    /// service id -> this CPU's round-robin cursor (per CPU: no atomics on the hot path).
-    RR_STATE: PerCpuArray<u32> = PerCpuArray::pinned(MAX_SERVICES, 0)
+    /// service id -> its round-robin cursor, shared by the CPUs (V2: per CPU before, which cost
+    /// 1 MiB a CPU at the default capacity).
+    RR_STATE: Array<u32> = Array::pinned(MAX_SERVICES, 0)
 }
 
 map! {

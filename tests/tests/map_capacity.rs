@@ -19,7 +19,7 @@ fn a_larger_per_entry_map_is_no_mismatch_a_smaller_or_preallocated_one_is() {
     drop(dp);
     assert!(capacity_mismatches(pins.path(), &caps(64)).is_empty());
     // Fewer services asked: the services map (per entry) may stay larger; the round-robin
-    // cursors (a preallocated per-CPU array) keep memory the settings no longer want.
+    // cursors (a preallocated array) keep memory the settings no longer want.
     let names = |c| capacity_mismatches(pins.path(), &c).into_iter().map(|(name, _, _)| name).collect::<Vec<_>>();
     assert_eq!(names(caps(32)), [map_names::RR_STATE]);
     // More asked: neither can grow in place.
