@@ -1,6 +1,7 @@
 //! The bpf(2) operations aya 0.14 lacks, as raw calls: BPF_MAP_LOOKUP_BATCH (read many
-//! entries in one call, resumable), BPF_MAP_LOOKUP_AND_DELETE_ELEM (take an entry out
-//! atomically; hash maps only), and BPF_LINK_DETACH of a pinned link.
+//! entries in one call, resumable), BPF_MAP_UPDATE_BATCH (write many in one call),
+//! BPF_MAP_LOOKUP_AND_DELETE_ELEM (take an entry out atomically; hash maps only), and
+//! BPF_LINK_DETACH of a pinned link.
 use std::{
     io,
     os::fd::{AsFd, AsRawFd},
@@ -11,6 +12,7 @@ use bytemuck::Pod;
 const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
 const BPF_MAP_LOOKUP_AND_DELETE_ELEM: libc::c_long = 21;
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 /// BPF_NOEXIST: create only.
 pub const NOEXIST: u64 = 1;
 /// BPF_EXIST: update only.
@@ -78,6 +80,34 @@ pub fn lookup_batch<K: Pod, V: Pod>(fd: impl AsFd, cursor: Option<u32>, max: usi
     keys.truncate(n);
     values.truncate(n);
     Ok((keys.into_iter().zip(values).collect(), (!done).then_some(out_batch)))
+}
+
+/// Entries per BPF_MAP_UPDATE_BATCH call: each call stays short (the kernel copies and inserts
+/// entry by entry), the per-call cost (fd lookup, checks, buffers) is spread thin.
+const UPDATE_BATCH_MAX: usize = 65_536;
+
+/// Writes `keys[i]` = `values[i]` in order, many per call (BPF_MAP_UPDATE_BATCH): the same
+/// inserts as one BPF_MAP_UPDATE_ELEM each, without a system call's fixed cost per entry. On an
+/// error, the entries before the one that failed are written; Err gives its index.
+pub fn update_batch<K: Pod, V: Pod>(fd: impl AsFd, keys: &[K], values: &[V]) -> Result<(), (usize, io::Error)> {
+    assert_eq!(keys.len(), values.len(), "one value per key");
+    let mut done = 0;
+    while done < keys.len() {
+        let n = (keys.len() - done).min(UPDATE_BATCH_MAX);
+        let mut attr = BatchAttr {
+            keys: keys[done..].as_ptr() as u64,
+            values: values[done..].as_ptr() as u64,
+            count: n as u32,
+            map_fd: fd.as_fd().as_raw_fd() as u32,
+            ..BatchAttr::default()
+        };
+        match bpf(BPF_MAP_UPDATE_BATCH, &mut attr) {
+            Ok(()) => done += n,
+            // `count` says how many went in before the failure.
+            Err(e) => return Err((done + attr.count as usize, e)),
+        }
+    }
+    Ok(())
 }
 
 /// Takes `key`'s entry out of the map atomically; None when there is none.

@@ -2,7 +2,9 @@
 //! generation that changes each time the id is given out again (so a flow of its previous owner
 //! is never taken for the new one's); a backend id per backend; a Maglev row per Maglev service.
 //! Recovered from the maps after a restart (`seed`), so a restart changes nothing that works.
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
+
+use foldhash::HashMap;
 
 use proxy_common::{Backend, ServiceKey, ServiceValue, SCHED_MAGLEV};
 
@@ -26,15 +28,15 @@ pub(crate) struct Ids {
 impl Ids {
     pub fn new(max_services: u32, maglev_rows: u32) -> Self {
         Ids {
-            backends: HashMap::new(),
+            backends: HashMap::default(),
             next_backend: 1,
-            services: HashMap::new(),
-            generations: HashMap::new(),
+            services: HashMap::default(),
+            generations: HashMap::default(),
             next_generation: 1,
             free_services: BTreeSet::new(),
             next_service: 1,
             max_services,
-            maglev_rows: HashMap::new(),
+            maglev_rows: HashMap::default(),
             free_maglev_rows: (0..maglev_rows).collect(),
             seeded: false,
         }

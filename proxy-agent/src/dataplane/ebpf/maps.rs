@@ -55,6 +55,18 @@ pub trait DatapathMaps {
     fn config(&self) -> Result<DatapathConfig, MapError>;
     fn set_config(&mut self, c: DatapathConfig) -> Result<(), MapError>;
 
+    /// A map's capacity (max_entries), where known.
+    fn capacity(&self, map: &'static str) -> Option<usize>;
+    /// From here to `end_bulk`, puts of services, slots and backends may be held back and
+    /// written map by map at `end_bulk` (or before a delete from those maps): backends, then
+    /// slots, then services, so no entry ever points to one not written yet. Reads in between
+    /// see the maps without the held puts. The caller begins a bulk only when every put fits
+    /// (a held put cannot report a full map).
+    fn begin_bulk(&mut self) {}
+    fn end_bulk(&mut self) -> Result<(), MapError> {
+        Ok(())
+    }
+
     /// The two conntrack tables (flows, garbage collection, targeted deletes).
     fn conntrack(&self) -> &dyn ConntrackTables;
     fn conntrack_mut(&mut self) -> &mut dyn ConntrackTables;
@@ -84,6 +96,8 @@ pub struct FakeMaps {
     pub ifaces: BTreeMap<u32, IfaceInfo>,
     pub affinity: BTreeMap<AffinityKey, AffinityValue>,
     pub writes: usize,
+    /// Syncs that held their puts back (`begin_bulk`).
+    pub bulks: usize,
     /// Capacities, by map name (absent: unbounded), as the kernel's max_entries.
     pub capacity: BTreeMap<&'static str, usize>,
 }
@@ -167,6 +181,14 @@ impl DatapathMaps for FakeMaps {
     fn set_config(&mut self, c: DatapathConfig) -> Result<(), MapError> {
         self.config = c;
         Ok(())
+    }
+    fn capacity(&self, map: &'static str) -> Option<usize> {
+        self.capacity.get(map).copied()
+    }
+    // Writes at once: the final state is what held puts give, and counting bulks lets tests see
+    // which syncs may hold them.
+    fn begin_bulk(&mut self) {
+        self.bulks += 1;
     }
     fn conntrack(&self) -> &dyn ConntrackTables {
         &self.conntrack

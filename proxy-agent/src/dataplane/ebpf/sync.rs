@@ -3,9 +3,11 @@
 //! are recovered from the maps after a restart.
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+use foldhash::{HashMap as FastMap, HashSet as FastSet};
+
 use proxy_common::{
     limits::{MAGLEV_ROWS, MAX_SERVICES},
-    Backend, DatapathConfig, ServiceKey, ServiceValue, SlotKey, SourceRangeKey, SCHED_MAGLEV, SCHED_RANDOM,
+    map_names, Backend, DatapathConfig, ServiceKey, ServiceValue, SlotKey, SourceRangeKey, SCHED_MAGLEV, SCHED_RANDOM,
 };
 
 use crate::{
@@ -57,11 +59,11 @@ pub struct RemovedBackend {
 fn delete_unreferenced(
     maps: &mut dyn DatapathMaps,
     m: &mut Mirror,
-    keep_services: &std::collections::HashSet<u32>,
-    live_backends: &std::collections::HashSet<u32>,
+    keep_services: &FastSet<u32>,
+    live_backends: &FastSet<u32>,
     st: &mut SyncStats,
 ) -> Result<(), SyncError> {
-    let held: std::collections::HashSet<u32> = m.services.values().map(|v| v.service_id).chain(keep_services.iter().copied()).collect();
+    let held: FastSet<u32> = m.services.values().map(|v| v.service_id).chain(keep_services.iter().copied()).collect();
     let dead: Vec<u32> = m.slots.keys().filter(|id| !held.contains(id)).copied().collect();
     for service_id in dead {
         for slot in m.slots.remove(&service_id).unwrap_or_default().keys() {
@@ -69,7 +71,7 @@ fn delete_unreferenced(
             st.deletes += 1;
         }
     }
-    let referenced: std::collections::HashSet<u32> = m.slots.values().flat_map(|s| s.values().copied()).collect();
+    let referenced: FastSet<u32> = m.slots.values().flat_map(|s| s.values().copied()).collect();
     let gone: Vec<u32> = m.backends.keys().filter(|id| !live_backends.contains(id) && !referenced.contains(id)).copied().collect();
     for id in gone {
         maps.del_backend(id)?;
@@ -102,7 +104,7 @@ pub struct Syncer {
     /// What the maps hold after the last successful sync (None: list them next time).
     mirror: Option<Mirror>,
     /// Backend id -> frontends whose slots use it (a backend is deleted when unused).
-    backend_refs: HashMap<u32, u32>,
+    backend_refs: FastMap<u32, u32>,
     /// Frontends programmed as given here rather than as the desired state has them (outlier
     /// ejection leaves backends out of a few): set before each sync (`set_overrides`).
     overrides: std::sync::Arc<HashMap<FrontendKey, Frontend>>,
@@ -139,7 +141,7 @@ impl Syncer {
             ids: Ids::new(max_services, maglev_rows),
             maglev_written: HashMap::new(),
             mirror: None,
-            backend_refs: HashMap::new(),
+            backend_refs: FastMap::default(),
             overrides: Default::default(),
         }
     }
@@ -181,8 +183,8 @@ impl Syncer {
 
         // What stays: every backend and frontend the desired state names.
         let overrides = std::sync::Arc::clone(&self.overrides);
-        let wanted: std::collections::HashSet<ServiceKey> = desired.frontends.keys().map(wire::service_key).collect();
-        let live_backends: std::collections::HashSet<u32> = desired
+        let wanted: FastSet<ServiceKey> = desired.frontends.keys().map(wire::service_key).collect();
+        let live_backends: FastSet<u32> = desired
             .frontends
             .iter()
             .map(|(k, f)| effective(&overrides, k, f))
@@ -191,6 +193,39 @@ impl Syncer {
             .collect();
         st.backends = live_backends.len();
 
+        // Everything fits even before the deletes make room: the puts may be held back and
+        // written map by map (a few system calls instead of one per entry: the initial sync of
+        // a large cluster). Whatever happens, what was held is written, as it would have been
+        // entry by entry.
+        let slots_wanted: usize = desired.frontends.iter().map(|(k, f)| effective(&overrides, k, f).backends.len()).sum();
+        let slots_held: usize = m.slots.values().map(BTreeMap::len).sum();
+        let fits = |map: &'static str, have: usize, more: usize| maps.capacity(map).is_none_or(|cap| have + more <= cap);
+        let bulk = fits(map_names::SERVICES, m.services.len(), desired.frontends.len())
+            && fits(map_names::BACKENDS, m.backends.len(), live_backends.len())
+            && fits(map_names::SLOTS, slots_held, slots_wanted);
+        if bulk {
+            maps.begin_bulk();
+        }
+        let programmed = self.program_all(maps, desired, m, st, &wanted, &live_backends, &overrides, full);
+        let written = if bulk { maps.end_bulk() } else { Ok(()) };
+        let st = programmed?;
+        written?;
+        Ok(st)
+    }
+
+    /// `apply` after its preparations: the deletes and writes.
+    #[allow(clippy::too_many_arguments)]
+    fn program_all(
+        &mut self,
+        maps: &mut dyn DatapathMaps,
+        desired: &DesiredState,
+        mut m: Mirror,
+        mut st: SyncStats,
+        wanted: &FastSet<ServiceKey>,
+        live_backends: &FastSet<u32>,
+        overrides: &HashMap<FrontendKey, Frontend>,
+        full: bool,
+    ) -> Result<SyncStats, SyncError> {
         // Deletes that cannot break anything go first, so a full map makes room before the
         // inserts: frontends nobody wants (and their slots), and backends no slot points to.
         let stale: Vec<(ServiceKey, ServiceValue)> = m.services.iter().filter(|(k, _)| !wanted.contains(k)).map(|(k, v)| (*k, *v)).collect();
@@ -207,8 +242,8 @@ impl Syncer {
         delete_unreferenced(maps, &mut m, &Default::default(), &live_backends, &mut st)?;
 
         let mut desired_ranges: BTreeSet<SrcRange> = BTreeSet::new();
-        let mut live_services: std::collections::HashSet<u32> = std::collections::HashSet::new();
-        let mut refs: HashMap<u32, u32> = HashMap::new();
+        let mut live_services: FastSet<u32> = FastSet::default();
+        let mut refs: FastMap<u32, u32> = FastMap::default();
         // Frontends that met a full map: tried again once the rest made room.
         let mut retry: Vec<(&FrontendKey, &Frontend)> = Vec::new();
         for pass in 0..2 {
@@ -216,8 +251,9 @@ impl Syncer {
                 if pass == 0 { desired.frontends.iter().map(|(k, f)| (k, effective(&overrides, k, f))).collect() } else { std::mem::take(&mut retry) };
             for (fk, f) in todo {
                 // Its backends first: a slot must never point to a backend that is not there.
-                let programmed =
-                    self.put_backends(maps, &mut m, f, &mut st).and_then(|()| self.program_frontend(maps, &mut m, fk, f, full, &mut st, &mut desired_ranges));
+                let programmed = self
+                    .put_backends(maps, &mut m, f, &mut st)
+                    .and_then(|ids| self.program_frontend(maps, &mut m, fk, f, ids, full, &mut st, &mut desired_ranges));
                 match programmed {
                     Ok(Some((service_id, ids))) => {
                         live_services.insert(service_id);
@@ -274,8 +310,10 @@ impl Syncer {
         Ok(st)
     }
 
-    /// Writes the backends `f` needs that the maps do not hold yet.
-    fn put_backends(&mut self, maps: &mut dyn DatapathMaps, m: &mut Mirror, f: &Frontend, st: &mut SyncStats) -> Result<(), SyncError> {
+    /// Writes the backends `f` needs that the maps do not hold yet; returns their ids, in `f`'s
+    /// order.
+    fn put_backends(&mut self, maps: &mut dyn DatapathMaps, m: &mut Mirror, f: &Frontend, st: &mut SyncStats) -> Result<Vec<u32>, SyncError> {
+        let mut ids = Vec::with_capacity(f.backends.len());
         for b in &f.backends {
             let wire = wire::backend(b);
             let id = self.ids.backend(wire);
@@ -284,8 +322,9 @@ impl Syncer {
                 m.backends.insert(id, wire);
                 st.writes += 1;
             }
+            ids.push(id);
         }
-        Ok(())
+        Ok(ids)
     }
 
     /// Programs one frontend against the mirror. Returns its service id and backend ids, or
@@ -297,6 +336,7 @@ impl Syncer {
         m: &mut Mirror,
         fk: &FrontendKey,
         f: &Frontend,
+        ids: Vec<u32>,
         full: bool,
         st: &mut SyncStats,
         desired_ranges: &mut BTreeSet<SrcRange>,
@@ -307,7 +347,6 @@ impl Syncer {
         let Some(service_id) = self.ids.service(key) else {
             return Err(SyncError::Map(MapError::Full { map: proxy_common::map_names::SERVICES }));
         };
-        let ids: Vec<u32> = f.backends.iter().map(|b| self.ids.backend(wire::backend(b))).collect();
         let mut scheduler = wire::scheduler(f.scheduler);
         let mut maglev_row = 0;
         if scheduler == SCHED_MAGLEV {
@@ -434,7 +473,9 @@ impl Syncer {
             let mut new_ranges = BTreeSet::new();
             match desired.frontends.get(fk).map(|f| effective(&overrides, fk, f)) {
                 Some(f) => {
-                    if let Some((_, ids)) = self.program_frontend(maps, &mut m, fk, f, false, &mut st, &mut new_ranges)? {
+                    // Their backends were written above: their ids exist.
+                    let ids = f.backends.iter().map(|b| self.ids.backend(wire::backend(b))).collect();
+                    if let Some((_, ids)) = self.program_frontend(maps, &mut m, fk, f, ids, false, &mut st, &mut new_ranges)? {
                         for id in ids {
                             *self.backend_refs.entry(id).or_insert(0) += 1;
                             released.remove(&id);
@@ -492,15 +533,15 @@ fn effective<'a>(overrides: &'a HashMap<FrontendKey, Frontend>, k: &FrontendKey,
 #[derive(Debug, Default)]
 struct Mirror {
     config: DatapathConfig,
-    services: HashMap<ServiceKey, ServiceValue>,
-    backends: HashMap<u32, Backend>,
-    slots: HashMap<u32, BTreeMap<u32, u32>>,
+    services: FastMap<ServiceKey, ServiceValue>,
+    backends: FastMap<u32, Backend>,
+    slots: FastMap<u32, BTreeMap<u32, u32>>,
     ranges: BTreeSet<SrcRange>,
 }
 
 impl Mirror {
     fn read(maps: &dyn DatapathMaps) -> Result<Self, MapError> {
-        let mut slots: HashMap<u32, BTreeMap<u32, u32>> = HashMap::new();
+        let mut slots: FastMap<u32, BTreeMap<u32, u32>> = FastMap::default();
         for (k, id) in maps.slots()? {
             slots.entry(k.service_id).or_default().insert(k.slot, id);
         }
@@ -553,6 +594,7 @@ mod tests {
         let before = state(&[("10.96.0.1", &[("10.244.1.1", 80), ("10.244.1.2", 80)]), ("10.96.0.2", &[("10.244.2.1", 80), ("10.244.2.2", 80)])]);
         s.sync(&mut maps, &before, DatapathConfig::default()).unwrap();
         assert_eq!(maps.backends.len(), 4);
+        assert_eq!(maps.bulks, 1, "into empty maps, everything fits: the puts may be held");
         // One service shrinks, the other grows: the total fits, but only once the shrinking
         // one's backend is gone; the growing one (written first) meets a full map.
         let after = state(&[("10.96.0.1", &[("10.244.1.1", 80)]), ("10.96.0.2", &[("10.244.2.1", 80), ("10.244.2.2", 80), ("10.244.2.3", 80)])]);
@@ -569,6 +611,9 @@ mod tests {
             assert_eq!(maps.backends.len(), fresh.backends.len(), "{from:?} -> {to:?}");
             assert_eq!(maps.services.len(), 2);
         }
+        // Past the capacity unless the deletes go first: no held puts (a held put cannot say
+        // "full" for its frontend).
+        assert_eq!(maps.bulks, 1);
     }
 
     /// Each service (by VIP) -> the backend addresses its slots point to, sorted.
