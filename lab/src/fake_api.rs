@@ -49,7 +49,9 @@ impl Kind {
 #[derive(Default)]
 struct Db {
     rv: u64,
-    objects: BTreeMap<(Kind, String, String), Value>,
+    /// Each object with its JSON, serialised once when written (a list page is the joined
+    /// strings, as an API server serves lists from its cache's encoded objects).
+    objects: BTreeMap<(Kind, String, String), (Value, Arc<str>)>,
     /// (rv, kind, type, object): the watch history.
     history: Vec<(u64, Kind, &'static str, Value)>,
     /// Watches from a resourceVersion older than this get 410 Gone.
@@ -139,7 +141,8 @@ impl FakeApi {
         if ty == "DELETED" {
             db.objects.remove(&key);
         } else {
-            db.objects.insert(key, obj.clone());
+            let json: Arc<str> = obj.to_string().into();
+            db.objects.insert(key, (obj.clone(), json));
         }
         db.history.push((rv, kind, ty, obj.clone()));
         let _ = self.events.send(Some((rv, kind, ty, obj)));
@@ -151,7 +154,7 @@ impl FakeApi {
     }
 
     pub fn delete(&self, kind: Kind, ns: &str, name: &str) {
-        let obj = self.db.lock().unwrap().objects.get(&(kind, ns.to_string(), name.to_string())).cloned();
+        let obj = self.db.lock().unwrap().objects.get(&(kind, ns.to_string(), name.to_string())).map(|(o, _)| o.clone());
         if let Some(obj) = obj {
             self.write(kind, "DELETED", obj);
         }
@@ -244,16 +247,29 @@ async fn handle(State(api): State<FakeApi>, Query(q): Query<HashMap<String, Stri
             .objects
             .range((start, std::ops::Bound::Unbounded))
             .take_while(|((k, _, _), _)| *k == kind)
-            .filter(|(_, o)| matches(o, labels.as_deref(), fields.as_deref()))
-            .map(|((_, ns, name), o)| (ns, name, o));
-        let items: Vec<Value> = page.by_ref().take(limit).map(|(_, _, o)| o.clone()).collect();
+            .filter(|(_, (o, _))| matches(o, labels.as_deref(), fields.as_deref()))
+            .map(|((_, ns, name), (_, json))| (ns, name, json));
+        let served: Vec<(String, String, Arc<str>)> = page.by_ref().take(limit).map(|(ns, name, json)| (ns.clone(), name.clone(), Arc::clone(json))).collect();
         let mut meta = json!({"resourceVersion": snapshot.to_string()});
         if page.next().is_some() {
-            let last = items.last().map(|o| key_of(kind, o)).expect("a full page");
-            meta["continue"] = json!(format!("{snapshot}/{}/{}", last.1, last.2));
+            let (ns, name, _) = served.last().expect("a full page");
+            meta["continue"] = json!(format!("{snapshot}/{ns}/{name}"));
         }
-        let body = json!({"kind": list_kind, "apiVersion": api_version, "metadata": meta, "items": items});
-        return ([("content-type", "application/json")], body.to_string()).into_response();
+        // Joined outside the lock: concurrent lists (Services and EndpointSlices) and watches go
+        // on meanwhile, as on an API server.
+        drop(db);
+        let head = json!({"kind": list_kind, "apiVersion": api_version, "metadata": meta}).to_string();
+        let mut body = String::with_capacity(head.len() + 16 + served.iter().map(|(_, _, j)| j.len() + 1).sum::<usize>());
+        body.push_str(&head[..head.len() - 1]);
+        body.push_str(",\"items\":[");
+        for (i, (_, _, json)) in served.iter().enumerate() {
+            if i > 0 {
+                body.push(',');
+            }
+            body.push_str(json);
+        }
+        body.push_str("]}");
+        return ([("content-type", "application/json")], body).into_response();
     }
     let from: u64 = q.get("resourceVersion").and_then(|s| s.parse().ok()).unwrap_or(0);
     let bookmarks = q.get("allowWatchBookmarks").map(String::as_str) == Some("true");

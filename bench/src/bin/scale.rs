@@ -61,7 +61,9 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let opt = |n: &str, d: u32| args.iter().position(|a| a == n).and_then(|i| args.get(i + 1)).map(|s| s.parse().unwrap()).unwrap_or(d);
     let (n, e, changes) = (opt("--services", 10_000), opt("--endpoints", 10), opt("--changes", 50));
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    // Two threads for the stand-in API server: it serves the Service and EndpointSlice lists
+    // side by side, as an API server does, instead of being the initial sync's bottleneck.
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let api = rt.block_on(FakeApi::start());
     for i in 0..n {
         api.apply(Kind::Service, service(i));
