@@ -6,7 +6,10 @@ use std::{io, path::Path};
 use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, MapError as AyaMapError, PerCpuArray};
 use proxy_common::{limits, map_names, AffinityKey, AffinityValue, Backend, CtKey, CtValue, DatapathConfig, ServiceKey, ServiceValue, SlotKey, SourceRangeKey};
 
-use crate::dataplane::ebpf::maps::{ConntrackTables, DatapathMaps, MapError, SrcRange, Table};
+use crate::dataplane::ebpf::{
+    bulk::Bulk,
+    maps::{ConntrackTables, DatapathMaps, MapError, SrcRange, Table},
+};
 
 pub(crate) fn op(map: &'static str, op: &'static str, e: AyaMapError) -> MapError {
     let source = match e {
@@ -42,35 +45,7 @@ pub struct KernelMaps {
     counters: PerCpuArray<MapData, u64>,
     backend_new: PerCpuArray<MapData, u64>,
     /// Puts held back between `begin_bulk` and `end_bulk`.
-    held: Option<Held>,
-}
-
-/// Held puts, per map, in the order they were made.
-#[derive(Default)]
-struct Held {
-    backends: (Vec<u32>, Vec<Backend>),
-    slots: (Vec<SlotKey>, Vec<u32>),
-    services: (Vec<ServiceKey>, Vec<ServiceValue>),
-}
-
-/// Held puts are written once there are this many: the buffers stay small (about 1 MiB), the
-/// calls few. Any moment is a right one: everything a held entry points to is written before it
-/// or held in a map written before its own.
-const HELD_MAX: usize = 65_536;
-
-impl Held {
-    fn len(&self) -> usize {
-        self.backends.0.len() + self.slots.0.len() + self.services.0.len()
-    }
-}
-
-/// Writes one map's held puts in few calls.
-fn write_held<K: bytemuck::Pod, V: bytemuck::Pod>(map: &MapData, name: &'static str, held: &mut (Vec<K>, Vec<V>)) -> Result<(), MapError> {
-    let (keys, values) = (std::mem::take(&mut held.0), std::mem::take(&mut held.1));
-    crate::dataplane::ebpf::bpf_batch::update_batch(map.fd(), &keys, &values).map_err(|(_, source)| match source.raw_os_error() {
-        Some(libc::E2BIG) => MapError::Full { map: name },
-        _ => MapError::Op { map: name, op: "update batch", source },
-    })
+    bulk: Option<Bulk>,
 }
 
 /// The conntrack tables and the flow cache's generation, opened from their pins (the garbage
@@ -265,20 +240,13 @@ impl KernelMaps {
             affinity: open_typed(pin_dir, map_names::AFFINITY)?,
             counters: open_typed(pin_dir, map_names::COUNTERS)?,
             backend_new: open_typed(pin_dir, map_names::BACKEND_NEW)?,
-            held: None,
+            bulk: None,
         })
     }
 
-    /// Writes the held puts: backends, slots, services (each map's may point into the one
-    /// before).
-    fn write_held(&mut self) -> Result<(), MapError> {
-        use aya::maps::IterableMap;
-        let Some(h) = self.held.as_mut() else {
-            return Ok(());
-        };
-        write_held(self.backends.map(), map_names::BACKENDS, &mut h.backends)?;
-        write_held(self.slots.map(), map_names::SLOTS, &mut h.slots)?;
-        write_held(self.services.map(), map_names::SERVICES, &mut h.services)
+    /// Writes the held puts before a delete from their maps.
+    fn held_written(&mut self) -> Result<(), MapError> {
+        self.bulk.as_mut().map_or(Ok(()), Bulk::barrier)
     }
 }
 
@@ -308,45 +276,39 @@ impl DatapathMaps for KernelMaps {
         collect(map_names::SERVICES, self.services.iter())
     }
     fn put_service(&mut self, k: ServiceKey, v: ServiceValue) -> Result<(), MapError> {
-        if let Some(h) = self.held.as_mut() {
-            h.services.0.push(k);
-            h.services.1.push(v);
-            return if h.len() < HELD_MAX { Ok(()) } else { self.write_held() };
+        if let Some(bulk) = self.bulk.as_mut() {
+            return bulk.put_service(k, v);
         }
         self.services.insert(k, v, 0).map_err(|e| op(map_names::SERVICES, "update", e))
     }
     fn del_service(&mut self, k: ServiceKey) -> Result<(), MapError> {
-        self.write_held()?;
+        self.held_written()?;
         del(map_names::SERVICES, self.services.remove(&k))
     }
     fn slots(&self) -> Result<Vec<(SlotKey, u32)>, MapError> {
         collect(map_names::SLOTS, self.slots.iter())
     }
     fn put_slot(&mut self, k: SlotKey, id: u32) -> Result<(), MapError> {
-        if let Some(h) = self.held.as_mut() {
-            h.slots.0.push(k);
-            h.slots.1.push(id);
-            return if h.len() < HELD_MAX { Ok(()) } else { self.write_held() };
+        if let Some(bulk) = self.bulk.as_mut() {
+            return bulk.put_slot(k, id);
         }
         self.slots.insert(k, id, 0).map_err(|e| op(map_names::SLOTS, "update", e))
     }
     fn del_slot(&mut self, k: SlotKey) -> Result<(), MapError> {
-        self.write_held()?;
+        self.held_written()?;
         del(map_names::SLOTS, self.slots.remove(&k))
     }
     fn backends(&self) -> Result<Vec<(u32, Backend)>, MapError> {
         collect(map_names::BACKENDS, self.backends.iter())
     }
     fn put_backend(&mut self, id: u32, b: Backend) -> Result<(), MapError> {
-        if let Some(h) = self.held.as_mut() {
-            h.backends.0.push(id);
-            h.backends.1.push(b);
-            return if h.len() < HELD_MAX { Ok(()) } else { self.write_held() };
+        if let Some(bulk) = self.bulk.as_mut() {
+            return bulk.put_backend(id, b);
         }
         self.backends.insert(id, b, 0).map_err(|e| op(map_names::BACKENDS, "update", e))
     }
     fn del_backend(&mut self, id: u32) -> Result<(), MapError> {
-        self.write_held()?;
+        self.held_written()?;
         del(map_names::BACKENDS, self.backends.remove(&id))
     }
     fn maglev_row(&self, row: u32) -> Result<Vec<u32>, MapError> {
@@ -388,12 +350,14 @@ impl DatapathMaps for KernelMaps {
         data.info().ok().map(|i| i.max_entries() as usize)
     }
     fn begin_bulk(&mut self) {
-        self.held.get_or_insert_with(Held::default);
+        use aya::maps::IterableMap;
+        use std::os::fd::AsFd;
+        if self.bulk.is_none() {
+            self.bulk = Bulk::start(self.backends.map().fd().as_fd(), self.slots.map().fd().as_fd(), self.services.map().fd().as_fd());
+        }
     }
     fn end_bulk(&mut self) -> Result<(), MapError> {
-        let written = self.write_held();
-        self.held = None;
-        written
+        self.bulk.take().map_or(Ok(()), Bulk::finish)
     }
     fn conntrack(&self) -> &dyn ConntrackTables {
         &self.conntrack

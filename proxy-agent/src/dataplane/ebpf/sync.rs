@@ -208,6 +208,10 @@ impl Syncer {
         }
         let programmed = self.program_all(maps, desired, m, st, &wanted, &live_backends, &overrides, full);
         let written = if bulk { maps.end_bulk() } else { Ok(()) };
+        if written.is_err() {
+            // The mirror counts puts that may not be in: the next sync lists the maps again.
+            self.mirror = None;
+        }
         let st = programmed?;
         written?;
         Ok(st)
@@ -239,7 +243,7 @@ impl Syncer {
                 self.release_service_id(&key);
             }
         }
-        delete_unreferenced(maps, &mut m, &Default::default(), &live_backends, &mut st)?;
+        delete_unreferenced(maps, &mut m, &Default::default(), live_backends, &mut st)?;
 
         let mut desired_ranges: BTreeSet<SrcRange> = BTreeSet::new();
         let mut live_services: FastSet<u32> = FastSet::default();
@@ -248,7 +252,7 @@ impl Syncer {
         let mut retry: Vec<(&FrontendKey, &Frontend)> = Vec::new();
         for pass in 0..2 {
             let todo: Vec<(&FrontendKey, &Frontend)> =
-                if pass == 0 { desired.frontends.iter().map(|(k, f)| (k, effective(&overrides, k, f))).collect() } else { std::mem::take(&mut retry) };
+                if pass == 0 { desired.frontends.iter().map(|(k, f)| (k, effective(overrides, k, f))).collect() } else { std::mem::take(&mut retry) };
             for (fk, f) in todo {
                 // Its backends first: a slot must never point to a backend that is not there.
                 let programmed = self
@@ -275,7 +279,7 @@ impl Syncer {
                 }
             }
             // What the programmed frontends no longer point to goes now, before the retries.
-            delete_unreferenced(maps, &mut m, &live_services, &live_backends, &mut st)?;
+            delete_unreferenced(maps, &mut m, &live_services, live_backends, &mut st)?;
             if retry.is_empty() {
                 break;
             }
