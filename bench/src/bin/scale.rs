@@ -126,12 +126,21 @@ fn main() {
         std::thread::sleep(Duration::from_millis(20));
     }
     let initial = start.elapsed();
-    let logged: Vec<f64> = std::fs::read_to_string(&log)
-        .unwrap_or_default()
-        .lines()
-        .filter(|l| l.contains("synced"))
-        .filter_map(|l| l.split("ms=").nth(1)?.split_whitespace().next()?.parse().ok())
-        .collect();
+    // The agent logs its sync's duration after the last write, which this loop may see first.
+    let synced_ms = || -> Vec<f64> {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains("synced"))
+            .filter_map(|l| l.split("ms=").nth(1)?.split_whitespace().next()?.parse().ok())
+            .collect()
+    };
+    let wait = Instant::now();
+    let mut logged = synced_ms();
+    while logged.is_empty() && wait.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(20));
+        logged = synced_ms();
+    }
     println!("services: {n} x {e} endpoints ({} frontends, {} slots)", want, want * e as usize);
     println!(
         "initial sync: {:.2} s from agent start to all frontends in the kernel (the sync itself: {:.0} ms)",

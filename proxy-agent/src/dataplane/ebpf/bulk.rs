@@ -17,8 +17,8 @@ use proxy_common::{map_names, Backend, ServiceKey, ServiceValue, SlotKey};
 use crate::dataplane::ebpf::{bpf_batch, maps::MapError};
 
 /// A batch is handed to the writer once it holds this many puts: the buffers stay small (about
-/// 1 MiB), the calls few.
-const BATCH: usize = 65_536;
+/// 0.3 MiB: three are alive at most), the calls few.
+const BATCH: usize = 16_384;
 
 /// Puts, per map, in the order they were made.
 #[derive(Default)]
