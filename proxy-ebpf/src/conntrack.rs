@@ -200,8 +200,10 @@ fn entry(f: &Flow, key: &CtKey, v: &mut CtValue, table: Table, cfg: &DatapathCon
                 return Some(None);
             }
         }
-        CtRole::ReverseDnat if table == Table::Embryonic && v.flags & CT_F_SEEN_REPLY == 0 => seen_reply(f.tcp_flags & TCP_RST != 0, key, v),
-        CtRole::ReverseDnat if f.proto == PROTO_UDP && v.flags & CT_F_SEEN_REPLY == 0 => udp_answered(v),
+        // A TCP handshake's reply, or a UDP flow's first one.
+        CtRole::ReverseDnat if v.flags & CT_F_SEEN_REPLY == 0 && (table == Table::Embryonic || key.proto == PROTO_UDP) => {
+            seen_reply(f.tcp_flags & TCP_RST != 0, key, v)
+        }
         _ => {}
     }
     // The coarse clock ticks every few ms: most packets find the stamp current and leave the
@@ -230,9 +232,12 @@ fn closing(key: &CtKey, v: &mut CtValue) {
 
 /// The handshake's reply: the forward entry learns it, so the client's next packet can complete
 /// the flow. Once per flow. A reset instead is the backend refusing the connection (outlier
-/// detection counts it); a SYN-ACK ends its refusals in a row.
+/// detection counts it); a SYN-ACK ends its refusals in a row. A UDP flow's first reply ends
+/// them too, and an ICMP error about the flow after it is a late one, not a refusal.
 ///
 /// Takes the flag, not the Flow: a pointer argument would put the Flow on the callers' stack.
+/// A subprogram shared by both protocols: a second call site grew TC ingress's frame past what
+/// 6.1 allows beside new_flow's.
 #[inline(never)]
 fn seen_reply(rst: bool, key: &CtKey, v: &mut CtValue) {
     if rst {
@@ -241,16 +246,9 @@ fn seen_reply(rst: bool, key: &CtKey, v: &mut CtValue) {
     }
     counters::backend_answered(v.backend_id);
     v.flags |= CT_F_SEEN_REPLY;
-    mark_forward(key, v, CT_F_SEEN_REPLY);
-}
-
-/// A UDP flow's first reply from its backend (its reverse-DNAT entry `v`): the backend serves
-/// the port, which ends its refusals in a row, and an ICMP error about the flow from now on is a
-/// late one, not a refusal. Once per flow; a subprogram, off the reply path's stack.
-#[inline(never)]
-fn udp_answered(v: &mut CtValue) {
-    v.flags |= CT_F_SEEN_REPLY;
-    counters::backend_answered(v.backend_id);
+    if key.proto == PROTO_TCP {
+        mark_forward(key, v, CT_F_SEEN_REPLY);
+    }
 }
 
 /// An ICMP refusal (port unreachable: no socket; a REJECT rule) answering a UDP flow its
@@ -473,13 +471,13 @@ pub fn create(f: &Flow, now: u64, backend_id: u32, service_id: u32, be: &Backend
 /// counts against the backend as a reset would (outlier detection).
 #[inline(always)]
 pub fn for_icmp_error(quoted_reverse: &CtKey, refusal: bool) -> Option<Rewrite> {
+    // First, with nothing else live across the call: the hook's frame stays as it was (6.1
+    // counts it against 512 bytes with new_flow's).
+    if refusal && quoted_reverse.proto == PROTO_UDP {
+        udp_refused(quoted_reverse);
+    }
     let v = match unsafe { CONNTRACK.get(quoted_reverse) } {
-        Some(v) => {
-            if refusal && quoted_reverse.proto == PROTO_UDP {
-                udp_refused(quoted_reverse);
-            }
-            v
-        }
+        Some(v) => v,
         None => {
             let v = unsafe { CONNTRACK_NEW.get(quoted_reverse)? };
             if refusal {

@@ -11,7 +11,7 @@ use proxy_agent::{
         maps::{DatapathMaps, FakeMaps},
         sync::Syncer,
     },
-    model::{BackendKey, DesiredState, Frontend, FrontendKey, FrontendKind, Protocol, Scope},
+    model::{BackendKey, DesiredState, Frontend, FrontendKey, FrontendKind, Protocol, Scheduler, Scope},
 };
 use proxy_common::{Backend, DatapathConfig, ServiceKey, ServiceValue, SlotKey};
 
@@ -23,20 +23,27 @@ fn desired(n: u32, eps: u32, shift: u32) -> DesiredState {
         let backends: Vec<BackendKey> = (0..eps)
             .map(|j| BackendKey { ip: IpAddr::from((0x0af4_0000u32 + (i * eps + j + shift) % 50_000).to_be_bytes()), port: 8080, proto: Protocol::Tcp })
             .collect();
+        // A few Maglev Services: their rows name backend ids, written before the rows.
+        let scheduler = if i % 2000 == 0 { Scheduler::Maglev } else { Scheduler::Random };
         for scope in [Scope::Internal, Scope::External] {
-            d.frontends.insert(
-                FrontendKey { ip: vip, port: 80, proto: Protocol::Tcp, scope },
-                Frontend::plain(format!("t/s{i}:http"), FrontendKind::ClusterIp, backends.clone()),
-            );
+            let fe = Frontend { scheduler, ..Frontend::plain(format!("t/s{i}:http"), FrontendKind::ClusterIp, backends.clone()) };
+            d.frontends.insert(FrontendKey { ip: vip, port: 80, proto: Protocol::Tcp, scope }, fe);
         }
     }
     d
 }
 
-type Contents = (BTreeMap<ServiceKey, ServiceValue>, BTreeMap<SlotKey, u32>, BTreeMap<u32, Backend>);
+type Contents = (BTreeMap<ServiceKey, ServiceValue>, BTreeMap<SlotKey, u32>, BTreeMap<u32, Backend>, Vec<Vec<u32>>);
+
+const MAGLEV_ROWS: u32 = 16;
 
 fn contents(m: &dyn DatapathMaps) -> Contents {
-    (m.services().unwrap().into_iter().collect(), m.slots().unwrap().into_iter().collect(), m.backends().unwrap().into_iter().collect())
+    (
+        m.services().unwrap().into_iter().collect(),
+        m.slots().unwrap().into_iter().collect(),
+        m.backends().unwrap().into_iter().collect(),
+        (0..MAGLEV_ROWS).map(|r| m.maglev_row(r).unwrap()).collect(),
+    )
 }
 
 #[test]
@@ -46,7 +53,7 @@ fn held_puts_write_what_entry_by_entry_puts_write() {
     let _dp = Datapath::load(pins.path(), caps).expect("load");
     let mut kernel = KernelMaps::open(pins.path()).unwrap();
     let mut fake = FakeMaps::default();
-    let (mut real_syncer, mut model_syncer) = (Syncer::new(caps.services, 16), Syncer::new(caps.services, 16));
+    let (mut real_syncer, mut model_syncer) = (Syncer::new(caps.services, MAGLEV_ROWS), Syncer::new(caps.services, MAGLEV_ROWS));
     let cfg = DatapathConfig::default();
     // 12,000 Services: 24,000 frontends, 72,000 slots: past one round of held puts (65,536).
     // Then a sync that drops a quarter of them and moves the backends of the rest: deletes
@@ -59,6 +66,7 @@ fn held_puts_write_what_entry_by_entry_puts_write() {
         let (real, model) = (contents(&kernel), contents(&fake));
         assert_eq!(real.0.len(), 2 * n as usize);
         assert_eq!(real.1.len(), 6 * n as usize);
+        assert!(real.3.iter().filter(|row| row.iter().any(|id| *id != 0)).count() >= 10, "the Maglev rows are written");
         assert!(real == model, "the kernel's maps differ from the model's after {n} Services");
     }
     assert_eq!(fake.bulks, 2, "both syncs fit: both held their puts");

@@ -244,7 +244,7 @@ impl KernelMaps {
         })
     }
 
-    /// Writes the held puts before a delete from their maps.
+    /// Writes the held puts before a delete from their maps or a write that points into them.
     fn held_written(&mut self) -> Result<(), MapError> {
         self.bulk.as_mut().map_or(Ok(()), Bulk::barrier)
     }
@@ -316,6 +316,8 @@ impl DatapathMaps for KernelMaps {
         (row * m..(row + 1) * m).map(|i| self.maglev.get(&i, 0).map_err(|e| op(map_names::MAGLEV, "lookup", e))).collect()
     }
     fn put_maglev_row(&mut self, row: u32, table: &[u32]) -> Result<(), MapError> {
+        // A row names backend ids: theirs must be in first (a Service may use the row already).
+        self.held_written()?;
         let base = row * limits::MAGLEV_TABLE_SIZE;
         for (i, id) in table.iter().enumerate() {
             self.maglev.set(base + i as u32, id, 0).map_err(|e| op(map_names::MAGLEV, "update", e))?;
