@@ -1,6 +1,7 @@
 //! Passive outlier detection at L4 (eBPF mode). A backend that answers new connections with a
 //! reset or an ICMP destination unreachable (counted by the data path in KPR_BE_FAIL_V1, once
-//! per connection, cleared when a handshake completes) or
+//! per connection, cleared when a handshake completes; for UDP, an unreachable answering a flow
+//! before any reply, cleared by a reply) or
 //! lets their SYNs go unanswered for SYN_TIMEOUT (the collector adds those to the same count)
 //! FAILURES times in a row is ejected: the frontends of Services that opt in
 //! (kpr.io/outlier-ejection) leave it out for new connections for a back-off period, doubled
