@@ -449,10 +449,11 @@ impl Syncer {
             m.config = config;
             st.writes += 1;
         }
-        // Backends first.
+        // Backends first; their ids, by frontend, for the programming below.
         let overrides = std::sync::Arc::clone(&self.overrides);
-        for f in touched.iter().filter_map(|fk| desired.frontends.get(fk).map(|f| effective(&overrides, fk, f))) {
-            self.put_backends(maps, &mut m, f, &mut st)?;
+        let mut backend_ids: HashMap<&FrontendKey, Vec<u32>> = HashMap::new();
+        for (fk, f) in touched.iter().filter_map(|fk| desired.frontends.get(fk).map(|f| (fk, effective(&overrides, fk, f)))) {
+            backend_ids.insert(fk, self.put_backends(maps, &mut m, f, &mut st)?);
         }
         let mut released: BTreeSet<u32> = BTreeSet::new();
         for fk in touched {
@@ -477,8 +478,7 @@ impl Syncer {
             let mut new_ranges = BTreeSet::new();
             match desired.frontends.get(fk).map(|f| effective(&overrides, fk, f)) {
                 Some(f) => {
-                    // Their backends were written above: their ids exist.
-                    let ids = f.backends.iter().map(|b| self.ids.backend(wire::backend(b))).collect();
+                    let ids = backend_ids.remove(fk).expect("the loop above put the backends of every touched frontend the desired state has");
                     if let Some((_, ids)) = self.program_frontend(maps, &mut m, fk, f, ids, false, &mut st, &mut new_ranges)? {
                         for id in ids {
                             *self.backend_refs.entry(id).or_insert(0) += 1;
