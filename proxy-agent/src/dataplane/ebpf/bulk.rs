@@ -74,16 +74,14 @@ pub(crate) struct Bulk {
     current: Batch,
     /// Batches sent since the last fence.
     unfenced: usize,
-    writer: Option<Writer>,
-    /// Where there is no writer thread: written here, at once.
-    fds: Option<Fds>,
+    writer: Writer,
     /// A batch failed (reported once): what came after it was dropped.
     failed: bool,
 }
 
 impl Bulk {
-    /// Holds puts for these maps. Without a thread or descriptors of its own it writes batches
-    /// itself; without descriptors, `None`: the caller writes entry by entry.
+    /// Holds puts for these maps; `None` without descriptors or a thread of its own: the caller
+    /// writes entry by entry.
     pub fn start(backends: BorrowedFd, slots: BorrowedFd, services: BorrowedFd) -> Option<Self> {
         let fds = Fds { backends: backends.try_clone_to_owned().ok()?, slots: slots.try_clone_to_owned().ok()?, services: services.try_clone_to_owned().ok()? };
         // One batch queued while one is written: at most three in memory.
@@ -107,18 +105,8 @@ impl Bulk {
                 }
             }
         });
-        Some(match spawned {
-            Ok(thread) => Bulk { current: Batch::default(), unfenced: 0, writer: Some(Writer { tx, thread, error }), fds: None, failed: false },
-            Err(_) => {
-                // The closure (and the descriptors in it) went with the failed spawn: dup again.
-                let fds = Fds {
-                    backends: backends.try_clone_to_owned().ok()?,
-                    slots: slots.try_clone_to_owned().ok()?,
-                    services: services.try_clone_to_owned().ok()?,
-                };
-                Bulk { current: Batch::default(), unfenced: 0, writer: None, fds: Some(fds), failed: false }
-            }
-        })
+        let thread = spawned.ok()?;
+        Some(Bulk { current: Batch::default(), unfenced: 0, writer: Writer { tx, thread, error }, failed: false })
     }
 
     pub fn put_backend(&mut self, id: u32, b: Backend) -> Result<(), MapError> {
@@ -146,20 +134,14 @@ impl Bulk {
         self.send()
     }
 
-    /// Hands the current batch on (or writes it, without a writer).
+    /// Hands the current batch to the writer.
     fn send(&mut self) -> Result<(), MapError> {
         let b = std::mem::take(&mut self.current);
         if b.len() == 0 {
             return Ok(());
         }
-        match (&self.writer, &self.fds) {
-            (Some(w), _) => {
-                self.unfenced += 1;
-                w.tx.send(ToWriter::Batch(b)).map_err(|_| writer_gone())
-            }
-            (None, Some(fds)) => fds.write(&b),
-            (None, None) => Err(writer_gone()),
-        }
+        self.unfenced += 1;
+        self.writer.tx.send(ToWriter::Batch(b)).map_err(|_| writer_gone())
     }
 
     /// Everything held so far is in the maps (a delete from them may follow), or the first
@@ -169,9 +151,7 @@ impl Bulk {
             return Err(MapError::Other { map: map_names::SLOTS, message: "an earlier batch of held writes failed".into() });
         }
         self.send()?;
-        let Some(w) = &self.writer else {
-            return Ok(());
-        };
+        let w = &self.writer;
         if self.unfenced > 0 {
             let (done_tx, done_rx) = mpsc::channel();
             w.tx.send(ToWriter::Fence(done_tx)).map_err(|_| writer_gone())?;
@@ -190,10 +170,9 @@ impl Bulk {
     /// Writes what is left and ends the writer.
     pub fn finish(mut self) -> Result<(), MapError> {
         let written = self.barrier();
-        if let Some(w) = self.writer.take() {
-            drop(w.tx);
-            let _ = w.thread.join();
-        }
+        let Writer { tx, thread, .. } = self.writer;
+        drop(tx);
+        let _ = thread.join();
         written
     }
 }
