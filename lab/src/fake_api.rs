@@ -249,20 +249,28 @@ async fn handle(State(api): State<FakeApi>, Query(q): Query<HashMap<String, Stri
             .take_while(|((k, _, _), _)| *k == kind)
             .filter(|(_, (o, _))| matches(o, labels.as_deref(), fields.as_deref()))
             .map(|((_, ns, name), (_, json))| (ns, name, json));
-        let served: Vec<(String, String, Arc<str>)> = page.by_ref().take(limit).map(|(ns, name, json)| (ns.clone(), name.clone(), Arc::clone(json))).collect();
+        let mut last = None;
+        let served: Vec<Arc<str>> = page
+            .by_ref()
+            .take(limit)
+            .map(|(ns, name, json)| {
+                last = Some((ns, name));
+                Arc::clone(json)
+            })
+            .collect();
         let mut meta = json!({"resourceVersion": snapshot.to_string()});
         if page.next().is_some() {
-            let (ns, name, _) = served.last().expect("a full page");
+            let (ns, name) = last.expect("a full page");
             meta["continue"] = json!(format!("{snapshot}/{ns}/{name}"));
         }
         // Joined outside the lock: concurrent lists (Services and EndpointSlices) and watches go
         // on meanwhile, as on an API server.
         drop(db);
         let head = json!({"kind": list_kind, "apiVersion": api_version, "metadata": meta}).to_string();
-        let mut body = String::with_capacity(head.len() + 16 + served.iter().map(|(_, _, j)| j.len() + 1).sum::<usize>());
+        let mut body = String::with_capacity(head.len() + 16 + served.iter().map(|j| j.len() + 1).sum::<usize>());
         body.push_str(&head[..head.len() - 1]);
         body.push_str(",\"items\":[");
-        for (i, (_, _, json)) in served.iter().enumerate() {
+        for (i, json) in served.iter().enumerate() {
             if i > 0 {
                 body.push(',');
             }
