@@ -59,10 +59,9 @@ pub trait DatapathMaps {
     fn capacity(&self, map: &'static str) -> Option<usize>;
     /// From here to `end_bulk`, puts of services, slots and backends may be held back and
     /// written map by map at `end_bulk` (or before a delete from those maps, or a Maglev row,
-    /// which names backends): backends, then
-    /// slots, then services, so no entry ever points to one not written yet. Reads in between
-    /// see the maps without the held puts. The caller begins a bulk only when every put fits
-    /// (a held put cannot report a full map).
+    /// which names backends): backends, then slots, then services, so no entry ever points to
+    /// one not written yet. Reads in between see the maps without the held puts. The caller
+    /// begins a bulk only when every put fits (a held put cannot report a full map).
     fn begin_bulk(&mut self) {}
     fn end_bulk(&mut self) -> Result<(), MapError> {
         Ok(())
