@@ -1,5 +1,5 @@
 //! Which endpoints of a Service port a frontend uses: readiness (KEP-1669) and topology hints.
-use std::{collections::BTreeSet, net::IpAddr};
+use std::{collections::BTreeSet, net::IpAddr, sync::Arc};
 
 use crate::model::{
     objects::{err, unsupported, ObjectError, SliceObject},
@@ -14,8 +14,8 @@ pub(crate) struct Ep {
     pub serving: bool,
     pub terminating: bool,
     pub local: bool,
-    /// EndpointSlice hints.forZones, when the controller set them.
-    pub zones: Option<Box<[Box<str>]>>,
+    /// EndpointSlice hints.forZones (empty: none set).
+    pub zones: Box<[Arc<str>]>,
 }
 
 /// KEP-1669: ready endpoints; when none, the serving-and-terminating ones.
@@ -39,11 +39,8 @@ pub(crate) fn to_keys_of(proto: Protocol, v: Vec<BackendKeyNoProto>) -> Vec<Back
 /// none is ready there, the serving-terminating ones from anywhere). Otherwise every endpoint.
 pub(crate) fn topology_filtered(eps: &[&Ep], node: &NodeInfo, publish_not_ready: bool) -> Vec<BackendKeyNoProto> {
     let ready: Vec<&&Ep> = eps.iter().filter(|e| e.ready).collect();
-    let applies = node
-        .zone
-        .as_ref()
-        .filter(|_| !ready.is_empty() && ready.iter().all(|e| e.zones.as_ref().is_some_and(|z| !z.is_empty())))
-        .filter(|zone| ready.iter().any(|e| hinted_for(e, zone)));
+    let applies =
+        node.zone.as_ref().filter(|_| !ready.is_empty() && ready.iter().all(|e| !e.zones.is_empty())).filter(|zone| ready.iter().any(|e| hinted_for(e, zone)));
     match applies {
         Some(zone) => {
             let ours: Vec<&Ep> = ready.iter().map(|e| **e).filter(|e| hinted_for(e, zone)).collect();
@@ -54,7 +51,7 @@ pub(crate) fn topology_filtered(eps: &[&Ep], node: &NodeInfo, publish_not_ready:
 }
 
 fn hinted_for(e: &Ep, zone: &str) -> bool {
-    e.zones.as_ref().is_some_and(|z| z.iter().any(|z| &**z == zone))
+    e.zones.iter().any(|z| &**z == zone)
 }
 
 /// The endpoints of one Service port (by name and protocol) across the Service's slices; what
