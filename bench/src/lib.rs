@@ -11,7 +11,7 @@ use kpr_lab::lab::backend_ip;
 /// Sets (or replaces) service `i`'s ClusterIP frontend `vip:80`, both scopes, on `backends`.
 pub fn set_clusterip(d: &mut DesiredState, i: u32, vip: IpAddr, backends: Vec<BackendKey>) {
     for scope in [Scope::Internal, Scope::External] {
-        let fe = Frontend::plain(format!("bench/s{i}:http"), FrontendKind::ClusterIp, backends.clone());
+        let fe = Frontend::plain(&format!("bench/s{i}:http"), FrontendKind::ClusterIp, backends.clone());
         d.frontends.insert(FrontendKey { ip: vip, port: 80, proto: Protocol::Tcp, scope }, fe);
     }
 }

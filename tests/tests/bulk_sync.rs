@@ -26,7 +26,7 @@ fn desired(n: u32, eps: u32, shift: u32) -> DesiredState {
         // A few Maglev Services: their rows name backend ids, written before the rows.
         let scheduler = if i % 2000 == 0 { Scheduler::Maglev } else { Scheduler::Random };
         for scope in [Scope::Internal, Scope::External] {
-            let fe = Frontend { scheduler, ..Frontend::plain(format!("t/s{i}:http"), FrontendKind::ClusterIp, backends.clone()) };
+            let fe = Frontend { scheduler, ..Frontend::plain(&format!("t/s{i}:http"), FrontendKind::ClusterIp, backends.clone()) };
             d.frontends.insert(FrontendKey { ip: vip, port: 80, proto: Protocol::Tcp, scope }, fe);
         }
     }

@@ -10,6 +10,7 @@ use std::{
     fmt::Write as _,
     net::IpAddr,
     str::FromStr,
+    sync::Arc,
 };
 
 use ipnet::IpNet;
@@ -120,8 +121,8 @@ pub struct BackendKey {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Frontend {
-    /// "namespace/name:port-name".
-    pub service: String,
+    /// "namespace/name:port-name" (shared by the port's frontends).
+    pub service: Arc<str>,
     pub kind: FrontendKind,
     pub scheduler: Scheduler,
     pub affinity_timeout_s: u32,
@@ -138,17 +139,18 @@ pub struct Frontend {
     pub max_connection_age_s: u32,
     /// Backends that refuse new connections are left out for a while (kpr.io/outlier-ejection).
     pub outlier_ejection: bool,
-    /// Sorted, deduplicated.
-    pub backends: Vec<BackendKey>,
+    /// Sorted, deduplicated. Shared: a port's frontends (two scopes, each node address and
+    /// load-balancer IP) mostly take the same set.
+    pub backends: Arc<[BackendKey]>,
     pub ipvs: IpvsOptions,
 }
 
 impl Frontend {
     /// A frontend with every option off (random scheduling, no affinity, no masquerade, no
     /// source ranges): what the benchmarks and tests start from.
-    pub fn plain(service: String, kind: FrontendKind, backends: Vec<BackendKey>) -> Self {
+    pub fn plain(service: &str, kind: FrontendKind, backends: Vec<BackendKey>) -> Self {
         Frontend {
-            service,
+            service: service.into(),
             kind,
             scheduler: Scheduler::Random,
             affinity_timeout_s: 0,
@@ -158,7 +160,7 @@ impl Frontend {
             source_ranges: vec![],
             max_connection_age_s: 0,
             outlier_ejection: false,
-            backends,
+            backends: backends.into(),
             ipvs: IpvsOptions::default(),
         }
     }
@@ -167,7 +169,7 @@ impl Frontend {
     /// `..Frontend::for_test(..)`).
     #[cfg(test)]
     pub(crate) fn for_test(kind: FrontendKind, backends: &[(&str, u16)], proto: Protocol) -> Self {
-        Self::plain("ns/web:http".into(), kind, backends.iter().map(|(ip, port)| BackendKey { ip: ip.parse().unwrap(), port: *port, proto }).collect())
+        Self::plain("ns/web:http", kind, backends.iter().map(|(ip, port)| BackendKey { ip: ip.parse().unwrap(), port: *port, proto }).collect())
     }
 }
 
@@ -319,7 +321,7 @@ impl DesiredState {
                 f.affinity_timeout_s,
                 f.source_ranges.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(","),
             );
-            for b in &f.backends {
+            for b in f.backends.iter() {
                 let _ = writeln!(s, "  backend {}", std::net::SocketAddr::new(b.ip, b.port));
             }
         }

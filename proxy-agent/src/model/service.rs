@@ -1,5 +1,5 @@
 //! One Service and its EndpointSlices -> its frontends (every Service semantic kpr programs).
-use std::{collections::BTreeSet, net::IpAddr};
+use std::{collections::BTreeSet, net::IpAddr, sync::Arc};
 
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::ServiceSpec;
@@ -92,7 +92,7 @@ pub(super) fn service_frontends(
             continue;
         }
         let port_name = port.name.clone().unwrap_or_default();
-        let service = format!("{ns}/{name}:{port_name}");
+        let service: Arc<str> = format!("{ns}/{name}:{port_name}").into();
 
         let eps = port_endpoints(slices, ns, &port_name, proto, node, cfg.ipv6, errors);
         if eps.len() > MAX_BACKENDS_PER_SERVICE as usize {
@@ -107,9 +107,9 @@ pub(super) fn service_frontends(
         // Each family's frontends take that family's endpoints (kube-proxy runs a proxier per family).
         let per_family = [true, false].map(|v4| {
             let all: Vec<&Ep> = eps.iter().filter(|e| e.ip.is_ipv4() == v4).collect();
-            let cluster = to_keys_of(proto, topology_filtered(&all, node, publish_not_ready));
+            let cluster: Arc<[BackendKey]> = to_keys_of(proto, topology_filtered(&all, node, publish_not_ready)).into();
             let local: Vec<&Ep> = all.iter().copied().filter(|e| e.local).collect();
-            let local = to_keys_of(proto, usable(&local, publish_not_ready));
+            let local: Arc<[BackendKey]> = to_keys_of(proto, usable(&local, publish_not_ready)).into();
             let internal = if itp_local { local.clone() } else { cluster.clone() };
             FamilyBackends { cluster, local, internal }
         });
@@ -205,11 +205,11 @@ pub(super) fn service_frontends(
 /// One family's endpoint sets of a Service port.
 struct FamilyBackends {
     /// Every usable endpoint (topology hints applied).
-    cluster: Vec<BackendKey>,
+    cluster: Arc<[BackendKey]>,
     /// This node's usable endpoints.
-    local: Vec<BackendKey>,
+    local: Arc<[BackendKey]>,
     /// What internalTrafficPolicy selects.
-    internal: Vec<BackendKey>,
+    internal: Arc<[BackendKey]>,
 }
 
 /// Which endpoint set a frontend takes.

@@ -93,11 +93,11 @@ pub fn leave_out(desired: &DesiredState, ejected: &BTreeMap<Backend, Ejection>) 
             continue;
         }
         let mut f = f.clone();
-        f.backends.retain(|b| !out.contains(b));
+        f.backends = f.backends.iter().filter(|b| !out.contains(b)).copied().collect();
         for b in out {
             let e = &ejected[&wire::backend(&b)];
-            let (name, port) = f.service.rsplit_once(':').unwrap_or((f.service.as_str(), ""));
-            events.entry((f.service.clone(), b)).or_insert_with(|| ObjectError {
+            let (name, port) = f.service.rsplit_once(':').unwrap_or((&f.service, ""));
+            events.entry((f.service.to_string(), b)).or_insert_with(|| ObjectError {
                 source: "kpr".into(),
                 object: format!("Service {name}"),
                 field: format!("spec.ports[{port}]"),
@@ -214,7 +214,7 @@ mod tests {
         let bk = |last: u8| BackendKey { ip: std::net::IpAddr::from([10, 244, 2, last]), port: 8080, proto: Protocol::Tcp };
         let fe = |opt_in: bool| Frontend {
             outlier_ejection: opt_in,
-            backends: vec![bk(4), bk(5), bk(6)],
+            backends: [bk(4), bk(5), bk(6)].into(),
             ..Frontend::for_test(FrontendKind::ClusterIp, &[], Protocol::Tcp)
         };
         let mut d = DesiredState::default();
@@ -222,7 +222,7 @@ mod tests {
         d.frontends.insert(key("10.96.0.10"), fe(true));
         d.frontends.insert(key("10.96.0.11"), fe(false));
         let (left, events) = leave_out(&d, o.ejected());
-        assert_eq!(left[&key("10.96.0.10")].backends, vec![bk(4), bk(6)]);
+        assert_eq!(*left[&key("10.96.0.10")].backends, [bk(4), bk(6)]);
         assert!(!left.contains_key(&key("10.96.0.11")), "only the frontends that change are copied");
         assert_eq!(events.len(), 1);
         assert!(events[0].message.contains("10.244.2.5:8080") && events[0].reason == OUTLIER_EJECTED, "{events:?}");

@@ -268,7 +268,7 @@ impl Syncer {
                     Ok(None) => {}
                     Err(SyncError::Map(e)) if e.full_map().is_some() && pass == 0 => retry.push((fk, f)),
                     Err(SyncError::Map(e)) if e.full_map().is_some() => {
-                        st.full.push((e.full_map().unwrap_or("-"), f.service.clone()));
+                        st.full.push((e.full_map().unwrap_or("-"), f.service.to_string()));
                         st.errors.push(format!("{} {}:{}: {e}", f.service, fk.ip, fk.port));
                     }
                     Err(e) => return Err(e),
@@ -318,7 +318,7 @@ impl Syncer {
     /// order.
     fn put_backends(&mut self, maps: &mut dyn DatapathMaps, m: &mut Mirror, f: &Frontend, st: &mut SyncStats) -> Result<Vec<u32>, SyncError> {
         let mut ids = Vec::with_capacity(f.backends.len());
-        for b in &f.backends {
+        for b in f.backends.iter() {
             let wire = wire::backend(b);
             let id = self.ids.backend(wire);
             if m.backends.get(&id) != Some(&wire) {
@@ -583,7 +583,7 @@ mod tests {
         let mut d = DesiredState::default();
         for (vip, backends) in frontends {
             let mut f = frontend(backends, Scheduler::Random);
-            f.service = format!("ns/{vip}:http");
+            f.service = format!("ns/{vip}:http").into();
             f.source_ranges.clear();
             d.frontends.insert(key(vip), f);
         }
@@ -638,7 +638,8 @@ mod tests {
         let d = state(&[("10.96.0.1", &[("10.244.1.1", 80), ("10.244.1.2", 80)]), ("10.96.0.2", &[("10.244.1.2", 80), ("10.244.2.2", 80)])]);
         // Outlier ejection leaves 10.244.1.2 out of the first frontend only.
         let mut left = d.clone();
-        left.frontends.get_mut(&key("10.96.0.1")).unwrap().backends.retain(|b| b.ip != "10.244.1.2".parse::<std::net::IpAddr>().unwrap());
+        let first = left.frontends.get_mut(&key("10.96.0.1")).unwrap();
+        first.backends = first.backends.iter().filter(|b| b.ip != "10.244.1.2".parse::<std::net::IpAddr>().unwrap()).copied().collect();
         let overrides: HashMap<FrontendKey, Frontend> = [(key("10.96.0.1"), left.frontends[&key("10.96.0.1")].clone())].into();
         let mut want = FakeMaps::default();
         Syncer::default().sync(&mut want, &left, DatapathConfig::default()).unwrap();

@@ -112,7 +112,7 @@ pub fn desired_virtual_servers(desired: &DesiredState, settings: &SyncSettings) 
                     FrontendKind::ExternalIp | FrontendKind::LoadBalancer => !settings.node_addresses.contains(&key.ip),
                     FrontendKind::ClusterIp => true,
                 },
-                service: fe.service.clone(),
+                service: fe.service.to_string(),
             },
         );
     }
