@@ -11,6 +11,10 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 use proxy_agent::{host::netif, serve::metrics, settings};
 
+/// jemalloc: see the dependency's comment in Cargo.toml.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[derive(Parser)]
 #[command(name = "kpr", version, about = "kube-proxy replacement: eBPF service load balancing (and IPVS)")]
 struct Cli {
