@@ -271,11 +271,11 @@ endpoints: [{addresses: [10.244.1.2]}]
     let mut r = LoadReport::default();
     load_text("ipvs.yaml", y, &mut r);
     let d = compute(&r.objects, &NodeInfo { name: "me".into(), ..Default::default() }, &ModelConfig::default());
-    let good = d.frontends.values().find(|f| f.service == "a/good:p").expect("good programmed");
+    let good = d.frontends.values().find(|f| &*f.service == "a/good:p").expect("good programmed");
     assert_eq!(good.ipvs.scheduler.as_deref(), Some("wlc"));
     assert_eq!(good.ipvs.forward, proxy_agent::model::IpvsForward::DirectRouting);
     assert_eq!(good.ipvs.weights.len(), 2);
-    let bad = d.frontends.values().find(|f| f.service == "a/bad:p").expect("bad still programmed");
+    let bad = d.frontends.values().find(|f| &*f.service == "a/bad:p").expect("bad still programmed");
     // Unknown scheduler: the configured one; tun with port != targetPort: NAT.
     assert_eq!((bad.ipvs.scheduler.as_deref(), bad.ipvs.forward), (None, proxy_agent::model::IpvsForward::Nat));
     let errs: Vec<String> = d.problems().map(|e| e.to_string()).collect();

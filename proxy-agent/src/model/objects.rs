@@ -193,20 +193,30 @@ pub struct Endpoint {
 
 /// Node and zone names, one copy each. Names no endpoint holds any more are dropped when the
 /// table has doubled since it was last pruned, so node churn does not grow it for ever.
+#[derive(Default)]
+struct Interner {
+    names: HashSet<Arc<str>>,
+    pruned_at: usize,
+}
+
+impl Interner {
+    fn intern(&mut self, name: String) -> Arc<str> {
+        if let Some(known) = self.names.get(name.as_str()) {
+            return known.clone();
+        }
+        if self.names.len() >= (self.pruned_at * 2).max(1024) {
+            self.names.retain(|n| Arc::strong_count(n) > 1);
+            self.pruned_at = self.names.len();
+        }
+        let new: Arc<str> = name.into();
+        self.names.insert(new.clone());
+        new
+    }
+}
+
 fn intern(name: String) -> Arc<str> {
-    static NAMES: Mutex<Option<(HashSet<Arc<str>>, usize)>> = Mutex::new(None);
-    let mut guard = NAMES.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let (names, pruned_at) = guard.get_or_insert_with(|| (HashSet::new(), 0));
-    if let Some(known) = names.get(name.as_str()) {
-        return known.clone();
-    }
-    if names.len() >= (*pruned_at * 2).max(1024) {
-        names.retain(|n| Arc::strong_count(n) > 1);
-        *pruned_at = names.len();
-    }
-    let new: Arc<str> = name.into();
-    names.insert(new.clone());
-    new
+    static NAMES: Mutex<Option<Interner>> = Mutex::new(None);
+    NAMES.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).get_or_insert_with(Interner::default).intern(name)
 }
 
 /// An endpoint's address: parsed when it is one, else the text, for the error that names it.
@@ -312,6 +322,20 @@ mod tests {
     }
     fn names<'a>(s: &'a Slices, svc: &str) -> Vec<&'a str> {
         s.of_service("ns", svc).map(|(n, _)| n.as_str()).collect()
+    }
+
+    #[test]
+    fn a_name_is_stored_once_and_dropped_once_unused() {
+        let mut table = Interner::default();
+        let first = table.intern("node-a".to_string());
+        assert!(Arc::ptr_eq(&first, &table.intern("node-a".to_string())), "the second endpoint on a node shares its name");
+        drop(first);
+        let held: Vec<Arc<str>> = (0..1023).map(|i| table.intern(format!("node-{i}"))).collect();
+        assert_eq!(table.names.len(), 1024, "no prune below 1,024 names");
+        // The 1,025th name prunes: node-a, which nothing holds, goes; the names in use stay.
+        let _next = table.intern("node-b".to_string());
+        assert_eq!((table.names.len(), table.pruned_at), (1024, 1023));
+        assert!(!table.names.contains("node-a") && held.iter().all(|n| table.names.contains(n)));
     }
 
     #[test]
