@@ -354,6 +354,8 @@ pub struct FakeTables {
     pub embryonic: std::collections::BTreeMap<CtKey, CtValue>,
     pub reused: std::collections::BTreeMap<CtKey, CtValue>,
     pub flow_cache_generation: u64,
+    /// Single-key lookups so far (each a system call on the real tables).
+    pub gets: std::cell::Cell<usize>,
 }
 
 impl FakeTables {
@@ -394,6 +396,7 @@ impl ConntrackTables for FakeTables {
         Ok((all[start.min(end)..end].to_vec(), next))
     }
     fn get(&self, table: Table, key: &CtKey) -> Result<Option<CtValue>, MapError> {
+        self.gets.set(self.gets.get() + 1);
         Ok(self.table(table).get(key).copied())
     }
     fn delete_if(&mut self, table: Table, key: &CtKey, expected: &CtValue) -> Result<bool, MapError> {

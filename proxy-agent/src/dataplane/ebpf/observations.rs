@@ -64,7 +64,8 @@ pub struct Observations {
     /// Open (not closing) flows by backend id.
     counting: HashMap<Table, HashMap<u32, u32>>,
     counted: HashMap<Table, HashMap<u32, u32>>,
-    /// Flows kept, closing ones too.
+    /// Flows kept, closing ones too, by their forward entries (an entry whose forward one is
+    /// gone counts once it has been quiet for its shortest timeout: before, it is not looked at).
     live_counting: HashMap<Table, usize>,
     live_counted: HashMap<Table, usize>,
     /// Embryonic flows waiting for their SYN's answer, by backend id: reported yet?
