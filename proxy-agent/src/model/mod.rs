@@ -142,7 +142,8 @@ pub struct Frontend {
     /// Sorted, deduplicated. Shared: a port's frontends (two scopes, each node address and
     /// load-balancer IP) mostly take the same set.
     pub backends: Arc<[BackendKey]>,
-    pub ipvs: IpvsOptions,
+    /// Shared by the port's frontends, like `backends`.
+    pub ipvs: Arc<IpvsOptions>,
 }
 
 impl Frontend {
@@ -161,7 +162,7 @@ impl Frontend {
             max_connection_age_s: 0,
             outlier_ejection: false,
             backends: backends.into(),
-            ipvs: IpvsOptions::default(),
+            ipvs: Default::default(),
         }
     }
 

@@ -131,6 +131,7 @@ pub(super) fn service_frontends(
             );
             ipvs.forward = IpvsForward::Nat;
         }
+        let ipvs = Arc::new(ipvs);
 
         // kube-proxy's verdicts without endpoints: a service with none at all rejects; a traffic
         // policy Local frontend whose endpoints are all on other nodes drops.

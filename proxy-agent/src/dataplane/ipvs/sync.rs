@@ -547,14 +547,15 @@ mod tests {
             scheduler: Some("wrr".into()),
             forward: IpvsForward::DirectRouting,
             weights: [("10.244.2.2".parse().unwrap(), 3)].into_iter().collect(),
-        };
+        }
+        .into();
         w.sync(&state(vec![("192.0.2.50", 80, Protocol::Tcp, f.clone())]));
         let (cfg, dests) = &w.ipvs.services[&tcp("192.0.2.50", 80)];
         assert_eq!((cfg.scheduler.as_str(), cfg.flags, cfg.timeout_s), ("wrr", flags::PERSISTENT, 600));
         let weights: Vec<_> = dests.values().map(|d| (d.config.weight, d.config.fwd)).collect();
         assert_eq!(weights, vec![(1, FwdMethod::Route), (3, FwdMethod::Route)]);
         // A scheduler change is an update, not a re-creation (connections survive).
-        f.ipvs.scheduler = Some("sh".into());
+        std::sync::Arc::make_mut(&mut f.ipvs).scheduler = Some("sh".into());
         w.ipvs.writes.clear();
         w.sync(&state(vec![("192.0.2.50", 80, Protocol::Tcp, f)]));
         assert_eq!(w.ipvs.writes, vec!["update-service TCP 192.0.2.50:80"]);
