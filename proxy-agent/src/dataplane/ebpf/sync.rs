@@ -13,7 +13,7 @@ use proxy_common::{
 use crate::{
     dataplane::ebpf::maps::{DatapathMaps, MapError, SrcRange},
     dataplane::ebpf::{ids::Ids, maglev, wire},
-    model::{DesiredState, Frontend, FrontendKey},
+    model::{BackendKey, DesiredState, Frontend, FrontendKey},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -184,10 +184,12 @@ impl Syncer {
         // What stays: every backend and frontend the desired state names.
         let overrides = std::sync::Arc::clone(&self.overrides);
         let wanted: FastSet<ServiceKey> = desired.frontends.keys().map(wire::service_key).collect();
+        let mut previous = SharedList::default();
         let live_backends: FastSet<u32> = desired
             .frontends
             .iter()
             .map(|(k, f)| effective(&overrides, k, f))
+            .filter(|f| !previous.same_as(f))
             .flat_map(|f| f.backends.iter())
             .map(|b| self.ids.backend(wire::backend(b)))
             .collect();
@@ -253,11 +255,16 @@ impl Syncer {
         for pass in 0..2 {
             let todo: Vec<(&FrontendKey, &Frontend)> =
                 if pass == 0 { desired.frontends.iter().map(|(k, f)| (k, effective(overrides, k, f))).collect() } else { std::mem::take(&mut retry) };
+            // The ids of the list the frontend before put, while the next shares it.
+            let (mut previous, mut previous_ids) = (SharedList::default(), Vec::new());
             for (fk, f) in todo {
                 // Its backends first: a slot must never point to a backend that is not there.
-                let programmed = self
-                    .put_backends(maps, &mut m, f, &mut st)
-                    .and_then(|ids| self.program_frontend(maps, &mut m, fk, f, ids, full, &mut st, &mut desired_ranges));
+                let ids = if previous.same_as(f) { Ok(previous_ids.clone()) } else { self.put_backends(maps, &mut m, f, &mut st) };
+                match &ids {
+                    Ok(ids) => previous_ids.clone_from(ids),
+                    Err(_) => previous = SharedList::default(),
+                }
+                let programmed = ids.and_then(|ids| self.program_frontend(maps, &mut m, fk, f, ids, full, &mut st, &mut desired_ranges));
                 match programmed {
                     Ok(Some((service_id, ids))) => {
                         live_services.insert(service_id);
@@ -528,6 +535,22 @@ impl Syncer {
     }
 }
 
+/// Tells whether a frontend's backend list is the one the frontend before it had: a port's
+/// frontends share one list (`Frontend::backends`), and in key order its two scopes are
+/// neighbours, so the sync looks up a million backends' ids once, not twice.
+#[derive(Default)]
+struct SharedList(Option<*const [BackendKey]>);
+
+impl SharedList {
+    fn same_as(&mut self, f: &Frontend) -> bool {
+        let list = std::sync::Arc::as_ptr(&f.backends);
+        // Compared while the desired state holds every list: no address is reused meanwhile.
+        let same = self.0.is_some_and(|p| std::ptr::eq(p, list));
+        self.0 = Some(list);
+        same
+    }
+}
+
 /// The frontend to program for `k`: its override, else the desired state's `f`.
 fn effective<'a>(overrides: &'a HashMap<FrontendKey, Frontend>, k: &FrontendKey, f: &'a Frontend) -> &'a Frontend {
     overrides.get(k).unwrap_or(f)
@@ -588,6 +611,42 @@ mod tests {
             d.frontends.insert(key(vip), f);
         }
         d
+    }
+
+    /// One list shared by both scopes of 10.96.0.3 (as the model builds a port's frontends),
+    /// and 10.96.0.2's own (synced first: keys sort by address).
+    fn shared_state() -> DesiredState {
+        let mut d = DesiredState::default();
+        let shared = frontend(&[("10.244.1.1", 80), ("10.244.1.2", 80)], Scheduler::Random);
+        for scope in [crate::model::Scope::Internal, crate::model::Scope::External] {
+            d.frontends.insert(FrontendKey { scope, ..key("10.96.0.3") }, shared.clone());
+        }
+        d.frontends.insert(key("10.96.0.2"), frontend(&[("10.244.2.1", 80)], Scheduler::Random));
+        d
+    }
+
+    #[test]
+    fn frontends_that_share_a_backend_list_each_get_it_whole() {
+        let d = shared_state();
+        let mut maps = FakeMaps::default();
+        let st = Syncer::default().sync(&mut maps, &d, DatapathConfig::default()).unwrap();
+        assert_eq!((st.frontends, st.backends, maps.backends.len()), (3, 3, 3));
+        let addrs = |ips: &[&str]| -> Vec<[u32; 4]> { ips.iter().map(|ip| proxy_common::user::addr_words(ip.parse().unwrap())).collect() };
+        let got: Vec<Vec<[u32; 4]>> = view(&maps).into_values().collect();
+        assert_eq!(got.iter().filter(|b| **b == addrs(&["10.244.1.1", "10.244.1.2"])).count(), 2, "{got:?}");
+        assert_eq!(got.iter().filter(|b| **b == addrs(&["10.244.2.1"])).count(), 1, "{got:?}");
+    }
+
+    #[test]
+    fn a_shared_list_that_did_not_fit_is_not_taken_as_written() {
+        let mut maps = FakeMaps::default();
+        maps.capacity.insert(proxy_common::map_names::BACKENDS, 2);
+        let st = Syncer::default().sync(&mut maps, &shared_state(), DatapathConfig::default()).unwrap();
+        // 10.96.0.2's backend and one of the shared list's fit: the first scope of 10.96.0.3
+        // fails on the second, and the other scope must fail too, not take the list as written.
+        assert_eq!(st.full.len(), 2, "{st:?}");
+        assert_eq!(view(&maps).len(), 1);
+        assert!(maps.slots.values().all(|id| maps.backends.contains_key(id)));
     }
 
     #[test]
