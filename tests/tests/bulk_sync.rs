@@ -25,9 +25,10 @@ fn desired(n: u32, eps: u32, shift: u32) -> DesiredState {
             .collect();
         // A few Maglev Services: their rows name backend ids, written before the rows.
         let scheduler = if i % 2000 == 0 { Scheduler::Maglev } else { Scheduler::Random };
+        // One frontend for both scopes, sharing its backend list as the model's do.
+        let fe = Frontend { scheduler, ..Frontend::plain(&format!("t/s{i}:http"), FrontendKind::ClusterIp, backends) };
         for scope in [Scope::Internal, Scope::External] {
-            let fe = Frontend { scheduler, ..Frontend::plain(&format!("t/s{i}:http"), FrontendKind::ClusterIp, backends.clone()) };
-            d.frontends.insert(FrontendKey { ip: vip, port: 80, proto: Protocol::Tcp, scope }, fe);
+            d.frontends.insert(FrontendKey { ip: vip, port: 80, proto: Protocol::Tcp, scope }, fe.clone());
         }
     }
     d
@@ -55,7 +56,7 @@ fn held_puts_write_what_entry_by_entry_puts_write() {
     let mut fake = FakeMaps::default();
     let (mut real_syncer, mut model_syncer) = (Syncer::new(caps.services, MAGLEV_ROWS), Syncer::new(caps.services, MAGLEV_ROWS));
     let cfg = DatapathConfig::default();
-    // 12,000 Services: 24,000 frontends, 72,000 slots: past one round of held puts (65,536).
+    // 12,000 Services: 24,000 frontends, 72,000 slots: several batches of held puts (16,384 each).
     // Then a sync that drops a quarter of them and moves the backends of the rest: deletes
     // between held puts.
     for (n, shift) in [(12_000, 0), (9_000, 7)] {
