@@ -14,7 +14,7 @@ use std::{
 
 use proxy_common::{map_names, Backend, ServiceKey, ServiceValue, SlotKey};
 
-use crate::dataplane::ebpf::{bpf_batch, kernel_maps::update_failed, maps::MapError};
+use crate::dataplane::ebpf::{bpf_batch, maps::MapError};
 
 /// A batch is handed to the writer once it holds this many puts: the buffers stay small (about
 /// 0.3 MiB: three are alive at most), the calls few.
@@ -50,7 +50,7 @@ impl Fds {
 }
 
 fn write_map<K: bytemuck::Pod, V: bytemuck::Pod>(fd: BorrowedFd, name: &'static str, puts: &(Vec<K>, Vec<V>)) -> Result<(), MapError> {
-    bpf_batch::update_batch(fd, &puts.0, &puts.1).map_err(|(_, source)| update_failed(name, "update batch", source))
+    bpf_batch::update_batch(fd, &puts.0, &puts.1).map_err(|(_, source)| MapError::update_failed(name, "update batch", source))
 }
 
 enum ToWriter {

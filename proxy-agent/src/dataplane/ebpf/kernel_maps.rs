@@ -13,20 +13,11 @@ use crate::dataplane::ebpf::{
 
 pub(crate) fn op(map: &'static str, op: &'static str, e: AyaMapError) -> MapError {
     let source = match e {
-        AyaMapError::SyscallError(s) if op == "update" => return update_failed(map, op, s.io_error),
+        AyaMapError::SyscallError(s) if op == "update" => return MapError::update_failed(map, op, s.io_error),
         AyaMapError::SyscallError(s) => s.io_error,
         other => io::Error::other(other.to_string()),
     };
     MapError::Op { map, op, source }
-}
-
-/// A failed update (one entry or a batch): an update of a hash map at capacity fails with
-/// E2BIG, of an LPM trie with ENOSPC.
-pub(crate) fn update_failed(map: &'static str, op: &'static str, source: io::Error) -> MapError {
-    match source.raw_os_error() {
-        Some(libc::E2BIG | libc::ENOSPC) => MapError::Full { map },
-        _ => MapError::Op { map, op, source },
-    }
 }
 
 fn is_enoent(e: &AyaMapError) -> bool {

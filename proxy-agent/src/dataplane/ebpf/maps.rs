@@ -20,6 +20,15 @@ pub enum MapError {
 }
 
 impl MapError {
+    /// A failed update (one entry or a batch): an update of a hash map at capacity fails with
+    /// E2BIG, of an LPM trie with ENOSPC.
+    pub fn update_failed(map: &'static str, op: &'static str, source: std::io::Error) -> Self {
+        match source.raw_os_error() {
+            Some(libc::E2BIG | libc::ENOSPC) => MapError::Full { map },
+            _ => MapError::Op { map, op, source },
+        }
+    }
+
     /// The map, when this error is its being full.
     pub fn full_map(&self) -> Option<&'static str> {
         match self {
