@@ -215,7 +215,7 @@ enum Kind {
     Node(watcher::Event<Node>),
 }
 
-/// Per-stream buffers for re-lists (Init .. InitDone), applied atomically at InitDone.
+/// A watch's buffer for its re-lists (Init .. InitDone), applied atomically at InitDone.
 #[derive(Default)]
 struct Relist {
     services: Option<BTreeMap<ObjectName, ServiceObject>>,
@@ -325,7 +325,8 @@ fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
 }
 
 /// Runs the three watches until the runtime stops. Errors are logged and retried with backoff
-/// (410 Gone leads to a re-list, inside kube-rs's watcher).
+/// (410 Gone leads to a re-list, inside kube-rs's watcher). Each watch is a task of its own, so
+/// the initial lists of Services and EndpointSlices decode on two threads.
 pub async fn run(client: Client, node_name: String, shared: Arc<Shared>) {
     let services =
         watcher(Api::<Service>::all(client.clone()), watcher::Config::default().labels(SERVICE_SELECTOR)).default_backoff().map(|r| r.map(Kind::Service));
@@ -333,9 +334,19 @@ pub async fn run(client: Client, node_name: String, shared: Arc<Shared>) {
         watcher(Api::<EndpointSlice>::all(client.clone()), watcher::Config::default().labels(SLICE_SELECTOR)).default_backoff().map(|r| r.map(Kind::Slice));
     let node_cfg = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
     let nodes = watcher(Api::<Node>::all(client), node_cfg).default_backoff().map(|r| r.map(Kind::Node));
-    let mut all = std::pin::pin!(futures::stream::select(futures::stream::select(services, slices), nodes));
+    let tasks = [tokio::spawn(follow(services, shared.clone())), tokio::spawn(follow(slices, shared.clone())), tokio::spawn(follow(nodes, shared))];
+    for t in tasks {
+        if let Err(e) = t.await {
+            warn!(error = %e, "a watch stopped");
+        }
+    }
+}
+
+/// Applies one watch's events as they come.
+async fn follow(events: impl futures::Stream<Item = Result<Kind, watcher::Error>>, shared: Arc<Shared>) {
+    let mut events = std::pin::pin!(events);
     let mut relist = Relist::default();
-    while let Some(ev) = all.next().await {
+    while let Some(ev) = events.next().await {
         match ev {
             Ok(k) => apply(&shared, &mut relist, k),
             Err(e) => warn!(error = %e, "watch failed; retrying"),

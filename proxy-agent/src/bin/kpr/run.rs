@@ -36,6 +36,18 @@ pub fn run(pin_dir: PathBuf, log_format: LogFormat, flags: &settings::Flags) -> 
         settings::Cgroup::Path(p) => Some(p.clone()),
     };
     let stats: SharedStats = Arc::new(Mutex::new(Stats::new(s.sync_period * 2)));
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    // The watches list while the data plane loads its programs: at 100,000 Services each takes
+    // about a second, and the list alone keeps a core busy decoding.
+    let input = match &s.manifests {
+        Some(dir) => Input::Manifests(dir.clone()),
+        None => {
+            let client = rt.block_on(kube_client(s.kubeconfig.as_deref(), s.k8s_api_server.as_deref()))?;
+            let shared = Arc::new(kube_source::Shared::default());
+            rt.spawn(kube_source::run(client.clone(), node_name.clone(), shared.clone()));
+            Input::Kube(client, shared)
+        }
+    };
     let (mode, plane) = dataplane::choose(
         s.mode,
         || {
@@ -47,7 +59,6 @@ pub fn run(pin_dir: PathBuf, log_format: LogFormat, flags: &settings::Flags) -> 
     .context("starting the data plane")?;
     tracing::info!(mode = mode.name(), requested = s.mode.name(), "data plane mode");
 
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     match rt.block_on(metrics::serve(s.healthz_bind_address, s.metrics_bind_address, stats.clone(), pin_dir)) {
         Ok(()) => {}
         Err(e) if s.bind_address_hard_fail => return Err(e.into()),
@@ -61,16 +72,13 @@ pub fn run(pin_dir: PathBuf, log_format: LogFormat, flags: &settings::Flags) -> 
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
     }
     let cfg = LoopSettings::new(&s, node_name.clone());
-    match &s.manifests {
-        Some(dir) => {
-            let mut agent = Agent::new(cfg, DirSource::new(dir.clone()), plane, stats);
+    match input {
+        Input::Manifests(dir) => {
+            let mut agent = Agent::new(cfg, DirSource::new(dir), plane, stats);
             agent.health_checks = Some(health_checks);
             agent.run();
         }
-        None => {
-            let client = rt.block_on(kube_client(s.kubeconfig.as_deref(), s.k8s_api_server.as_deref()))?;
-            let shared = Arc::new(kube_source::Shared::default());
-            rt.spawn(kube_source::run(client.clone(), node_name.clone(), shared.clone()));
+        Input::Kube(client, shared) => {
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
             rt.spawn(kube_source::publish_events(client, node_name, rx));
             let mut agent = Agent::new(cfg, KubeSource::new(shared), plane, stats);
@@ -81,6 +89,13 @@ pub fn run(pin_dir: PathBuf, log_format: LogFormat, flags: &settings::Flags) -> 
     }
     rt.shutdown_timeout(Duration::from_secs(1));
     Ok(())
+}
+
+/// Where the objects come from.
+enum Input {
+    Manifests(PathBuf),
+    /// The API client and the watches' shared state.
+    Kube(kube::Client, Arc<kube_source::Shared>),
 }
 
 fn read_settings(flags: &settings::Flags) -> Result<(settings::Settings, Vec<String>)> {
