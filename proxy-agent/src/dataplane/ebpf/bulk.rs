@@ -1,11 +1,13 @@
 //! Held puts of a sync that fits (`DatapathMaps::begin_bulk`): the service, slot and backend
-//! entries are gathered and written map by map with BPF_MAP_UPDATE_BATCH, on a thread of their
-//! own, while the sync goes on computing the next ones: the initial sync of a large cluster pays
-//! a few system calls instead of one per entry, and its kernel time overlaps its own.
+//! entries are gathered and written map by map with BPF_MAP_UPDATE_BATCH, on two threads of
+//! their own (backends; then slots and services), while the sync goes on computing the next
+//! ones: the initial sync of a large cluster pays a few system calls instead of one per entry,
+//! and its kernel time overlaps its own.
 //!
 //! Order: a batch writes its backends, then its slots, then its services, and batches are
-//! written in the order they were made. So no entry is ever written before one it points to: a
-//! slot's backend is in an earlier map of its batch or in an earlier batch.
+//! written in the order they were made (each stage takes them in order, and the second takes a
+//! batch only once the first wrote its backends). So no entry is ever written before one it
+//! points to: a slot's backend is in an earlier map of its batch or in an earlier batch.
 use std::{
     os::fd::{AsFd, BorrowedFd, OwnedFd},
     sync::{mpsc, Arc, Mutex},
@@ -34,21 +36,6 @@ impl Batch {
     }
 }
 
-/// The three maps, by descriptors of their own (the writer thread's).
-struct Fds {
-    backends: OwnedFd,
-    slots: OwnedFd,
-    services: OwnedFd,
-}
-
-impl Fds {
-    fn write(&self, b: &Batch) -> Result<(), MapError> {
-        write_map(self.backends.as_fd(), map_names::BACKENDS, &b.backends)?;
-        write_map(self.slots.as_fd(), map_names::SLOTS, &b.slots)?;
-        write_map(self.services.as_fd(), map_names::SERVICES, &b.services)
-    }
-}
-
 fn write_map<K: bytemuck::Pod, V: bytemuck::Pod>(fd: BorrowedFd, name: &'static str, puts: &(Vec<K>, Vec<V>)) -> Result<(), MapError> {
     bpf_batch::update_batch(fd, &puts.0, &puts.1).map_err(|(_, source)| MapError::update_failed(name, "update batch", source))
 }
@@ -59,11 +46,51 @@ enum ToWriter {
     Fence(mpsc::Sender<()>),
 }
 
-/// The writer thread, and its first error (later batches are dropped after one).
+/// The writer threads, and the first error (later batches are dropped after one).
 struct Writer {
     tx: mpsc::SyncSender<ToWriter>,
-    thread: thread::JoinHandle<()>,
+    threads: [thread::JoinHandle<()>; 2],
     error: Arc<Mutex<Option<MapError>>>,
+}
+
+/// One stage of the writer: writes its part of each batch and hands the batch on. After a
+/// failure it hands on nothing but fences, so no later stage writes an entry whose target the
+/// failed batch held.
+fn stage(
+    name: &str,
+    rx: mpsc::Receiver<ToWriter>,
+    next: Option<mpsc::SyncSender<ToWriter>>,
+    error: Arc<Mutex<Option<MapError>>>,
+    write: impl Fn(&Batch) -> Result<(), MapError> + Send + 'static,
+) -> Option<thread::JoinHandle<()>> {
+    let spawned = thread::Builder::new().name(name.into()).spawn(move || {
+        let mut failed = false;
+        for msg in rx {
+            match msg {
+                ToWriter::Batch(b) if !failed => match write(&b) {
+                    Ok(()) => {
+                        if let Some(next) = &next {
+                            let _ = next.send(ToWriter::Batch(b));
+                        }
+                    }
+                    Err(e) => {
+                        failed = true;
+                        error.lock().unwrap().get_or_insert(e);
+                    }
+                },
+                ToWriter::Batch(_) => {}
+                ToWriter::Fence(done) => match &next {
+                    Some(next) => {
+                        let _ = next.send(ToWriter::Fence(done));
+                    }
+                    None => {
+                        let _ = done.send(());
+                    }
+                },
+            }
+        }
+    });
+    spawned.ok()
 }
 
 /// One sync's held puts.
@@ -80,30 +107,21 @@ impl Bulk {
     /// Holds puts for these maps; `None` without descriptors or a thread of its own: the caller
     /// writes entry by entry.
     pub fn start(backends: BorrowedFd, slots: BorrowedFd, services: BorrowedFd) -> Option<Self> {
-        let fds = Fds { backends: backends.try_clone_to_owned().ok()?, slots: slots.try_clone_to_owned().ok()?, services: services.try_clone_to_owned().ok()? };
-        // One batch queued while one is written: at most three in memory.
+        // The writer threads' own descriptors of the three maps.
+        let own = |fd: BorrowedFd| -> Option<OwnedFd> { fd.try_clone_to_owned().ok() };
+        let (backends, slots, services) = (own(backends)?, own(slots)?, own(services)?);
+        // Two stages, each on a thread: the backends, then the slots and services (two thirds
+        // of the entries), so the kernel's inserts run on two cores beside the sync's own.
+        // One batch queued before each: at most five in memory.
         let (tx, rx) = mpsc::sync_channel::<ToWriter>(1);
+        let (to_second, second_rx) = mpsc::sync_channel::<ToWriter>(1);
         let error: Arc<Mutex<Option<MapError>>> = Arc::default();
-        let first_error = Arc::clone(&error);
-        let spawned = thread::Builder::new().name("kpr-bulk".into()).spawn(move || {
-            let mut failed = false;
-            for msg in rx {
-                match msg {
-                    ToWriter::Batch(b) if !failed => {
-                        if let Err(e) = fds.write(&b) {
-                            failed = true;
-                            *first_error.lock().unwrap() = Some(e);
-                        }
-                    }
-                    ToWriter::Batch(_) => {}
-                    ToWriter::Fence(done) => {
-                        let _ = done.send(());
-                    }
-                }
-            }
-        });
-        let thread = spawned.ok()?;
-        Some(Bulk { current: Batch::default(), unfenced: 0, writer: Writer { tx, thread, error }, failed: false })
+        let second = stage("kpr-bulk", second_rx, None, Arc::clone(&error), move |b| {
+            write_map(slots.as_fd(), map_names::SLOTS, &b.slots)?;
+            write_map(services.as_fd(), map_names::SERVICES, &b.services)
+        })?;
+        let first = stage("kpr-bulk-be", rx, Some(to_second), Arc::clone(&error), move |b| write_map(backends.as_fd(), map_names::BACKENDS, &b.backends))?;
+        Some(Bulk { current: Batch::default(), unfenced: 0, writer: Writer { tx, threads: [first, second], error }, failed: false })
     }
 
     pub fn put_backend(&mut self, id: u32, b: Backend) -> Result<(), MapError> {
@@ -167,13 +185,61 @@ impl Bulk {
     /// Writes what is left and ends the writer.
     pub fn finish(mut self) -> Result<(), MapError> {
         let written = self.barrier();
-        let Writer { tx, thread, .. } = self.writer;
+        let Writer { tx, threads, .. } = self.writer;
+        // The first stage ends when its sender is gone, and so drops the second's.
         drop(tx);
-        let _ = thread.join();
+        for t in threads {
+            let _ = t.join();
+        }
         written
     }
 }
 
 fn writer_gone() -> MapError {
     MapError::Other { map: map_names::SLOTS, message: "the bulk writer thread ended".into() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A batch whose only backend id is `id`.
+    fn batch(id: u32) -> Batch {
+        let mut b = Batch::default();
+        b.backends.0.push(id);
+        b.backends.1.push(Backend::default());
+        b.slots.0.push(SlotKey { service_id: id, slot: 1 });
+        b.slots.1.push(id);
+        b
+    }
+
+    #[test]
+    fn after_a_failed_first_stage_the_second_writes_nothing_more_and_fences_still_answer() {
+        let error: Arc<Mutex<Option<MapError>>> = Arc::default();
+        let second_wrote: Arc<Mutex<Vec<u32>>> = Arc::default();
+        let (tx, rx) = mpsc::sync_channel(1);
+        let (to_second, second_rx) = mpsc::sync_channel(1);
+        let wrote = Arc::clone(&second_wrote);
+        let second = stage("t-second", second_rx, None, Arc::clone(&error), move |b| {
+            wrote.lock().unwrap().push(b.slots.1[0]);
+            Ok(())
+        })
+        .unwrap();
+        let first = stage("t-first", rx, Some(to_second), Arc::clone(&error), |b| match b.backends.0[0] {
+            2 => Err(MapError::Full { map: map_names::BACKENDS }),
+            _ => Ok(()),
+        })
+        .unwrap();
+        for id in [1, 2, 3] {
+            tx.send(ToWriter::Batch(batch(id))).unwrap();
+        }
+        let (done_tx, done_rx) = mpsc::channel();
+        tx.send(ToWriter::Fence(done_tx)).unwrap();
+        done_rx.recv().expect("the fence passes both stages");
+        assert_eq!(*second_wrote.lock().unwrap(), vec![1], "batch 2's backends failed: neither it nor batch 3 reaches the slots");
+        assert_eq!(error.lock().unwrap().as_ref().and_then(MapError::full_map), Some(map_names::BACKENDS));
+        drop(tx);
+        first.join().unwrap();
+        second.join().unwrap();
+    }
 }
