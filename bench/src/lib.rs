@@ -8,12 +8,11 @@ use proxy_agent::model::{BackendKey, DesiredState, Frontend, FrontendKey, Fronte
 
 use kpr_lab::lab::backend_ip;
 
-/// Sets (or replaces) service `i`'s ClusterIP frontend `vip:80`, both scopes, on `backends`.
+/// Sets (or replaces) service `i`'s ClusterIP frontend `vip:80` on `backends`: one frontend
+/// for both scopes, as the model makes it.
 pub fn set_clusterip(d: &mut DesiredState, i: u32, vip: IpAddr, backends: Vec<BackendKey>) {
-    for scope in [Scope::Internal, Scope::External] {
-        let fe = Frontend::plain(&format!("bench/s{i}:http"), FrontendKind::ClusterIp, backends.clone());
-        d.frontends.insert(FrontendKey { ip: vip, port: 80, proto: Protocol::Tcp, scope }, fe);
-    }
+    let fe = Frontend::plain(&format!("bench/s{i}:http"), FrontendKind::ClusterIp, backends);
+    d.frontends.insert(FrontendKey { ip: vip, port: 80, proto: Protocol::Tcp, scope: Scope::Both }, fe);
 }
 
 /// N ClusterIP services (`vip(i):80`) with `eps` TCP endpoints each on port 8080, taken in turn

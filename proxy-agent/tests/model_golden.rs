@@ -78,35 +78,25 @@ endpoints:
 "#;
 
 const GOLDEN: &str = "\
-frontend 10.96.1.1:80/TCP internal clusterip g/local:http sched=random affinity=0 flags=- ranges=
+frontend 10.96.1.1:80/TCP both clusterip g/local:http sched=random affinity=0 flags=- ranges=
   backend 10.244.1.10:8080
-frontend 10.96.1.1:80/TCP external clusterip g/local:http sched=random affinity=0 flags=- ranges=
-  backend 10.244.1.10:8080
-frontend 10.96.1.2:53/UDP internal clusterip g/draining: sched=random affinity=0 flags=- ranges=
+frontend 10.96.1.2:53/UDP both clusterip g/draining: sched=random affinity=0 flags=- ranges=
   backend 10.244.1.20:5353
-frontend 10.96.1.2:53/UDP external clusterip g/draining: sched=random affinity=0 flags=- ranges=
-  backend 10.244.1.20:5353
-frontend 10.96.1.4:443/TCP internal clusterip g/mixed:a sched=random affinity=10800 flags=- ranges=
-  backend 10.244.3.1:8443
-frontend 10.96.1.4:443/TCP external clusterip g/mixed:a sched=random affinity=10800 flags=- ranges=
+frontend 10.96.1.4:443/TCP both clusterip g/mixed:a sched=random affinity=10800 flags=- ranges=
   backend 10.244.3.1:8443
 frontend 192.0.2.1:30001/TCP internal nodeport g/local:http sched=random affinity=0 flags=- ranges=
   backend 10.244.1.10:8080
   backend 10.244.2.10:8080
 frontend 192.0.2.1:30001/TCP external nodeport g/local:http sched=random affinity=0 flags=preserve-source ranges=
   backend 10.244.1.10:8080
-frontend 192.0.2.1:30443/TCP internal nodeport g/mixed:a sched=random affinity=10800 flags=masq ranges=
-  backend 10.244.3.1:8443
-frontend 192.0.2.1:30443/TCP external nodeport g/mixed:a sched=random affinity=10800 flags=masq ranges=
+frontend 192.0.2.1:30443/TCP both nodeport g/mixed:a sched=random affinity=10800 flags=masq ranges=
   backend 10.244.3.1:8443
 frontend 192.0.2.50:80/TCP internal externalip g/local:http sched=random affinity=0 flags=- ranges=
   backend 10.244.1.10:8080
   backend 10.244.2.10:8080
 frontend 192.0.2.50:80/TCP external externalip g/local:http sched=random affinity=0 flags=preserve-source ranges=
   backend 10.244.1.10:8080
-frontend 198.51.100.7:443/TCP internal loadbalancer g/mixed:a sched=random affinity=10800 flags=masq,source-ranges ranges=203.0.113.0/24
-  backend 10.244.3.1:8443
-frontend 198.51.100.7:443/TCP external loadbalancer g/mixed:a sched=random affinity=10800 flags=masq,source-ranges ranges=203.0.113.0/24
+frontend 198.51.100.7:443/TCP both loadbalancer g/mixed:a sched=random affinity=10800 flags=masq,source-ranges ranges=203.0.113.0/24
   backend 10.244.3.1:8443
 ";
 
@@ -166,7 +156,7 @@ fn topology_hints_prefer_the_nodes_zone_only_when_complete() {
     let node = NodeInfo { name: "me".into(), zone: Some("z1".into()), ..Default::default() };
     let d = compute(&r.objects, &node, &ModelConfig::default());
     let backends = |ip: &str| -> Vec<String> {
-        let k = d.frontends.keys().find(|k| k.ip.to_string() == ip && k.scope == proxy_agent::model::Scope::Internal).unwrap();
+        let k = d.frontends.keys().find(|k| k.ip.to_string() == ip && k.scope.answers(proxy_agent::model::Scope::Internal)).unwrap();
         d.frontends[k].backends.iter().map(|b| b.ip.to_string()).collect()
     };
     assert_eq!(backends("10.96.2.1"), ["10.0.0.1"], "PreferClose: own zone");
@@ -190,10 +180,7 @@ fn publish_not_ready_and_absurd_sizes() {
     load_text("sizes.yaml", &y, &mut r);
     assert!(r.errors.is_empty(), "{:?}", r.errors);
     let d = compute(&r.objects, &NodeInfo::default(), &ModelConfig::default());
-    assert_eq!(
-        d.dump(),
-        "frontend 10.96.3.1:80/TCP internal clusterip s/pnr: sched=random affinity=0 flags=- ranges=\n  backend 10.0.0.1:8080\nfrontend 10.96.3.1:80/TCP external clusterip s/pnr: sched=random affinity=0 flags=- ranges=\n  backend 10.0.0.1:8080\n"
-    );
+    assert_eq!(d.dump(), "frontend 10.96.3.1:80/TCP both clusterip s/pnr: sched=random affinity=0 flags=- ranges=\n  backend 10.0.0.1:8080\n");
     let problems: Vec<_> = d.problems().collect();
     assert_eq!(problems.len(), 1);
     assert_eq!((problems[0].object.as_str(), problems[0].field.as_str()), ("Service s/huge", "spec.ports[0]"));
@@ -371,9 +358,9 @@ endpoints: [{addresses: [10.244.1.31], conditions: {ready: true}}]
     assert_eq!(d.problems().count(), 0, "{:?}", d.problems().collect::<Vec<_>>());
     let dump = d.dump();
     for line in [
-        "frontend 10.96.3.2:9000/SCTP internal clusterip g/sig:s",
-        "frontend 198.18.0.1:30090/SCTP external nodeport g/sig:s",
-        "frontend 10.96.3.2:9000/TCP internal clusterip g/sig:t",
+        "frontend 10.96.3.2:9000/SCTP both clusterip g/sig:s",
+        "frontend 198.18.0.1:30090/SCTP both nodeport g/sig:s",
+        "frontend 10.96.3.2:9000/TCP both clusterip g/sig:t",
     ] {
         assert!(dump.lines().any(|l| l.starts_with(line)), "{line} missing:\n{dump}");
     }
@@ -436,16 +423,11 @@ spec:
     let node = NodeInfo { name: "me".into(), nodeport_addresses: vec!["198.18.0.1".parse().unwrap(), "fd00:198::1".parse().unwrap()], zone: None };
     let d = compute(&r.objects, &node, &ModelConfig { ipv6: true, ..ModelConfig::default() });
     let want = "\
-frontend 10.96.3.1:80/TCP internal clusterip g/dual:http sched=random affinity=0 flags=- ranges=
+frontend 10.96.3.1:80/TCP both clusterip g/dual:http sched=random affinity=0 flags=- ranges=
   backend 10.244.1.30:8080
   backend 10.244.2.30:8080
-frontend 10.96.3.1:80/TCP external clusterip g/dual:http sched=random affinity=0 flags=- ranges=
-  backend 10.244.1.30:8080
-  backend 10.244.2.30:8080
-frontend 10.96.3.2:80/TCP internal clusterip g/v4only:http sched=random affinity=0 flags=- ranges=
-frontend 10.96.3.2:80/TCP external clusterip g/v4only:http sched=random affinity=0 flags=- ranges=
-frontend 192.0.2.2:80/TCP internal externalip g/v4only:http sched=random affinity=0 flags=masq ranges=
-frontend 192.0.2.2:80/TCP external externalip g/v4only:http sched=random affinity=0 flags=masq ranges=
+frontend 10.96.3.2:80/TCP both clusterip g/v4only:http sched=random affinity=0 flags=- ranges=
+frontend 192.0.2.2:80/TCP both externalip g/v4only:http sched=random affinity=0 flags=masq ranges=
 frontend 192.0.2.30:80/TCP internal loadbalancer g/dual:http sched=random affinity=0 flags=source-ranges ranges=203.0.113.0/24
   backend 10.244.1.30:8080
   backend 10.244.2.30:8080
@@ -459,9 +441,7 @@ frontend 198.18.0.1:30080/TCP external nodeport g/dual:http sched=random affinit
 frontend [2001:db8::30]:80/TCP internal loadbalancer g/dual:http sched=random affinity=0 flags=source-ranges ranges=2001:db8:1::/48
   backend [fd00:10:244::30]:8080
 frontend [2001:db8::30]:80/TCP external loadbalancer g/dual:http sched=random affinity=0 flags=preserve-source,source-ranges,no-local-endpoint ranges=2001:db8:1::/48
-frontend [fd00::3:1]:80/TCP internal clusterip g/dual:http sched=random affinity=0 flags=- ranges=
-  backend [fd00:10:244::30]:8080
-frontend [fd00::3:1]:80/TCP external clusterip g/dual:http sched=random affinity=0 flags=- ranges=
+frontend [fd00::3:1]:80/TCP both clusterip g/dual:http sched=random affinity=0 flags=- ranges=
   backend [fd00:10:244::30]:8080
 frontend [fd00:198::1]:30080/TCP internal nodeport g/dual:http sched=random affinity=0 flags=- ranges=
   backend [fd00:10:244::30]:8080
@@ -527,18 +507,18 @@ fn incremental_compute_equals_full_compute() {
     assert_eq!(d.dump(), full.dump());
     assert_eq!(d.by_service, full.by_service);
     assert_eq!(d.problems().map(|e| e.to_string()).collect::<Vec<_>>(), full.problems().map(|e| e.to_string()).collect::<Vec<_>>());
-    assert_eq!(touched.len(), 6, "{touched:?}");
-    assert!(full.dump().contains("10.96.2.2:80/TCP internal clusterip i/c:http"), "{}", full.dump());
+    assert_eq!(touched.len(), 3, "three addresses, each one frontend for both scopes: {touched:?}");
+    assert!(full.dump().contains("10.96.2.2:80/TCP both clusterip i/c:http"), "{}", full.dump());
     assert!(full.problems().any(|e| e.object == "EndpointSlice i/c-1" && e.field.contains("kubernetes.io/service-name")));
     // Only b changes back: b's recompute takes its address again; c's index entry is stale and
     // must not remove b's frontends on c's next change.
     let mut d = full.clone();
     let b_only: std::collections::BTreeSet<(String, String)> = [("i".to_string(), "b".to_string())].into();
     d.recompute_services(&after, &node, &cfg, &b_only);
-    assert!(d.dump().contains("10.96.2.2:80/TCP internal clusterip i/b:http"), "{}", d.dump());
+    assert!(d.dump().contains("10.96.2.2:80/TCP both clusterip i/b:http"), "{}", d.dump());
     let c_only: std::collections::BTreeSet<(String, String)> = [("i".to_string(), "c".to_string())].into();
     let mut c_removed = after.clone();
     c_removed.services.remove(&("i".to_string(), "c".to_string()));
     d.recompute_services(&c_removed, &node, &cfg, &c_only);
-    assert!(d.dump().contains("10.96.2.2:80/TCP internal clusterip i/b:http"), "c's removal keeps b's frontends:\n{}", d.dump());
+    assert!(d.dump().contains("10.96.2.2:80/TCP both clusterip i/b:http"), "c's removal keeps b's frontends:\n{}", d.dump());
 }

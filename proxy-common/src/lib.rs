@@ -359,7 +359,9 @@ pub const IPVS_SCHEDULERS: [&str; 13] = ["rr", "wrr", "lc", "wlc", "lblc", "lblc
 
 /// Which hook looks the frontend up. The same VIP can have different backend sets for traffic
 /// from inside the node (pods, node processes: TC) and from outside (the uplink: XDP), which is
-/// how internal/externalTrafficPolicy differ.
+/// how internal/externalTrafficPolicy differ. A frontend the same for both (every ClusterIP,
+/// and the rest under externalTrafficPolicy Cluster) has only its internal entry, and the
+/// external lookup falls back to it: half the entries and slots.
 pub const SCOPE_INTERNAL: u8 = 0;
 pub const SCOPE_EXTERNAL: u8 = 1;
 
@@ -455,7 +457,8 @@ pub const CT_F_REFUSED: u16 = 1 << 6;
 pub const SNAT_PORT_MIN: u16 = 1024;
 pub const SNAT_PORT_MAX: u16 = 29_999;
 
-/// Frontend key: (address, port, protocol, scope). Lookup is one hash probe.
+/// Frontend key: (address, port, protocol, scope). Lookup is one hash probe (an external one
+/// that falls back to the internal entry, two).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Pod, Zeroable)]
 pub struct ServiceKey {

@@ -3,7 +3,7 @@
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use proxy_common::{
     counter, limits::MAGLEV_TABLE_SIZE, AffinityKey, AffinityValue, Backend, ServiceKey,
-    ServiceValue, SlotKey, LEAST_CONN_EXACT_MAX, SCHED_LEAST_CONN, SCHED_MAGLEV, SCHED_P2C, SCHED_ROUND_ROBIN,
+    ServiceValue, SlotKey, LEAST_CONN_EXACT_MAX, SCHED_LEAST_CONN, SCOPE_INTERNAL, SCHED_MAGLEV, SCHED_P2C, SCHED_ROUND_ROBIN,
 };
 
 use crate::{
@@ -12,9 +12,18 @@ use crate::{
     parse::Flow,
 };
 
+/// The frontend for `scope`'s traffic. An external lookup falls back to the internal entry:
+/// a frontend the same for both scopes is kept once, under the internal one.
 #[inline(always)]
 pub fn lookup_service(f: &Flow, scope: u8) -> Option<ServiceValue> {
-    let key = ServiceKey { addr: [f.daddr, 0, 0, 0], port: f.dport, proto: f.proto, scope };
+    let mut key = ServiceKey { addr: [f.daddr, 0, 0, 0], port: f.dport, proto: f.proto, scope };
+    if let Some(v) = unsafe { SERVICES.get(&key) } {
+        return Some(*v);
+    }
+    if scope == SCOPE_INTERNAL {
+        return None;
+    }
+    key.scope = SCOPE_INTERNAL;
     unsafe { SERVICES.get(&key) }.copied()
 }
 

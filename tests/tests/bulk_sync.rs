@@ -15,7 +15,8 @@ use proxy_agent::{
 };
 use proxy_common::{Backend, DatapathConfig, ServiceKey, ServiceValue, SlotKey};
 
-/// `n` ClusterIPs (two frontends each) with `eps` backends each, `shift` moving their backends.
+/// `n` ClusterIPs (one frontend each, for both scopes) with `eps` backends each, `shift` moving
+/// their backends.
 fn desired(n: u32, eps: u32, shift: u32) -> DesiredState {
     let mut d = DesiredState::default();
     for i in 0..n {
@@ -25,11 +26,8 @@ fn desired(n: u32, eps: u32, shift: u32) -> DesiredState {
             .collect();
         // A few Maglev Services: their rows name backend ids, written before the rows.
         let scheduler = if i % 2000 == 0 { Scheduler::Maglev } else { Scheduler::Random };
-        // One frontend for both scopes, sharing its backend list as the model's do.
         let fe = Frontend { scheduler, ..Frontend::plain(&format!("t/s{i}:http"), FrontendKind::ClusterIp, backends) };
-        for scope in [Scope::Internal, Scope::External] {
-            d.frontends.insert(FrontendKey { ip: vip, port: 80, proto: Protocol::Tcp, scope }, fe.clone());
-        }
+        d.frontends.insert(FrontendKey { ip: vip, port: 80, proto: Protocol::Tcp, scope: Scope::Both }, fe);
     }
     d
 }
@@ -56,17 +54,17 @@ fn held_puts_write_what_entry_by_entry_puts_write() {
     let mut fake = FakeMaps::default();
     let (mut real_syncer, mut model_syncer) = (Syncer::new(caps.services, MAGLEV_ROWS), Syncer::new(caps.services, MAGLEV_ROWS));
     let cfg = DatapathConfig::default();
-    // 12,000 Services: 24,000 frontends, 72,000 slots: several batches of held puts (16,384 each).
+    // 24,000 Services: 24,000 frontends, 72,000 slots: several batches of held puts (16,384 each).
     // Then a sync that drops a quarter of them and moves the backends of the rest: deletes
     // between held puts.
-    for (n, shift) in [(12_000, 0), (9_000, 7)] {
+    for (n, shift) in [(24_000, 0), (18_000, 7)] {
         let d = desired(n, 3, shift);
         let st = real_syncer.sync(&mut kernel, &d, cfg).expect("sync into the kernel");
         model_syncer.sync(&mut fake, &d, cfg).expect("sync into the model");
         assert!(st.errors.is_empty(), "{:?}", st.errors);
         let (real, model) = (contents(&kernel), contents(&fake));
-        assert_eq!(real.0.len(), 2 * n as usize);
-        assert_eq!(real.1.len(), 6 * n as usize);
+        assert_eq!(real.0.len(), n as usize);
+        assert_eq!(real.1.len(), 3 * n as usize);
         assert!(real.3.iter().filter(|row| row.iter().any(|id| *id != 0)).count() >= 10, "the Maglev rows are written");
         assert!(real == model, "the kernel's maps differ from the model's after {n} Services");
     }

@@ -246,6 +246,42 @@ fn nodeport_from_outside_dnat_at_xdp_masquerade_at_egress_and_back() {
     assert!(l.conntrack(Table::Embryonic).is_empty());
 }
 
+/// A port whose scopes are the same has one entry, which XDP's external lookup falls back to;
+/// under externalTrafficPolicy Local the external entry is its own and wins at XDP.
+#[test]
+fn xdp_falls_back_to_the_one_entry_of_a_port_whose_scopes_agree_and_not_past_its_own() {
+    let mut y = manifests();
+    y += "apiVersion: v1\nkind: Service\nmetadata: {name: np-local, namespace: fx}\nspec:\n  type: NodePort\n  clusterIP: 10.96.0.30\n  externalTrafficPolicy: Local\n  ports: [{name: p, port: 80, protocol: TCP, nodePort: 30081}]\n---\n";
+    y += "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: np-local-x, namespace: fx, labels: {kubernetes.io/service-name: np-local}}\naddressType: IPv4\nports: [{name: p, port: 8080, protocol: TCP}]\nendpoints:\n- {addresses: [10.244.4.1], conditions: {ready: true}, nodeName: node-a}\n- {addresses: [10.244.4.2], conditions: {ready: true}, nodeName: node-b}\n---\n";
+    let node = NodeInfo { name: "node-a".into(), nodeport_addresses: vec![ip(NODE_IP)], ..Default::default() };
+    let mut l = Loaded::new("scopes", &y, &node, datapath_config(NODE_IP, Some(("10.244.0.0", 16))));
+    let scopes: Vec<u8> = l.maps.services().unwrap().iter().filter(|(k, _)| k.port_host() == 30081).map(|(k, _)| k.scope).collect();
+    assert_eq!(scopes.len(), 2, "externalTrafficPolicy Local: an entry per scope");
+    let web: Vec<u8> = l.maps.services().unwrap().iter().filter(|(k, _)| k.addr[0] == u32::from_ne_bytes([10, 96, 0, 10])).map(|(k, _)| k.scope).collect();
+    assert_eq!(web, [proxy_common::SCOPE_INTERNAL], "a ClusterIP: one entry");
+    let mut from_outside = std::collections::BTreeSet::new();
+    let mut from_pods = std::collections::BTreeSet::new();
+    for i in 0..24u16 {
+        // From outside (XDP): the ClusterIP through the fallback, the node port through its own
+        // entry (the local endpoint, the client kept).
+        let (v, o) = run(&mut l.dp, true, &Frame::tcp("198.18.0.1", 51000 + i, "10.96.0.10", 80, SYN).bytes());
+        assert_eq!(v, XDP_PASS);
+        let p = parse(&o);
+        assert!(WEB.contains(&p.dst.to_string().as_str()) && p.dport == 8080, "{p:?}");
+        let (v, o) = run(&mut l.dp, true, &Frame::tcp("198.18.0.1", 52000 + i, NODE_IP, 30081, SYN).bytes());
+        assert_eq!(v, XDP_PASS);
+        let p = parse(&o);
+        from_outside.insert(p.dst.to_string());
+        let (_, o) = out(&mut l.dp, &o);
+        assert_eq!(parse(&o).src.to_string(), "198.18.0.1", "preserve-source: not masqueraded");
+        // From a pod (TC): the internal entry, every endpoint.
+        let (_, o) = tc(&mut l.dp, &Frame::tcp("10.244.0.7", 53000 + i, NODE_IP, 30081, SYN));
+        from_pods.insert(parse(&o).dst.to_string());
+    }
+    assert_eq!(from_outside, std::collections::BTreeSet::from(["10.244.4.1".to_string()]));
+    assert_eq!(from_pods.len(), 2, "{from_pods:?}");
+}
+
 #[test]
 fn clusterip_from_a_pod_is_not_masqueraded_but_hairpin_is() {
     let mut l = load("hairpin");

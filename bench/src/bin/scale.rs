@@ -107,15 +107,15 @@ fn main() {
             ])
             // Room for what the cluster needs: the capacities are flags.
             .args(["--max-backends", &(n * e + n * e / 4).max(proxy_common::limits::MAX_BACKENDS).to_string()])
-            // Two frontends (service ids) a ClusterIP port.
+            // Room for two frontends (service ids) a port, as under externalTrafficPolicy Local.
             .args(["--max-services", &(2 * n + n / 2).max(proxy_common::limits::MAX_SERVICES).to_string()])
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
             .expect("start kpr"),
     );
-    // Initial sync: until the maps hold every frontend.
-    let want = 2 * n as usize;
+    // Initial sync: until the maps hold every frontend (one a ClusterIP port: both scopes).
+    let want = n as usize;
     loop {
         if let Ok(m) = proxy_agent::dataplane::ebpf::kernel_maps::KernelMaps::open(pins.path()) {
             if m.services().map(|s| s.len()).unwrap_or(0) >= want {

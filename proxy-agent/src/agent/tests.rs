@@ -53,13 +53,13 @@ fn changes_sync_incrementally_between_full_syncs() {
     let mut a = agent(3);
     let t0 = Instant::now();
     assert_eq!(a.step(t0, W), Step::Synced { full: true });
-    // A ClusterIP is two frontends (looked up from pods and from outside the node).
-    assert_eq!(a.dataplane.syncs[0], (true, 0, 6));
+    // A ClusterIP is one frontend (the same for traffic from pods and from outside the node).
+    assert_eq!(a.dataplane.syncs[0], (true, 0, 3));
     assert_eq!(a.step(t0 + Duration::from_millis(100), W), Step::Idle, "no change, no sync");
     a.source.pending = changed(&["s1"]);
     assert_eq!(a.step(t0 + Duration::from_secs(2), W), Step::Synced { full: false });
     // One service changed: its frontends touched; the desired state still holds all three.
-    assert_eq!(a.dataplane.syncs[1], (false, 2, 6));
+    assert_eq!(a.dataplane.syncs[1], (false, 1, 3));
     // syncPeriod later: a full sync repairs drift, changes or not.
     assert_eq!(a.step(t0 + Duration::from_secs(31), W), Step::Synced { full: true });
     assert_eq!(a.dataplane.syncs.len(), 3);

@@ -96,11 +96,13 @@ pub struct FrontendKey {
 
 /// Which traffic a frontend answers: from pods and the node's own processes (internal), or
 /// from outside the node (external). The same address and port can have different backends
-/// for each: that is how the traffic policies differ.
+/// for each: that is how the traffic policies differ. Where they do not, one frontend answers
+/// both (`Both`), and an address and port has either it or the other two.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Scope {
     Internal,
     External,
+    Both,
 }
 
 impl Scope {
@@ -108,7 +110,13 @@ impl Scope {
         match self {
             Scope::Internal => "internal",
             Scope::External => "external",
+            Scope::Both => "both",
         }
+    }
+
+    /// Whether a frontend of this scope answers `traffic`'s.
+    pub fn answers(self, traffic: Scope) -> bool {
+        self == traffic || self == Scope::Both
     }
 }
 

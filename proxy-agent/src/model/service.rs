@@ -135,9 +135,9 @@ pub(super) fn service_frontends(
 
         // kube-proxy's verdicts without endpoints: a service with none at all rejects; a traffic
         // policy Local frontend whose endpoints are all on other nodes drops.
-        let mut add = |ip: IpAddr, p: u16, scope: Scope, kind: FrontendKind, policy: Policy, which: Which| {
+        let mut add = |ip: IpAddr, p: u16, kind: FrontendKind, external: (Policy, Which), internal: (Policy, Which)| {
             let family = of(&ip);
-            let backends = match which {
+            let backends_of = |which: Which| match which {
                 Which::Internal => &family.internal,
                 Which::Cluster => &family.cluster,
                 Which::External if etp_local => &family.local,
@@ -148,35 +148,42 @@ pub(super) fn service_frontends(
             } else {
                 vec![]
             };
-            let key = FrontendKey { ip, port: p, proto, scope };
-            out.by_service.entry((ns.to_string(), name.to_string())).or_default().push(key);
-            out.frontends.insert(
-                key,
-                Frontend {
-                    service: service.clone(),
-                    kind,
-                    scheduler,
-                    affinity_timeout_s,
-                    masquerade: policy == Policy::Masquerade,
-                    preserve_source: policy == Policy::PreserveSource,
-                    no_local_endpoint: backends.is_empty() && !family.cluster.is_empty(),
-                    source_ranges: ranges,
-                    max_connection_age_s,
-                    outlier_ejection,
-                    backends: backends.clone(),
-                    ipvs: ipvs.clone(),
-                },
-            );
+            // The two scopes' frontends are often one (every ClusterIP, and every other kind
+            // under externalTrafficPolicy Cluster): it is then kept once, for both.
+            let same = external.0 == internal.0 && Arc::ptr_eq(backends_of(external.1), backends_of(internal.1));
+            let scopes: &[(Scope, (Policy, Which))] =
+                if same { &[(Scope::Both, internal)] } else { &[(Scope::External, external), (Scope::Internal, internal)] };
+            for (scope, (policy, which)) in scopes {
+                let backends = backends_of(*which);
+                let key = FrontendKey { ip, port: p, proto, scope: *scope };
+                out.by_service.entry((ns.to_string(), name.to_string())).or_default().push(key);
+                out.frontends.insert(
+                    key,
+                    Frontend {
+                        service: service.clone(),
+                        kind,
+                        scheduler,
+                        affinity_timeout_s,
+                        masquerade: *policy == Policy::Masquerade,
+                        preserve_source: *policy == Policy::PreserveSource,
+                        no_local_endpoint: backends.is_empty() && !family.cluster.is_empty(),
+                        source_ranges: ranges.clone(),
+                        max_connection_age_s,
+                        outlier_ejection,
+                        backends: backends.clone(),
+                        ipvs: ipvs.clone(),
+                    },
+                );
+            }
         };
         // External frontends: externalTrafficPolicy decides masquerade and endpoint set for
         // traffic from outside; traffic from inside the cluster goes cluster-wide.
-        let ext_flags = if etp_local { Policy::PreserveSource } else { Policy::Masquerade };
-        let int_ext_flags = if etp_local { Policy::Plain } else { Policy::Masquerade };
+        let ext = (if etp_local { Policy::PreserveSource } else { Policy::Masquerade }, Which::External);
+        let int_ext = (if etp_local { Policy::Plain } else { Policy::Masquerade }, Which::Cluster);
         // internalTrafficPolicy applies to all ClusterIP traffic, also what a router sends to the
         // node from outside (kube-proxy's KUBE-SVL chain has no source condition).
         for ip in &addrs.cluster {
-            add(*ip, svc_port, Scope::Internal, FrontendKind::ClusterIp, Policy::Plain, Which::Internal);
-            add(*ip, svc_port, Scope::External, FrontendKind::ClusterIp, Policy::Plain, Which::Internal);
+            add(*ip, svc_port, FrontendKind::ClusterIp, (Policy::Plain, Which::Internal), (Policy::Plain, Which::Internal));
         }
         if matches!(svc_type, "NodePort" | "LoadBalancer") {
             if let Some(np) = port.node_port {
@@ -184,8 +191,7 @@ pub(super) fn service_frontends(
                     Some(np) => {
                         // A family's node addresses serve the Services that have a clusterIP of it.
                         for ip in node.nodeport_addresses.iter().filter(|ip| addrs.cluster.iter().any(|c| c.is_ipv4() == ip.is_ipv4())) {
-                            add(*ip, np, Scope::External, FrontendKind::NodePort, ext_flags, Which::External);
-                            add(*ip, np, Scope::Internal, FrontendKind::NodePort, int_ext_flags, Which::Cluster);
+                            add(*ip, np, FrontendKind::NodePort, ext, int_ext);
                         }
                     }
                     None => err(errors, &object, format!("{field}.nodePort"), format!("{np} is not a port")),
@@ -193,12 +199,10 @@ pub(super) fn service_frontends(
             }
         }
         for ip in &addrs.external {
-            add(*ip, svc_port, Scope::External, FrontendKind::ExternalIp, ext_flags, Which::External);
-            add(*ip, svc_port, Scope::Internal, FrontendKind::ExternalIp, int_ext_flags, Which::Cluster);
+            add(*ip, svc_port, FrontendKind::ExternalIp, ext, int_ext);
         }
         for ip in &addrs.load_balancer {
-            add(*ip, svc_port, Scope::External, FrontendKind::LoadBalancer, ext_flags, Which::External);
-            add(*ip, svc_port, Scope::Internal, FrontendKind::LoadBalancer, int_ext_flags, Which::Cluster);
+            add(*ip, svc_port, FrontendKind::LoadBalancer, ext, int_ext);
         }
     }
 }

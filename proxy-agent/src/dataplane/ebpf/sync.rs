@@ -13,7 +13,7 @@ use proxy_common::{
 use crate::{
     dataplane::ebpf::maps::{DatapathMaps, MapError, SrcRange},
     dataplane::ebpf::{ids::Ids, maglev, wire},
-    model::{BackendKey, DesiredState, Frontend, FrontendKey},
+    model::{DesiredState, Frontend, FrontendKey},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -184,12 +184,10 @@ impl Syncer {
         // What stays: every backend and frontend the desired state names.
         let overrides = std::sync::Arc::clone(&self.overrides);
         let wanted: FastSet<ServiceKey> = desired.frontends.keys().map(wire::service_key).collect();
-        let mut previous = SharedList::default();
         let live_backends: FastSet<u32> = desired
             .frontends
             .iter()
             .map(|(k, f)| effective(&overrides, k, f))
-            .filter(|f| !previous.same_as(f))
             .flat_map(|f| f.backends.iter())
             .map(|b| self.ids.backend(wire::backend(b)))
             .collect();
@@ -255,15 +253,9 @@ impl Syncer {
         for pass in 0..2 {
             let todo: Vec<(&FrontendKey, &Frontend)> =
                 if pass == 0 { desired.frontends.iter().map(|(k, f)| (k, effective(overrides, k, f))).collect() } else { std::mem::take(&mut retry) };
-            // The ids of the list the frontend before put, while the next shares it.
-            let (mut previous, mut previous_ids) = (SharedList::default(), Vec::new());
             for (fk, f) in todo {
                 // Its backends first: a slot must never point to a backend that is not there.
-                let ids = if previous.same_as(f) { Ok(previous_ids.clone()) } else { self.put_backends(maps, &mut m, f, &mut st) };
-                match &ids {
-                    Ok(ids) => previous_ids.clone_from(ids),
-                    Err(_) => previous = SharedList::default(),
-                }
+                let ids = self.put_backends(maps, &mut m, f, &mut st);
                 let programmed = ids.and_then(|ids| self.program_frontend(maps, &mut m, fk, f, ids, full, &mut st, &mut desired_ranges));
                 match programmed {
                     Ok(Some((service_id, ids))) => {
@@ -462,9 +454,18 @@ impl Syncer {
         for (fk, f) in touched.iter().filter_map(|fk| desired.frontends.get(fk).map(|f| (fk, effective(&overrides, fk, f)))) {
             backend_ids.insert(fk, self.put_backends(maps, &mut m, f, &mut st)?);
         }
-        let mut released: BTreeSet<u32> = BTreeSet::new();
+        // Each entry once: a port's frontend for both scopes and its internal one (the port
+        // before or after a change of its traffic policy) are one entry, written as the
+        // desired state has it.
+        let mut entries: BTreeMap<ServiceKey, &FrontendKey> = BTreeMap::new();
         for fk in touched {
-            let key = wire::service_key(fk);
+            let e = entries.entry(wire::service_key(fk)).or_insert(fk);
+            if desired.frontends.contains_key(fk) {
+                *e = fk;
+            }
+        }
+        let mut released: BTreeSet<u32> = BTreeSet::new();
+        for (key, fk) in entries {
             let old = m.services.get(&key).copied();
             if let Some(v) = old {
                 let old_ids: Vec<u32> = m.slots.get(&v.service_id).map(|s| s.range(1..=v.backend_count).map(|(_, id)| *id).collect()).unwrap_or_default();
@@ -535,22 +536,6 @@ impl Syncer {
     }
 }
 
-/// Tells whether a frontend's backend list is the one the frontend before it had: a port's
-/// frontends share one list (`Frontend::backends`), and in key order its two scopes are
-/// neighbours, so the sync looks up a million backends' ids once, not twice.
-#[derive(Default)]
-struct SharedList(Option<*const [BackendKey]>);
-
-impl SharedList {
-    fn same_as(&mut self, f: &Frontend) -> bool {
-        let list = std::sync::Arc::as_ptr(&f.backends);
-        // Compared while the desired state holds every list: no address is reused meanwhile.
-        let same = self.0.is_some_and(|p| std::ptr::eq(p, list));
-        self.0 = Some(list);
-        same
-    }
-}
-
 /// The frontend to program for `k`: its override, else the desired state's `f`.
 fn effective<'a>(overrides: &'a HashMap<FrontendKey, Frontend>, k: &FrontendKey, f: &'a Frontend) -> &'a Frontend {
     overrides.get(k).unwrap_or(f)
@@ -613,8 +598,8 @@ mod tests {
         d
     }
 
-    /// One list shared by both scopes of 10.96.0.3 (as the model builds a port's frontends),
-    /// and 10.96.0.2's own (synced first: keys sort by address).
+    /// One list shared by the two scopes' frontends of 10.96.0.3, and 10.96.0.2's own (synced
+    /// first: keys sort by address).
     fn shared_state() -> DesiredState {
         let mut d = DesiredState::default();
         let shared = frontend(&[("10.244.1.1", 80), ("10.244.1.2", 80)], Scheduler::Random);
@@ -862,6 +847,36 @@ mod tests {
         // And a full sync afterwards finds nothing to do.
         let st = s.sync(&mut maps, &d2, DatapathConfig::default()).unwrap();
         assert_eq!((st.writes, st.deletes), (0, 0), "{st:?}");
+    }
+
+    /// A port whose two scopes become different (externalTrafficPolicy set to Local) and then
+    /// the same again: its frontend for both and its internal one are one map entry, and each
+    /// subset sync leaves what a full sync writes.
+    #[test]
+    fn a_port_whose_scopes_split_and_join_again_keeps_its_entry() {
+        use crate::model::Scope;
+        let at = |scope| FrontendKey { scope, ..key("10.96.0.1") };
+        let both = frontend(&[("10.0.0.1", 80), ("10.0.0.2", 80)], Scheduler::Random);
+        let mut joined = DesiredState::default();
+        joined.frontends.insert(at(Scope::Both), both.clone());
+        let mut split = DesiredState::default();
+        split.frontends.insert(at(Scope::Internal), both.clone());
+        split.frontends.insert(at(Scope::External), Frontend { preserve_source: true, ..frontend(&[("10.0.0.2", 80)], Scheduler::Random) });
+        let touched: BTreeSet<FrontendKey> = [at(Scope::Internal), at(Scope::External), at(Scope::Both)].into();
+        let mut maps = FakeMaps::default();
+        let mut s = Syncer::default();
+        s.sync(&mut maps, &joined, DatapathConfig::default()).unwrap();
+        let id = s.service_id(&at(Scope::Both)).unwrap();
+        for d in [&split, &joined, &split] {
+            s.sync_subset(&mut maps, d, DatapathConfig::default(), &touched).unwrap();
+            let mut reference = FakeMaps::default();
+            Syncer::default().sync(&mut reference, d, DatapathConfig::default()).unwrap();
+            assert_eq!(view(&maps), view(&reference));
+            assert_eq!(maps.services.len(), d.frontends.len());
+            assert_eq!(s.service_id(&at(Scope::Internal)), Some(id), "the entry (and its flows' service id) stays");
+            let st = s.sync(&mut maps, d, DatapathConfig::default()).unwrap();
+            assert_eq!((st.writes, st.deletes), (0, 0), "a full sync after it finds nothing to do: {st:?}");
+        }
     }
 
     #[test]

@@ -5,7 +5,8 @@ use std::collections::HashMap;
 use proxy_common::{
     counter,
     user::{port_host, proto_name, v4_addr, words_addr},
-    CT_F_SNAT_PENDING, SCHED_MAGLEV, SCHED_ROUND_ROBIN, SCOPE_EXTERNAL, SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT, SVC_F_PRESERVE_SOURCE, SVC_F_SOURCE_RANGES,
+    ServiceKey, CT_F_SNAT_PENDING, SCHED_MAGLEV, SCHED_ROUND_ROBIN, SCOPE_EXTERNAL, SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT, SVC_F_PRESERVE_SOURCE,
+    SVC_F_SOURCE_RANGES,
 };
 use serde::Serialize;
 
@@ -32,8 +33,11 @@ pub fn services(maps: &dyn DatapathMaps) -> Result<Vec<ServiceRow>, MapError> {
     for (k, id) in maps.slots()? {
         slots.entry(k.service_id).or_default().push((k.slot, id));
     }
+    let services = maps.services()?;
+    // An internal entry with no external one beside it answers both (SCOPE_EXTERNAL).
+    let external: std::collections::HashSet<ServiceKey> = services.iter().map(|(k, _)| *k).filter(|k| k.scope == SCOPE_EXTERNAL).collect();
     let mut rows = Vec::new();
-    for (k, v) in maps.services()? {
+    for (k, v) in services {
         let mut s = slots.remove(&v.service_id).unwrap_or_default();
         s.sort();
         let be = s
@@ -58,7 +62,14 @@ pub fn services(maps: &dyn DatapathMaps) -> Result<Vec<ServiceRow>, MapError> {
         rows.push(ServiceRow {
             frontend: format!("{}:{}", words_addr(k.addr), port_host(k.port)),
             proto: proto_name(k.proto).into(),
-            scope: if k.scope == SCOPE_EXTERNAL { "external" } else { "internal" }.into(),
+            scope: if k.scope == SCOPE_EXTERNAL {
+                "external"
+            } else if external.contains(&ServiceKey { scope: SCOPE_EXTERNAL, ..k }) {
+                "internal"
+            } else {
+                "both"
+            }
+            .into(),
             service_id: v.service_id,
             scheduler: match v.scheduler {
                 SCHED_MAGLEV => "maglev",

@@ -7,9 +7,11 @@ use proxy_common::{
 
 use crate::model::{BackendKey, Frontend, FrontendKey, Scheduler, Scope};
 
+/// A frontend for both scopes is kept under the internal one: the data path's external lookup
+/// falls back to it (proxy_common::SCOPE_EXTERNAL).
 pub fn scope(s: Scope) -> u8 {
     match s {
-        Scope::Internal => SCOPE_INTERNAL,
+        Scope::Internal | Scope::Both => SCOPE_INTERNAL,
         Scope::External => SCOPE_EXTERNAL,
     }
 }

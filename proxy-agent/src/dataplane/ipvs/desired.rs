@@ -71,7 +71,7 @@ pub fn desired_virtual_servers(desired: &DesiredState, settings: &SyncSettings) 
     let mut out = BTreeMap::new();
     for (key, fe) in &desired.frontends {
         let wanted_scope = if fe.kind == FrontendKind::ClusterIp { Scope::Internal } else { Scope::External };
-        if key.scope != wanted_scope {
+        if !key.scope.answers(wanted_scope) {
             continue;
         }
         let id = ServiceId::Addr { proto: key.proto.number(), addr: key.ip, port: key.port };

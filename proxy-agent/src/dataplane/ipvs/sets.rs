@@ -56,7 +56,7 @@ pub fn compute(desired: &DesiredState, node_addrs: &[IpAddr], bound: &BTreeSet<I
     let mut add = |e: Entry, bit: u32| *s.entry(e).or_insert(0) |= bit;
     for (k, fe) in &desired.frontends {
         let wanted_scope = if fe.kind == FrontendKind::ClusterIp { Scope::Internal } else { Scope::External };
-        if k.scope != wanted_scope {
+        if !k.scope.answers(wanted_scope) {
             continue;
         }
         let v4 = k.ip.is_ipv4();
