@@ -359,9 +359,11 @@ pub const IPVS_SCHEDULERS: [&str; 13] = ["rr", "wrr", "lc", "wlc", "lblc", "lblc
 
 /// Which hook looks the frontend up. The same VIP can have different backend sets for traffic
 /// from inside the node (pods, node processes: TC) and from outside (the uplink: XDP), which is
-/// how internal/externalTrafficPolicy differ. A frontend the same for both (every ClusterIP,
-/// and the rest under externalTrafficPolicy Cluster) has only its internal entry, and the
-/// external lookup falls back to it: half the entries and slots.
+/// how internal/externalTrafficPolicy differ. Every port has an internal entry; where the two
+/// scopes differ it is marked SVC_F_SPLIT and an external entry exists beside it. A frontend
+/// the same for both (every ClusterIP, and the rest under externalTrafficPolicy Cluster) is
+/// only its internal entry: half the entries and slots, and the lookup of a packet to no
+/// service stays one hash probe.
 pub const SCOPE_INTERNAL: u8 = 0;
 pub const SCOPE_EXTERNAL: u8 = 1;
 
@@ -388,6 +390,10 @@ pub const SVC_F_SOURCE_RANGES: u8 = 1 << 2;
 /// while the service has endpoints elsewhere: drop (kube-proxy's "has no local endpoints"),
 /// not reject.
 pub const SVC_F_NO_LOCAL_ENDPOINT: u8 = 1 << 3;
+/// An internal entry whose port has an external entry of its own (the traffic policies make
+/// the two scopes differ): the external lookup takes that one. Without it the internal entry
+/// answers both scopes.
+pub const SVC_F_SPLIT: u8 = 1 << 4;
 
 /// BPF_F_NO_PREALLOC (a map's flags): the control plane's hash maps (services, slots, backends,
 /// IPVS-mode sets) cost memory in proportion to their entries, not their capacity.
@@ -457,8 +463,8 @@ pub const CT_F_REFUSED: u16 = 1 << 6;
 pub const SNAT_PORT_MIN: u16 = 1024;
 pub const SNAT_PORT_MAX: u16 = 29_999;
 
-/// Frontend key: (address, port, protocol, scope). Lookup is one hash probe (an external one
-/// that falls back to the internal entry, two).
+/// Frontend key: (address, port, protocol, scope). Lookup is one hash probe (two for external
+/// traffic to a port whose internal entry is SVC_F_SPLIT).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Pod, Zeroable)]
 pub struct ServiceKey {

@@ -3,7 +3,7 @@
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use proxy_common::{
     counter, limits::MAGLEV_TABLE_SIZE, AffinityKey, AffinityValue, Backend, ServiceKey,
-    ServiceValue, SlotKey, LEAST_CONN_EXACT_MAX, SCHED_LEAST_CONN, SCOPE_INTERNAL, SCHED_MAGLEV, SCHED_P2C, SCHED_ROUND_ROBIN,
+    ServiceValue, SlotKey, LEAST_CONN_EXACT_MAX, SCHED_LEAST_CONN, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_F_SPLIT, SCHED_MAGLEV, SCHED_P2C, SCHED_ROUND_ROBIN,
 };
 
 use crate::{
@@ -12,19 +12,22 @@ use crate::{
     parse::Flow,
 };
 
-/// The frontend for `scope`'s traffic. An external lookup falls back to the internal entry:
-/// a frontend the same for both scopes is kept once, under the internal one.
+/// The frontend for `scope`'s traffic: the port's internal entry, or for external traffic to a
+/// port whose scopes differ (SVC_F_SPLIT) its external entry. A packet to no service costs one
+/// probe on every hook.
 #[inline(always)]
 pub fn lookup_service(f: &Flow, scope: u8) -> Option<ServiceValue> {
-    let mut key = ServiceKey { addr: [f.daddr, 0, 0, 0], port: f.dport, proto: f.proto, scope };
-    if let Some(v) = unsafe { SERVICES.get(&key) } {
-        return Some(*v);
+    let mut key = ServiceKey { addr: [f.daddr, 0, 0, 0], port: f.dport, proto: f.proto, scope: SCOPE_INTERNAL };
+    // Map value pointers, copied once at the end: a copy held across the second lookup grew
+    // XDP's frame past what Linux 6.1 allows beside new_flow's.
+    let internal = unsafe { SERVICES.get(&key) }?;
+    if scope == SCOPE_INTERNAL || internal.flags & SVC_F_SPLIT == 0 {
+        return Some(*internal);
     }
-    if scope == SCOPE_INTERNAL {
-        return None;
-    }
-    key.scope = SCOPE_INTERNAL;
-    unsafe { SERVICES.get(&key) }.copied()
+    key.scope = SCOPE_EXTERNAL;
+    // Between the agent's writes of a port's two entries (a traffic policy just changed) the
+    // external one may not be there yet: the internal entry answers meanwhile.
+    Some(*unsafe { SERVICES.get(&key) }.unwrap_or(internal))
 }
 
 /// Murmur3-style mixing of the 5-tuple: the Maglev flow hash.

@@ -246,17 +246,23 @@ fn nodeport_from_outside_dnat_at_xdp_masquerade_at_egress_and_back() {
     assert!(l.conntrack(Table::Embryonic).is_empty());
 }
 
-/// A port whose scopes are the same has one entry, which XDP's external lookup falls back to;
-/// under externalTrafficPolicy Local the external entry is its own and wins at XDP.
+/// A port whose scopes agree has one entry, which XDP takes too; under externalTrafficPolicy
+/// Local its internal entry is marked split and XDP takes the external entry beside it.
 #[test]
-fn xdp_falls_back_to_the_one_entry_of_a_port_whose_scopes_agree_and_not_past_its_own() {
+fn xdp_takes_a_ports_one_entry_where_its_scopes_agree_and_its_external_entry_where_they_differ() {
     let mut y = manifests();
     y += "apiVersion: v1\nkind: Service\nmetadata: {name: np-local, namespace: fx}\nspec:\n  type: NodePort\n  clusterIP: 10.96.0.30\n  externalTrafficPolicy: Local\n  ports: [{name: p, port: 80, protocol: TCP, nodePort: 30081}]\n---\n";
     y += "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: np-local-x, namespace: fx, labels: {kubernetes.io/service-name: np-local}}\naddressType: IPv4\nports: [{name: p, port: 8080, protocol: TCP}]\nendpoints:\n- {addresses: [10.244.4.1], conditions: {ready: true}, nodeName: node-a}\n- {addresses: [10.244.4.2], conditions: {ready: true}, nodeName: node-b}\n---\n";
     let node = NodeInfo { name: "node-a".into(), nodeport_addresses: vec![ip(NODE_IP)], ..Default::default() };
     let mut l = Loaded::new("scopes", &y, &node, datapath_config(NODE_IP, Some(("10.244.0.0", 16))));
-    let scopes: Vec<u8> = l.maps.services().unwrap().iter().filter(|(k, _)| k.port_host() == 30081).map(|(k, _)| k.scope).collect();
-    assert_eq!(scopes.len(), 2, "externalTrafficPolicy Local: an entry per scope");
+    let mut split: Vec<(u8, u8)> =
+        l.maps.services().unwrap().iter().filter(|(k, _)| k.port_host() == 30081).map(|(k, v)| (k.scope, v.flags & proxy_common::SVC_F_SPLIT)).collect();
+    split.sort();
+    assert_eq!(
+        split,
+        [(proxy_common::SCOPE_INTERNAL, proxy_common::SVC_F_SPLIT), (proxy_common::SCOPE_EXTERNAL, 0)],
+        "externalTrafficPolicy Local: an entry per scope"
+    );
     let web: Vec<u8> = l.maps.services().unwrap().iter().filter(|(k, _)| k.addr[0] == u32::from_ne_bytes([10, 96, 0, 10])).map(|(k, _)| k.scope).collect();
     assert_eq!(web, [proxy_common::SCOPE_INTERNAL], "a ClusterIP: one entry");
     let mut from_outside = std::collections::BTreeSet::new();

@@ -112,13 +112,11 @@ impl Ids {
 
     /// `b`'s backend id, given out now if it has none.
     pub fn backend(&mut self, b: Backend) -> u32 {
-        if let Some(id) = self.backends.get(&b) {
-            return *id;
-        }
-        let id = self.next_backend;
-        self.next_backend += 1;
-        self.backends.insert(b, id);
-        id
+        let next = &mut self.next_backend;
+        *self.backends.entry(b).or_insert_with(|| {
+            *next += 1;
+            *next - 1
+        })
     }
 
     /// Keeps the backend ids `keep` says.

@@ -184,20 +184,25 @@ impl Syncer {
         // What stays: every backend and frontend the desired state names.
         let overrides = std::sync::Arc::clone(&self.overrides);
         let wanted: FastSet<ServiceKey> = desired.frontends.keys().map(wire::service_key).collect();
-        let live_backends: FastSet<u32> = desired
-            .frontends
-            .iter()
-            .map(|(k, f)| effective(&overrides, k, f))
-            .flat_map(|f| f.backends.iter())
-            .map(|b| self.ids.backend(wire::backend(b)))
-            .collect();
+        // Their ids too, in the frontends' order, for the writes below: a million backends'
+        // ids looked up once.
+        let slots_wanted: usize = desired.frontends.iter().map(|(k, f)| effective(&overrides, k, f).backends.len()).sum();
+        let mut ids_in_order: Vec<u32> = Vec::with_capacity(slots_wanted);
+        // At most one a slot: sized once, not grown through a million inserts.
+        let mut live_backends: FastSet<u32> = FastSet::with_capacity_and_hasher(slots_wanted, Default::default());
+        for (k, f) in &desired.frontends {
+            for b in effective(&overrides, k, f).backends.iter() {
+                let id = self.ids.backend(wire::backend(b));
+                ids_in_order.push(id);
+                live_backends.insert(id);
+            }
+        }
         st.backends = live_backends.len();
 
         // Everything fits even before the deletes make room: the puts may be held back and
         // written map by map (a few system calls instead of one per entry: the initial sync of
         // a large cluster). Whatever happens, what was held is written, as it would have been
         // entry by entry.
-        let slots_wanted: usize = desired.frontends.iter().map(|(k, f)| effective(&overrides, k, f).backends.len()).sum();
         let slots_held: usize = m.slots.values().map(BTreeMap::len).sum();
         let fits = |map: &'static str, have: usize, more: usize| maps.capacity(map).is_none_or(|cap| have + more <= cap);
         let bulk = fits(map_names::SERVICES, m.services.len(), desired.frontends.len())
@@ -206,7 +211,7 @@ impl Syncer {
         if bulk {
             maps.begin_bulk();
         }
-        let programmed = self.program_all(maps, desired, m, st, &wanted, &live_backends, &overrides, full);
+        let programmed = self.program_all(maps, desired, m, st, &wanted, &live_backends, &ids_in_order, &overrides, full);
         let written = if bulk { maps.end_bulk() } else { Ok(()) };
         if written.is_err() {
             // The mirror counts puts that may not be in: the next sync lists the maps again.
@@ -227,6 +232,7 @@ impl Syncer {
         mut st: SyncStats,
         wanted: &FastSet<ServiceKey>,
         live_backends: &FastSet<u32>,
+        ids_in_order: &[u32],
         overrides: &HashMap<FrontendKey, Frontend>,
         full: bool,
     ) -> Result<SyncStats, SyncError> {
@@ -253,9 +259,16 @@ impl Syncer {
         for pass in 0..2 {
             let todo: Vec<(&FrontendKey, &Frontend)> =
                 if pass == 0 { desired.frontends.iter().map(|(k, f)| (k, effective(overrides, k, f))).collect() } else { std::mem::take(&mut retry) };
+            let mut known_ids = ids_in_order;
             for (fk, f) in todo {
                 // Its backends first: a slot must never point to a backend that is not there.
-                let ids = self.put_backends(maps, &mut m, f, &mut st);
+                let ids = if pass == 0 {
+                    let (ids, rest) = known_ids.split_at(f.backends.len());
+                    known_ids = rest;
+                    Self::put_known_backends(maps, &mut m, f, ids.to_vec(), &mut st)
+                } else {
+                    self.put_backends(maps, &mut m, f, &mut st)
+                };
                 let programmed = ids.and_then(|ids| self.program_frontend(maps, &mut m, fk, f, ids, full, &mut st, &mut desired_ranges));
                 match programmed {
                     Ok(Some((service_id, ids))) => {
@@ -316,16 +329,19 @@ impl Syncer {
     /// Writes the backends `f` needs that the maps do not hold yet; returns their ids, in `f`'s
     /// order.
     fn put_backends(&mut self, maps: &mut dyn DatapathMaps, m: &mut Mirror, f: &Frontend, st: &mut SyncStats) -> Result<Vec<u32>, SyncError> {
-        let mut ids = Vec::with_capacity(f.backends.len());
-        for b in f.backends.iter() {
+        let ids = f.backends.iter().map(|b| self.ids.backend(wire::backend(b))).collect();
+        Self::put_known_backends(maps, m, f, ids, st)
+    }
+
+    /// `put_backends` with their ids already given out (`ids`, in `f`'s order).
+    fn put_known_backends(maps: &mut dyn DatapathMaps, m: &mut Mirror, f: &Frontend, ids: Vec<u32>, st: &mut SyncStats) -> Result<Vec<u32>, SyncError> {
+        for (b, id) in f.backends.iter().zip(&ids) {
             let wire = wire::backend(b);
-            let id = self.ids.backend(wire);
-            if m.backends.get(&id) != Some(&wire) {
-                maps.put_backend(id, wire)?;
-                m.backends.insert(id, wire);
+            if m.backends.get(id) != Some(&wire) {
+                maps.put_backend(*id, wire)?;
+                m.backends.insert(*id, wire);
                 st.writes += 1;
             }
-            ids.push(id);
         }
         Ok(ids)
     }
@@ -392,7 +408,7 @@ impl Syncer {
             affinity_timeout_s: f.affinity_timeout_s,
             maglev_row,
             scheduler,
-            flags: wire::service_flags(f),
+            flags: wire::service_flags(fk, f),
             generation: self.ids.generation(service_id),
         };
         if m.services.get(&key) != Some(&value) {

@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use proxy_common::{
     counter,
     user::{port_host, proto_name, v4_addr, words_addr},
-    ServiceKey, CT_F_SNAT_PENDING, SCHED_MAGLEV, SCHED_ROUND_ROBIN, SCOPE_EXTERNAL, SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT, SVC_F_PRESERVE_SOURCE,
-    SVC_F_SOURCE_RANGES,
+    CT_F_SNAT_PENDING, SCHED_MAGLEV, SCHED_ROUND_ROBIN, SCOPE_EXTERNAL, SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT, SVC_F_PRESERVE_SOURCE, SVC_F_SOURCE_RANGES,
+    SVC_F_SPLIT,
 };
 use serde::Serialize;
 
@@ -33,11 +33,8 @@ pub fn services(maps: &dyn DatapathMaps) -> Result<Vec<ServiceRow>, MapError> {
     for (k, id) in maps.slots()? {
         slots.entry(k.service_id).or_default().push((k.slot, id));
     }
-    let services = maps.services()?;
-    // An internal entry with no external one beside it answers both (SCOPE_EXTERNAL).
-    let external: std::collections::HashSet<ServiceKey> = services.iter().map(|(k, _)| *k).filter(|k| k.scope == SCOPE_EXTERNAL).collect();
     let mut rows = Vec::new();
-    for (k, v) in services {
+    for (k, v) in maps.services()? {
         let mut s = slots.remove(&v.service_id).unwrap_or_default();
         s.sort();
         let be = s
@@ -64,7 +61,7 @@ pub fn services(maps: &dyn DatapathMaps) -> Result<Vec<ServiceRow>, MapError> {
             proto: proto_name(k.proto).into(),
             scope: if k.scope == SCOPE_EXTERNAL {
                 "external"
-            } else if external.contains(&ServiceKey { scope: SCOPE_EXTERNAL, ..k }) {
+            } else if v.flags & SVC_F_SPLIT != 0 {
                 "internal"
             } else {
                 "both"

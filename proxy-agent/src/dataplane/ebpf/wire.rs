@@ -2,13 +2,12 @@
 //! values and flag bits): the one place the eBPF mode projects the model.
 use proxy_common::{
     Backend, ServiceKey, SCHED_LEAST_CONN, SCHED_MAGLEV, SCHED_P2C, SCHED_RANDOM, SCHED_ROUND_ROBIN, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_F_MASQ,
-    SVC_F_NO_LOCAL_ENDPOINT, SVC_F_PRESERVE_SOURCE, SVC_F_SOURCE_RANGES,
+    SVC_F_NO_LOCAL_ENDPOINT, SVC_F_PRESERVE_SOURCE, SVC_F_SOURCE_RANGES, SVC_F_SPLIT,
 };
 
 use crate::model::{BackendKey, Frontend, FrontendKey, Scheduler, Scope};
 
-/// A frontend for both scopes is kept under the internal one: the data path's external lookup
-/// falls back to it (proxy_common::SCOPE_EXTERNAL).
+/// A frontend for both scopes is the internal entry, unmarked (proxy_common::SCOPE_INTERNAL).
 pub fn scope(s: Scope) -> u8 {
     match s {
         Scope::Internal | Scope::Both => SCOPE_INTERNAL,
@@ -35,8 +34,10 @@ pub fn scheduler(s: Scheduler) -> u8 {
 }
 
 /// ServiceValue's flag bits.
-pub fn service_flags(f: &Frontend) -> u8 {
+pub fn service_flags(k: &FrontendKey, f: &Frontend) -> u8 {
     [
+        // The model makes an internal frontend only beside an external one.
+        (k.scope == Scope::Internal, SVC_F_SPLIT),
         (f.masquerade, SVC_F_MASQ),
         (f.preserve_source, SVC_F_PRESERVE_SOURCE),
         (!f.source_ranges.is_empty(), SVC_F_SOURCE_RANGES),
