@@ -437,12 +437,12 @@ impl Lab {
         }
     }
 
-    /// Waits until `frontend` (ip:port) has `n` backends in the internal scope, on every node
+    /// Waits until `frontend` (ip:port) has `n` backends for internal traffic (scope internal, or both), on every node
     /// that runs an agent.
     pub fn wait_backends(&self, frontend: &str, n: usize) {
         let has = |v: &serde_json::Value| {
             v.as_array().is_some_and(|rows| {
-                rows.iter().any(|r| r["frontend"] == frontend && r["scope"] == "internal" && r["backends"].as_array().map(|b| b.len()) == Some(n))
+                rows.iter().any(|r| r["frontend"] == frontend && r["scope"] != "external" && r["backends"].as_array().map(|b| b.len()) == Some(n))
             })
         };
         self.wait_for(&format!("{frontend} with {n} backends"), has);
