@@ -10,7 +10,7 @@ use ipnet::IpNet;
 
 use crate::{
     dataplane::ipvs::client::{flags, DestConfig, FwdMethod, ServiceConfig, ServiceId},
-    model::{DesiredState, FrontendKind, IpvsForward, Scope},
+    model::{DesiredState, Frontend, FrontendKey, FrontendKind, IpvsForward, Scope},
     settings::VipBinding,
 };
 
@@ -64,16 +64,18 @@ pub fn bound_addresses(vs: &BTreeMap<ServiceId, VirtualServer>) -> BTreeSet<IpAd
         .collect()
 }
 
-/// The virtual servers `desired` asks for. ClusterIPs take the internal view of a frontend
-/// (internalTrafficPolicy), node ports, external and load-balancer IPs the external one
-/// (externalTrafficPolicy Local: node-local endpoints only, as kube-proxy's IPVS mode).
+/// The frontends IPVS mode programs, one an address and port: ClusterIPs take the internal
+/// view of a frontend (internalTrafficPolicy), node ports, external and load-balancer IPs the
+/// external one (externalTrafficPolicy Local: node-local endpoints only, as kube-proxy's IPVS
+/// mode).
+pub fn ipvs_frontends(desired: &DesiredState) -> impl Iterator<Item = (&FrontendKey, &Frontend)> {
+    desired.frontends.iter().filter(|(key, fe)| key.scope.answers(if fe.kind == FrontendKind::ClusterIp { Scope::Internal } else { Scope::External }))
+}
+
+/// The virtual servers `desired` asks for (`ipvs_frontends`).
 pub fn desired_virtual_servers(desired: &DesiredState, settings: &SyncSettings) -> BTreeMap<ServiceId, VirtualServer> {
     let mut out = BTreeMap::new();
-    for (key, fe) in &desired.frontends {
-        let wanted_scope = if fe.kind == FrontendKind::ClusterIp { Scope::Internal } else { Scope::External };
-        if !key.scope.answers(wanted_scope) {
-            continue;
-        }
+    for (key, fe) in ipvs_frontends(desired) {
         let id = ServiceId::Addr { proto: key.proto.number(), addr: key.ip, port: key.port };
         let (svc_flags, timeout_s, netmask) = if fe.affinity_timeout_s > 0 {
             (flags::PERSISTENT, fe.affinity_timeout_s, if key.ip.is_ipv4() { u32::MAX } else { 128 })

@@ -14,7 +14,8 @@ use serde::Serialize;
 use crate::{
     dataplane::ebpf::kernel_maps::{collect, del, op, open_typed},
     dataplane::ebpf::maps::MapError,
-    model::{DesiredState, FrontendKind, Scope},
+    dataplane::ipvs::desired::ipvs_frontends,
+    model::{DesiredState, FrontendKind},
 };
 
 /// One member of one of the maps (the map is implied by the variant).
@@ -54,11 +55,7 @@ fn proto_name(p: u8) -> &'static str {
 pub fn compute(desired: &DesiredState, node_addrs: &[IpAddr], bound: &BTreeSet<IpAddr>) -> Sets {
     let mut s = Sets::new();
     let mut add = |e: Entry, bit: u32| *s.entry(e).or_insert(0) |= bit;
-    for (k, fe) in &desired.frontends {
-        let wanted_scope = if fe.kind == FrontendKind::ClusterIp { Scope::Internal } else { Scope::External };
-        if !k.scope.answers(wanted_scope) {
-            continue;
-        }
+    for (k, fe) in ipvs_frontends(desired) {
         let v4 = k.ip.is_ipv4();
         let proto = k.proto.number();
         let ipp = Entry::IpPort(SetIpPort::new(k.ip, k.port, proto));
@@ -324,7 +321,7 @@ pub fn render(sets: &[SetListing]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Frontend, FrontendKey, Protocol};
+    use crate::model::{Frontend, FrontendKey, Protocol, Scope};
 
     /// `local`: externalTrafficPolicy Local (the client address kept); else masqueraded.
     fn fe(kind: FrontendKind, local: bool, ranges: &[&str]) -> Frontend {
