@@ -5,14 +5,13 @@ use std::collections::HashMap;
 use proxy_common::{
     counter,
     user::{port_host, proto_name, v4_addr, words_addr},
-    CT_F_SNAT_PENDING, SCHED_MAGLEV, SCHED_ROUND_ROBIN, SCOPE_EXTERNAL, SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT, SVC_F_PRESERVE_SOURCE, SVC_F_SOURCE_RANGES,
-    SVC_F_SPLIT,
+    CT_F_SNAT_PENDING, SCHED_MAGLEV, SCHED_ROUND_ROBIN, SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT, SVC_F_PRESERVE_SOURCE, SVC_F_SOURCE_RANGES,
 };
 use serde::Serialize;
 
 use crate::{
     dataplane::ebpf::maps::{DatapathMaps, MapError},
-    dataplane::ebpf::{conntrack::assemble, maps::Table},
+    dataplane::ebpf::{conntrack::assemble, maps::Table, wire},
 };
 
 #[derive(Debug, Serialize)]
@@ -59,14 +58,7 @@ pub fn services(maps: &dyn DatapathMaps) -> Result<Vec<ServiceRow>, MapError> {
         rows.push(ServiceRow {
             frontend: format!("{}:{}", words_addr(k.addr), port_host(k.port)),
             proto: proto_name(k.proto).into(),
-            scope: if k.scope == SCOPE_EXTERNAL {
-                "external"
-            } else if v.flags & SVC_F_SPLIT != 0 {
-                "internal"
-            } else {
-                "both"
-            }
-            .into(),
+            scope: wire::scope_of(&k, &v).name().into(),
             service_id: v.service_id,
             scheduler: match v.scheduler {
                 SCHED_MAGLEV => "maglev",

@@ -1,7 +1,7 @@
 //! The model's frontends and backends in the fast path's wire form (proxy-common's map keys,
 //! values and flag bits): the one place the eBPF mode projects the model.
 use proxy_common::{
-    Backend, ServiceKey, SCHED_LEAST_CONN, SCHED_MAGLEV, SCHED_P2C, SCHED_RANDOM, SCHED_ROUND_ROBIN, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_F_MASQ,
+    Backend, ServiceKey, ServiceValue, SCHED_LEAST_CONN, SCHED_MAGLEV, SCHED_P2C, SCHED_RANDOM, SCHED_ROUND_ROBIN, SCOPE_EXTERNAL, SCOPE_INTERNAL, SVC_F_MASQ,
     SVC_F_NO_LOCAL_ENDPOINT, SVC_F_PRESERVE_SOURCE, SVC_F_SOURCE_RANGES, SVC_F_SPLIT,
 };
 
@@ -12,6 +12,17 @@ pub fn scope(s: Scope) -> u8 {
     match s {
         Scope::Internal | Scope::Both => SCOPE_INTERNAL,
         Scope::External => SCOPE_EXTERNAL,
+    }
+}
+
+/// The scope of a map entry, read back: `scope` and `service_flags`' SVC_F_SPLIT undone.
+pub fn scope_of(k: &ServiceKey, v: &ServiceValue) -> Scope {
+    if k.scope == SCOPE_EXTERNAL {
+        Scope::External
+    } else if v.flags & SVC_F_SPLIT != 0 {
+        Scope::Internal
+    } else {
+        Scope::Both
     }
 }
 
@@ -46,4 +57,20 @@ pub fn service_flags(k: &FrontendKey, f: &Frontend) -> u8 {
     .into_iter()
     .filter(|(set, _)| *set)
     .fold(0, |acc, (_, bit)| acc | bit)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{FrontendKind, Protocol};
+
+    #[test]
+    fn an_entrys_scope_reads_back_as_the_frontends() {
+        let f = Frontend::for_test(FrontendKind::NodePort, &[("10.244.1.1", 8080)], Protocol::Tcp);
+        for scope in [Scope::Internal, Scope::External, Scope::Both] {
+            let k = FrontendKey { ip: "198.18.0.1".parse().unwrap(), port: 30080, proto: Protocol::Tcp, scope };
+            let v = ServiceValue { flags: service_flags(&k, &f), ..Default::default() };
+            assert_eq!(scope_of(&service_key(&k), &v), scope);
+        }
+    }
 }
