@@ -32,6 +32,14 @@ pub const NODE_B_IP: &str = "198.18.0.3";
 pub const CLIENT_IP: &str = "198.18.0.2";
 pub const POD_IP: &str = "10.244.9.2";
 pub const CLUSTER_CIDR: &str = "10.244.0.0/16";
+/// Node A's IPv6 address on the underlay.
+pub const NODE_IP6: &str = "fd00:198::1";
+
+/// A pod's IPv6 address in the routed lab: 10.244.X.Y has fd00:10:244:X::Y.
+pub fn pod_ip6(ip4: &str) -> String {
+    let o: Vec<&str> = ip4.split('.').collect();
+    format!("fd00:10:244:{}::{}", o[2], o[3])
+}
 
 pub fn backend_ip(i: usize) -> String {
     format!("10.244.{i}.2")
@@ -179,7 +187,7 @@ impl Lab {
 
         // The underlay, and what a node's provisioning (or kpr's DaemonSet init container) sets.
         for (i, n) in node_ns.iter().enumerate() {
-            must(&format!("ip netns exec {n} sysctl -qw net.ipv4.ip_forward=1"));
+            must(&format!("ip netns exec {n} sysctl -qw net.ipv4.ip_forward=1 net.ipv6.conf.all.forwarding=1"));
             if spec.cni == Cni::Ptp {
                 must(&format!("ip -n {n} link add up0 type veth peer name c0 netns {cl}"));
                 must(&format!("ip -n {cl} addr add {CLIENT_IP}/24 dev c0"));
@@ -199,6 +207,9 @@ impl Lab {
                 must(&format!("ip -n {net} link set {port} master br0 up"));
             }
             must(&format!("ip -n {n} addr add {}/24 dev up0", node_ips[i]));
+            if i == 0 {
+                must(&format!("ip -n {n} addr add {NODE_IP6}/64 dev up0 nodad"));
+            }
             must(&format!("ip -n {n} link set up0 up"));
         }
         // The service and LB ranges are reached through node A, like a router would send them.
@@ -537,6 +548,12 @@ fn attach_pod(prefix: &str, node: &str, p: &Pod, cni: Cni, mtu: u32) {
             must(&format!("ip -n {ns} addr add {ip}/32 dev eth0"));
             must(&format!("ip -n {ns} route add 169.254.1.1 dev eth0 scope link"));
             must(&format!("ip -n {ns} route add default via 169.254.1.1 dev eth0"));
+            // Dual-stack, Calico's way: a /128 per pod, the node's link-local as the gateway.
+            let ip6 = pod_ip6(ip);
+            must(&format!("ip -n {node} addr add fe80::1/64 dev {host} nodad"));
+            must(&format!("ip -n {node} -6 route add {ip6}/128 dev {host}"));
+            must(&format!("ip -n {ns} addr add {ip6}/128 dev eth0 nodad"));
+            must(&format!("ip -n {ns} -6 route add default via fe80::1 dev eth0"));
         }
         Cni::Vxlan => {
             let (gw, subnet) = if ip.starts_with("10.244.") && ip.split('.').nth(2).is_some_and(|o| o.parse::<u8>().unwrap() >= 16) {

@@ -1,6 +1,6 @@
 //! Desired-state golden dumps: one line per frontend and per backend.
 use proxy_agent::{
-    model::{compute, ModelConfig, NodeInfo},
+    model::{compute, Ipv6Reach, ModelConfig, NodeInfo},
     source::manifests::{load_text, LoadReport},
 };
 
@@ -421,7 +421,7 @@ spec:
     load_text("dual.yaml", text, &mut r);
     assert!(r.errors.is_empty(), "{:?}", r.errors);
     let node = NodeInfo { name: "me".into(), nodeport_addresses: vec!["198.18.0.1".parse().unwrap(), "fd00:198::1".parse().unwrap()], zone: None };
-    let d = compute(&r.objects, &node, &ModelConfig { ipv6: true, ..ModelConfig::default() });
+    let d = compute(&r.objects, &node, &ModelConfig { ipv6: Ipv6Reach::All, ..ModelConfig::default() });
     let want = "\
 frontend 10.96.3.1:80/TCP both clusterip g/dual:http sched=random affinity=0 flags=- ranges=
   backend 10.244.1.30:8080
@@ -455,6 +455,47 @@ frontend [fd00:198::1]:30080/TCP external nodeport g/dual:http sched=random affi
     // Where the plane does not serve IPv6, the same objects give IPv4 frontends only.
     let d4 = compute(&r.objects, &node, &ModelConfig::default());
     assert!(d4.frontends.keys().all(|k| k.ip.is_ipv4()), "{}", d4.dump());
+    // eBPF mode: the IPv6 clusterIP and its endpoints; each other IPv6 address is reported.
+    let dc = compute(&r.objects, &node, &ModelConfig { ipv6: Ipv6Reach::ClusterIps, ..ModelConfig::default() });
+    let v6: Vec<String> = dc.frontends.keys().filter(|k| k.ip.is_ipv6()).map(|k| format!("{}:{} {:?}", k.ip, k.port, k.scope)).collect();
+    assert_eq!(v6, ["fd00::3:1:80 Both"], "{}", dc.dump());
+    assert_eq!(dc.frontends.keys().filter(|k| k.ip.is_ipv4()).count(), d.frontends.keys().filter(|k| k.ip.is_ipv4()).count());
+    let mut reported: Vec<(String, String, &str)> = dc.problems().map(|e| (e.object.clone(), e.field.clone(), e.reason)).collect();
+    reported.sort();
+    let want: Vec<(String, String, &str)> = [
+        ("EndpointSlice g/dual-6", "endpoints[1].addresses[0]", "FieldNotProgrammed"),
+        ("Service g/dual", "spec.ports[0].nodePort", "NotSupported"),
+        ("Service g/dual", "status.loadBalancer.ingress[1].ip", "NotSupported"),
+        ("Service g/v4only", "spec.externalIPs[0]", "NotSupported"),
+    ]
+    .into_iter()
+    .map(|(o, f, r)| (o.to_string(), f.to_string(), r))
+    .collect();
+    assert_eq!(reported, want);
+}
+
+/// eBPF mode keeps every address in its maps' form: an IPv6 clusterIP whose last 96 bits are
+/// zero would read as an IPv4 one there, so it is reported, and the IPv4 half is served.
+#[test]
+fn an_ipv6_cluster_ip_with_an_ipv4_wire_form_is_reported() {
+    let text = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: anycast, namespace: g}
+spec:
+  clusterIP: 10.96.3.3
+  clusterIPs: [10.96.3.3, "2001:db8::"]
+  ports: [{name: http, port: 80}]
+"#;
+    let mut r = LoadReport::default();
+    load_text("anycast.yaml", text, &mut r);
+    let d = compute(&r.objects, &NodeInfo::default(), &ModelConfig { ipv6: Ipv6Reach::ClusterIps, ..ModelConfig::default() });
+    assert!(d.frontends.keys().all(|k| k.ip.to_string() == "10.96.3.3"), "{}", d.dump());
+    let reported: Vec<(String, &str)> = d.problems().map(|e| (e.field.clone(), e.reason)).collect();
+    assert_eq!(reported, [("spec.clusterIPs".to_string(), "NotSupported")]);
+    // IPVS mode has no such form: it serves the address.
+    let d = compute(&r.objects, &NodeInfo::default(), &ModelConfig { ipv6: Ipv6Reach::All, ..ModelConfig::default() });
+    assert_eq!(d.frontends.len(), 2, "{}", d.dump());
 }
 
 /// An incremental sync (the changed Services computed alone, then put in place) gives what a

@@ -147,6 +147,10 @@ macro_rules! prog_name {
     (SENDMSG4) => { "kpr_sendmsg4" };
     (RECVMSG4) => { "kpr_recvmsg4" };
     (GETPEERNAME4) => { "kpr_getpeername4" };
+    (CONNECT6) => { "kpr_connect6" };
+    (SENDMSG6) => { "kpr_sendmsg6" };
+    (RECVMSG6) => { "kpr_recvmsg6" };
+    (GETPEERNAME6) => { "kpr_getpeername6" };
     (CONNECT4_IPVS) => { "kpr_connect4_ipvs" };
     (SENDMSG4_IPVS) => { "kpr_sendmsg4_ipvs" };
     (CONNECT6_IPVS) => { "kpr_connect6_ipvs" };
@@ -168,8 +172,14 @@ pub mod prog_names {
     pub const SENDMSG4: &str = prog_name!(SENDMSG4);
     pub const RECVMSG4: &str = prog_name!(RECVMSG4);
     pub const GETPEERNAME4: &str = prog_name!(GETPEERNAME4);
+    /// IPv6 sockets: IPv6 Services (every socket of the node, pods' too: the TC and XDP fast
+    /// path is IPv4 only) and IPv4 Services through IPv4-mapped addresses (the node's sockets).
+    pub const CONNECT6: &str = prog_name!(CONNECT6);
+    pub const SENDMSG6: &str = prog_name!(SENDMSG6);
+    pub const RECVMSG6: &str = prog_name!(RECVMSG6);
+    pub const GETPEERNAME6: &str = prog_name!(GETPEERNAME6);
     /// The connect-time programs, in attach order.
-    pub const SOCK: [&str; 4] = [CONNECT4, SENDMSG4, RECVMSG4, GETPEERNAME4];
+    pub const SOCK: [&str; 8] = [CONNECT4, SENDMSG4, RECVMSG4, GETPEERNAME4, CONNECT6, SENDMSG6, RECVMSG6, GETPEERNAME6];
     /// IPVS mode: the node's own connections to a LoadBalancer IP whose source ranges exclude
     /// the node (kube-proxy's KUBE-IPVS-OUT-FILTER), refused at connect time.
     pub const CONNECT4_IPVS: &str = prog_name!(CONNECT4_IPVS);
@@ -928,7 +938,14 @@ pub mod user {
         }
     }
 
-    /// Inverse of [`addr_words`]. IPv4 when words 1..3 are zero (the data path is IPv4 only today).
+    /// Whether `ip` reads back as itself from the wire form: not an IPv6 address whose last 96
+    /// bits are zero (a prefix's Subnet-Router anycast address, never a host's), which has an
+    /// IPv4 address's form. The agent programs no frontend or backend at such an address.
+    pub fn has_wire_form(ip: IpAddr) -> bool {
+        words_addr(addr_words(ip)) == ip
+    }
+
+    /// Inverse of [`addr_words`]. IPv4 when words 1..3 are zero.
     pub fn words_addr(w: [u32; 4]) -> IpAddr {
         if w[1] == 0 && w[2] == 0 && w[3] == 0 {
             IpAddr::V4(Ipv4Addr::from(w[0].to_ne_bytes()))

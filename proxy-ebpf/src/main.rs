@@ -5,7 +5,7 @@
 //! - `kpr_tc_ingress` (clsact ingress) on the node side of pod interfaces and on tunnel devices:
 //!   east-west traffic and the replies of local backends;
 //! - `kpr_tc_egress` on all of them: masquerade and the replies' reverse DNAT, after netfilter;
-//! - connect-time programs for the node's own processes (sock.rs);
+//! - connect-time programs: the node's own processes, and IPv6 Services for every socket (sock.rs);
 //! - IPVS mode's set matching (ipset.rs).
 //!
 //! `kpr_tc_pass` / `kpr_xdp_pass` only return "pass": the floor the benchmark compares against.
@@ -86,6 +86,22 @@ program!("cgroup/recvmsg4" RECVMSG4: fn recvmsg4(ctx: SockAddrContext, bpf_sock_
 
 program!("cgroup/getpeername4" GETPEERNAME4: fn getpeername4(ctx: SockAddrContext, bpf_sock_addr) -> i32 {
     sock::reverse(&ctx)
+});
+
+program!("cgroup/connect6" CONNECT6: fn connect6(ctx: SockAddrContext, bpf_sock_addr) -> i32 {
+    sock::balance6(&ctx)
+});
+
+program!("cgroup/sendmsg6" SENDMSG6: fn sendmsg6(ctx: SockAddrContext, bpf_sock_addr) -> i32 {
+    sock::balance6(&ctx)
+});
+
+program!("cgroup/recvmsg6" RECVMSG6: fn recvmsg6(ctx: SockAddrContext, bpf_sock_addr) -> i32 {
+    sock::reverse6(&ctx)
+});
+
+program!("cgroup/getpeername6" GETPEERNAME6: fn getpeername6(ctx: SockAddrContext, bpf_sock_addr) -> i32 {
+    sock::reverse6(&ctx)
 });
 
 // IPVS mode: kube-proxy's set matching (masquerade mark, source-range firewall, VIP filter).

@@ -66,10 +66,10 @@ fn lab(prefix: &str, extra_args: &[&str]) -> (Lab, PathBuf) {
     (lab, dir)
 }
 
-/// Follows a `udpc-hold` run: the backend answering first, then (after `remove` took it out of
-/// the service) every answer and error after the removal.
-fn udp_client_across_removal(lab: &Lab, role: &str, dir: &PathBuf) -> (String, Vec<String>, u64) {
-    let mut child = lab.peer_bg(role, &["udpc-hold", "10.96.0.53:53", "6"]);
+/// Follows a `udpc-hold` run to `target` (the dns Service): the backend answering first, then
+/// (after `remove` took it out of the service) every answer and error after the removal.
+fn udp_client_across_removal(lab: &Lab, role: &str, target: &str, dir: &PathBuf) -> (String, Vec<String>, u64) {
+    let mut child = lab.peer_bg(role, &["udpc-hold", target, "6"]);
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let first = loop {
         let l = lines.next().expect("an answer").unwrap();
@@ -108,7 +108,7 @@ fn udp_clients_leave_a_removed_endpoint_at_once() {
     let (lab, dir) = lab("kpf1", &[]);
     // A pod's connected UDP socket: its datagrams cross the pod's interface, and the data
     // path's flow to the removed endpoint is deleted at once.
-    let (first, after, errs) = udp_client_across_removal(&lab, "pod", &dir);
+    let (first, after, errs) = udp_client_across_removal(&lab, "pod", "10.96.0.53:53", &dir);
     assert!(!after.is_empty(), "the client kept getting answers");
     assert!(after.iter().all(|n| *n != first), "answers from the removed endpoint {first} after its removal: {after:?}");
     assert_eq!(errs, 0, "a pod's socket is connected to the VIP: nothing to tell it");
@@ -116,12 +116,20 @@ fn udp_clients_leave_a_removed_endpoint_at_once() {
     // itself, so the socket is ended (ECONNABORTED) and the client reconnects elsewhere.
     write_services(&dir, &ALL);
     lab.wait_backends("10.96.0.53:53", 3);
-    let (first, after, errs) = udp_client_across_removal(&lab, "host", &dir);
+    let (first, after, errs) = udp_client_across_removal(&lab, "host", "10.96.0.53:53", &dir);
     assert!(!after.is_empty(), "the node's client reconnected");
     assert!(after.iter().all(|n| *n != first), "answers from the removed endpoint {first} to a node process: {after:?}");
     assert!(errs <= 2, "one error per ended socket: {errs}");
     let log = lab.agent_log();
     assert!(log.contains("sockets=1"), "the node process's socket was ended: {log}");
+    // The same through an IPv6 socket and the IPv4-mapped address: sock_diag's IPv6 table.
+    write_services(&dir, &ALL);
+    lab.wait_backends("10.96.0.53:53", 3);
+    let (first, after, errs) = udp_client_across_removal(&lab, "host", "[::ffff:10.96.0.53]:53", &dir);
+    assert!(!after.is_empty(), "the node's IPv6 client reconnected");
+    assert!(after.iter().all(|n| *n != first), "answers from the removed endpoint {first} to a node IPv6 socket: {after:?}");
+    assert!(errs <= 2, "one error per ended socket: {errs}");
+    assert_eq!(lab.agent_log().matches("sockets=1 ").count(), 2, "the IPv6 socket was ended too: {}", lab.agent_log());
 }
 
 #[test]

@@ -12,7 +12,7 @@ use proxy_agent::{
             sets::{self, KernelSetMaps},
         },
     },
-    model::{compute, ModelConfig, NodeInfo},
+    model::{compute, Ipv6Reach, ModelConfig, NodeInfo},
     source::manifests::{load_text, LoadReport},
 };
 use proxy_common::{counter, prog_names, user::addr_words};
@@ -69,7 +69,7 @@ fn load(name: &str) -> SetLab {
     let mut r = LoadReport::default();
     load_text("dual.yaml", MANIFESTS, &mut r);
     assert!(r.errors.is_empty(), "{:?}", r.errors);
-    let desired = compute(&r.objects, &node, &ModelConfig { ipv6: true, sctp: true, ..ModelConfig::default() });
+    let desired = compute(&r.objects, &node, &ModelConfig { ipv6: Ipv6Reach::All, sctp: true, ..ModelConfig::default() });
     assert!(desired.problems().next().is_none(), "{:?}", desired.problems().collect::<Vec<_>>());
     let settings = SyncSettings { node_addresses: node_addrs.clone(), ..SyncSettings::default() };
     let want = sets::compute(&desired, &node_addrs, &bound_addresses(&desired_virtual_servers(&desired, &settings)));

@@ -17,6 +17,9 @@ extern "C" fn on_signal(_: libc::c_int) {
     INTERRUPTED.store(true, Ordering::Relaxed);
 }
 
+/// The "pod" role, its process placed in node A's cgroup.
+const POD_IN_CGROUP: &str = "pod in the cgroup";
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let opt = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
@@ -57,6 +60,8 @@ fn main() {
         ("pod -> ClusterIP sticky (ClientIP affinity)", "pod", "10.96.0.12:80".into(), "tcp", n / 5),
         ("pod -> ClusterIP dns (UDP, maglev)", "pod", "10.96.0.53:53".into(), "udp", n / 5),
         ("node process -> ClusterIP web (connect-time)", "host", "10.96.0.10:80".into(), "tcp", n),
+        ("pod -> IPv6 ClusterIP web-dual (connect-time)", POD_IN_CGROUP, "[fd00:10:96::60]:80".into(), "tcp", n / 3),
+        ("node process -> IPv6 ClusterIP web-dual (UDP)", "host", "[fd00:10:96::60]:53".into(), "udp", n / 5),
         ("outside -> NodePort web", "cl", format!("{NODE_IP}:30080"), "tcp", n),
         ("outside -> LoadBalancer shop", "cl", "203.0.113.10:80".into(), "tcp", n / 5),
         ("pod -> ClusterIP gone (no endpoints)", "pod", "10.96.0.99:80".into(), "tcp", 3),
@@ -72,7 +77,10 @@ fn main() {
         if INTERRUPTED.load(Ordering::Relaxed) {
             break;
         }
-        let v = lab.peer(from, &["burst", target, proto, &count.to_string()]);
+        let args = ["burst", target, proto, &count.to_string()];
+        // A pod's process in the cgroup the connect-time programs are attached to (on a node,
+        // the cgroup root holds every pod).
+        let v = if *from == POD_IN_CGROUP { lab.peer_in_cgroup("pod", &args) } else { lab.peer(from, &args) };
         let pb: std::collections::BTreeMap<String, u64> = per_backend(&v).into_iter().collect();
         let cell = |b: &str| pb.get(b).map(|n| n.to_string()).unwrap_or_else(|| "-".into());
         let err = errors(&v);

@@ -440,8 +440,8 @@ fn main() {
             let secs: f64 = arg(2).parse::<f64>().unwrap().min(120.0);
             let start = Instant::now();
             let mut t = Tally::default();
-            let connect =
-                || UdpSocket::bind("0.0.0.0:0").and_then(|s| s.connect(target).and_then(|_| s.set_read_timeout(Some(Duration::from_millis(500))).map(|_| s)));
+            let any = if target.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" };
+            let connect = || UdpSocket::bind(any).and_then(|s| s.connect(target).and_then(|_| s.set_read_timeout(Some(Duration::from_millis(500))).map(|_| s)));
             let mut sock = connect().expect("udp socket");
             while start.elapsed().as_secs_f64() < secs {
                 let mut buf = [0u8; 256];

@@ -22,7 +22,7 @@ use std::{
 use ipnet::IpNet;
 
 use crate::{
-    model::{DesiredState, FrontendKey},
+    model::{DesiredState, FrontendKey, Ipv6Reach},
     settings::Mode,
 };
 
@@ -81,9 +81,10 @@ pub trait Dataplane {
     fn programs_sctp(&self) -> bool {
         false
     }
-    /// Whether it serves IPv6 Services (IPVS mode does; the fast path parses IPv4 only).
-    fn programs_ipv6(&self) -> bool {
-        false
+    /// Which IPv6 parts of Services it serves (IPVS mode: all; the fast path: clusterIPs, at
+    /// connect time, as its packet programs parse IPv4 only).
+    fn programs_ipv6(&self) -> Ipv6Reach {
+        Ipv6Reach::None
     }
     /// Whether it ends connections past a Service's maximum age (the fast path does).
     fn ends_old_connections(&self) -> bool {
@@ -113,7 +114,7 @@ impl<D: Dataplane + ?Sized> Dataplane for Box<D> {
     fn programs_sctp(&self) -> bool {
         (**self).programs_sctp()
     }
-    fn programs_ipv6(&self) -> bool {
+    fn programs_ipv6(&self) -> Ipv6Reach {
         (**self).programs_ipv6()
     }
     fn ends_old_connections(&self) -> bool {

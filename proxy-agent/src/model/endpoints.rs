@@ -3,7 +3,7 @@ use std::{collections::BTreeSet, net::IpAddr, sync::Arc};
 
 use crate::model::{
     objects::{err, unsupported, ObjectError, SliceObject},
-    BackendKey, NodeInfo, Protocol,
+    BackendKey, Ipv6Reach, NodeInfo, Protocol,
 };
 
 #[derive(Clone, Debug)]
@@ -62,7 +62,7 @@ pub(crate) fn port_endpoints(
     port_name: &str,
     proto: Protocol,
     node: &NodeInfo,
-    ipv6: bool,
+    ipv6: Ipv6Reach,
     errors: &mut Vec<ObjectError>,
 ) -> Vec<Ep> {
     let mut eps: Vec<Ep> = Vec::new();
@@ -70,14 +70,9 @@ pub(crate) fn port_endpoints(
         let sobj = format!("EndpointSlice {ns}/{slice_name}");
         let v4 = match slice.address_type.as_str() {
             "IPv4" => true,
-            "IPv6" if ipv6 => false,
+            "IPv6" if ipv6 != Ipv6Reach::None => false,
             "IPv6" => {
-                unsupported(
-                    errors,
-                    &sobj,
-                    "addressType",
-                    format!("IPv6 endpoints are served in IPVS mode only, not by the eBPF fast path; port {port_name:?}"),
-                );
+                unsupported(errors, &sobj, "addressType", format!("IPv6 endpoints are not served by this data plane; port {port_name:?}"));
                 continue;
             }
             other => {

@@ -191,15 +191,28 @@ pub struct NodeInfo {
     pub zone: Option<String>,
 }
 
+/// Which IPv6 parts of Services a data plane serves.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Ipv6Reach {
+    /// None.
+    #[default]
+    None,
+    /// clusterIPs and their endpoints (eBPF mode: at connect time, for every socket of the
+    /// node); not NodePorts on the node's IPv6 addresses, externalIPs or load-balancer IPs.
+    ClusterIps,
+    /// Every address (IPVS mode).
+    All,
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct ModelConfig {
     pub default_scheduler: Scheduler,
     /// The data plane forwards SCTP (`Dataplane::programs_sctp`); otherwise SCTP ports are
     /// reported as not supported.
     pub sctp: bool,
-    /// The data plane serves IPv6 (`Dataplane::programs_ipv6`); otherwise every IPv6 part of a
-    /// Service is reported as not supported and its IPv4 parts are programmed.
-    pub ipv6: bool,
+    /// Which IPv6 parts of a Service the data plane serves (`Dataplane::programs_ipv6`); the
+    /// others are reported as not supported, and the rest of the Service is programmed.
+    pub ipv6: Ipv6Reach,
     /// The data plane ends connections past a maximum age (`Dataplane::ends_old_connections`);
     /// otherwise the annotation is reported as not supported.
     pub max_connection_age: bool,

@@ -9,10 +9,15 @@ use crate::model::{
     annotations::{ipvs_options, max_connection_age, outlier_ejection, scheduler, IpvsForward, IPVS_FORWARD_ANNOTATION},
     endpoints::{port_endpoints, to_keys_of, topology_filtered, usable, Ep},
     objects::{err, unsupported, Address, ObjectError, ServiceObject, SliceObject},
-    BackendKey, DesiredState, Frontend, FrontendKey, FrontendKind, ModelConfig, NodeInfo, Protocol, Scope, DEFAULT_AFFINITY_TIMEOUT_S,
+    BackendKey, DesiredState, Frontend, FrontendKey, FrontendKind, Ipv6Reach, ModelConfig, NodeInfo, Protocol, Scope, DEFAULT_AFFINITY_TIMEOUT_S,
 };
 
-const NO_IPV6: &str = "IPv6 is served in IPVS mode only, not by the eBPF fast path; the IPv4 parts of this Service are programmed";
+const NO_IPV6: &str = "this data plane serves no IPv6; the IPv4 parts of this Service are programmed";
+/// eBPF mode (Ipv6Reach::ClusterIps).
+const IPV6_CLUSTER_IPS_ONLY: &str =
+    "the eBPF fast path serves IPv6 clusterIPs only (at connect time), not IPv6 NodePorts, externalIPs or load-balancer IPs (IPVS mode does); the rest of this Service is programmed";
+const NO_WIRE_FORM: &str =
+    "an IPv6 address whose last 96 bits are zero (a Subnet-Router anycast address) has an IPv4 address's form in the eBPF maps; not programmed";
 const NO_CLUSTER_IP_OF_FAMILY: &str = "the Service has no clusterIP of this family (spec.ipFamilies): kube-proxy serves none of its addresses of it either";
 
 /// How a frontend treats the client's address.
@@ -190,8 +195,17 @@ pub(super) fn service_frontends(
                 match u16::try_from(np).ok().filter(|p| *p != 0) {
                     Some(np) => {
                         // A family's node addresses serve the Services that have a clusterIP of it.
-                        for ip in node.nodeport_addresses.iter().filter(|ip| addrs.cluster.iter().any(|c| c.is_ipv4() == ip.is_ipv4())) {
+                        let of_family = |ip: &&IpAddr| addrs.cluster.iter().any(|c| c.is_ipv4() == ip.is_ipv4());
+                        let mut skipped6 = false;
+                        for ip in node.nodeport_addresses.iter().filter(of_family) {
+                            if ip.is_ipv6() && cfg.ipv6 != Ipv6Reach::All {
+                                skipped6 = true;
+                                continue;
+                            }
                             add(*ip, np, FrontendKind::NodePort, ext, int_ext);
+                        }
+                        if skipped6 {
+                            unsupported(errors, &object, format!("{field}.nodePort"), format!("{np} on the node's IPv6 addresses: {IPV6_CLUSTER_IPS_ONLY}"));
                         }
                     }
                     None => err(errors, &object, format!("{field}.nodePort"), format!("{np} is not a port")),
@@ -237,7 +251,7 @@ struct Addresses {
 }
 
 /// None: the clusterIP is not an address, and nothing of the Service can be programmed.
-fn addresses(svc: &ServiceObject, spec: &ServiceSpec, ipv6: bool, object: &str, errors: &mut Vec<ObjectError>) -> Option<Addresses> {
+fn addresses(svc: &ServiceObject, spec: &ServiceSpec, ipv6: Ipv6Reach, object: &str, errors: &mut Vec<ObjectError>) -> Option<Addresses> {
     let cluster_ip = spec.cluster_ip.as_deref().unwrap_or("");
     let svc_type = spec.type_.as_deref().unwrap_or("ClusterIP");
     let mut cluster_ips: Vec<IpAddr> = Vec::new();
@@ -257,16 +271,27 @@ fn addresses(svc: &ServiceObject, spec: &ServiceSpec, ipv6: bool, object: &str, 
             Err(_) => err(errors, object, format!("spec.clusterIPs[{i}]"), format!("{s:?} is not an IP address")),
         }
     }
-    if !ipv6 {
-        for ip in cluster_ips.iter().filter(|ip| ip.is_ipv6()) {
-            unsupported(errors, object, "spec.clusterIPs", format!("{ip}: {NO_IPV6}"));
+    match ipv6 {
+        Ipv6Reach::None => {
+            for ip in cluster_ips.iter().filter(|ip| ip.is_ipv6()) {
+                unsupported(errors, object, "spec.clusterIPs", format!("{ip}: {NO_IPV6}"));
+            }
+            cluster_ips.retain(IpAddr::is_ipv4);
         }
-        cluster_ips.retain(IpAddr::is_ipv4);
+        Ipv6Reach::ClusterIps => cluster_ips.retain(|ip| {
+            let ok = proxy_common::user::has_wire_form(*ip);
+            if !ok {
+                unsupported(errors, object, "spec.clusterIPs", format!("{ip}: {NO_WIRE_FORM}"));
+            }
+            ok
+        }),
+        Ipv6Reach::All => {}
     }
     // Another address of a family: served when the data plane and the Service both have it.
     let servable = |ip: IpAddr, field: String, errors: &mut Vec<ObjectError>| -> bool {
-        if ip.is_ipv6() && !ipv6 {
-            unsupported(errors, object, field, format!("{ip}: {NO_IPV6}"));
+        if ip.is_ipv6() && ipv6 != Ipv6Reach::All {
+            let why = if ipv6 == Ipv6Reach::None { NO_IPV6 } else { IPV6_CLUSTER_IPS_ONLY };
+            unsupported(errors, object, field, format!("{ip}: {why}"));
             false
         } else if !cluster_ips.iter().any(|c| c.is_ipv4() == ip.is_ipv4()) {
             err(errors, object, field, format!("{ip}: {NO_CLUSTER_IP_OF_FAMILY}"));

@@ -103,7 +103,7 @@ pub fn datapath_families(maps: &dyn DatapathMaps, capacities: &[(&'static str, u
     if let Ok(backends) = &backends {
         for (id, b) in backends {
             if let Ok(n) = maps.backend_new_connections(*id) {
-                new_connections.with_label_values(&[&format!("{}:{}", words_addr(b.addr), port_host(b.port))]).inc_by(n);
+                new_connections.with_label_values(&[&std::net::SocketAddr::new(words_addr(b.addr), port_host(b.port)).to_string()]).inc_by(n);
             }
         }
     }

@@ -15,13 +15,10 @@
 //!
 //! TCP flows are left to finish, as kube-proxy leaves them: their backend may still answer
 //! (a graceful termination), and a dead one resets them.
-use std::{
-    collections::BTreeSet,
-    net::{IpAddr, Ipv4Addr},
-};
+use std::{collections::BTreeSet, net::IpAddr};
 
 use proxy_common::{
-    user::{port_host, v4_addr, words_addr},
+    user::{port_host, words_addr},
     PROTO_UDP,
 };
 
@@ -35,7 +32,8 @@ use crate::{
 
 /// Which sockets connect-time balancing sent to a backend (KPR_SOCK_REV_V1's cookies).
 pub trait BalancedSockets {
-    fn cookies_to(&self, addr: Ipv4Addr, port: u16) -> Result<BTreeSet<u64>, MapError>;
+    /// (An IPv6 socket balanced through an IPv4-mapped address is listed under the IPv4 one.)
+    fn cookies_to(&self, addr: IpAddr, port: u16) -> Result<BTreeSet<u64>, MapError>;
 }
 
 /// The sessionAffinity map (KPR_AFF_V1).
@@ -94,15 +92,8 @@ pub fn endpoints_removed(removed: &BTreeSet<RemovedBackend>, gc: &mut Gc, h: Han
         }
     }
     if let Some(sockets) = h.sockets {
-        let backends: BTreeSet<(u32, u16)> = removed.iter().map(|x| (x.backend.addr[0], x.backend.port)).collect();
+        let backends: BTreeSet<(IpAddr, u16)> = removed.iter().map(|x| (words_addr(x.backend.addr), port_host(x.backend.port))).collect();
         for (addr, port) in backends {
-            let (addr, port) = (
-                match v4_addr(addr) {
-                    IpAddr::V4(a) => a,
-                    IpAddr::V6(_) => continue,
-                },
-                port_host(port),
-            );
             let cookies = match h.balanced.cookies_to(addr, port) {
                 Ok(c) if c.is_empty() => continue,
                 Ok(c) => c,
@@ -144,7 +135,7 @@ mod tests {
 
     struct Balanced(BTreeSet<u64>);
     impl BalancedSockets for Balanced {
-        fn cookies_to(&self, addr: Ipv4Addr, port: u16) -> Result<BTreeSet<u64>, MapError> {
+        fn cookies_to(&self, addr: IpAddr, port: u16) -> Result<BTreeSet<u64>, MapError> {
             Ok(if (addr, port) == ("10.244.1.2".parse().unwrap(), 5353) { self.0.clone() } else { BTreeSet::new() })
         }
     }

@@ -136,9 +136,9 @@ impl KernelSockRev {
 }
 
 impl crate::dataplane::ebpf::endpoint_cleanup::BalancedSockets for KernelSockRev {
-    fn cookies_to(&self, addr: std::net::Ipv4Addr, port: u16) -> Result<std::collections::BTreeSet<u64>, MapError> {
+    fn cookies_to(&self, addr: std::net::IpAddr, port: u16) -> Result<std::collections::BTreeSet<u64>, MapError> {
         let fd = aya::maps::IterableMap::map(&self.0).fd();
-        let (want_addr, want_port) = (u32::from_ne_bytes(addr.octets()), port.to_be());
+        let (want_addr, want_port) = (proxy_common::user::addr_words(addr), port.to_be());
         let mut out = std::collections::BTreeSet::new();
         let mut cursor = None;
         loop {
@@ -148,7 +148,7 @@ impl crate::dataplane::ebpf::endpoint_cleanup::BalancedSockets for KernelSockRev
                     op: "lookup batch",
                     source,
                 })?;
-            out.extend(batch.iter().filter(|(k, _)| k.addr[0] == want_addr && k.port == want_port).map(|(k, _)| k.cookie));
+            out.extend(batch.iter().filter(|(k, _)| k.addr == want_addr && k.port == want_port).map(|(k, _)| k.cookie));
             match next {
                 Some(c) => cursor = Some(c),
                 None => return Ok(out),

@@ -29,7 +29,7 @@ use crate::{
         netif,
         sysctl::{self, ProcSysctls, Sysctls},
     },
-    model::{DesiredState, Frontend, FrontendKey, Protocol},
+    model::{DesiredState, Frontend, FrontendKey, Ipv6Reach, Protocol},
     netlink::{ctnetlink::NetlinkConntrack, sockdiag::NetlinkSockets},
     settings::{DetectLocal, Mode, Settings},
     stats::SharedStats,
@@ -183,6 +183,10 @@ impl Dataplane for EbpfPlane {
 
     fn ends_old_connections(&self) -> bool {
         true
+    }
+
+    fn programs_ipv6(&self) -> Ipv6Reach {
+        Ipv6Reach::ClusterIps
     }
 
     fn ejects_outliers(&self) -> bool {

@@ -40,7 +40,7 @@ pub fn services(maps: &dyn DatapathMaps) -> Result<Vec<ServiceRow>, MapError> {
             .iter()
             .filter(|(slot, _)| *slot <= v.backend_count)
             .map(|(_, id)| match backends.get(id) {
-                Some(b) => format!("{}:{} (id {id})", words_addr(b.addr), port_host(b.port)),
+                Some(b) => format!("{} (id {id})", std::net::SocketAddr::new(words_addr(b.addr), port_host(b.port))),
                 None => format!("missing backend id {id}"),
             })
             .collect();
@@ -56,7 +56,7 @@ pub fn services(maps: &dyn DatapathMaps) -> Result<Vec<ServiceRow>, MapError> {
             }
         }
         rows.push(ServiceRow {
-            frontend: format!("{}:{}", words_addr(k.addr), port_host(k.port)),
+            frontend: std::net::SocketAddr::new(words_addr(k.addr), port_host(k.port)).to_string(),
             proto: proto_name(k.proto).into(),
             scope: wire::scope_of(&k, &v).name().into(),
             service_id: v.service_id,

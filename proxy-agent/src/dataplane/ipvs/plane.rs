@@ -24,7 +24,7 @@ use crate::{
         netfilter::SystemNetfilter,
         sysctl::{self, ProcSysctls},
     },
-    model::{DesiredState, FrontendKey},
+    model::{DesiredState, FrontendKey, Ipv6Reach},
     netlink::{
         ctnetlink::{ConntrackFlusher, FakeConntrack, NetlinkConntrack},
         rtnl::NetlinkLinks,
@@ -145,8 +145,12 @@ impl Dataplane for IpvsPlane {
         true
     }
 
-    fn programs_ipv6(&self) -> bool {
-        self.ipv6
+    fn programs_ipv6(&self) -> Ipv6Reach {
+        if self.ipv6 {
+            Ipv6Reach::All
+        } else {
+            Ipv6Reach::None
+        }
     }
 
     fn reconcile_interfaces(&mut self) {
