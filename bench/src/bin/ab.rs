@@ -2,15 +2,20 @@
 //! same lab and traffic: kpr's eBPF data plane, kube-proxy's iptables rules (rendered as
 //! kube-proxy renders them, loaded with iptables-restore into the node namespace), and direct
 //! to the pod IP (the ceiling). Also the control-plane cost of both: programming N services and
-//! applying one change. Prints a table, writes JSON and an SVG chart. Figures, not assertions.
+//! applying one change. IPv6 beside them: an IPv6 Service through kpr (eBPF mode balances it at
+//! connect time) against direct to the pod's IPv6 address. Prints a table, writes JSON and an SVG
+//! chart. Figures, not assertions.
 //!
 //!   kpr-ab [--sizes 100,1000,10000,30000] [--seconds 3] [--json FILE] [--svg FILE]
 use std::time::Instant;
 
 use kpr_lab::{
     iptables::{render, Svc},
-    lab::{backend_ip, Lab},
+    lab::{backend_ip, pod_ip6, Lab},
 };
+
+/// The IPv6 Service's address, beside the N IPv4 ones.
+const VIP6: &str = "fd00:10:96::ab";
 
 fn vip(i: u32) -> String {
     format!("10.{}.{}.{}", 96 + i / 65536, (i / 256) % 256, i % 256)
@@ -22,6 +27,16 @@ fn services(n: u32) -> Vec<Svc> {
 
 fn manifests(n: u32) -> String {
     kpr_bench::clusterip_manifests(n, "ab", vip)
+}
+
+/// An IPv6 Service on the lab's three backends' IPv6 addresses.
+fn manifest6() -> String {
+    let eps: Vec<String> = (1..=3).map(|b| format!("{{addresses: [\"{}\"]}}", pod_ip6(&backend_ip(b)))).collect();
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: v6, namespace: ab}}\nspec: {{clusterIP: \"{VIP6}\", clusterIPs: [\"{VIP6}\"], ipFamilies: [IPv6], ports: [{{name: http, port: 80, targetPort: 8080}}]}}\n---\n\
+         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: v6-1, namespace: ab, labels: {{kubernetes.io/service-name: v6}}}}\naddressType: IPv6\nports: [{{name: http, port: 8080}}]\nendpoints: [{}]\n---\n",
+        eps.join(", ")
+    )
 }
 
 struct Row {
@@ -37,7 +52,10 @@ struct Row {
 
 fn measure(lab: &Lab, mode: &str, target: &str, secs: f64) -> (f64, f64, f64, u64) {
     client_ports(lab, mode);
-    let v = lab.peer("pod", &["rate", target, &secs.to_string()]);
+    let args = ["rate", target, &secs.to_string()];
+    // kpr's IPv6 is balanced at connect time: the pod's process sits in the cgroup the agent
+    // attached to (on a node, the cgroup root holds every pod).
+    let v = if mode == "ebpf6" { lab.peer_in_cgroup("pod", &args) } else { lab.peer("pod", &args) };
     if let Some(e) = v["first_error"].as_str() {
         eprintln!("  {target}: {} errors, the first: {e}", v["errors"]);
     }
@@ -49,7 +67,7 @@ fn measure(lab: &Lab, mode: &str, target: &str, secs: f64) -> (f64, f64, f64, u6
 /// pod:p -> VIP in conntrack, kpr: pod:p -> backend) stalls a handshake now and then, a clash
 /// that is the harness's, not the data plane's.
 fn client_ports(lab: &Lab, mode: &str) {
-    let range = match mode {
+    let range = match mode.trim_end_matches('6') {
         "direct" => "10000 24999",
         "ebpf" => "25000 39999",
         _ => "40000 59999",
@@ -104,12 +122,15 @@ fn main() {
         // Direct to the pod: the ceiling.
         let (rate, p50, p99, errors) = measure(&lab, "direct", &format!("{}:8080", backend_ip(1)), secs);
         rows.push(Row { services: n, mode: "direct", rate, p50, p99, errors, program_s: 0.0, change_ms: 0.0 });
-        // eBPF: the agent programs N services from a manifest directory.
+        let (rate, p50, p99, errors) = measure(&lab, "direct6", &format!("[{}]:8080", pod_ip6(&backend_ip(1))), secs);
+        rows.push(Row { services: n, mode: "direct6", rate, p50, p99, errors, program_s: 0.0, change_ms: 0.0 });
+        // eBPF: the agent programs N services (and the IPv6 one) from a manifest directory.
+        std::fs::write(dir.join("v6.yaml"), manifest6()).unwrap();
         std::fs::write(dir.join("services.yaml"), manifests(n)).unwrap();
         let t = Instant::now();
         lab.start_agent();
         // One entry a ClusterIP port (both scopes).
-        lab.wait_for(&format!("{n} services"), |v| v.as_array().is_some_and(|a| a.len() >= n as usize));
+        lab.wait_for(&format!("{n} services"), |v| v.as_array().is_some_and(|a| a.len() > n as usize));
         let program_s = t.elapsed().as_secs_f64();
         // One change: the last service gets a fourth endpoint... the same three, reordered.
         let t = Instant::now();
@@ -128,6 +149,8 @@ fn main() {
         let change_ms = t.elapsed().as_secs_f64() * 1e3;
         let (rate, p50, p99, errors) = measure(&lab, "ebpf", &target, secs);
         rows.push(Row { services: n, mode: "ebpf", rate, p50, p99, errors, program_s, change_ms });
+        let (rate, p50, p99, errors) = measure(&lab, "ebpf6", &format!("[{VIP6}]:80"), secs);
+        rows.push(Row { services: n, mode: "ebpf6", rate, p50, p99, errors, program_s: 0.0, change_ms: 0.0 });
         lab.kill_agent();
         fresh_conntrack(&lab);
         lab.cli(&["cleanup"]);
@@ -156,7 +179,12 @@ fn main() {
     println!();
     for &n in &sizes {
         let get = |m: &str| rows.iter().find(|r| r.services == n && r.mode == m).map(|r| r.rate).unwrap_or(0.0);
-        println!("{n:>8} services: eBPF at {:.0}% of direct; {:.2}x iptables", 100.0 * get("ebpf") / get("direct"), get("ebpf") / get("iptables").max(1e-9));
+        println!(
+            "{n:>8} services: eBPF at {:.0}% of direct; {:.2}x iptables; IPv6 (connect time) at {:.0}% of direct IPv6",
+            100.0 * get("ebpf") / get("direct"),
+            get("ebpf") / get("iptables").max(1e-9),
+            100.0 * get("ebpf6") / get("direct6").max(1e-9)
+        );
     }
     if let Some(path) = opt("--json") {
         let v: Vec<_> = rows.iter().map(|r| serde_json::json!({"services": r.services, "mode": r.mode, "conn_per_s": r.rate, "p50_us": r.p50, "p99_us": r.p99, "errors": r.errors, "program_s": r.program_s, "one_change_ms": r.change_ms})).collect();
