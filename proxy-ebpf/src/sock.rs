@@ -174,6 +174,23 @@ fn user_ip6(sa: &bpf_sock_addr) -> [u32; 4] {
     unsafe { [0usize, 1, 2, 3].map(|i| core::ptr::read_volatile(&sa.user_ip6[i])) }
 }
 
+/// Points an IPv6 socket address at `addr` (an IPv4 one, word 0, in its IPv4-mapped form).
+/// Word by word, at constant offsets, as the verifier wants context stores.
+#[inline(always)]
+fn set_user_ip6(ctx: &SockAddrContext, mapped: bool, addr: &[u32; 4], port: u16) {
+    unsafe {
+        if mapped {
+            (*ctx.sock_addr).user_ip6[3] = addr[0];
+        } else {
+            (*ctx.sock_addr).user_ip6[0] = addr[0];
+            (*ctx.sock_addr).user_ip6[1] = addr[1];
+            (*ctx.sock_addr).user_ip6[2] = addr[2];
+            (*ctx.sock_addr).user_ip6[3] = addr[3];
+        }
+        (*ctx.sock_addr).user_port = u32::from(port);
+    }
+}
+
 #[inline(always)]
 fn is_v4_mapped(ip6: &[u32; 4]) -> bool {
     ip6[0] == 0 && ip6[1] == 0 && ip6[2] == V4_MAPPED_WORD2
@@ -207,17 +224,7 @@ pub fn balance6(ctx: &SockAddrContext) -> i32 {
         Choice::Pass => ALLOW,
         Choice::Deny => DENY,
         Choice::To(be) => {
-            unsafe {
-                if mapped {
-                    (*ctx.sock_addr).user_ip6[3] = be.addr[0];
-                } else {
-                    (*ctx.sock_addr).user_ip6[0] = be.addr[0];
-                    (*ctx.sock_addr).user_ip6[1] = be.addr[1];
-                    (*ctx.sock_addr).user_ip6[2] = be.addr[2];
-                    (*ctx.sock_addr).user_ip6[3] = be.addr[3];
-                }
-                (*ctx.sock_addr).user_port = u32::from(be.port);
-            }
+            set_user_ip6(ctx, mapped, &be.addr, be.port);
             ALLOW
         }
     }
@@ -249,17 +256,7 @@ pub fn reverse6(ctx: &SockAddrContext) -> i32 {
     let addr = if mapped { [ip6[3], 0, 0, 0] } else { ip6 };
     let key = SockRevKey { cookie, addr, port: sa.user_port as u16, _pad: [0; 6] };
     if let Some(v) = unsafe { SOCK_REV.get(&key) } {
-        unsafe {
-            if mapped {
-                (*ctx.sock_addr).user_ip6[3] = v.addr[0];
-            } else {
-                (*ctx.sock_addr).user_ip6[0] = v.addr[0];
-                (*ctx.sock_addr).user_ip6[1] = v.addr[1];
-                (*ctx.sock_addr).user_ip6[2] = v.addr[2];
-                (*ctx.sock_addr).user_ip6[3] = v.addr[3];
-            }
-            (*ctx.sock_addr).user_port = u32::from(v.port);
-        }
+        set_user_ip6(ctx, mapped, &v.addr, v.port);
         bump(counter::REVERSE_NAT);
     }
     ALLOW
