@@ -466,7 +466,8 @@ frontend [fd00:198::1]:30080/TCP external nodeport g/dual:http sched=random affi
         ("EndpointSlice g/dual-6", "endpoints[1].addresses[0]", "FieldNotProgrammed"),
         ("Service g/dual", "spec.ports[0].nodePort", "NotSupported"),
         ("Service g/dual", "status.loadBalancer.ingress[1].ip", "NotSupported"),
-        ("Service g/v4only", "spec.externalIPs[0]", "NotSupported"),
+        // A Service without an IPv6 clusterIP: the same reason in every mode.
+        ("Service g/v4only", "spec.externalIPs[0]", "FieldNotProgrammed"),
     ]
     .into_iter()
     .map(|(o, f, r)| (o.to_string(), f.to_string(), r))
@@ -486,16 +487,78 @@ spec:
   clusterIP: 10.96.3.3
   clusterIPs: [10.96.3.3, "2001:db8::"]
   ports: [{name: http, port: 80}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: six, namespace: g}
+spec:
+  clusterIP: "fd00::3:4"
+  clusterIPs: ["fd00::3:4"]
+  ports: [{name: http, port: 80}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: six-1, namespace: g, labels: {kubernetes.io/service-name: six}}
+addressType: IPv6
+ports: [{name: http, port: 80}]
+endpoints:
+- {addresses: ["fd00:10:244::4"]}
+- {addresses: ["fd00:10::"]}
 "#;
     let mut r = LoadReport::default();
     load_text("anycast.yaml", text, &mut r);
     let d = compute(&r.objects, &NodeInfo::default(), &ModelConfig { ipv6: Ipv6Reach::ClusterIps, ..ModelConfig::default() });
-    assert!(d.frontends.keys().all(|k| k.ip.to_string() == "10.96.3.3"), "{}", d.dump());
-    let reported: Vec<(String, &str)> = d.problems().map(|e| (e.field.clone(), e.reason)).collect();
-    assert_eq!(reported, [("spec.clusterIPs".to_string(), "NotSupported")]);
-    // IPVS mode has no such form: it serves the address.
+    let want = "\
+frontend 10.96.3.3:80/TCP both clusterip g/anycast:http sched=random affinity=0 flags=- ranges=
+frontend [fd00::3:4]:80/TCP both clusterip g/six:http sched=random affinity=0 flags=- ranges=
+  backend [fd00:10:244::4]:80
+";
+    assert_eq!(d.dump(), want, "got:\n{}", d.dump());
+    let reported: Vec<(String, String, &str)> = d.problems().map(|e| (e.object.clone(), e.field.clone(), e.reason)).collect();
+    let want = [("Service g/anycast", "spec.clusterIPs"), ("EndpointSlice g/six-1", "endpoints[1].addresses[0]")]
+        .map(|(o, f)| (o.to_string(), f.to_string(), "NotSupported"));
+    assert_eq!(reported, want);
+    // IPVS mode has no such form: it serves both.
     let d = compute(&r.objects, &NodeInfo::default(), &ModelConfig { ipv6: Ipv6Reach::All, ..ModelConfig::default() });
-    assert_eq!(d.frontends.len(), 2, "{}", d.dump());
+    assert_eq!(d.frontends.len(), 3, "{}", d.dump());
+    assert!(d.problems().next().is_none());
+}
+
+/// What eBPF mode does with its flow table (maximum age, outlier ejection, least-connection)
+/// does not reach IPv6 clusterIPs balanced at connect time: each such annotation of a Service
+/// with one is reported; the IPv4 frontends keep it.
+#[test]
+fn flow_table_annotations_of_a_service_with_an_ipv6_cluster_ip_are_reported() {
+    let text = r#"
+apiVersion: v1
+kind: Service
+metadata:
+  name: dual
+  namespace: g
+  annotations: {kpr.io/max-connection-age: "600", kpr.io/outlier-ejection: "true", kpr.io/scheduler: least-connection}
+spec:
+  clusterIP: 10.96.3.5
+  clusterIPs: [10.96.3.5, "fd00::3:5"]
+  ports: [{name: http, port: 80}]
+"#;
+    let mut r = LoadReport::default();
+    load_text("dual.yaml", text, &mut r);
+    let cfg = ModelConfig { ipv6: Ipv6Reach::ClusterIps, max_connection_age: true, outlier_ejection: true, ..ModelConfig::default() };
+    let d = compute(&r.objects, &NodeInfo::default(), &cfg);
+    let mut reported: Vec<String> = d.problems().map(|e| format!("{} {}", e.field, e.reason)).collect();
+    reported.sort();
+    assert_eq!(
+        reported,
+        [
+            "metadata.annotations[kpr.io/max-connection-age] NotSupported",
+            "metadata.annotations[kpr.io/outlier-ejection] NotSupported",
+            "metadata.annotations[kpr.io/scheduler] NotSupported"
+        ]
+    );
+    assert_eq!(d.frontends.len(), 2, "both clusterIPs are programmed: {}", d.dump());
+    // IPv4 only: nothing to report.
+    let d = compute(&r.objects, &NodeInfo::default(), &ModelConfig { ipv6: Ipv6Reach::None, ..cfg });
+    assert_eq!(d.problems().filter(|e| e.field.starts_with("metadata")).count(), 0);
 }
 
 /// An incremental sync (the changed Services computed alone, then put in place) gives what a

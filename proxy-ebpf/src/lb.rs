@@ -50,12 +50,25 @@ pub fn flow_hash(f: &Flow) -> u32 {
     h ^ (h >> 16)
 }
 
+/// How a flow's backend is picked.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Pick {
+    /// By the service's scheduler.
+    Scheduler,
+    /// By the flow hash whatever the scheduler (Maglev: its table), so that the datagrams of
+    /// one unconnected UDP socket, each balanced on its own at sendmsg, keep one backend while
+    /// the service's backends stay.
+    Hash,
+}
+
 #[inline(always)]
-fn schedule(svc: &ServiceValue, f: &Flow) -> Option<u32> {
+fn schedule(svc: &ServiceValue, f: &Flow, pick: Pick) -> Option<u32> {
     let count = svc.backend_count;
     let slot = if svc.scheduler == SCHED_MAGLEV {
         let idx = svc.maglev_row * MAGLEV_TABLE_SIZE + flow_hash(f) % MAGLEV_TABLE_SIZE;
         return MAGLEV.get(idx).copied().filter(|id| *id != 0);
+    } else if pick == Pick::Hash {
+        flow_hash(f) % count + 1
     } else if svc.scheduler == SCHED_LEAST_CONN || svc.scheduler == SCHED_P2C {
         return least_loaded(svc);
     } else if svc.scheduler == SCHED_ROUND_ROBIN {
@@ -122,7 +135,7 @@ fn least_loaded(svc: &ServiceValue) -> Option<u32> {
 /// Picks the backend of a new flow. The remembered ClientIP backend wins inside the timeout
 /// (and its timestamp is refreshed); otherwise the scheduler picks and the choice is remembered.
 #[inline(always)]
-pub fn select_backend(svc: &ServiceValue, f: &Flow, now: u64) -> Option<(u32, Backend)> {
+pub fn select_backend(svc: &ServiceValue, f: &Flow, now: u64, pick: Pick) -> Option<(u32, Backend)> {
     let affinity_ns = u64::from(svc.affinity_timeout_s) * 1_000_000_000;
     let aff_key = AffinityKey { client: [f.saddr, 0, 0, 0], service_id: svc.service_id };
     if affinity_ns != 0 {
@@ -141,7 +154,7 @@ pub fn select_backend(svc: &ServiceValue, f: &Flow, now: u64) -> Option<(u32, Ba
             }
         }
     }
-    let id = schedule(svc, f)?;
+    let id = schedule(svc, f, pick)?;
     let be = *unsafe { BACKENDS.get(&id) }?;
     if affinity_ns != 0 {
         let v = AffinityValue { last_used_ns: now, backend_id: id, generation: svc.generation, _pad: 0 };

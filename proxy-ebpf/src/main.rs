@@ -35,6 +35,7 @@ use aya_ebpf::{
 };
 use proxy_common::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
+use lb::Pick;
 use parse::Parsed;
 use pkt::{Tc, Xdp};
 
@@ -73,11 +74,11 @@ program!("xdp" XDP_INGRESS: fn xdp_ingress(ctx: XdpContext, xdp_md) -> u32 {
 });
 
 program!("cgroup/connect4" CONNECT4: fn connect4(ctx: SockAddrContext, bpf_sock_addr) -> i32 {
-    sock::balance(&ctx)
+    sock::balance(&ctx, Pick::Scheduler)
 });
 
 program!("cgroup/sendmsg4" SENDMSG4: fn sendmsg4(ctx: SockAddrContext, bpf_sock_addr) -> i32 {
-    sock::balance(&ctx)
+    sock::balance(&ctx, Pick::Hash)
 });
 
 program!("cgroup/recvmsg4" RECVMSG4: fn recvmsg4(ctx: SockAddrContext, bpf_sock_addr) -> i32 {
@@ -89,11 +90,11 @@ program!("cgroup/getpeername4" GETPEERNAME4: fn getpeername4(ctx: SockAddrContex
 });
 
 program!("cgroup/connect6" CONNECT6: fn connect6(ctx: SockAddrContext, bpf_sock_addr) -> i32 {
-    sock::balance6(&ctx)
+    sock::balance6(&ctx, Pick::Scheduler)
 });
 
 program!("cgroup/sendmsg6" SENDMSG6: fn sendmsg6(ctx: SockAddrContext, bpf_sock_addr) -> i32 {
-    sock::balance6(&ctx)
+    sock::balance6(&ctx, Pick::Hash)
 });
 
 program!("cgroup/recvmsg6" RECVMSG6: fn recvmsg6(ctx: SockAddrContext, bpf_sock_addr) -> i32 {

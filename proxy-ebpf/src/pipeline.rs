@@ -215,7 +215,7 @@ fn new_flow<P: Pkt>(p: &mut P, f: &Flow, svc: &ServiceValue, cfg: &DatapathConfi
         bump(counter::REJECT_NO_BACKEND);
         return NewFlow::Reject;
     }
-    let Some((backend_id, be)) = lb::select_backend(svc, f, now) else {
+    let Some((backend_id, be)) = lb::select_backend(svc, f, now, lb::Pick::Scheduler) else {
         bump(counter::MISS_BACKEND);
         return NewFlow::Done(Verdict::Drop);
     };

@@ -25,7 +25,7 @@ use proxy_common::{
 
 use crate::{
     counters::bump,
-    lb,
+    lb::{self, Pick},
     maps::{CONFIG, SERVICES, SOCK_REV, SOURCE_RANGES},
     parse::Flow,
     pkt::L4Csum,
@@ -111,7 +111,7 @@ enum Choice {
 /// The backend for a socket asking for `vip` (the flow's port and protocol), remembered in
 /// KPR_SOCK_REV_V1 for the reverse hooks.
 #[inline(always)]
-fn choose(f: &Flow, vip: [u32; 4], cookie: u64) -> Choice {
+fn choose(f: &Flow, vip: [u32; 4], cookie: u64, pick: Pick) -> Choice {
     let key = ServiceKey { addr: vip, port: f.dport, proto: f.proto, scope: SCOPE_INTERNAL };
     let Some(svc) = (unsafe { SERVICES.get(&key) }).copied() else { return Choice::Pass };
     if svc.flags & SVC_F_SOURCE_RANGES != 0 {
@@ -127,7 +127,7 @@ fn choose(f: &Flow, vip: [u32; 4], cookie: u64) -> Choice {
         return Choice::Deny;
     }
     let now = unsafe { aya_ebpf::helpers::bpf_ktime_get_coarse_ns() };
-    let Some((backend_id, be)) = lb::select_backend(&svc, f, now) else {
+    let Some((backend_id, be)) = lb::select_backend(&svc, f, now, pick) else {
         bump(counter::MISS_BACKEND);
         return Choice::Deny;
     };
@@ -140,8 +140,9 @@ fn choose(f: &Flow, vip: [u32; 4], cookie: u64) -> Choice {
 }
 
 /// IPv4 sockets: points the socket at a backend. Denies when the service has no endpoints.
+/// `pick`: Pick::Hash at sendmsg (every datagram of an unconnected socket comes here).
 #[inline(always)]
-pub fn balance(ctx: &SockAddrContext) -> i32 {
+pub fn balance(ctx: &SockAddrContext, pick: Pick) -> i32 {
     let Some(cfg) = CONFIG.get(0) else { return ALLOW };
     // A pod's socket: its packets are balanced at its interface.
     if !host_socket(ctx, cfg) {
@@ -151,7 +152,7 @@ pub fn balance(ctx: &SockAddrContext) -> i32 {
     let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr as *mut _) };
     // The node is the client (its address keys ClientIP affinity).
     let Some(f) = flow_of(sa, cfg.snat_addr[0], sa.user_ip4, cookie) else { return ALLOW };
-    match choose(&f, [f.daddr, 0, 0, 0], cookie) {
+    match choose(&f, [f.daddr, 0, 0, 0], cookie, pick) {
         Choice::Pass => ALLOW,
         Choice::Deny => DENY,
         Choice::To(be) => {
@@ -197,9 +198,10 @@ fn is_v4_mapped(ip6: &[u32; 4]) -> bool {
 }
 
 /// IPv6 sockets: an IPv6 Service (every socket), or an IPv4 Service through an IPv4-mapped
-/// address (the node's sockets, as `balance`).
+/// address (the node's sockets, as `balance`; connect6 only: the kernel hands an unconnected
+/// datagram to a mapped address to sendmsg4).
 #[inline(always)]
-pub fn balance6(ctx: &SockAddrContext) -> i32 {
+pub fn balance6(ctx: &SockAddrContext, pick: Pick) -> i32 {
     let Some(cfg) = CONFIG.get(0) else { return ALLOW };
     let sa = unsafe { &*ctx.sock_addr };
     let ip6 = user_ip6(sa);
@@ -220,7 +222,7 @@ pub fn balance6(ctx: &SockAddrContext) -> i32 {
     };
     // (daddr feeds only the flow hash here.)
     let Some(f) = flow_of(sa, client, vip[0] ^ vip[1] ^ vip[2] ^ vip[3], cookie) else { return ALLOW };
-    match choose(&f, vip, cookie) {
+    match choose(&f, vip, cookie, pick) {
         Choice::Pass => ALLOW,
         Choice::Deny => DENY,
         Choice::To(be) => {

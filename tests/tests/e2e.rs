@@ -97,12 +97,20 @@ fn clusterip_nodeport_udp_lb_and_reject_on_real_traffic() {
         assert_eq!(errors(&v), 0, "{role} -> IPv6 ClusterIP UDP: {v}");
         assert!(per_backend(&v).iter().all(|(b, _)| b == "b1" || b == "b2"), "{v}");
     }
+    // One unconnected UDP socket's datagrams, each balanced at sendmsg, keep one backend (the
+    // Service's scheduler is random): the node's IPv4 socket, a pod's IPv6 one, and the node's
+    // IPv6 socket to the IPv4-mapped address (the kernel hands that one to sendmsg4).
+    for (role, target) in [("host", "10.96.0.60:53"), ("pod", "[fd00:10:96::60]:53"), ("host", "[::ffff:10.96.0.60]:53")] {
+        let v = in_cgroup(role, &["udpu", target, "20"]);
+        assert_eq!((errors(&v), per_backend(&v).len()), (0, 1), "{role} -> {target}, one unconnected socket: {v}");
+    }
     // An IPv6 socket of the node reaching an IPv4 Service through its IPv4-mapped address
-    // (Java's default); a pod's goes out as IPv4, through TC.
+    // (Java's default); a pod's goes out as IPv4, through TC (the pod in the cgroup: connect6
+    // runs, and leaves it alone).
     assert_even(&lab.peer("host", &["burst", "[::ffff:10.96.0.10]:80", "tcp", "300"]), 300, "node IPv6 socket -> IPv4-mapped ClusterIP");
     let v = lab.peer("host", &["burst", "[::ffff:10.96.0.53]:53", "udp", "20"]);
     assert_eq!(errors(&v), 0, "the answer shows the IPv4-mapped service address: {v}");
-    let v = lab.peer("pod", &["burst", "[::ffff:10.96.0.10]:80", "tcp", "30"]);
+    let v = lab.peer_in_cgroup("pod", &["burst", "[::ffff:10.96.0.10]:80", "tcp", "30"]);
     assert_eq!((errors(&v), per_backend(&v).len()), (0, 3), "pod IPv6 socket -> IPv4-mapped ClusterIP: {v}");
     let ct = lab.cli(&["conntrack"]);
     assert!(ct.contains("10.96.0.10:80"), "{ct}");

@@ -10,7 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use kpr_lab::lab::{errors, per_backend, Lab, CLIENT_IP};
+use kpr_lab::lab::{errors, per_backend, pod_ip6, Lab, CLIENT_IP};
 
 fn service(name: &str, vip: &str, port: u16, target: u16, proto: &str, eps: &[(&str, &str)], extra_spec: &str, annotations: &str) -> String {
     let eps: String = eps.iter().map(|(a, n)| format!("- {{addresses: [\"{a}\"], conditions: {{ready: true}}, nodeName: {n}}}\n")).collect();
@@ -33,7 +33,13 @@ fn write_services_with(dir: &PathBuf, dns_backends: &[&str], web_backends: &[&st
     let dns: Vec<(&str, &str)> = dns_backends.iter().map(|b| (*b, A)).collect();
     let web: Vec<(&str, &str)> = web_backends.iter().map(|b| (*b, A)).collect();
     let mut y = String::new();
-    y += &service("dns", "10.96.0.53", 53, 5353, "UDP", &dns, "", "");
+    // Dual-stack: its IPv6 half is balanced at connect time.
+    y += &service("dns", "10.96.0.53", 53, 5353, "UDP", &dns, "  clusterIPs: [10.96.0.53, \"fd00:10:96::53\"]\n  ipFamilies: [IPv4, IPv6]\n", "");
+    let dns6: String = dns_backends.iter().map(|b| format!("- {{addresses: [\"{}\"], conditions: {{ready: true}}, nodeName: {A}}}\n", pod_ip6(b))).collect();
+    y += &format!(
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: dns-6, namespace: fl, labels: {{kubernetes.io/service-name: dns}}}}\naddressType: IPv6\nports: [{{name: p, port: 5353, protocol: UDP}}]\nendpoints:{}---\n",
+        if dns6.is_empty() { " []\n".to_string() } else { format!("\n{dns6}") }
+    );
     y += &service("web", "10.96.0.10", 80, 8080, "TCP", &web, "", "");
     y += &service(
         "sticky",
@@ -81,6 +87,7 @@ fn udp_client_across_removal(lab: &Lab, role: &str, target: &str, dir: &PathBuf)
     let others: Vec<&str> = ALL.into_iter().filter(|ip| ip.split('.').nth(2) != Some(&first[1..])).collect();
     write_services(dir, &others);
     lab.wait_backends("10.96.0.53:53", 2);
+    lab.wait_backends("[fd00:10:96::53]:53", 2);
     // The cleanup runs right after the sync that removed the endpoint: give it a moment.
     let removed_at = Instant::now() + Duration::from_millis(300);
     let mut after = Vec::new();
@@ -114,10 +121,12 @@ fn udp_clients_leave_a_removed_endpoint_at_once() {
     assert_eq!(errs, 0, "a pod's socket is connected to the VIP: nothing to tell it");
     // The node's own process: connect-time balancing connected its socket to the endpoint
     // itself, so the socket is ended (ECONNABORTED) and the client reconnects elsewhere. The
-    // same for an IPv6 socket through the IPv4-mapped address (sock_diag's IPv6 table).
-    for (ended, target) in [(1, "10.96.0.53:53"), (2, "[::ffff:10.96.0.53]:53")] {
+    // same for an IPv6 socket through the IPv4-mapped address, and to the IPv6 clusterIP
+    // (sock_diag's IPv6 table).
+    for (ended, target) in [(1, "10.96.0.53:53"), (2, "[::ffff:10.96.0.53]:53"), (3, "[fd00:10:96::53]:53")] {
         write_services(&dir, &ALL);
         lab.wait_backends("10.96.0.53:53", 3);
+        lab.wait_backends("[fd00:10:96::53]:53", 3);
         let (first, after, errs) = udp_client_across_removal(&lab, "host", target, &dir);
         assert!(!after.is_empty(), "the node's client of {target} reconnected");
         assert!(after.iter().all(|n| *n != first), "answers from the removed endpoint {first} to a node process ({target}): {after:?}");

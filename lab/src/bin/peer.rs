@@ -16,6 +16,9 @@
 //!   bulk   IP:PORT BYTES                   one TCP connection: BYTES up, then BYTES down; prints JSON
 //!   udpc   IP:PORT COUNT                   COUNT requests on one connected UDP socket (ICMP errors
 //!                                          surface as errors, e.g. "Connection refused"); prints JSON
+//!   udpu   IP:PORT COUNT                   COUNT requests on one unconnected UDP socket (sendto,
+//!                                          recvfrom; an answer from another address is an error);
+//!                                          prints JSON
 //!   udpc-hold IP:PORT SECONDS              a connected UDP socket, a request every 50 ms; prints
 //!                                          "MS NAME" per answer, "MS error E" per failure (then
 //!                                          reconnects), finally JSON
@@ -429,6 +432,27 @@ fn main() {
                         let mut buf = [0u8; 256];
                         let r = s.send(b"hi").and_then(|_| s.recv(&mut buf)).map(|n| String::from_utf8_lossy(&buf[..n]).to_string());
                         t.add(r.map_err(|e| e.to_string()));
+                    }
+                }
+                Err(e) => t.fail(e.to_string()),
+            }
+            t.report();
+        }
+        "udpu" => {
+            let target: SocketAddr = arg(1).parse().unwrap();
+            let count: u64 = arg(2).parse::<u64>().unwrap().min(10_000);
+            let mut t = Tally::default();
+            match UdpSocket::bind(if target.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" }) {
+                Ok(s) => {
+                    s.set_read_timeout(Some(Duration::from_millis(1500))).ok();
+                    for _ in 0..count {
+                        let mut buf = [0u8; 256];
+                        let r = s.send_to(b"hi", target).and_then(|_| s.recv_from(&mut buf));
+                        t.add(match r {
+                            Ok((n, from)) if from == target => Ok(String::from_utf8_lossy(&buf[..n]).to_string()),
+                            Ok((_, from)) => Err(format!("reply from {from}, not {target}")),
+                            Err(e) => Err(e.to_string()),
+                        });
                     }
                 }
                 Err(e) => t.fail(e.to_string()),

@@ -3,7 +3,7 @@ use std::{collections::BTreeSet, net::IpAddr, sync::Arc};
 
 use crate::model::{
     objects::{err, unsupported, ObjectError, SliceObject},
-    BackendKey, Ipv6Reach, NodeInfo, Protocol,
+    BackendKey, Ipv6Reach, NodeInfo, Protocol, NO_WIRE_FORM,
 };
 
 #[derive(Clone, Debug)]
@@ -93,6 +93,9 @@ pub(crate) fn port_endpoints(
             let local = ep.node_name.as_deref() == Some(node.name.as_str());
             for (ai, a) in ep.addresses.iter().enumerate() {
                 match a.ip() {
+                    Some(ip) if ipv6 == Ipv6Reach::ClusterIps && !proxy_common::user::has_wire_form(ip) => {
+                        unsupported(errors, &sobj, format!("endpoints[{ei}].addresses[{ai}]"), format!("{ip}: {NO_WIRE_FORM}"))
+                    }
                     Some(ip) if ip.is_ipv4() == v4 => eps.push(Ep { ip, port: tport, ready, serving, terminating, local, zones: ep.zones.clone() }),
                     _ => {
                         err(errors, &sobj, format!("endpoints[{ei}].addresses[{ai}]"), format!("{:?} is not an {} address", a.to_string(), slice.address_type))

@@ -191,6 +191,11 @@ pub struct NodeInfo {
     pub zone: Option<String>,
 }
 
+/// Why an IPv6 address is not programmed where the plane serves IPv6 clusterIPs only (eBPF mode,
+/// whose maps keep an address as four words, IPv4 in word 0).
+pub(crate) const NO_WIRE_FORM: &str =
+    "an IPv6 address whose last 96 bits are zero (a Subnet-Router anycast address) has an IPv4 address's form in the eBPF maps; not programmed";
+
 /// Which IPv6 parts of Services a data plane serves.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Ipv6Reach {

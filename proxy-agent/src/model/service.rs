@@ -6,18 +6,20 @@ use k8s_openapi::api::core::v1::ServiceSpec;
 use proxy_common::limits::MAX_BACKENDS_PER_SERVICE;
 
 use crate::model::{
-    annotations::{ipvs_options, max_connection_age, outlier_ejection, scheduler, IpvsForward, IPVS_FORWARD_ANNOTATION},
+    annotations::{
+        ipvs_options, max_connection_age, outlier_ejection, scheduler, IpvsForward, IPVS_FORWARD_ANNOTATION, MAX_CONNECTION_AGE_ANNOTATION,
+        OUTLIER_EJECTION_ANNOTATION, SCHEDULER_ANNOTATION,
+    },
     endpoints::{port_endpoints, to_keys_of, topology_filtered, usable, Ep},
     objects::{err, unsupported, Address, ObjectError, ServiceObject, SliceObject},
-    BackendKey, DesiredState, Frontend, FrontendKey, FrontendKind, Ipv6Reach, ModelConfig, NodeInfo, Protocol, Scope, DEFAULT_AFFINITY_TIMEOUT_S,
+    BackendKey, DesiredState, Frontend, FrontendKey, FrontendKind, Ipv6Reach, ModelConfig, NodeInfo, Protocol, Scheduler, Scope, DEFAULT_AFFINITY_TIMEOUT_S,
+    NO_WIRE_FORM,
 };
 
 const NO_IPV6: &str = "this data plane serves no IPv6; the IPv4 parts of this Service are programmed";
 /// eBPF mode (Ipv6Reach::ClusterIps).
 const IPV6_CLUSTER_IPS_ONLY: &str =
     "the eBPF fast path serves IPv6 clusterIPs only (at connect time), not IPv6 NodePorts, externalIPs or load-balancer IPs (IPVS mode does); the rest of this Service is programmed";
-const NO_WIRE_FORM: &str =
-    "an IPv6 address whose last 96 bits are zero (a Subnet-Router anycast address) has an IPv4 address's form in the eBPF maps; not programmed";
 const NO_CLUSTER_IP_OF_FAMILY: &str = "the Service has no clusterIP of this family (spec.ipFamilies): kube-proxy serves none of its addresses of it either";
 
 /// How a frontend treats the client's address.
@@ -62,6 +64,27 @@ pub(super) fn service_frontends(
     let ipvs = ipvs_options(svc.annotations.as_ref(), &object, errors);
     let max_connection_age_s = max_connection_age(svc.annotations.as_ref(), cfg.max_connection_age, &object, errors);
     let outlier_ejection = outlier_ejection(svc.annotations.as_ref(), cfg.outlier_ejection, &object, errors);
+    // IPv6 clusterIPs balanced at connect time have no flow table: what works from it does not
+    // apply to them (the IPv4 frontends keep it).
+    if cfg.ipv6 == Ipv6Reach::ClusterIps && addrs.cluster.iter().any(IpAddr::is_ipv6) {
+        let by_flows = [
+            (max_connection_age_s != 0, MAX_CONNECTION_AGE_ANNOTATION),
+            (outlier_ejection, OUTLIER_EJECTION_ANNOTATION),
+            (
+                matches!(scheduler, Scheduler::LeastConnection | Scheduler::PowerOfTwo)
+                    && svc.annotations.as_ref().is_some_and(|a| a.contains_key(SCHEDULER_ANNOTATION)),
+                SCHEDULER_ANNOTATION,
+            ),
+        ];
+        for (_, annotation) in by_flows.iter().filter(|(set, _)| *set) {
+            unsupported(
+                errors,
+                &object,
+                format!("metadata.annotations[{annotation}]"),
+                "not applied to the IPv6 clusterIPs: eBPF mode balances them at connect time, without the flow table this needs (least-connection and P2C pick at random there); the IPv4 frontends have it",
+            );
+        }
+    }
 
     if etp_local && matches!(svc_type, "LoadBalancer" | "NodePort") {
         if let Some(hc) = spec.health_check_node_port {
@@ -271,6 +294,8 @@ fn addresses(svc: &ServiceObject, spec: &ServiceSpec, ipv6: Ipv6Reach, object: &
             Err(_) => err(errors, object, format!("spec.clusterIPs[{i}]"), format!("{s:?} is not an IP address")),
         }
     }
+    // The Service's families, whatever the plane serves of them.
+    let families: Vec<bool> = cluster_ips.iter().map(IpAddr::is_ipv4).collect();
     match ipv6 {
         Ipv6Reach::None => {
             for ip in cluster_ips.iter().filter(|ip| ip.is_ipv6()) {
@@ -289,12 +314,12 @@ fn addresses(svc: &ServiceObject, spec: &ServiceSpec, ipv6: Ipv6Reach, object: &
     }
     // Another address of a family: served when the data plane and the Service both have it.
     let servable = |ip: IpAddr, field: String, errors: &mut Vec<ObjectError>| -> bool {
-        if ip.is_ipv6() && ipv6 != Ipv6Reach::All {
+        if !families.contains(&ip.is_ipv4()) {
+            err(errors, object, field, format!("{ip}: {NO_CLUSTER_IP_OF_FAMILY}"));
+            false
+        } else if ip.is_ipv6() && ipv6 != Ipv6Reach::All {
             let why = if ipv6 == Ipv6Reach::None { NO_IPV6 } else { IPV6_CLUSTER_IPS_ONLY };
             unsupported(errors, object, field, format!("{ip}: {why}"));
-            false
-        } else if !cluster_ips.iter().any(|c| c.is_ipv4() == ip.is_ipv4()) {
-            err(errors, object, field, format!("{ip}: {NO_CLUSTER_IP_OF_FAMILY}"));
             false
         } else {
             true

@@ -63,6 +63,8 @@ pub struct EbpfPlane {
     /// While handing over: the TCP Services' (address, port) at the last sync.
     tcp_frontends: BTreeSet<(std::net::IpAddr, u16)>,
     stats: SharedStats,
+    /// The connect-time programs are attached (`--cgroup`): they alone serve IPv6 clusterIPs.
+    connect_time: bool,
 }
 
 /// What a sync tells the collector.
@@ -172,6 +174,7 @@ impl EbpfPlane {
             handover,
             tcp_frontends: BTreeSet::new(),
             stats,
+            connect_time: cgroup.is_some(),
         })
     }
 }
@@ -186,7 +189,11 @@ impl Dataplane for EbpfPlane {
     }
 
     fn programs_ipv6(&self) -> Ipv6Reach {
-        Ipv6Reach::ClusterIps
+        if self.connect_time {
+            Ipv6Reach::ClusterIps
+        } else {
+            Ipv6Reach::None
+        }
     }
 
     fn ejects_outliers(&self) -> bool {
