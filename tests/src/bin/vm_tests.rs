@@ -12,14 +12,12 @@ use std::{
 
 use anyhow::{ensure, Context, Result};
 use kpr_lab::{
-    lab::{errors, per_backend, Cni, Lab, LabSpec, NODE_IP},
+    lab::{errors, per_backend, Cni, Lab, LabSpec, NODE_IP, NODE_IP6},
     must, sh,
 };
 use proxy_agent::dataplane::ipvs::client::{flags, DestConfig, FwdMethod, Ipvs, NetlinkIpvs, ServiceConfig, ServiceId, Timeouts, TunType, Write};
 
 const PREFIX: &str = "kvm";
-/// Node A's IPv6 underlay address (ipv6_service).
-const NODE_IP6: &str = "fd00:198::1";
 
 fn sorted_lines(s: &str) -> Vec<String> {
     let mut v: Vec<String> = s.lines().map(str::trim).filter(|l| !l.is_empty()).map(String::from).collect();
@@ -555,8 +553,7 @@ fn sctp_service(lab: &Lab) -> Result<()> {
 /// cluster CIDR), NodePort on the node's IPv6 address, and the LoadBalancer IP.
 fn ipv6_service(lab: &Lab) -> Result<()> {
     let (n, cl) = (node(lab), lab.ns("cl"));
-    must(&format!("ip netns exec {n} sysctl -qw net.ipv6.conf.all.forwarding=1"));
-    must(&format!("ip -n {n} addr add {NODE_IP6}/64 dev up0 nodad"));
+    // (The lab gives node A its IPv6 underlay address, NODE_IP6, and IPv6 forwarding.)
     must(&format!("ip -n {cl} addr add fd00:198::2/64 dev c0 nodad"));
     for net in ["fd00:96::/112", "2001:db8::/64"] {
         must(&format!("ip -n {cl} route add {net} via {NODE_IP6}"));
