@@ -33,6 +33,7 @@ macro_rules! map_name {
     // V3: the key carries the hook direction, one flow has up to four entries.
     (CONNTRACK) => { "KPR_CT_V3" };
     (CONNTRACK_NEW) => { "KPR_CT_NEW_V1" };
+    (CONNTRACK6) => { "KPR_CT6_V1" };
     (IFACES) => { "KPR_IFACE_V1" };
     (AFFINITY) => { "KPR_AFF_V1" };
     (SOURCE_RANGES) => { "KPR_SRCRNG_V1" };
@@ -55,6 +56,7 @@ macro_rules! map_name {
     (SET_IP) => { "KPR_SET_IP_V2" };
     // Per-CPU scratch space, never pinned.
     (CT_SCRATCH) => { "KPR_CT_SCRATCH" };
+    (CT_SCRATCH6) => { "KPR_CT_SCRATCH6" };
     (FLOW_CACHE) => { "KPR_FLOW_CACHE" };
     (CLOCK) => { "KPR_CLOCK" };
 }
@@ -69,6 +71,8 @@ pub mod map_names {
     pub const CONNTRACK: &str = map_name!(CONNTRACK);
     /// TCP flows whose handshake has not completed yet: a flood of them cannot evict assured ones.
     pub const CONNTRACK_NEW: &str = map_name!(CONNTRACK_NEW);
+    /// IPv6 flows through the packet path (NodePorts, externalIPs, LB IPs; see CtKey6).
+    pub const CONNTRACK6: &str = map_name!(CONNTRACK6);
     /// Interface index -> what the data path needs to know of it (IfaceInfo).
     pub const IFACES: &str = map_name!(IFACES);
     pub const AFFINITY: &str = map_name!(AFFINITY);
@@ -112,13 +116,14 @@ pub mod map_names {
         "KPR_RR_V1",
     ];
     /// Every map the fast path pins.
-    pub const ALL: [&str; 17] = [
+    pub const ALL: [&str; 18] = [
         SERVICES,
         SLOTS,
         MAGLEV,
         BACKENDS,
         CONNTRACK,
         CONNTRACK_NEW,
+        CONNTRACK6,
         IFACES,
         AFFINITY,
         SOURCE_RANGES,
@@ -140,6 +145,7 @@ pub mod map_names {
 macro_rules! prog_name {
     (TC_INGRESS) => { "kpr_tc_ingress" };
     (TC_EGRESS) => { "kpr_tc_egress" };
+    (TC_INGRESS6) => { "kpr_tc_ingress6" };
     (XDP_INGRESS) => { "kpr_xdp_ingress" };
     (TC_PASS) => { "kpr_tc_pass" };
     (XDP_PASS) => { "kpr_xdp_pass" };
@@ -166,14 +172,18 @@ pub mod prog_names {
     /// the node's netfilter, as kube-proxy's POSTROUTING does.
     pub const TC_EGRESS: &str = prog_name!(TC_EGRESS);
     pub const XDP_INGRESS: &str = prog_name!(XDP_INGRESS);
+    /// TC ingress on the uplinks, IPv6 only: traffic from outside to the node's IPv6 NodePorts,
+    /// externalIPs and LB IPs (XDP passes IPv6 on; the masquerade mark needs an skb).
+    pub const TC_INGRESS6: &str = prog_name!(TC_INGRESS6);
     pub const TC_PASS: &str = prog_name!(TC_PASS);
     pub const XDP_PASS: &str = prog_name!(XDP_PASS);
     pub const CONNECT4: &str = prog_name!(CONNECT4);
     pub const SENDMSG4: &str = prog_name!(SENDMSG4);
     pub const RECVMSG4: &str = prog_name!(RECVMSG4);
     pub const GETPEERNAME4: &str = prog_name!(GETPEERNAME4);
-    /// IPv6 sockets: IPv6 Services (every socket of the node, pods' too: the TC and XDP fast
-    /// path is IPv4 only) and IPv4 Services through IPv4-mapped addresses (the node's sockets).
+    /// IPv6 sockets: IPv6 Services (every socket of the node, pods' too: the TC fast path on
+    /// pod interfaces is IPv4 only) and IPv4 Services through IPv4-mapped addresses (the node's
+    /// sockets).
     pub const CONNECT6: &str = prog_name!(CONNECT6);
     pub const SENDMSG6: &str = prog_name!(SENDMSG6);
     pub const RECVMSG6: &str = prog_name!(RECVMSG6);
@@ -286,6 +296,8 @@ pub mod limits {
     pub const MAX_CONNTRACK: u32 = 524_288;
     /// TCP flows between their first SYN and the end of the handshake (see KPR_CT_NEW_V1).
     pub const MAX_CONNTRACK_NEW: u32 = 131_072;
+    /// IPv6 flows through the packet path (KPR_CT6_V1): two entries a flow.
+    pub const MAX_CONNTRACK6: u32 = 65_536;
     /// Interfaces with their own masquerade address (KPR_IFADDR_V1).
     pub const MAX_IFACES: u32 = 4096;
     pub const MAX_AFFINITY: u32 = 131_072;
@@ -643,6 +655,66 @@ impl CtValue {
     }
 }
 
+/// Conntrack key of an IPv6 flow through the packet path (KPR_CT6_V1): NodePorts on the node's
+/// IPv6 addresses, externalIPs and LB IPs, from outside the node (IPv6 clusterIPs are balanced
+/// at connect time and have no flow). The DNAT and the reply's reverse DNAT are kpr's; the
+/// masquerade is netfilter's (kpr's ip6tables rule, by the 0x4000 mark the forward entry sets),
+/// so a flow has two entries:
+///
+/// | entry | key | rewrite to |
+/// |---|---|---|
+/// | forward (DNAT) | ingress C:c -> V:v | C:p -> B:b (and the mark when CT_F_SNAT) |
+/// | reverse DNAT (reply) | egress B:b -> C:p | V:v -> C:c |
+///
+/// The reply reaches egress after netfilter undid its masquerade, as B:b -> C:p.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Pod, Zeroable)]
+pub struct CtKey6 {
+    /// Network order.
+    pub saddr: [u32; 4],
+    /// Network order.
+    pub daddr: [u32; 4],
+    /// Network order.
+    pub sport: u16,
+    /// Network order.
+    pub dport: u16,
+    pub proto: u8,
+    /// CT_DIR_INGRESS or CT_DIR_EGRESS.
+    pub dir: u8,
+    pub _pad: u16,
+}
+const _: () = assert!(core::mem::size_of::<CtKey6>() == 40);
+
+/// Conntrack value of an IPv6 flow (see [`CtKey6`]); the flags are CtValue's.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct CtValue6 {
+    /// CLOCK_MONOTONIC (coarse) ns of the last packet.
+    pub last_seen_ns: u64,
+    /// Network order.
+    pub new_saddr: [u32; 4],
+    /// Network order.
+    pub new_daddr: [u32; 4],
+    /// Network order.
+    pub new_sport: u16,
+    /// Network order.
+    pub new_dport: u16,
+    pub backend_id: u32,
+    pub service_id: u32,
+    pub flags: u16,
+    pub _pad: u16,
+}
+const _: () = assert!(core::mem::size_of::<CtValue6>() == 56);
+
+impl CtKey6 {
+    /// The key of the packet a rewrite produces, travelling the other way (a forward entry's
+    /// value gives its reverse-DNAT key).
+    #[inline(always)]
+    pub fn reversed_of(v: &CtValue6, proto: u8, dir: u8) -> Self {
+        Self { saddr: v.new_daddr, daddr: v.new_saddr, sport: v.new_dport, dport: v.new_sport, proto, dir, _pad: 0 }
+    }
+}
+
 /// Per-CPU scratch space where the data path builds a flow's conntrack entries (the BPF stack
 /// is 512 bytes). Kernel-only; user space never reads it.
 #[repr(C)]
@@ -652,6 +724,15 @@ pub struct CtScratch {
     pub values: [CtValue; 3],
 }
 const _: () = assert!(core::mem::size_of::<CtScratch>() == 144);
+
+/// `CtScratch` for an IPv6 flow's two entries. Kernel-only.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct CtScratch6 {
+    pub keys: [CtKey6; 2],
+    pub values: [CtValue6; 2],
+}
+const _: () = assert!(core::mem::size_of::<CtScratch6>() == 192);
 
 /// Flow cache entry: a per-CPU, direct-mapped copy of an established flow's conntrack rewrite,
 /// in an array the verifier inlines (a hash-map probe is several calls). Valid while its
@@ -842,6 +923,8 @@ pub mod user {
     unsafe impl aya::Pod for Backend {}
     unsafe impl aya::Pod for CtKey {}
     unsafe impl aya::Pod for CtValue {}
+    unsafe impl aya::Pod for CtKey6 {}
+    unsafe impl aya::Pod for CtValue6 {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityValue {}
     unsafe impl aya::Pod for SourceRangeKey {}

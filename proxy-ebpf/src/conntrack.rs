@@ -345,7 +345,7 @@ fn move_assured(k: &CtKey) {
 
 /// A random port of the SNAT range, network order.
 #[inline(always)]
-fn random_port(cfg: &DatapathConfig) -> u16 {
+pub fn random_port(cfg: &DatapathConfig) -> u16 {
     let (lo, hi) = if cfg.snat_port_min != 0 && cfg.snat_port_max >= cfg.snat_port_min {
         (cfg.snat_port_min, cfg.snat_port_max)
     } else {

@@ -17,7 +17,13 @@ use crate::{
 /// probe on every hook.
 #[inline(always)]
 pub fn lookup_service(f: &Flow, scope: u8) -> Option<ServiceValue> {
-    let mut key = ServiceKey { addr: [f.daddr, 0, 0, 0], port: f.dport, proto: f.proto, scope: SCOPE_INTERNAL };
+    lookup([f.daddr, 0, 0, 0], f.dport, f.proto, scope)
+}
+
+/// `lookup_service` by address (either family), port and protocol.
+#[inline(always)]
+pub fn lookup(addr: [u32; 4], port: u16, proto: u8, scope: u8) -> Option<ServiceValue> {
+    let mut key = ServiceKey { addr, port, proto, scope: SCOPE_INTERNAL };
     // Map value pointers, copied once at the end: a copy held across the second lookup grew
     // XDP's frame past what Linux 6.1 allows beside new_flow's.
     let internal = unsafe { SERVICES.get(&key) }?;
@@ -136,8 +142,15 @@ fn least_loaded(svc: &ServiceValue) -> Option<u32> {
 /// (and its timestamp is refreshed); otherwise the scheduler picks and the choice is remembered.
 #[inline(always)]
 pub fn select_backend(svc: &ServiceValue, f: &Flow, now: u64, pick: Pick) -> Option<(u32, Backend)> {
+    select_backend_for([f.saddr, 0, 0, 0], svc, f, now, pick)
+}
+
+/// `select_backend` for a client whose address is not the flow's (an IPv6 one: the flow carries
+/// a fold of it for the hash).
+#[inline(always)]
+pub fn select_backend_for(client: [u32; 4], svc: &ServiceValue, f: &Flow, now: u64, pick: Pick) -> Option<(u32, Backend)> {
     let affinity_ns = u64::from(svc.affinity_timeout_s) * 1_000_000_000;
-    let aff_key = AffinityKey { client: [f.saddr, 0, 0, 0], service_id: svc.service_id };
+    let aff_key = AffinityKey { client, service_id: svc.service_id };
     if affinity_ns != 0 {
         if let Some(a) = AFFINITY.get_ptr_mut(&aff_key) {
             let a = unsafe { &mut *a };

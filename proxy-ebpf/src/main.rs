@@ -5,6 +5,8 @@
 //! - `kpr_tc_ingress` (clsact ingress) on the node side of pod interfaces and on tunnel devices:
 //!   east-west traffic and the replies of local backends;
 //! - `kpr_tc_egress` on all of them: masquerade and the replies' reverse DNAT, after netfilter;
+//! - `kpr_tc_ingress6` on the uplinks: IPv6 traffic from outside to the node's IPv6 NodePorts,
+//!   externalIPs and LB IPs (pipeline6.rs; its replies take `kpr_tc_egress`);
 //! - connect-time programs: the node's own processes, and IPv6 Services for every socket (sock.rs);
 //! - IPVS mode's set matching (ipset.rs).
 //!
@@ -13,6 +15,7 @@
 #![no_main]
 
 mod conntrack;
+mod conntrack6;
 mod counters;
 mod csum;
 mod flowcache;
@@ -24,6 +27,7 @@ mod nat;
 mod parse;
 mod parse6;
 mod pipeline;
+mod pipeline6;
 mod pkt;
 mod reject;
 mod rewrite;
@@ -37,7 +41,7 @@ use proxy_common::{SCOPE_EXTERNAL, SCOPE_INTERNAL};
 
 use lb::Pick;
 use parse::Parsed;
-use pkt::{Tc, Xdp};
+use pkt::{Pkt, Tc, Xdp};
 
 /// What aya's program attributes do, with the symbol from proxy-common's list
 /// (`prog_name!(ROLE)`), the name the agent loads the program by.
@@ -64,7 +68,20 @@ program!("classifier" TC_INGRESS: fn tc_ingress(ctx: TcContext, __sk_buff) -> i3
 program!("classifier" TC_EGRESS: fn tc_egress(ctx: TcContext, __sk_buff) -> i32 {
     let mut p = Tc(&mut ctx);
     p.pull_headers();
-    let v = pipeline::egress(&mut p);
+    let v = if p.load::<u16>(12) == Some(parse6::ETH_P_IPV6_BE) { egress6(&mut p) } else { pipeline::egress(&mut p) };
+    p.action(v)
+});
+
+/// IPv6 at TC egress: a subprogram, so its frame never adds to the IPv4 path's.
+#[inline(never)]
+fn egress6(p: &mut Tc) -> pkt::Verdict {
+    pipeline6::egress(p)
+}
+
+program!("classifier" TC_INGRESS6: fn tc_ingress6(ctx: TcContext, __sk_buff) -> i32 {
+    let mut p = Tc(&mut ctx);
+    p.pull_headers();
+    let v = pipeline6::ingress(&mut p);
     p.action(v)
 });
 

@@ -5,7 +5,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
-    ClockCache, CtScratch, FlowCacheEntry, IfaceInfo, SockRevKey, SockRevValue,
+    ClockCache, CtKey6, CtScratch, CtScratch6, CtValue6, FlowCacheEntry, IfaceInfo, SockRevKey, SockRevValue,
     limits::*, AffinityKey, AffinityValue, Backend, CtKey, CtValue, DatapathConfig, ServiceKey,
     ServiceValue, SetAddr, SetIpPort, SetIpPortIp, SetIpPortNet, SetPort, SlotKey, SourceRangeKey,
 };
@@ -55,6 +55,12 @@ map! {
 }
 
 map! {
+    /// IPv6 flows from outside to the node's IPv6 NodePorts, externalIPs and LB IPs: (5-tuple,
+    /// hook) -> the 4-tuple to rewrite to (see proxy_common::CtKey6). One LRU for every state.
+    CONNTRACK6: LruHashMap<CtKey6, CtValue6> = LruHashMap::pinned(MAX_CONNTRACK6, 0)
+}
+
+map! {
     /// Interface index -> IfaceInfo: the address masquerade gives flows leaving through it (like
     /// MASQUERADE's choice of the outgoing interface's address; absent: the node's SNAT address),
     /// and whether traffic arriving on it is local (detectLocalMode by interface).
@@ -90,6 +96,11 @@ map! {
 map! {
     /// index 0 -> this CPU's scratch space for building conntrack entries off the stack.
     CT_SCRATCH: PerCpuArray<CtScratch> = PerCpuArray::with_max_entries(1, 0)
+}
+
+map! {
+    /// index 0 -> this CPU's scratch space for an IPv6 flow's conntrack entries.
+    CT_SCRATCH6: PerCpuArray<CtScratch6> = PerCpuArray::with_max_entries(1, 0)
 }
 
 map! {

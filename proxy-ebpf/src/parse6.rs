@@ -1,8 +1,11 @@
 //! IPv6 header parsing: Ethernet -> IPv6 -> extension headers -> TCP/UDP/SCTP ports. Used by IPVS
-//! mode's set matching (which never rewrites a packet); the fast path does not forward IPv6 yet.
+//! mode's set matching and by the fast path's IPv6 packet path (pipeline6.rs).
 use proxy_common::{PROTO_SCTP, PROTO_TCP, PROTO_UDP};
 
-use crate::{parse::IP_OFF, pkt::Pkt};
+use crate::{
+    parse::{IP_OFF, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
+    pkt::{L4Csum, Pkt},
+};
 
 pub const ETH_P_IPV6_BE: u16 = 0x86ddu16.to_be();
 pub const IPV6_HDR_LEN: usize = 40;
@@ -27,6 +30,24 @@ pub struct Flow6 {
     pub daddr: [u32; 4],
     pub sport: u16,
     pub dport: u16,
+}
+
+impl Flow6 {
+    #[inline(always)]
+    pub fn is_new_tcp_syn(&self) -> bool {
+        self.proto == PROTO_TCP && self.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+    }
+    #[inline(always)]
+    pub fn is_tcp_close(&self) -> bool {
+        self.proto == PROTO_TCP && self.tcp_flags & (TCP_FIN | TCP_RST) != 0
+    }
+    /// Where the L4 checksum lives (TCP and UDP; IPv6 has no header checksum, and UDP's is
+    /// mandatory, RFC 8200 section 8.1).
+    #[inline(always)]
+    pub fn csum(&self) -> L4Csum {
+        let udp = self.proto == PROTO_UDP;
+        L4Csum { off: self.l4_off + if udp { 6 } else { 16 }, udp }
+    }
 }
 
 pub enum Parsed6 {

@@ -85,6 +85,9 @@ pub trait Pkt {
     fn resize(&mut self, len: usize) -> Option<()>;
     /// Set the skb mark (IPVS mode's masquerade bit). XDP has no mark.
     fn or_mark(&mut self, mark: u32);
+    /// Adds `diff` to the skb's CHECKSUM_COMPLETE sum (bytes the sum covers changed with no
+    /// checksum field to cancel them: IPv6 addresses). Nothing for other skbs and for XDP.
+    fn complete_csum_add(&mut self, _diff: u32) {}
     /// The interface the hook runs on (TC egress: the one the packet leaves by).
     fn ifindex(&self) -> u32;
     /// How a generated reply leaves: `Bounce` straight back out of the interface (MACs
@@ -254,6 +257,11 @@ impl Pkt for Tc<'_> {
     #[inline(always)]
     fn or_mark(&mut self, mark: u32) {
         unsafe { (*self.0.skb.skb).mark |= mark };
+    }
+    #[inline(always)]
+    fn complete_csum_add(&mut self, diff: u32) {
+        // Fails (harmlessly) unless the skb is CHECKSUM_COMPLETE.
+        let _ = unsafe { aya_ebpf::helpers::bpf_csum_update(self.0.skb.skb, diff) };
     }
     #[inline(always)]
     fn ifindex(&self) -> u32 {

@@ -1,0 +1,135 @@
+//! IPv6 connection tracking for the packet path (see proxy_common::CtKey6): a flow's forward
+//! (DNAT) entry at the uplink's ingress and its reply's reverse-DNAT entry at egress. The
+//! masquerade between them is netfilter's, so there is no SNAT entry and no port to choose for
+//! it.
+//!
+//! One LRU table for every state (IPv4 keeps embryonic TCP flows apart, see conntrack.rs).
+use proxy_common::{
+    counter, Backend, CtKey6, CtValue6, DatapathConfig, CT_DIR_EGRESS, CT_DIR_INGRESS, CT_F_CLOSING, CT_F_REPLY,
+    CT_F_SNAT, PROTO_UDP,
+};
+
+use crate::{
+    conntrack::random_port,
+    counters::bump,
+    maps::{BACKENDS, CONNTRACK6, CT_SCRATCH6},
+    parse6::Flow6,
+};
+
+/// A closing flow (FIN or RST seen) idle this long is over: a new SYN on its tuple before then
+/// is still a new flow (the forward entry checks for it), this only bounds what a lost FIN costs.
+const CLOSING_TIMEOUT_NS: u64 = 10_000_000_000;
+
+/// The 4-tuple a packet is rewritten to (network order), with its entry's flags.
+#[derive(Clone, Copy, Default)]
+pub struct Rewrite6 {
+    pub saddr: [u32; 4],
+    pub daddr: [u32; 4],
+    pub sport: u16,
+    pub dport: u16,
+    pub flags: u16,
+}
+
+impl Rewrite6 {
+    #[inline(always)]
+    fn of(v: &CtValue6) -> Self {
+        Self { saddr: v.new_saddr, daddr: v.new_daddr, sport: v.new_sport, dport: v.new_dport, flags: v.flags }
+    }
+    /// The forward packets of a masqueraded flow carry the mark netfilter masquerades by.
+    #[inline(always)]
+    pub fn masquerade(&self) -> bool {
+        self.flags & (CT_F_SNAT | CT_F_REPLY) == CT_F_SNAT
+    }
+}
+
+#[inline(always)]
+pub fn key(f: &Flow6, dir: u8) -> CtKey6 {
+    CtKey6 { saddr: f.saddr, daddr: f.daddr, sport: f.sport, dport: f.dport, proto: f.proto, dir, _pad: 0 }
+}
+
+#[inline(always)]
+fn timeout_ns(cfg: &DatapathConfig, v: &CtValue6, proto: u8) -> u64 {
+    if v.flags & CT_F_CLOSING != 0 {
+        return CLOSING_TIMEOUT_NS;
+    }
+    let s = if proto == PROTO_UDP { cfg.ct_udp_timeout_s } else { cfg.ct_tcp_timeout_s };
+    u64::from(s) * 1_000_000_000
+}
+
+/// The packet's entry at this hook, its timestamp refreshed. None: no flow (any more). A
+/// forward entry ends when idle, when a new SYN finds it closing, and, for UDP, when its backend
+/// is gone (kube-proxy deletes a removed endpoint's UDP conntrack entries).
+#[inline(always)]
+pub fn track(f: &Flow6, key: &CtKey6, cfg: &DatapathConfig, now: u64) -> Option<Rewrite6> {
+    let v = unsafe { &mut *CONNTRACK6.get_ptr_mut(key)? };
+    // Forward entries live at ingress only (the check is constant where the hook is).
+    if key.dir == CT_DIR_INGRESS && v.flags & CT_F_REPLY == 0 {
+        // Saturating: another CPU may have stamped the entry with a newer clock reading.
+        let idle = now.saturating_sub(v.last_seen_ns) > timeout_ns(cfg, v, f.proto);
+        let reopened = f.is_new_tcp_syn() && v.flags & CT_F_CLOSING != 0;
+        let gone = (f.proto == PROTO_UDP || f.is_new_tcp_syn()) && unsafe { BACKENDS.get(&v.backend_id) }.is_none();
+        if idle || reopened || gone {
+            forget(key, v);
+            return None;
+        }
+    }
+    if now > v.last_seen_ns {
+        v.last_seen_ns = now;
+    }
+    if f.is_tcp_close() {
+        v.flags |= CT_F_CLOSING;
+    }
+    let rw = Rewrite6::of(v);
+    bump(if rw.flags & CT_F_REPLY != 0 { counter::REVERSE_NAT } else { counter::ESTABLISHED });
+    Some(rw)
+}
+
+/// Deletes a flow's two entries (`v`: the forward one). Rare: a subprogram.
+#[inline(never)]
+fn forget(fwd_key: &CtKey6, v: &CtValue6) {
+    let _ = CONNTRACK6.remove(&CtKey6::reversed_of(v, fwd_key.proto, CT_DIR_EGRESS));
+    let _ = CONNTRACK6.remove(fwd_key);
+}
+
+/// The source port of a new flow towards `be`: the client's own unless its reply tuple is taken
+/// (one client port towards two frontends with a common backend: netfilter would take both for
+/// one connection), then a few random ones, as conntrack's NAT moves clashing ports.
+#[inline(always)]
+pub fn pick_port(f: &Flow6, be: &Backend, cfg: &DatapathConfig) -> Option<u16> {
+    let mut rev = CtKey6 { saddr: be.addr, daddr: f.saddr, sport: be.port, dport: f.sport, proto: f.proto, dir: CT_DIR_EGRESS, _pad: 0 };
+    let mut tries = 0;
+    while tries < 4 {
+        if unsafe { CONNTRACK6.get(&rev) }.is_none() {
+            return Some(rev.dport);
+        }
+        bump(counter::SNAT_PORT_COLLISION);
+        rev.dport = random_port(cfg);
+        tries += 1;
+    }
+    bump(counter::SNAT_NO_PORT);
+    None
+}
+
+/// Records a new flow: the reply's entry first, so a forward entry never exists without it.
+/// Keys and values are built in a per-CPU scratch entry, not on the 512-byte stack.
+#[inline(always)]
+pub fn create(f: &Flow6, now: u64, backend_id: u32, service_id: u32, be: &Backend, port: u16, masq: bool) -> Option<Rewrite6> {
+    let snat = if masq { CT_F_SNAT } else { 0 };
+    let s = unsafe { &mut *CT_SCRATCH6.get_ptr_mut(0)? };
+    let blank = CtValue6 { last_seen_ns: now, backend_id, service_id, ..CtValue6::default() };
+    // Reverse DNAT: (B:b -> C:p) becomes (V:v -> C:c).
+    s.keys[0] = CtKey6 { saddr: be.addr, daddr: f.saddr, sport: be.port, dport: port, proto: f.proto, dir: CT_DIR_EGRESS, _pad: 0 };
+    s.values[0] = CtValue6 { new_saddr: f.daddr, new_daddr: f.saddr, new_sport: f.dport, new_dport: f.sport, flags: snat | CT_F_REPLY, ..blank };
+    if CONNTRACK6.insert(&s.keys[0], &s.values[0], 0).is_err() {
+        bump(counter::CT_INSERT_FAILED);
+        return None;
+    }
+    // Forward: (C:c -> V:v) becomes (C:p -> B:b).
+    s.keys[1] = key(f, CT_DIR_INGRESS);
+    s.values[1] = CtValue6 { new_saddr: f.saddr, new_daddr: be.addr, new_sport: port, new_dport: be.port, flags: snat, ..blank };
+    if CONNTRACK6.insert(&s.keys[1], &s.values[1], 0).is_err() {
+        bump(counter::CT_INSERT_FAILED);
+        return None;
+    }
+    Some(Rewrite6::of(&s.values[1]))
+}

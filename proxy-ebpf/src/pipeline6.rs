@@ -1,0 +1,216 @@
+//! The IPv6 packet path: traffic from outside the node to its IPv6 NodePorts, externalIPs and
+//! LB IPs (IPv6 clusterIPs, and every IPv6 Service reached from a socket of the node, are
+//! balanced at connect time, sock.rs).
+//!
+//! - Ingress (TC on the uplinks, `kpr_tc_ingress6`; XDP passes IPv6 on): a tracked packet gets
+//!   its DNAT; a packet to a frontend starts a flow (source ranges, backend choice, DNAT) and,
+//!   where kube-proxy would masquerade, the 0x4000 mark, which kpr's ip6tables rule masquerades
+//!   in POSTROUTING as kube-proxy's does.
+//! - Egress (TC egress, every interface of the fast path): the reply, netfilter's masquerade
+//!   undone, gets its reverse DNAT.
+//!
+//! So netfilter sees client <-> backend in both directions, as under kube-proxy.
+use aya_ebpf::helpers::bpf_jiffies64;
+use aya_ebpf::maps::lpm_trie::Key;
+use proxy_common::{
+    counter, DatapathConfig, ServiceValue, SourceRangeKey, CFG_F_HANDOVER, CFG_F_MASQUERADE_ALL, CFG_F_NO_NEW_FLOWS,
+    MARK_MASQ, PROTO_TCP, PROTO_UDP, SCOPE_EXTERNAL, SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT, SVC_F_PRESERVE_SOURCE,
+    SVC_F_SOURCE_RANGES,
+};
+
+use crate::{
+    conntrack::{self, EGRESS, INGRESS},
+    conntrack6::{self, Rewrite6},
+    counters::{self, bump},
+    csum, lb,
+    maps::{CONFIG, SOURCE_RANGES},
+    parse::{Flow, IP_OFF},
+    parse6::{self, Flow6, Parsed6},
+    pipeline::off_cluster6,
+    pkt::{L4Csum, Pkt, Verdict},
+    reject,
+};
+
+/// The packet's TCP or UDP flow; anything else returns from the hook here (passes, counted
+/// where malformed or a fragment). SCTP passes: the fast path does not forward it.
+macro_rules! flow6_or_return {
+    ($p:expr) => {
+        match parse6::parse($p) {
+            Parsed6::Flow(f) if f.proto == PROTO_TCP || f.proto == PROTO_UDP => f,
+            Parsed6::Malformed => {
+                bump(counter::MALFORMED);
+                return Verdict::Pass;
+            }
+            Parsed6::Fragment => {
+                bump(counter::FRAGMENT);
+                return Verdict::Pass;
+            }
+            _ => return Verdict::Pass,
+        }
+    };
+}
+
+#[inline(always)]
+pub fn ingress<P: Pkt>(p: &mut P) -> Verdict {
+    let f = flow6_or_return!(p);
+    let Some(cfg) = CONFIG.get(0) else {
+        return Verdict::Pass;
+    };
+    let now = conntrack::now_ns(unsafe { bpf_jiffies64() });
+    if let Some(v) = tracked(p, &f, cfg, now) {
+        return v;
+    }
+    let Some(svc) = lb::lookup(f.daddr, f.dport, f.proto, SCOPE_EXTERNAL) else {
+        return Verdict::Pass;
+    };
+    // Draining after a switch to IPVS mode: IPVS mode's program after this one serves it.
+    if cfg.flags & CFG_F_NO_NEW_FLOWS != 0 {
+        return Verdict::Next;
+    }
+    // After a switch from IPVS mode: a connection IPVS still serves.
+    if cfg.flags & CFG_F_HANDOVER != 0 && f.proto == PROTO_TCP && !f.is_new_tcp_syn() {
+        bump(counter::HANDOVER_PASS);
+        return Verdict::Pass;
+    }
+    match new_flow(p, &f, &svc, cfg, now) {
+        Some(v) => v,
+        // Here, not in new_flow: the reject's frame then never adds to new_flow's.
+        None => reject::icmp6_port_unreachable(p, f.saddr, f.daddr).unwrap_or_else(|| {
+            bump(counter::REJECT_FAILED);
+            Verdict::Drop
+        }),
+    }
+}
+
+#[inline(always)]
+pub fn egress<P: Pkt>(p: &mut P) -> Verdict {
+    let f = flow6_or_return!(p);
+    let Some(cfg) = CONFIG.get(0) else {
+        return Verdict::Pass;
+    };
+    let now = conntrack::now_ns(unsafe { bpf_jiffies64() });
+    // Inlined (the caller is a subprogram of TC egress already): a reply entry, never a forward
+    // one, so no deletion to call.
+    match conntrack6::track(&f, &conntrack6::key(&f, EGRESS), cfg, now) {
+        Some(rw) => rewrite(p, &f, &rw),
+        None => Verdict::Pass,
+    }
+}
+
+/// An ingress packet's flow: its verdict (rewritten), None for a packet no flow knows. A
+/// subprogram: its key and rewrite stay off the frame new_flow's adds to (Linux 6.1 counts a
+/// call chain's frames against 512 bytes).
+#[inline(never)]
+fn tracked<P: Pkt>(p: &mut P, f: &Flow6, cfg: &DatapathConfig, now: u64) -> Option<Verdict> {
+    let rw = conntrack6::track(f, &conntrack6::key(f, INGRESS), cfg, now)?;
+    Some(rewrite(p, f, &rw))
+}
+
+#[inline(always)]
+fn fold(a: &[u32; 4]) -> u32 {
+    a[0] ^ a[1] ^ a[2] ^ a[3]
+}
+
+/// A packet to a frontend that no flow knows: source ranges, backend choice, conntrack, DNAT.
+/// None: no endpoint at all, to be rejected. A subprogram: its frame stays off the established
+/// path's.
+#[inline(never)]
+fn new_flow<P: Pkt>(p: &mut P, f: &Flow6, svc: &ServiceValue, cfg: &DatapathConfig, now: u64) -> Option<Verdict> {
+    if svc.flags & SVC_F_SOURCE_RANGES != 0 {
+        let key = Key::new(32 + 128, SourceRangeKey { service_id_be: svc.service_id.to_be(), addr: f.saddr });
+        if SOURCE_RANGES.get(&key).is_none() {
+            bump(counter::DROP_SOURCE_RANGE);
+            return Some(Verdict::Drop);
+        }
+    }
+    if svc.backend_count == 0 {
+        // kube-proxy's verdicts: traffic policy Local with endpoints elsewhere drops; no
+        // endpoint at all rejects (icmp6-port-unreachable).
+        if svc.flags & SVC_F_NO_LOCAL_ENDPOINT != 0 {
+            bump(counter::DROP_NO_LOCAL_ENDPOINT);
+            return Some(Verdict::Drop);
+        }
+        bump(counter::REJECT_NO_BACKEND);
+        return None;
+    }
+    // The schedulers hash an IPv4-shaped flow: the addresses folded (ClientIP affinity keys on
+    // the whole client address).
+    let hashed = Flow {
+        l4_off: 0,
+        ihl_bytes: 0,
+        proto: f.proto,
+        tcp_flags: f.tcp_flags,
+        saddr: fold(&f.saddr),
+        daddr: fold(&f.daddr),
+        sport: f.sport,
+        dport: f.dport,
+        csum: L4Csum { off: 0, udp: false },
+    };
+    let Some((backend_id, be)) = lb::select_backend_for(f.saddr, svc, &hashed, now, lb::Pick::Scheduler) else {
+        bump(counter::MISS_BACKEND);
+        return Some(Verdict::Drop);
+    };
+    // Masquerade where kube-proxy would: external traffic policy Cluster, masqueradeAll,
+    // clients outside the cluster CIDR (unless the source is preserved), hairpin.
+    let masq = be.addr == f.saddr
+        || svc.flags & SVC_F_MASQ != 0
+        || cfg.flags & CFG_F_MASQUERADE_ALL != 0
+        || (svc.flags & SVC_F_PRESERVE_SOURCE == 0 && off_cluster6(&f.saddr, p.ifindex(), cfg));
+    let Some(port) = conntrack6::pick_port(f, &be, cfg) else {
+        return Some(Verdict::Drop);
+    };
+    let Some(rw) = conntrack6::create(f, now, backend_id, svc.service_id, &be, port, masq) else {
+        return Some(Verdict::Drop);
+    };
+    if masq {
+        bump(counter::SNAT);
+    }
+    bump(counter::NEW_FLOW);
+    counters::backend_new(backend_id);
+    Some(rewrite(p, f, &rw))
+}
+
+/// NAT66: the addresses and ports the entry prescribes, one incremental update of the L4
+/// checksum (IPv6 has no header checksum: the pseudo-header's change goes to L4's).
+#[inline(always)]
+fn rewrite<P: Pkt>(p: &mut P, f: &Flow6, rw: &Rewrite6) -> Verdict {
+    match rewrite_inner(p, f, rw) {
+        Some(()) => Verdict::Pass,
+        None => Verdict::Drop,
+    }
+}
+
+#[inline(always)]
+fn addr_diff(from: &[u32; 4], to: &[u32; 4]) -> u32 {
+    csum::diff4(from[0], to[0]) + csum::diff4(from[1], to[1]) + csum::diff4(from[2], to[2]) + csum::diff4(from[3], to[3])
+}
+
+#[inline(always)]
+fn rewrite_inner<P: Pkt>(p: &mut P, f: &Flow6, rw: &Rewrite6) -> Option<()> {
+    let mut diff = 0;
+    if rw.saddr != f.saddr {
+        diff += addr_diff(&f.saddr, &rw.saddr);
+        p.store(IP_OFF + 8, rw.saddr)?;
+    }
+    if rw.daddr != f.daddr {
+        diff += addr_diff(&f.daddr, &rw.daddr);
+        p.store(IP_OFF + 24, rw.daddr)?;
+    }
+    let mut port_diff = 0;
+    if rw.sport != f.sport || rw.dport != f.dport {
+        port_diff = csum::diff2(f.sport, rw.sport) + csum::diff2(f.dport, rw.dport);
+        p.store(f.l4_off, [rw.sport, rw.dport])?;
+    }
+    if diff != 0 || port_diff != 0 {
+        p.l4_csum_update(f.csum(), diff, port_diff)?;
+    }
+    if diff != 0 {
+        // The helper took the checksum field's change out of a CHECKSUM_COMPLETE sum; the
+        // addresses' own change, inside the sum too, puts it back.
+        p.complete_csum_add(diff);
+    }
+    if rw.masquerade() {
+        p.or_mark(MARK_MASQ);
+    }
+    Some(())
+}
