@@ -13,8 +13,9 @@
 //! - `Ptp`: a /24 per pod veth with the gateway on the node side (the CNI ptp plugin's shape,
 //!   and what the IPVS tests in the QEMU guest use).
 //!
-//! Addresses: underlay 198.18.0.0/24 (node A .1, the client .2, node B .3); node A's pods in
-//! 10.244.0.0/20, node B's in 10.244.16.0/20.
+//! Addresses: underlay 198.18.0.0/24 (node A .1, the client .2, node B .3) and fd00:198::/64
+//! (node A ::1, the client ::2); node A's pods in 10.244.0.0/20, node B's in 10.244.16.0/20;
+//! LB IPs 203.0.113.0/24 and 2001:db8:203::/64, routed to node A.
 //!
 //! Netfilter: every node starts with kube-proxy's own KUBE-FORWARD rules (ctstate INVALID drop,
 //! mark 0x4000 and RELATED,ESTABLISHED accept), which kube-proxy installs on every node unless
@@ -34,6 +35,8 @@ pub const POD_IP: &str = "10.244.9.2";
 pub const CLUSTER_CIDR: &str = "10.244.0.0/16";
 /// Node A's IPv6 address on the underlay.
 pub const NODE_IP6: &str = "fd00:198::1";
+/// The client's IPv6 address on the underlay.
+pub const CLIENT_IP6: &str = "fd00:198::2";
 
 /// A pod's IPv6 address in the routed lab: 10.244.X.Y has fd00:10:244:X::Y.
 pub fn pod_ip6(ip4: &str) -> String {
@@ -215,6 +218,8 @@ impl Lab {
         // The service and LB ranges are reached through node A, like a router would send them.
         must(&format!("ip -n {cl} route add 10.96.0.0/12 via {NODE_IP}"));
         must(&format!("ip -n {cl} route add 203.0.113.0/24 via {NODE_IP}"));
+        must(&format!("ip -n {cl} addr add {CLIENT_IP6}/64 dev c0 nodad"));
+        must(&format!("ip -n {cl} -6 route add 2001:db8:203::/64 via {NODE_IP6}"));
 
         if spec.cni == Cni::Routed {
             // Proxy ARP answers for the pods' gateway only if the node routes it elsewhere:

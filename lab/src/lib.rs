@@ -99,7 +99,8 @@ pub fn desired(yaml: &str, node: &NodeInfo) -> DesiredState {
     let mut r = LoadReport::default();
     manifests::load_text("fixture.yaml", yaml, &mut r);
     assert!(r.errors.is_empty(), "{:?}", r.errors);
-    let d = model::compute(&r.objects, node, &ModelConfig::default());
+    // As eBPF mode with its connect-time programs: IPv6 served, without the per-flow features.
+    let d = model::compute(&r.objects, node, &ModelConfig { ipv6: model::Ipv6Reach::AllWithoutFlowFeatures, ..ModelConfig::default() });
     let problems: Vec<_> = d.problems().collect();
     assert!(problems.is_empty(), "{problems:?}");
     d

@@ -1,5 +1,6 @@
-//! Building and checking IPv4 TCP/UDP/ICMP frames for the packet fixtures.
-use std::net::Ipv4Addr;
+//! Building and checking IPv4 TCP/UDP/ICMP and IPv6 TCP/UDP/ICMPv6 frames for the packet
+//! fixtures.
+use std::net::{Ipv4Addr, Ipv6Addr};
 
 pub const TCP: u8 = 6;
 pub const UDP: u8 = 17;
@@ -193,4 +194,111 @@ pub fn parse(f: &[u8]) -> Parsed {
         }
     }
     p
+}
+
+/// The TCP/UDP checksum over IPv6's pseudo-header (RFC 8200 section 8.1).
+fn l4_checksum6(src: Ipv6Addr, dst: Ipv6Addr, proto: u8, l4: &[u8]) -> u16 {
+    let mut pseudo = Vec::with_capacity(40 + l4.len());
+    pseudo.extend_from_slice(&src.octets());
+    pseudo.extend_from_slice(&dst.octets());
+    pseudo.extend_from_slice(&(l4.len() as u32).to_be_bytes());
+    pseudo.extend_from_slice(&[0, 0, 0, proto]);
+    pseudo.extend_from_slice(l4);
+    checksum(&pseudo)
+}
+
+/// An Ethernet + IPv6 frame: `ext` is a chain of (header type, length in 8-byte units beyond
+/// the first) extension headers before the L4 header; TCP gets `flags`. The L4 checksum is
+/// valid.
+pub fn frame6(src: &str, dst: &str, proto: u8, sport: u16, dport: u16, flags: u8, ext: &[(u8, u8)]) -> Vec<u8> {
+    let (s, d): (Ipv6Addr, Ipv6Addr) = (src.parse().unwrap(), dst.parse().unwrap());
+    let mut l4 = Vec::new();
+    l4.extend_from_slice(&sport.to_be_bytes());
+    l4.extend_from_slice(&dport.to_be_bytes());
+    let csum_at = if proto == TCP {
+        l4.extend_from_slice(&[0, 0, 0, 1, 0, 0, 0, 0, 0x50, flags, 0xff, 0xff, 0, 0, 0, 0]);
+        16
+    } else {
+        l4.extend_from_slice(&[0, 12, 0, 0, b'h', b'i', b'!', b'\n']);
+        6
+    };
+    let c = l4_checksum6(s, d, proto, &l4);
+    let c = if proto == UDP && c == 0 { 0xffff } else { c };
+    l4[csum_at..csum_at + 2].copy_from_slice(&c.to_be_bytes());
+    // The extension headers, each naming the next.
+    let mut chain = Vec::new();
+    let types: Vec<u8> = ext.iter().map(|e| e.0).chain([proto]).collect();
+    for (i, (_, len)) in ext.iter().enumerate() {
+        let mut h = vec![0u8; (usize::from(*len) + 1) * 8];
+        h[0] = types[i + 1];
+        h[1] = *len;
+        if types[i] == 44 {
+            // A fragment header: offset 0 with more fragments to come (a first fragment).
+            h[1] = 0;
+            h[3] = 1;
+        }
+        chain.extend(h);
+    }
+    let payload = chain.len() + l4.len();
+    let mut f = vec![0x02, 0, 0, 0, 0, 2, 0x02, 0, 0, 0, 0, 1, 0x86, 0xdd];
+    f.extend_from_slice(&[0x60, 0, 0, 0]);
+    f.extend_from_slice(&(payload as u16).to_be_bytes());
+    f.push(types[0]);
+    f.push(64);
+    f.extend_from_slice(&s.octets());
+    f.extend_from_slice(&d.octets());
+    f.extend(chain);
+    f.extend(l4);
+    f
+}
+
+/// A parsed IPv6 output frame (no extension headers), its L4 checksum verified.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Parsed6 {
+    pub src: Ipv6Addr,
+    pub dst: Ipv6Addr,
+    pub proto: u8,
+    pub sport: u16,
+    pub dport: u16,
+    pub l4_csum_ok: bool,
+}
+
+pub fn parse6(f: &[u8]) -> Parsed6 {
+    assert!(f.len() >= 54 && f[12..14] == [0x86, 0xdd], "not an IPv6 frame: {f:02x?}");
+    let ip = &f[14..];
+    let len = usize::from(u16::from_be_bytes([ip[4], ip[5]]));
+    let src = Ipv6Addr::from(<[u8; 16]>::try_from(&ip[8..24]).unwrap());
+    let dst = Ipv6Addr::from(<[u8; 16]>::try_from(&ip[24..40]).unwrap());
+    let l4 = &ip[40..40 + len];
+    Parsed6 {
+        src,
+        dst,
+        proto: ip[6],
+        sport: u16::from_be_bytes([l4[0], l4[1]]),
+        dport: u16::from_be_bytes([l4[2], l4[3]]),
+        l4_csum_ok: l4_checksum6(src, dst, ip[6], l4) == 0,
+    }
+}
+
+/// Checks an ICMPv6 port unreachable answering `orig`: MACs and addresses swapped, the first 48
+/// bytes of the offending IPv6 packet quoted, a valid checksum over the pseudo-header.
+pub fn check_icmp6_port_unreachable(reply: &[u8], orig: &[u8]) {
+    assert_eq!(reply.len(), 14 + 40 + 8 + 48, "{reply:02x?}");
+    assert_eq!((&reply[0..6], &reply[6..12]), (&orig[6..12], &orig[0..6]), "MACs swapped");
+    assert_eq!(&reply[12..14], &[0x86, 0xdd]);
+    assert_eq!(reply[14] >> 4, 6);
+    assert_eq!(u16::from_be_bytes([reply[18], reply[19]]), 56, "payload length");
+    assert_eq!((reply[20], reply[21]), (58, 64), "next header ICMPv6, hop limit");
+    assert_eq!(&reply[22..38], &orig[38..54], "from the VIP");
+    assert_eq!(&reply[38..54], &orig[22..38], "to the client");
+    assert_eq!((reply[54], reply[55]), (1, 4), "destination unreachable, port unreachable");
+    assert_eq!(&reply[62..], &orig[14..62], "the quote");
+    // The checksum over the pseudo-header and the ICMPv6 message sums to 0xffff.
+    let mut sum: u64 = 0;
+    let words = |b: &[u8]| b.chunks(2).map(|c| u64::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]))).sum::<u64>();
+    sum += words(&reply[22..54]) + 56 + 58 + words(&reply[54..]);
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    assert_eq!(sum, 0xffff, "ICMPv6 checksum");
 }

@@ -455,17 +455,14 @@ frontend [fd00:198::1]:30080/TCP external nodeport g/dual:http sched=random affi
     // Where the plane does not serve IPv6, the same objects give IPv4 frontends only.
     let d4 = compute(&r.objects, &node, &ModelConfig::default());
     assert!(d4.frontends.keys().all(|k| k.ip.is_ipv4()), "{}", d4.dump());
-    // eBPF mode: the IPv6 clusterIP and its endpoints; each other IPv6 address is reported.
-    let dc = compute(&r.objects, &node, &ModelConfig { ipv6: Ipv6Reach::ClusterIps, ..ModelConfig::default() });
-    let v6: Vec<String> = dc.frontends.keys().filter(|k| k.ip.is_ipv6()).map(|k| format!("{}:{} {:?}", k.ip, k.port, k.scope)).collect();
-    assert_eq!(v6, ["fd00::3:1:80 Both"], "{}", dc.dump());
-    assert_eq!(dc.frontends.keys().filter(|k| k.ip.is_ipv4()).count(), d.frontends.keys().filter(|k| k.ip.is_ipv4()).count());
+    // eBPF mode: every IPv6 address too (clusterIPs at connect time, the rest per packet from
+    // outside the node), the same frontends and reports as IPVS mode's.
+    let dc = compute(&r.objects, &node, &ModelConfig { ipv6: Ipv6Reach::AllWithoutFlowFeatures, ..ModelConfig::default() });
+    assert_eq!(dc.dump(), want, "got:\n{}", dc.dump());
     let mut reported: Vec<(String, String, &str)> = dc.problems().map(|e| (e.object.clone(), e.field.clone(), e.reason)).collect();
     reported.sort();
     let want: Vec<(String, String, &str)> = [
         ("EndpointSlice g/dual-6", "endpoints[1].addresses[0]", "FieldNotProgrammed"),
-        ("Service g/dual", "spec.ports[0].nodePort", "NotSupported"),
-        ("Service g/dual", "status.loadBalancer.ingress[1].ip", "NotSupported"),
         // A Service without an IPv6 clusterIP: the same reason in every mode.
         ("Service g/v4only", "spec.externalIPs[0]", "FieldNotProgrammed"),
     ]
@@ -507,7 +504,7 @@ endpoints:
 "#;
     let mut r = LoadReport::default();
     load_text("anycast.yaml", text, &mut r);
-    let d = compute(&r.objects, &NodeInfo::default(), &ModelConfig { ipv6: Ipv6Reach::ClusterIps, ..ModelConfig::default() });
+    let d = compute(&r.objects, &NodeInfo::default(), &ModelConfig { ipv6: Ipv6Reach::AllWithoutFlowFeatures, ..ModelConfig::default() });
     let want = "\
 frontend 10.96.3.3:80/TCP both clusterip g/anycast:http sched=random affinity=0 flags=- ranges=
 frontend [fd00::3:4]:80/TCP both clusterip g/six:http sched=random affinity=0 flags=- ranges=
@@ -524,9 +521,10 @@ frontend [fd00::3:4]:80/TCP both clusterip g/six:http sched=random affinity=0 fl
     assert!(d.problems().next().is_none());
 }
 
-/// What eBPF mode does with its flow table (maximum age, outlier ejection, least-connection)
-/// does not reach IPv6 clusterIPs balanced at connect time: each such annotation of a Service
-/// with one is reported; the IPv4 frontends keep it.
+/// What eBPF mode does with its IPv4 flow table (maximum age, outlier ejection,
+/// least-connection) does not reach IPv6 frontends (clusterIPs balanced at connect time, the rest
+/// by a flow table without these features): each such annotation of a Service with one is
+/// reported; the IPv4 frontends keep it.
 #[test]
 fn flow_table_annotations_of_a_service_with_an_ipv6_cluster_ip_are_reported() {
     let text = r#"
@@ -543,7 +541,7 @@ spec:
 "#;
     let mut r = LoadReport::default();
     load_text("dual.yaml", text, &mut r);
-    let cfg = ModelConfig { ipv6: Ipv6Reach::ClusterIps, max_connection_age: true, outlier_ejection: true, ..ModelConfig::default() };
+    let cfg = ModelConfig { ipv6: Ipv6Reach::AllWithoutFlowFeatures, max_connection_age: true, outlier_ejection: true, ..ModelConfig::default() };
     let d = compute(&r.objects, &NodeInfo::default(), &cfg);
     let mut reported: Vec<String> = d.problems().map(|e| format!("{} {}", e.field, e.reason)).collect();
     reported.sort();

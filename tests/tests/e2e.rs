@@ -2,7 +2,7 @@
 //! agent, from a pod (TC) and from outside the node (XDP), to three backend namespaces.
 use std::{path::PathBuf, time::Duration};
 
-use kpr_lab::lab::{errors, per_backend, Lab, NODE_IP};
+use kpr_lab::lab::{errors, per_backend, Lab, NODE_IP, NODE_IP6};
 
 fn examples_copy(name: &str) -> PathBuf {
     let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples");
@@ -97,6 +97,20 @@ fn clusterip_nodeport_udp_lb_and_reject_on_real_traffic() {
         assert_eq!(errors(&v), 0, "{role} -> IPv6 ClusterIP UDP: {v}");
         assert!(per_backend(&v).iter().all(|(b, _)| b == "b1" || b == "b2"), "{v}");
     }
+    // From outside the node, per packet (kpr_tc_ingress6 on the uplink, masqueraded by kpr's
+    // ip6tables rule): the IPv6 NodePort on the node's IPv6 address and the IPv6 LB IP, TCP and
+    // UDP (the answer must come from the address asked).
+    for target in [format!("[{NODE_IP6}]:30060"), "[2001:db8:203::60]:80".to_string()] {
+        let v = lab.peer("cl", &["burst", &target, "tcp", "60"]);
+        assert_eq!((errors(&v), per_backend(&v).len()), (0, 2), "outside -> IPv6 {target}: {v}");
+    }
+    for target in [format!("[{NODE_IP6}]:30061"), "[2001:db8:203::60]:53".to_string()] {
+        let v = lab.peer("cl", &["burst", &target, "udp", "30"]);
+        assert_eq!(errors(&v), 0, "outside -> IPv6 {target} (UDP): {v}");
+        assert!(per_backend(&v).iter().all(|(b, _)| b == "b1" || b == "b2"), "{v}");
+    }
+    let masq = kpr_lab::must(&format!("ip netns exec {} ip6tables -t nat -S KPR-EBPF6-POSTROUTING", lab.nodes[0].ns));
+    assert!(masq.contains("MASQUERADE"), "{masq}");
     // One unconnected UDP socket's datagrams, each balanced at sendmsg, keep one backend (the
     // Service's scheduler is random): the node's IPv4 socket, a pod's IPv6 one, and the node's
     // IPv6 socket to the IPv4-mapped address (the kernel hands that one to sendmsg4).
@@ -114,6 +128,8 @@ fn clusterip_nodeport_udp_lb_and_reject_on_real_traffic() {
     assert_eq!((errors(&v), per_backend(&v).len()), (0, 3), "pod IPv6 socket -> IPv4-mapped ClusterIP: {v}");
     let ct = lab.cli(&["conntrack"]);
     assert!(ct.contains("10.96.0.10:80"), "{ct}");
+    // The IPv6 packet path's flows too, masqueraded by netfilter (externalTrafficPolicy Cluster).
+    assert!(ct.lines().any(|l| l.contains(&format!("[{NODE_IP6}]:30060")) && l.contains("netfilter")), "{ct}");
     let status = lab.cli(&["status"]);
     assert!(status.contains("new_flow") && status.contains("xdp on up0") && status.contains("tc_egress on calipod"), "{status}");
 }

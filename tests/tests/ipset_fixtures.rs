@@ -3,7 +3,11 @@
 //! maps written by the agent's own set computation from a dual-stack desired state. The verdicts
 //! are read from the return value and the per-CPU counters (mark, firewall drop, VIP filter).
 use aya::programs::{TestRun, TestRunOptions};
-use kpr_lab::{datapath_config, PinDir};
+use kpr_lab::{
+    datapath_config,
+    packet::{check_icmp6_port_unreachable, frame6},
+    PinDir,
+};
 use proxy_agent::{
     dataplane::{
         ebpf::{kernel::Datapath, kernel_maps::KernelMaps, maps::DatapathMaps},
@@ -113,69 +117,6 @@ const TCP: u8 = 6;
 const UDP: u8 = 17;
 const SYN: u8 = 0x02;
 const ACK: u8 = 0x10;
-
-/// An Ethernet + IPv6 frame: `ext` is a chain of (header type, length in 8-byte units beyond
-/// the first) extension headers before the L4 header; TCP gets `flags`. Checksums are not
-/// checked by set matching and are left zero.
-fn frame6(src: &str, dst: &str, proto: u8, sport: u16, dport: u16, flags: u8, ext: &[(u8, u8)]) -> Vec<u8> {
-    let (s, d): (std::net::Ipv6Addr, std::net::Ipv6Addr) = (src.parse().unwrap(), dst.parse().unwrap());
-    let mut l4 = Vec::new();
-    l4.extend_from_slice(&sport.to_be_bytes());
-    l4.extend_from_slice(&dport.to_be_bytes());
-    if proto == TCP {
-        l4.extend_from_slice(&[0, 0, 0, 1, 0, 0, 0, 0, 0x50, flags, 0xff, 0xff, 0, 0, 0, 0]);
-    } else {
-        l4.extend_from_slice(&[0, 12, 0, 0, b'h', b'i', b'!', b'\n']);
-    }
-    // The extension headers, each naming the next.
-    let mut chain = Vec::new();
-    let types: Vec<u8> = ext.iter().map(|e| e.0).chain([proto]).collect();
-    for (i, (_, len)) in ext.iter().enumerate() {
-        let mut h = vec![0u8; (usize::from(*len) + 1) * 8];
-        h[0] = types[i + 1];
-        h[1] = *len;
-        if types[i] == 44 {
-            // A fragment header: offset 0 with more fragments to come (a first fragment).
-            h[1] = 0;
-            h[3] = 1;
-        }
-        chain.extend(h);
-    }
-    let payload = chain.len() + l4.len();
-    let mut f = vec![0x02, 0, 0, 0, 0, 2, 0x02, 0, 0, 0, 0, 1, 0x86, 0xdd];
-    f.extend_from_slice(&[0x60, 0, 0, 0]);
-    f.extend_from_slice(&(payload as u16).to_be_bytes());
-    f.push(types[0]);
-    f.push(64);
-    f.extend_from_slice(&s.octets());
-    f.extend_from_slice(&d.octets());
-    f.extend(chain);
-    f.extend(l4);
-    f
-}
-
-/// An ICMPv6 port unreachable answering `orig`: MACs and addresses swapped, the first 48 bytes
-/// of the offending IPv6 packet quoted, a valid checksum over the pseudo-header.
-fn check_icmp6_port_unreachable(reply: &[u8], orig: &[u8]) {
-    assert_eq!(reply.len(), 14 + 40 + 8 + 48, "{reply:02x?}");
-    assert_eq!((&reply[0..6], &reply[6..12]), (&orig[6..12], &orig[0..6]), "MACs swapped");
-    assert_eq!(&reply[12..14], &[0x86, 0xdd]);
-    assert_eq!(reply[14] >> 4, 6);
-    assert_eq!(u16::from_be_bytes([reply[18], reply[19]]), 56, "payload length");
-    assert_eq!((reply[20], reply[21]), (58, 64), "next header ICMPv6, hop limit");
-    assert_eq!(&reply[22..38], &orig[38..54], "from the VIP");
-    assert_eq!(&reply[38..54], &orig[22..38], "to the client");
-    assert_eq!((reply[54], reply[55]), (1, 4), "destination unreachable, port unreachable");
-    assert_eq!(&reply[62..], &orig[14..62], "the quote");
-    // The checksum over the pseudo-header and the ICMPv6 message sums to 0xffff.
-    let mut sum: u64 = 0;
-    let words = |b: &[u8]| b.chunks(2).map(|c| u64::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]))).sum::<u64>();
-    sum += words(&reply[22..54]) + 56 + 58 + words(&reply[54..]);
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    assert_eq!(sum, 0xffff, "ICMPv6 checksum");
-}
 
 #[test]
 fn ipv6_set_matching_follows_kube_proxys_ipv6_rules() {

@@ -9,7 +9,7 @@ use std::{
     time::Duration,
 };
 
-use kpr_lab::lab::{errors, per_backend, Cni, Lab, LabSpec, NODE_IP};
+use kpr_lab::lab::{errors, per_backend, Cni, Lab, LabSpec, NODE_IP, NODE_IP6};
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
@@ -64,6 +64,8 @@ fn main() {
         ("node process -> IPv6 ClusterIP web-dual (UDP)", "host", "[fd00:10:96::60]:53".into(), "udp", n / 5),
         ("outside -> NodePort web", "cl", format!("{NODE_IP}:30080"), "tcp", n),
         ("outside -> LoadBalancer shop", "cl", "203.0.113.10:80".into(), "tcp", n / 5),
+        ("outside -> IPv6 NodePort web-dual", "cl", format!("[{NODE_IP6}]:30060"), "tcp", n / 3),
+        ("outside -> IPv6 LoadBalancer web-dual (UDP)", "cl", "[2001:db8:203::60]:53".into(), "udp", n / 5),
         ("pod -> ClusterIP gone (no endpoints)", "pod", "10.96.0.99:80".into(), "tcp", 3),
     ];
     if lab.nodes.len() == 2 {

@@ -86,14 +86,14 @@ impl TranslatedConnections for NetlinkConntrack {
 pub const CONNTRACK_PIN_CHAIN: &str = "KPR-HANDOVER";
 
 fn pin_conntrack(nf: &mut dyn Netfilter) -> Result<(), NetfilterError> {
-    let exists = rules::has_chain(&nf.save(rules::BACKEND, "filter")?, CONNTRACK_PIN_CHAIN);
+    let exists = crate::host::netfilter::has_chain(&nf.save(rules::BACKEND, "filter")?, CONNTRACK_PIN_CHAIN);
     let declare = if exists { format!("-F {CONNTRACK_PIN_CHAIN}") } else { format!(":{CONNTRACK_PIN_CHAIN} - [0:0]") };
     nf.restore(rules::BACKEND, &format!("*filter\n{declare}\n-A {CONNTRACK_PIN_CHAIN} -m conntrack --ctstate INVALID -j RETURN\nCOMMIT\n"))
 }
 
 /// Removes the conntrack pin (idempotent; `kpr cleanup` calls it too). Returns what went.
 pub fn unpin_conntrack(nf: &mut dyn Netfilter) -> Result<Vec<String>, NetfilterError> {
-    if !rules::has_chain(&nf.save(rules::BACKEND, "filter")?, CONNTRACK_PIN_CHAIN) {
+    if !crate::host::netfilter::has_chain(&nf.save(rules::BACKEND, "filter")?, CONNTRACK_PIN_CHAIN) {
         return Ok(Vec::new());
     }
     nf.restore(rules::BACKEND, &format!("*filter\n-F {CONNTRACK_PIN_CHAIN}\n-X {CONNTRACK_PIN_CHAIN}\nCOMMIT\n"))?;

@@ -65,6 +65,62 @@ impl Netfilter for SystemNetfilter {
     }
 }
 
+/// The iptables front ends, IPv4's and IPv6's (the node's alternatives choose legacy or nft for
+/// each, as kube-proxy's does).
+pub const IPTABLES: &str = "iptables";
+pub const IP6TABLES: &str = "ip6tables";
+
+/// A chain kpr owns and the jump to it from a built-in chain: (table, hook, chain).
+pub type OwnedChain = (&'static str, &'static str, &'static str);
+
+/// Whether `saved` (iptables-save of one table) declares `chain`.
+pub fn has_chain(saved: &str, chain: &str) -> bool {
+    saved.lines().any(|l| l.starts_with(&format!(":{chain} ")))
+}
+
+fn has_jump(saved: &str, hook: &str, chain: &str) -> bool {
+    saved.lines().any(|l| l.starts_with(&format!("-A {hook} ")) && l.ends_with(&format!("-j {chain}")))
+}
+
+/// Applies `input` (an iptables-restore input that declares `chains`, so applying it again
+/// flushes and refills them) in `backend`, then adds each chain's jump where it is missing.
+pub fn install_chains(nf: &mut dyn Netfilter, backend: &str, input: &str, chains: &[OwnedChain]) -> Result<(), NetfilterError> {
+    nf.restore(backend, input)?;
+    let mut jumps = String::new();
+    for (table, hook, chain) in chains {
+        if !has_jump(&nf.save(backend, table)?, hook, chain) {
+            jumps += &format!("*{table}\n-I {hook} -j {chain}\nCOMMIT\n");
+        }
+    }
+    if !jumps.is_empty() {
+        nf.restore(backend, &jumps)?;
+    }
+    Ok(())
+}
+
+/// Removes the jumps to `chains` and the chains themselves from `backend`; idempotent. Returns
+/// what went.
+pub fn remove_chains(nf: &mut dyn Netfilter, backend: &str, chains: &[OwnedChain]) -> Result<Vec<String>, NetfilterError> {
+    let mut done = Vec::new();
+    for (table, hook, chain) in chains {
+        let saved = nf.save(backend, table)?;
+        let mut input = format!("*{table}\n");
+        let n = saved.lines().filter(|l| l.starts_with(&format!("-A {hook} ")) && l.ends_with(&format!("-j {chain}"))).count();
+        for _ in 0..n {
+            input += &format!("-D {hook} -j {chain}\n");
+        }
+        let exists = has_chain(&saved, chain);
+        if exists {
+            input += &format!("-F {chain}\n-X {chain}\n");
+        }
+        if n > 0 || exists {
+            nf.restore(backend, &format!("{input}COMMIT\n"))?;
+            done.push(format!("removed {backend} {table} chain {chain}"));
+        }
+    }
+    Ok(done)
+}
+
 /// Netfilter in memory for tests: `save` answers from `saved` (backend, table), every restore
 /// input is recorded.
 #[derive(Debug, Default)]

@@ -202,9 +202,11 @@ pub enum Ipv6Reach {
     /// None.
     #[default]
     None,
-    /// clusterIPs and their endpoints (eBPF mode: at connect time, for every socket of the
-    /// node); not NodePorts on the node's IPv6 addresses, externalIPs or load-balancer IPs.
-    ClusterIps,
+    /// Every address, without the per-flow features (eBPF mode: clusterIPs at connect time, for
+    /// every socket of the node; NodePorts, externalIPs and load-balancer IPs also per packet
+    /// from outside, by a flow table without maximum connection age, outlier ejection and
+    /// active-flow counts).
+    AllWithoutFlowFeatures,
     /// Every address (IPVS mode).
     All,
 }

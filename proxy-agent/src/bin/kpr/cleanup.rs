@@ -24,6 +24,9 @@ pub fn cleanup(pin_dir: &Path, kube_proxy: bool, keep_kpr: bool) -> Result<()> {
             Ok(done) => done.iter().for_each(|d| println!("{d}")),
             Err(e) => tracing::warn!(error = %e, "netfilter rules not checked"),
         }
+        for d in proxy_agent::dataplane::ebpf::masquerade6::remove(&mut proxy_agent::host::netfilter::SystemNetfilter) {
+            println!("{d}");
+        }
         match proxy_agent::dataplane::handover::unpin_conntrack(&mut proxy_agent::host::netfilter::SystemNetfilter) {
             Ok(done) => done.iter().for_each(|d| println!("{d}")),
             Err(e) => tracing::warn!(error = %e, "the handover's conntrack pin not checked"),

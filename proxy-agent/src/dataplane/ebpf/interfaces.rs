@@ -64,13 +64,15 @@ impl Interfaces {
     }
 
     /// The hooks each interface gets: the fast path runs the pipeline's ingress half (XDP on
-    /// uplinks, TC on pod and tunnel interfaces) and its egress half (TC) on all of them; IPVS
+    /// uplinks, with TC for their IPv6; TC on pod and tunnel interfaces) and its egress half (TC)
+    /// on all of them; IPVS
     /// mode the set-matching program at TC ingress everywhere (XDP has no skb mark).
     fn wanted(&self, present: &[String]) -> Vec<(String, Hook)> {
         let mut wanted = Vec::new();
         for u in &self.uplinks {
             wanted.push((u.clone(), if self.fast_path { Hook::Xdp } else { Hook::TcIngress }));
             if self.fast_path {
+                wanted.push((u.clone(), Hook::TcIngress6));
                 wanted.push((u.clone(), Hook::TcEgress));
             }
         }

@@ -44,6 +44,8 @@ pub enum KernelError {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Hook {
     TcIngress,
+    /// The uplinks' IPv6 ingress (kpr_tc_ingress6): XDP passes IPv6 on to it.
+    TcIngress6,
     /// The fast path's second half (masquerade, reverse DNAT), on every interface it runs on.
     TcEgress,
     Xdp,
@@ -59,6 +61,7 @@ impl Hook {
     pub fn tag(self) -> &'static str {
         match self {
             Hook::TcIngress => "tc_ingress",
+            Hook::TcIngress6 => "tc_ingress6",
             Hook::TcEgress => "tc_egress",
             Hook::Xdp => "xdp",
             Hook::Cgroup => "cgroup",
@@ -156,7 +159,7 @@ impl Datapath {
 
     /// Verifies and loads the eBPF fast path (TC, XDP, connect-time programs).
     pub fn load_fast_path(&mut self) -> Result<(), KernelError> {
-        for name in [prog_names::TC_INGRESS, prog_names::TC_EGRESS, prog_names::TC_PASS] {
+        for name in [prog_names::TC_INGRESS, prog_names::TC_EGRESS, prog_names::TC_INGRESS6, prog_names::TC_PASS] {
             let prog = self.classifier(name)?;
             load(name, || prog.load())?;
         }
@@ -249,11 +252,11 @@ impl Datapath {
             None
         };
         match hook {
-            Hook::TcIngress | Hook::TcEgress => {
-                let (program, attach_type, what) = if hook == Hook::TcIngress {
-                    (self.tc_program, TcAttachType::Ingress, "tc ingress")
-                } else {
-                    (prog_names::TC_EGRESS, TcAttachType::Egress, "tc egress")
+            Hook::TcIngress | Hook::TcIngress6 | Hook::TcEgress => {
+                let (program, attach_type, what) = match hook {
+                    Hook::TcIngress => (self.tc_program, TcAttachType::Ingress, "tc ingress"),
+                    Hook::TcIngress6 => (prog_names::TC_INGRESS6, TcAttachType::Ingress, "tc ingress (IPv6)"),
+                    _ => (prog_names::TC_EGRESS, TcAttachType::Egress, "tc egress"),
                 };
                 if let Some(link) = existing {
                     let prog = self.classifier(program)?;
@@ -269,7 +272,14 @@ impl Datapath {
                 // Behind a draining fast path, its filter stays and ours goes after it (TCX
                 // links: after by default).
                 let behind = self.after_fast_path && hook == Hook::TcIngress;
-                for name in TC_PROGRAMS.into_iter().filter(|n| !behind || *n == prog_names::TC_IPSET) {
+                // The uplinks' IPv6 program shares the hook with whatever TC ingress runs there
+                // (IPVS mode's set matching during a switch): it replaces only itself.
+                let ours = |n: &&str| match hook {
+                    Hook::TcIngress6 => *n == prog_names::TC_INGRESS6,
+                    _ if behind => *n == prog_names::TC_IPSET,
+                    _ => *n != prog_names::TC_INGRESS6,
+                };
+                for name in TC_PROGRAMS.into_iter().filter(ours) {
                     let _ = tc::qdisc_detach_program(iface, attach_type, name);
                 }
                 let prog = self.classifier(program)?;
@@ -331,7 +341,7 @@ fn load(name: &'static str, mut load: impl FnMut() -> Result<(), aya::programs::
 }
 
 /// Every TC program kpr attaches (what a cleanup removes from pre-TCX kernels' filters).
-const TC_PROGRAMS: [&str; 3] = [prog_names::TC_INGRESS, prog_names::TC_EGRESS, prog_names::TC_IPSET];
+const TC_PROGRAMS: [&str; 4] = [prog_names::TC_INGRESS, prog_names::TC_INGRESS6, prog_names::TC_EGRESS, prog_names::TC_IPSET];
 
 /// bpffs refuses '.' in names, and interface names may hold one (flannel.1); ':' never
 /// appears in an interface name, so it stands for the dot.
@@ -349,6 +359,8 @@ pub fn attached_links(pin_dir: &Path) -> Vec<(String, Hook)> {
         let name = e.file_name().to_string_lossy().replace(':', ".");
         if let Some(i) = name.strip_prefix("tc_ingress_") {
             out.push((i.to_string(), Hook::TcIngress));
+        } else if let Some(i) = name.strip_prefix("tc_ingress6_") {
+            out.push((i.to_string(), Hook::TcIngress6));
         } else if let Some(i) = name.strip_prefix("tc_egress_") {
             out.push((i.to_string(), Hook::TcEgress));
         } else if let Some(i) = name.strip_prefix("xdp_") {
@@ -393,7 +405,7 @@ pub fn detach_fast_path(pin_dir: &Path, sock: &[&str]) -> Vec<String> {
     let mut removed = Vec::new();
     for (iface, hook) in attached_links(pin_dir) {
         let fast = match hook {
-            Hook::Xdp | Hook::TcEgress | Hook::TcDrain => true,
+            Hook::Xdp | Hook::TcIngress6 | Hook::TcEgress | Hook::TcDrain => true,
             Hook::Cgroup => sock.contains(&iface.as_str()),
             Hook::TcIngress => false,
         };
@@ -403,6 +415,7 @@ pub fn detach_fast_path(pin_dir: &Path, sock: &[&str]) -> Vec<String> {
     }
     // Kernels before TCX: the TC filters (no pins).
     removed.extend(detach_tc_filters(TcAttachType::Ingress, prog_names::TC_INGRESS));
+    removed.extend(detach_tc_filters(TcAttachType::Ingress, prog_names::TC_INGRESS6));
     removed.extend(detach_tc_filters(TcAttachType::Egress, prog_names::TC_EGRESS));
     removed
 }

@@ -4,7 +4,9 @@
 use std::{io, path::Path};
 
 use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, MapError as AyaMapError, PerCpuArray};
-use proxy_common::{limits, map_names, AffinityKey, AffinityValue, Backend, CtKey, CtValue, DatapathConfig, ServiceKey, ServiceValue, SlotKey, SourceRangeKey};
+use proxy_common::{
+    limits, map_names, AffinityKey, AffinityValue, Backend, CtKey, CtKey6, CtValue, CtValue6, DatapathConfig, ServiceKey, ServiceValue, SlotKey, SourceRangeKey,
+};
 
 use crate::dataplane::ebpf::{
     bulk::Bulk,
@@ -37,6 +39,7 @@ pub struct KernelMaps {
     source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
     config: Array<MapData, DatapathConfig>,
     conntrack: KernelConntrack,
+    conntrack6: HashMap<MapData, CtKey6, CtValue6>,
     ifaces: HashMap<MapData, u32, proxy_common::IfaceInfo>,
     affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     counters: PerCpuArray<MapData, u64>,
@@ -233,6 +236,7 @@ impl KernelMaps {
             source_ranges: open_typed(pin_dir, map_names::SOURCE_RANGES)?,
             config: open_typed(pin_dir, map_names::CONFIG)?,
             conntrack: KernelConntrack::open(pin_dir)?,
+            conntrack6: open_typed(pin_dir, map_names::CONNTRACK6)?,
             ifaces: open_typed(pin_dir, map_names::IFACES)?,
             affinity: open_typed(pin_dir, map_names::AFFINITY)?,
             counters: open_typed(pin_dir, map_names::COUNTERS)?,
@@ -385,6 +389,9 @@ impl DatapathMaps for KernelMaps {
     }
     fn backend_new_connections(&self, id: u32) -> Result<u64, MapError> {
         self.backend_new.get(&id, 0).map(|v| v.iter().sum()).map_err(|e| op(map_names::BACKEND_NEW, "lookup", e))
+    }
+    fn ipv6_flows(&self) -> Result<Vec<(CtKey6, CtValue6)>, MapError> {
+        collect(map_names::CONNTRACK6, self.conntrack6.iter())
     }
     fn counters(&self) -> Result<Vec<u64>, MapError> {
         (0..proxy_common::counter::COUNT).map(|i| self.counters.get(&i, 0).map(|v| v.iter().sum()).map_err(|e| op(map_names::COUNTERS, "lookup", e))).collect()

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use proxy_common::{AffinityKey, AffinityValue, Backend, DatapathConfig, IfaceInfo, ServiceKey, ServiceValue, SlotKey, SourceRangeKey};
 
-use proxy_common::{map_names, CtKey, CtValue};
+use proxy_common::{map_names, CtKey, CtKey6, CtValue, CtValue6};
 
 #[derive(Debug, thiserror::Error)]
 pub enum MapError {
@@ -86,6 +86,9 @@ pub trait DatapathMaps {
     fn affinity(&self) -> Result<Vec<(AffinityKey, AffinityValue)>, MapError>;
     fn del_affinity(&mut self, k: AffinityKey) -> Result<(), MapError>;
 
+    /// The IPv6 packet path's flows (KPR_CT6_V1): read by the views; the data path ages them.
+    fn ipv6_flows(&self) -> Result<Vec<(CtKey6, CtValue6)>, MapError>;
+
     /// Sum over CPUs of each counter.
     fn counters(&self) -> Result<Vec<u64>, MapError>;
     /// New connections sent to a backend since it got its id (sum over CPUs).
@@ -104,6 +107,7 @@ pub struct FakeMaps {
     pub conntrack: FakeTables,
     pub ifaces: BTreeMap<u32, IfaceInfo>,
     pub affinity: BTreeMap<AffinityKey, AffinityValue>,
+    pub ipv6_flows: BTreeMap<CtKey6, CtValue6>,
     pub writes: usize,
     /// Syncs that held their puts back (`begin_bulk`).
     pub bulks: usize,
@@ -215,6 +219,9 @@ impl DatapathMaps for FakeMaps {
     fn del_affinity(&mut self, k: AffinityKey) -> Result<(), MapError> {
         self.affinity.remove(&k);
         Ok(())
+    }
+    fn ipv6_flows(&self) -> Result<Vec<(CtKey6, CtValue6)>, MapError> {
+        Ok(self.ipv6_flows.iter().map(|(k, v)| (*k, *v)).collect())
     }
     fn counters(&self) -> Result<Vec<u64>, MapError> {
         Ok(vec![0; proxy_common::counter::COUNT as usize])

@@ -12,6 +12,7 @@ pub mod kernel;
 pub mod kernel_maps;
 pub mod maglev;
 pub mod maps;
+pub mod masquerade6;
 pub mod observations;
 pub mod outlier;
 pub mod plane;

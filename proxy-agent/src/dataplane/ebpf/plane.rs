@@ -20,12 +20,14 @@ use crate::{
             kernel::{self, Datapath},
             kernel_maps::{KernelBackendLoads, KernelBackendNames, KernelConntrack, KernelFailureCounts, KernelMaps, KernelSockRev},
             maps::{write_loads, DatapathMaps},
+            masquerade6,
             outlier::{self, Outliers},
             sync::{RemovedBackend, SyncError, Syncer},
         },
         Dataplane, DataplaneError, NodeContext, PreviousProxy, SyncStats,
     },
     host::{
+        netfilter::SystemNetfilter,
         netif,
         sysctl::{self, ProcSysctls, Sysctls},
     },
@@ -63,8 +65,9 @@ pub struct EbpfPlane {
     /// While handing over: the TCP Services' (address, port) at the last sync.
     tcp_frontends: BTreeSet<(std::net::IpAddr, u16)>,
     stats: SharedStats,
-    /// The connect-time programs are attached (`--cgroup`): they alone serve IPv6 clusterIPs.
-    connect_time: bool,
+    /// IPv6 is served with the connect-time programs attached (`--cgroup`: they alone serve
+    /// IPv6 clusterIPs) and the IPv6 masquerade rule installed (masquerade6).
+    ipv6: Ipv6Reach,
 }
 
 /// What a sync tells the collector.
@@ -161,6 +164,16 @@ impl EbpfPlane {
         let timeouts = Timeouts::from_settings(&s.conntrack);
         let outliers = Arc::new(Mutex::new(Outliers::new(OUTLIER_EJECTION_TIME)));
         let gc = start_gc(pin_dir.clone(), timeouts, stats.clone(), outliers.clone());
+        let ipv6 = match &cgroup {
+            None => Ipv6Reach::None,
+            Some(_) => match masquerade6::install(&mut SystemNetfilter) {
+                Ok(()) => Ipv6Reach::AllWithoutFlowFeatures,
+                Err(e) => {
+                    error!(error = %e, "the IPv6 masquerade rule (ip6tables) could not be installed: IPv6 Services are reported, not served");
+                    Ipv6Reach::None
+                }
+            },
+        };
         Ok(Self {
             dp,
             maps,
@@ -174,7 +187,7 @@ impl EbpfPlane {
             handover,
             tcp_frontends: BTreeSet::new(),
             stats,
-            connect_time: cgroup.is_some(),
+            ipv6,
         })
     }
 }
@@ -189,11 +202,7 @@ impl Dataplane for EbpfPlane {
     }
 
     fn programs_ipv6(&self) -> Ipv6Reach {
-        if self.connect_time {
-            Ipv6Reach::ClusterIps
-        } else {
-            Ipv6Reach::None
-        }
+        self.ipv6
     }
 
     fn ejects_outliers(&self) -> bool {

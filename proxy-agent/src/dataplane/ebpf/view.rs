@@ -5,7 +5,8 @@ use std::collections::HashMap;
 use proxy_common::{
     counter,
     user::{port_host, proto_name, v4_addr, words_addr},
-    CT_F_SNAT_PENDING, SCHED_MAGLEV, SCHED_ROUND_ROBIN, SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT, SVC_F_PRESERVE_SOURCE, SVC_F_SOURCE_RANGES,
+    CT_F_CLOSING, CT_F_REPLY, CT_F_SNAT, CT_F_SNAT_PENDING, SCHED_MAGLEV, SCHED_ROUND_ROBIN, SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT, SVC_F_PRESERVE_SOURCE,
+    SVC_F_SOURCE_RANGES,
 };
 use serde::Serialize;
 
@@ -121,6 +122,23 @@ pub fn conntrack(maps: &dyn DatapathMaps, now_ns: u64) -> Result<Vec<FlowRow>, M
                 idle_s: now_ns.saturating_sub(f.last_seen_ns()) as f64 / 1e9,
             });
         }
+    }
+    // IPv6 flows: each forward entry (its masquerade is netfilter's: `conntrack -L -f ipv6`).
+    let addr6 = |a: [u32; 4], p: u16| std::net::SocketAddr::new(words_addr(a), port_host(p)).to_string();
+    for (k, v) in maps.ipv6_flows()? {
+        if v.flags & CT_F_REPLY != 0 {
+            continue;
+        }
+        rows.push(FlowRow {
+            proto: proto_name(k.proto).into(),
+            client: addr6(k.saddr, k.sport),
+            frontend: addr6(k.daddr, k.dport),
+            backend: addr6(v.new_daddr, v.new_dport),
+            snat: (v.flags & CT_F_SNAT != 0).then(|| "netfilter".into()),
+            backend_id: v.backend_id,
+            state: if v.flags & CT_F_CLOSING != 0 { "closing" } else { "established" }.into(),
+            idle_s: now_ns.saturating_sub(v.last_seen_ns) as f64 / 1e9,
+        });
     }
     rows.sort_by(|a, b| (&a.frontend, &a.client).cmp(&(&b.frontend, &b.client)));
     Ok(rows)

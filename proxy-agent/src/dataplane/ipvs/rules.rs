@@ -7,15 +7,14 @@ use std::path::Path;
 
 use proxy_common::MARK_MASQ;
 
-use crate::host::netfilter::{Netfilter, NetfilterError};
+use crate::host::netfilter::{install_chains, remove_chains, Netfilter, NetfilterError, OwnedChain};
 
 pub const NAT_CHAIN: &str = "KPR-POSTROUTING";
 pub const FILTER_CHAIN: &str = "KPR-FORWARD";
-/// The iptables front ends, IPv4's then IPv6's (the node's alternatives choose legacy or nft
-/// for each, as kube-proxy's does). The same rules serve both: the set program and the
-/// KUBE-LOOP-BACK match read either family.
-pub const BACKEND: &str = "iptables";
-pub const BACKEND6: &str = "ip6tables";
+/// The iptables front ends, IPv4's then IPv6's. The same rules serve both: the set program and
+/// the KUBE-LOOP-BACK match read either family.
+pub const BACKEND: &str = crate::host::netfilter::IPTABLES;
+pub const BACKEND6: &str = crate::host::netfilter::IP6TABLES;
 
 /// The iptables-restore input (with --noflush): declaring a chain flushes it, so applying it
 /// again is idempotent.
@@ -39,58 +38,21 @@ pub fn rules(loopback_pin: &Path) -> String {
     )
 }
 
-/// Whether `saved` (iptables-save of one table) declares `chain`.
-pub fn has_chain(saved: &str, chain: &str) -> bool {
-    saved.lines().any(|l| l.starts_with(&format!(":{chain} ")))
-}
-
-fn has_jump(saved: &str, chain: &str, target: &str) -> bool {
-    saved.lines().any(|l| l.starts_with(&format!("-A {chain} ")) && l.ends_with(&format!("-j {target}")))
-}
+/// IPVS mode's chains and the jumps to them.
+const CHAINS: [OwnedChain; 2] = [("nat", "POSTROUTING", NAT_CHAIN), ("filter", "FORWARD", FILTER_CHAIN)];
 
 /// Installs (or refreshes) the chains and the jumps to them, in `backend` (BACKEND, BACKEND6).
 pub fn install(nf: &mut dyn Netfilter, backend: &str, loopback_pin: &Path) -> Result<(), NetfilterError> {
-    nf.restore(backend, &rules(loopback_pin))?;
-    let mut jumps = String::new();
-    for (table, hook, chain) in [("nat", "POSTROUTING", NAT_CHAIN), ("filter", "FORWARD", FILTER_CHAIN)] {
-        if !has_jump(&nf.save(backend, table)?, hook, chain) {
-            jumps += &format!("*{table}\n-I {hook} -j {chain}\nCOMMIT\n");
-        }
-    }
-    if !jumps.is_empty() {
-        nf.restore(backend, &jumps)?;
-    }
-    Ok(())
+    install_chains(nf, backend, &rules(loopback_pin), &CHAINS)
 }
 
 /// Removes the jumps and the chains of both families; idempotent. Returns what went. A node
 /// without ip6tables (or IPv6) has no IPv6 rules to remove.
 pub fn remove(nf: &mut dyn Netfilter) -> Result<Vec<String>, NetfilterError> {
-    let mut done = remove_from(nf, BACKEND)?;
-    match remove_from(nf, BACKEND6) {
+    let mut done = remove_chains(nf, BACKEND, &CHAINS)?;
+    match remove_chains(nf, BACKEND6, &CHAINS) {
         Ok(d) => done.extend(d),
         Err(e) => tracing::debug!(error = %e, "no IPv6 rules to remove"),
-    }
-    Ok(done)
-}
-
-fn remove_from(nf: &mut dyn Netfilter, backend: &str) -> Result<Vec<String>, NetfilterError> {
-    let mut done = Vec::new();
-    for (table, hook, chain) in [("nat", "POSTROUTING", NAT_CHAIN), ("filter", "FORWARD", FILTER_CHAIN)] {
-        let saved = nf.save(backend, table)?;
-        let mut input = format!("*{table}\n");
-        let n = saved.lines().filter(|l| l.starts_with(&format!("-A {hook} ")) && l.ends_with(&format!("-j {chain}"))).count();
-        for _ in 0..n {
-            input += &format!("-D {hook} -j {chain}\n");
-        }
-        let exists = has_chain(&saved, chain);
-        if exists {
-            input += &format!("-F {chain}\n-X {chain}\n");
-        }
-        if n > 0 || exists {
-            nf.restore(backend, &format!("{input}COMMIT\n"))?;
-            done.push(format!("removed {backend} {table} chain {chain}"));
-        }
     }
     Ok(done)
 }
@@ -105,6 +67,5 @@ mod tests {
         assert_eq!(r.lines().filter(|l| l.starts_with("-A")).count(), 7);
         assert!(r.contains("-m bpf --object-pinned /sys/fs/bpf/kpr/kpr_loopback -j MASQUERADE"));
         assert!(r.contains("-m mark ! --mark 0x4000/0x4000 -j RETURN"));
-        assert!(has_jump("-A POSTROUTING -j KPR-POSTROUTING\n", "POSTROUTING", NAT_CHAIN));
     }
 }

@@ -1,0 +1,205 @@
+//! IPv6 packet fixtures through BPF_PROG_TEST_RUN: the uplinks' `kpr_tc_ingress6` (DNAT of
+//! traffic from outside to IPv6 NodePorts, externalIPs and LB IPs) and `kpr_tc_egress` (the
+//! reply's reverse DNAT), loaded into the running kernel, with maps programmed by the real agent
+//! pipeline (manifests -> model -> sync).
+use aya::programs::{TestRun, TestRunOptions};
+use kpr_lab::{
+    datapath_config, ip,
+    packet::{check_icmp6_port_unreachable, frame6, parse6, Frame, ACK, FIN, SYN, TCP, UDP},
+    Loaded,
+};
+use proxy_agent::{dataplane::ebpf::kernel::Datapath, dataplane::ebpf::maps::DatapathMaps, model::NodeInfo};
+use proxy_common::{counter, prog_names};
+
+const TC_ACT_OK: u32 = 0;
+const TC_ACT_SHOT: u32 = 2;
+const TC_ACT_REDIRECT: u32 = 7;
+
+const NODE_IP: &str = "198.18.0.1";
+const NODE_IP6: &str = "fd00:198::1";
+const OUTSIDE: &str = "2001:db8:c:1::5";
+const BACKEND: &str = "fd00:244:1::2";
+const LOCAL_BACKEND: &str = "fd00:244:1::3";
+
+const MANIFESTS: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: t}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.0.10
+  clusterIPs: [10.96.0.10, "fd00:96::10"]
+  ipFamilies: [IPv4, IPv6]
+  externalIPs: ["2001:db8:e::10"]
+  loadBalancerSourceRanges: [198.51.100.0/24, "2001:db8:c::/48"]
+  ports: [{name: http, port: 80, nodePort: 30080}, {name: dns, port: 53, protocol: UDP, nodePort: 30053}]
+status: {loadBalancer: {ingress: [{ip: 192.0.2.80}, {ip: "2001:db8::80"}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-6, namespace: t, labels: {kubernetes.io/service-name: web}}
+addressType: IPv6
+ports: [{name: http, port: 8080}, {name: dns, port: 5353, protocol: UDP}]
+endpoints: [{addresses: ["fd00:244:1::2"], conditions: {ready: true}, nodeName: node-b}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: local, namespace: t}
+spec:
+  type: NodePort
+  clusterIP: "fd00:96::11"
+  clusterIPs: ["fd00:96::11"]
+  ipFamilies: [IPv6]
+  externalTrafficPolicy: Local
+  ports: [{name: http, port: 80, nodePort: 30081}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: local-6, namespace: t, labels: {kubernetes.io/service-name: local}}
+addressType: IPv6
+ports: [{name: http, port: 8080}]
+endpoints: [{addresses: ["fd00:244:1::3"], conditions: {ready: true}, nodeName: node-a}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: empty, namespace: t}
+spec:
+  type: NodePort
+  clusterIP: "fd00:96::12"
+  clusterIPs: ["fd00:96::12"]
+  ipFamilies: [IPv6]
+  ports: [{name: http, port: 80, nodePort: 30082}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: empty-6, namespace: t, labels: {kubernetes.io/service-name: empty}}
+addressType: IPv6
+ports: [{name: http, port: 8080}]
+endpoints: []
+"#;
+
+fn load(name: &str) -> Loaded {
+    let node = NodeInfo { name: "node-a".into(), nodeport_addresses: vec![ip(NODE_IP), ip(NODE_IP6)], zone: None };
+    Loaded::new(name, MANIFESTS, &node, datapath_config(NODE_IP, Some(("10.244.0.0", 16))))
+}
+
+fn run(dp: &mut Datapath, program: &'static str, frame: &[u8]) -> (u32, Vec<u8>) {
+    let mut out = vec![0u8; 1600];
+    let opts = TestRunOptions { data_in: Some(frame), data_out: Some(&mut out), repeat: 1, ..Default::default() };
+    let r = dp.classifier(program).unwrap().test_run(opts).expect("BPF_PROG_TEST_RUN");
+    out.truncate(r.data_size_out as usize);
+    (r.return_value, out)
+}
+
+/// The uplink's IPv6 ingress.
+fn ingress(l: &mut Loaded, frame: &[u8]) -> (u32, Vec<u8>) {
+    run(&mut l.dp, prog_names::TC_INGRESS6, frame)
+}
+
+/// TC egress (the interface the reply leaves by).
+fn egress(l: &mut Loaded, frame: &[u8]) -> (u32, Vec<u8>) {
+    run(&mut l.dp, prog_names::TC_EGRESS, frame)
+}
+
+fn counter_of(l: &Loaded, idx: u32) -> u64 {
+    l.maps.counters().unwrap()[idx as usize]
+}
+
+/// A handshake from outside to `vip`:`vport`: the SYN's DNAT (to `backend`:8080), the SYN-ACK's
+/// reverse DNAT at egress, the ACK to the same backend. Checksums stay valid throughout.
+fn handshake(l: &mut Loaded, sport: u16, vip: &str, vport: u16, backend: &str, ext: &[(u8, u8)]) {
+    let (v, o) = ingress(l, &frame6(OUTSIDE, vip, TCP, sport, vport, SYN, ext));
+    assert_eq!(v, TC_ACT_OK);
+    let fwd = if ext.is_empty() { parse6(&o) } else { parse6_past_ext(&o, ext) };
+    assert_eq!((fwd.src, fwd.sport, fwd.dst, fwd.dport), (OUTSIDE.parse().unwrap(), sport, backend.parse().unwrap(), 8080), "DNAT to {vip}");
+    assert!(fwd.l4_csum_ok, "the DNAT keeps the TCP checksum valid");
+    let (v, back) = egress(l, &frame6(backend, OUTSIDE, TCP, 8080, sport, SYN | ACK, &[]));
+    assert_eq!(v, TC_ACT_OK);
+    let back = parse6(&back);
+    assert_eq!((back.src, back.sport, back.dst, back.dport), (vip.parse().unwrap(), vport, OUTSIDE.parse().unwrap(), sport), "reverse DNAT");
+    assert!(back.l4_csum_ok, "the reverse DNAT keeps the TCP checksum valid");
+    let (_, o) = ingress(l, &frame6(OUTSIDE, vip, TCP, sport, vport, ACK, &[]));
+    let ack = parse6(&o);
+    assert_eq!((ack.dst, ack.dport), (backend.parse().unwrap(), 8080), "the flow keeps its backend");
+    assert!(ack.l4_csum_ok);
+}
+
+/// `parse6` of a frame whose extension headers (`ext`) sit between IPv6 and L4: the same frame
+/// without them (their bytes are not in the L4 checksum).
+fn parse6_past_ext(f: &[u8], ext: &[(u8, u8)]) -> kpr_lab::packet::Parsed6 {
+    let ext_len: usize = ext.iter().map(|e| (usize::from(e.1) + 1) * 8).sum();
+    let mut g = f[..54].to_vec();
+    g[20] = TCP;
+    let len = u16::from_be_bytes([f[18], f[19]]) as usize - ext_len;
+    g[18..20].copy_from_slice(&(len as u16).to_be_bytes());
+    g.extend_from_slice(&f[54 + ext_len..]);
+    parse6(&g)
+}
+
+#[test]
+fn ipv6_nodeport_lb_ip_and_external_ip_from_outside_dnat_and_reverse_dnat() {
+    let mut l = load("fx6-dnat");
+    let snat = counter_of(&l, counter::SNAT);
+    handshake(&mut l, 40000, NODE_IP6, 30080, BACKEND, &[]);
+    handshake(&mut l, 40001, "2001:db8::80", 80, BACKEND, &[]);
+    handshake(&mut l, 40002, "2001:db8:e::10", 80, BACKEND, &[]);
+    // externalTrafficPolicy Cluster: each new flow is marked for netfilter's masquerade.
+    assert_eq!(counter_of(&l, counter::SNAT) - snat, 3);
+    // Past hop-by-hop and destination options headers.
+    handshake(&mut l, 40003, NODE_IP6, 30080, BACKEND, &[(0, 0), (60, 2)]);
+}
+
+#[test]
+fn ipv6_traffic_policy_local_keeps_the_client_address() {
+    let mut l = load("fx6-local");
+    let snat = counter_of(&l, counter::SNAT);
+    handshake(&mut l, 40010, NODE_IP6, 30081, LOCAL_BACKEND, &[]);
+    assert_eq!(counter_of(&l, counter::SNAT), snat, "not marked for masquerade");
+}
+
+#[test]
+fn ipv6_udp_dnat_keeps_a_valid_checksum() {
+    let mut l = load("fx6-udp");
+    let (v, o) = ingress(&mut l, &frame6(OUTSIDE, NODE_IP6, UDP, 40020, 30053, 0, &[]));
+    assert_eq!(v, TC_ACT_OK);
+    let f = parse6(&o);
+    assert_eq!((f.dst, f.dport, f.proto), (BACKEND.parse().unwrap(), 5353, UDP));
+    assert!(f.l4_csum_ok, "NAT66 updates the UDP checksum (mandatory in IPv6)");
+    let (_, back) = egress(&mut l, &frame6(BACKEND, OUTSIDE, UDP, 5353, 40020, 0, &[]));
+    let back = parse6(&back);
+    assert_eq!((back.src, back.sport), (NODE_IP6.parse().unwrap(), 30053));
+    assert!(back.l4_csum_ok);
+}
+
+#[test]
+fn ipv6_source_ranges_no_endpoints_and_unknown_traffic() {
+    let mut l = load("fx6-policy");
+    // loadBalancerSourceRanges: the IPv6 range admits its clients, not others.
+    let (v, _) = ingress(&mut l, &frame6("2001:db8:d::5", "2001:db8::80", TCP, 40030, 80, SYN, &[]));
+    assert_eq!(v, TC_ACT_SHOT, "outside 2001:db8:c::/48");
+    // No endpoints: ICMPv6 port unreachable, back out of the uplink.
+    let syn = frame6(OUTSIDE, NODE_IP6, TCP, 40031, 30082, SYN, &[]);
+    let (v, reply) = ingress(&mut l, &syn);
+    assert_eq!(v, TC_ACT_REDIRECT);
+    check_icmp6_port_unreachable(&reply, &syn);
+    // What is no frontend, a fragment, and IPv4 pass untouched.
+    for f in [
+        frame6(OUTSIDE, NODE_IP6, TCP, 40032, 22, SYN, &[]),
+        frame6(OUTSIDE, NODE_IP6, TCP, 40033, 30080, SYN, &[(44, 0)]),
+        Frame::tcp("203.0.113.5", 40034, NODE_IP, 30080, SYN).bytes(),
+    ] {
+        assert_eq!(ingress(&mut l, &f), (TC_ACT_OK, f.clone()));
+    }
+}
+
+#[test]
+fn ipv6_fin_closes_and_a_new_syn_starts_a_new_flow() {
+    let mut l = load("fx6-fin");
+    handshake(&mut l, 40040, NODE_IP6, 30080, BACKEND, &[]);
+    let new_flows = counter_of(&l, counter::NEW_FLOW);
+    let (_, o) = ingress(&mut l, &frame6(OUTSIDE, NODE_IP6, TCP, 40040, 30080, FIN | ACK, &[]));
+    assert_eq!(parse6(&o).dst, BACKEND.parse::<std::net::Ipv6Addr>().unwrap());
+    assert_eq!(counter_of(&l, counter::NEW_FLOW), new_flows);
+    handshake(&mut l, 40040, NODE_IP6, 30080, BACKEND, &[]);
+    assert_eq!(counter_of(&l, counter::NEW_FLOW), new_flows + 1, "the SYN on a closing tuple is a new flow");
+}
