@@ -13,25 +13,36 @@ use aya::{
 use kpr_bench::median;
 use kpr_lab::{
     datapath_config,
-    packet::{Frame, ACK, SYN},
+    packet::{frame6, Frame, ACK, SYN, TCP},
     PinDir,
 };
 use proxy_agent::{
     dataplane::ebpf::kernel::{Capacities, Datapath},
     dataplane::ebpf::kernel_maps::KernelMaps,
     dataplane::ebpf::sync::Syncer,
-    model::DesiredState,
+    model::{BackendKey, DesiredState, Protocol},
 };
-use proxy_common::{counter, map_names, prog_names, CtKey, CtValue, DatapathConfig, CFG_F_NO_FLOW_CACHE};
+use proxy_common::{counter, map_names, prog_names, CtKey, CtKey6, CtValue, CtValue6, DatapathConfig, CFG_F_NO_FLOW_CACHE, CT_DIR_EGRESS, CT_DIR_INGRESS};
 
 fn vip(i: u32) -> std::net::IpAddr {
     let n = 0x0a60_0000u32 + i; // 10.96.0.0 + i
     std::net::IpAddr::from(n.to_be_bytes())
 }
 
-/// N services on 3 endpoints each, spread over 60,000 addresses of 10.244.0.0/16.
+/// The IPv6 service the IPv6 rows hit (a clusterIP a router sends to the node: the uplink's
+/// kpr_tc_ingress6 serves it as it serves IPv6 NodePorts and LB IPs), on 3 endpoints.
+const VIP6: &str = "fd00:96::1";
+const BACKENDS6: [&str; 3] = ["fd00:244::2", "fd00:244::3", "fd00:244::4"];
+/// A client outside the node.
+const CLIENT6: &str = "2001:db8:c::1";
+
+/// N services on 3 endpoints each, spread over 60,000 addresses of 10.244.0.0/16, and the IPv6
+/// one.
 fn desired(n: u32) -> DesiredState {
-    kpr_bench::clusterips(n, 3, vip, 0x0af4_0002, 60_000)
+    let mut d = kpr_bench::clusterips(n, 3, vip, 0x0af4_0002, 60_000);
+    let backends = BACKENDS6.iter().map(|b| BackendKey { ip: b.parse().unwrap(), port: 8080, proto: Protocol::Tcp }).collect();
+    kpr_bench::set_clusterip(&mut d, n, VIP6.parse().unwrap(), backends);
+    d
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -47,6 +58,9 @@ enum Prog {
     XdpPass,
     /// IPVS mode's kube-proxy set matching (kpr_tc_ipset).
     TcIpset,
+    /// IPv6 from outside: the uplink's kpr_tc_ingress6, and kpr_tc_egress (the reply).
+    Tc6,
+    TcEgress6,
 }
 
 impl Prog {
@@ -61,13 +75,15 @@ impl Prog {
             Prog::TcPass => "tc pass (floor)",
             Prog::XdpPass => "xdp pass (floor)",
             Prog::TcIpset => "tc ipset (ipvs)",
+            Prog::Tc6 => "tc ingress6",
+            Prog::TcEgress6 => "tc egress (IPv6)",
         }
     }
     fn fast_path(self) -> bool {
         !matches!(self, Prog::TcPass | Prog::XdpPass | Prog::TcIpset)
     }
     fn egress(self) -> bool {
-        matches!(self, Prog::TcEgress | Prog::TcEgressNoCache)
+        matches!(self, Prog::TcEgress | Prog::TcEgressNoCache | Prog::TcEgress6)
     }
     fn no_cache(self) -> bool {
         matches!(self, Prog::TcNoCache | Prog::TcEgressNoCache | Prog::XdpNoCache)
@@ -86,6 +102,8 @@ fn run(dp: &mut Datapath, p: Prog, frame: &[u8], repeat: u32) -> (f64, Vec<u8>) 
         Prog::TcEgress | Prog::TcEgressNoCache => dp.classifier(prog_names::TC_EGRESS).unwrap().test_run(opts),
         Prog::TcPass => dp.classifier(prog_names::TC_PASS).unwrap().test_run(opts),
         Prog::TcIpset => dp.classifier(prog_names::TC_IPSET).unwrap().test_run(opts),
+        Prog::Tc6 => dp.classifier(prog_names::TC_INGRESS6).unwrap().test_run(opts),
+        Prog::TcEgress6 => dp.classifier(prog_names::TC_EGRESS).unwrap().test_run(opts),
         Prog::Xdp | Prog::XdpNoCache => dp.xdp(prog_names::XDP_INGRESS).unwrap().test_run(opts),
         Prog::XdpPass => dp.xdp(prog_names::XDP_PASS).unwrap().test_run(opts),
     }
@@ -120,6 +138,30 @@ fn ping_pong(ct: &mut AyaHashMap<MapData, CtKey, CtValue>, key: CtKey) -> Vec<u8
     let back = CtValue { new_saddr: key.saddr, new_daddr: key.daddr, new_sport: key.sport, new_dport: key.dport, ..v };
     ct.insert(mirror, back, 0).expect("insert the mirror");
     tcp(addr(key.saddr), u16::from_be(key.sport), addr(key.daddr), u16::from_be(key.dport), ACK)
+}
+
+/// `ping_pong` for an IPv6 entry.
+fn ping_pong6(ct: &mut AyaHashMap<MapData, CtKey6, CtValue6>, key: CtKey6) -> Vec<u8> {
+    let v = ct.get(&key, 0).expect("the measured IPv6 entry");
+    let mirror = CtKey6 { saddr: v.new_saddr, daddr: v.new_daddr, sport: v.new_sport, dport: v.new_dport, ..key };
+    let back = CtValue6 { new_saddr: key.saddr, new_daddr: key.daddr, new_sport: key.sport, new_dport: key.dport, ..v };
+    ct.insert(mirror, back, 0).expect("insert the mirror");
+    let a = |w: [u32; 4]| proxy_common::user::words_addr(w).to_string();
+    frame6(&a(key.saddr), &a(key.daddr), TCP, u16::from_be(key.sport), u16::from_be(key.dport), ACK, &[])
+}
+
+/// The IPv6 rows' frames: a flow from outside through kpr_tc_ingress6 (its SYN, the backend's
+/// SYN-ACK at egress), its two entries given mirrors. Returns (forward, reply) frames.
+fn ipv6_flow(dp: &mut Datapath, ct6: &mut AyaHashMap<MapData, CtKey6, CtValue6>) -> (Vec<u8>, Vec<u8>) {
+    for (k, _) in ct6.iter().filter_map(Result::ok).collect::<Vec<_>>() {
+        let _ = ct6.remove(&k);
+    }
+    let (_, fwd) = run(dp, Prog::Tc6, &frame6(CLIENT6, VIP6, TCP, 999, 80, SYN, &[]), 1);
+    let f = kpr_lab::packet::parse6(&fwd);
+    run(dp, Prog::TcEgress6, &frame6(&f.dst.to_string(), CLIENT6, TCP, f.dport, f.sport, SYN | ACK, &[]), 1);
+    let entries: Vec<(CtKey6, CtValue6)> = ct6.iter().filter_map(Result::ok).collect();
+    let of = |dir: u8| entries.iter().find(|(k, _)| k.dir == dir).expect("the primed IPv6 flow").0;
+    (ping_pong6(ct6, of(CT_DIR_INGRESS)), ping_pong6(ct6, of(CT_DIR_EGRESS)))
 }
 
 /// Deletes every flow, and every CPU's cached copy.
@@ -251,6 +293,10 @@ fn main() {
 
     let mut ct: AyaHashMap<MapData, CtKey, CtValue> =
         proxy_agent::dataplane::ebpf::kernel_maps::open_typed(pins.path(), map_names::CONNTRACK).expect("open conntrack");
+    let mut ct6: AyaHashMap<MapData, CtKey6, CtValue6> =
+        proxy_agent::dataplane::ebpf::kernel_maps::open_typed(pins.path(), map_names::CONNTRACK6).expect("open IPv6 conntrack");
+    // IPv6: a packet of no service and no flow (to a pod).
+    let other6 = frame6(CLIENT6, "fd00:244::99", TCP, 1000, 8080, ACK, &[]);
     let counters = |maps: &KernelMaps| proxy_agent::dataplane::ebpf::maps::DatapathMaps::counters(maps).expect("counters");
     // A pod (not masqueraded) and a client outside the cluster CIDR (masqueraded): between them
     // every entry kind of a flow is measured: DNAT at ingress, reverse SNAT at ingress, SNAT at
@@ -329,8 +375,21 @@ fn main() {
             }
             panic!("no client ports whose entries fit distinct flow cache slots");
         })();
+        let (fwd6, rev6) = ipv6_flow(&mut dp, &mut ct6);
         let mut floor: BTreeMap<bool, [f64; 4]> = BTreeMap::new();
-        for p in [Prog::TcPass, Prog::XdpPass, Prog::Tc, Prog::TcEgress, Prog::Xdp, Prog::TcNoCache, Prog::TcEgressNoCache, Prog::XdpNoCache, Prog::TcIpset] {
+        for p in [
+            Prog::TcPass,
+            Prog::XdpPass,
+            Prog::Tc,
+            Prog::TcEgress,
+            Prog::Xdp,
+            Prog::TcNoCache,
+            Prog::TcEgressNoCache,
+            Prog::XdpNoCache,
+            Prog::TcIpset,
+            Prog::Tc6,
+            Prog::TcEgress6,
+        ] {
             let lb = p.fast_path();
             let flags = if p.no_cache() { cfg.flags | CFG_F_NO_FLOW_CACHE } else { cfg.flags };
             proxy_agent::dataplane::ebpf::maps::DatapathMaps::set_config(&mut maps, DatapathConfig { flags, ..cfg }).expect("config");
@@ -369,10 +428,15 @@ fn main() {
                 }
                 t
             };
-            let (fwd_frame, rev_frame) = if p.egress() { &frames_out } else { &frames_in };
-            let fwd = timed(fwd_frame, Some(counter::ESTABLISHED));
-            let rev = timed(rev_frame, Some(counter::REVERSE_NAT));
-            let oth = timed(&other, None);
+            // IPv6: the forward entry is at the uplink's ingress, the reply's at egress.
+            let (fwd, rev, oth) = match p {
+                Prog::Tc6 => (timed(&fwd6, Some(counter::ESTABLISHED)), f64::NAN, timed(&other6, None)),
+                Prog::TcEgress6 => (f64::NAN, timed(&rev6, Some(counter::REVERSE_NAT)), timed(&other6, None)),
+                _ => {
+                    let (fwd_frame, rev_frame) = if p.egress() { &frames_out } else { &frames_in };
+                    (timed(fwd_frame, Some(counter::ESTABLISHED)), timed(rev_frame, Some(counter::REVERSE_NAT)), timed(&other, None))
+                }
+            };
             // A new flow's first packet; egress creates none (its first packet there completes
             // a masquerade, measured in the forward column's first repetition only).
             let newf = if p.egress() {
@@ -381,8 +445,14 @@ fn main() {
                 let mut total = 0.0;
                 for _ in 0..new_flows {
                     flow_port = if flow_port == u16::MAX { 1024 } else { flow_port + 1 };
-                    let src = if flow_port == 1024 { "10.244.201.1" } else { "10.244.200.2" };
-                    total += run(&mut dp, p, &Frame::tcp(src, flow_port, &target.to_string(), 80, SYN).bytes(), 1).0;
+                    let frame = if p == Prog::Tc6 {
+                        let src = if flow_port == 1024 { "2001:db8:c::3" } else { "2001:db8:c::2" };
+                        frame6(src, VIP6, TCP, flow_port, 80, SYN, &[])
+                    } else {
+                        let src = if flow_port == 1024 { "10.244.201.1" } else { "10.244.200.2" };
+                        Frame::tcp(src, flow_port, &target.to_string(), 80, SYN).bytes()
+                    };
+                    total += run(&mut dp, p, &frame, 1).0;
                 }
                 total / f64::from(new_flows)
             };
@@ -410,7 +480,7 @@ fn main() {
     }
     // Flatness: each program's established-flow cost at the largest size vs the smallest.
     let (lo, hi) = (sizes[0], max);
-    for p in [Prog::Tc, Prog::TcEgress, Prog::Xdp, Prog::TcNoCache, Prog::TcEgressNoCache, Prog::XdpNoCache, Prog::TcIpset].map(Prog::name) {
+    for p in [Prog::Tc, Prog::TcEgress, Prog::Xdp, Prog::TcNoCache, Prog::TcEgressNoCache, Prog::XdpNoCache, Prog::TcIpset, Prog::Tc6].map(Prog::name) {
         let get = |n: u32| results.iter().find(|r| r["services"] == n && r["program"] == p).map(|r| r["established_forward_ns"].as_f64().unwrap());
         if let (Some(a), Some(b)) = (get(lo), get(hi)) {
             println!("{p}: established-flow (forward) cost at {hi} services is {:.2}x that at {lo}", b / a);
