@@ -302,3 +302,58 @@ pub fn check_icmp6_port_unreachable(reply: &[u8], orig: &[u8]) {
     }
     assert_eq!(sum, 0xffff, "ICMPv6 checksum");
 }
+
+/// An ICMPv6 error (`icmp_type`, `code`, `word`: the MTU of a packet too big) from `src` to
+/// `dst`, quoting the first `quote_len` bytes of the IPv6 packet in `quoted` (an Ethernet frame),
+/// with a valid checksum.
+pub fn icmp6_error(src: &str, dst: &str, icmp_type: u8, code: u8, word: u32, quoted: &[u8], quote_len: usize) -> Vec<u8> {
+    let (s, d): (Ipv6Addr, Ipv6Addr) = (src.parse().unwrap(), dst.parse().unwrap());
+    let quote = &quoted[14..(14 + quote_len).min(quoted.len())];
+    let mut msg = vec![icmp_type, code, 0, 0];
+    msg.extend_from_slice(&word.to_be_bytes());
+    msg.extend_from_slice(quote);
+    let c = l4_checksum6(s, d, 58, &msg);
+    msg[2..4].copy_from_slice(&c.to_be_bytes());
+    let mut f = vec![0x02, 0, 0, 0, 0, 2, 0x02, 0, 0, 0, 0, 1, 0x86, 0xdd, 0x60, 0, 0, 0];
+    f.extend_from_slice(&(msg.len() as u16).to_be_bytes());
+    f.extend_from_slice(&[58, 64]);
+    f.extend_from_slice(&s.octets());
+    f.extend_from_slice(&d.octets());
+    f.extend(msg);
+    f
+}
+
+/// An ICMPv6 error frame as read back: its addresses, type, whether its checksum holds, and the
+/// quoted packet's (src, sport, dst, dport) and, where the whole quoted L4 header is there,
+/// whether its checksum holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Icmp6Error {
+    pub src: Ipv6Addr,
+    pub dst: Ipv6Addr,
+    pub icmp_type: u8,
+    pub csum_ok: bool,
+    pub quoted: (Ipv6Addr, u16, Ipv6Addr, u16),
+    pub quoted_l4_csum_ok: Option<bool>,
+}
+
+pub fn parse_icmp6_error(f: &[u8]) -> Icmp6Error {
+    assert!(f.len() >= 14 + 40 + 8 + 44 && f[20] == 58, "not an ICMPv6 error: {f:02x?}");
+    let ip = &f[14..];
+    let len = usize::from(u16::from_be_bytes([ip[4], ip[5]]));
+    let src = Ipv6Addr::from(<[u8; 16]>::try_from(&ip[8..24]).unwrap());
+    let dst = Ipv6Addr::from(<[u8; 16]>::try_from(&ip[24..40]).unwrap());
+    let msg = &ip[40..40 + len];
+    let q = &msg[8..];
+    let (qs, qd) = (Ipv6Addr::from(<[u8; 16]>::try_from(&q[8..24]).unwrap()), Ipv6Addr::from(<[u8; 16]>::try_from(&q[24..40]).unwrap()));
+    let ql4 = &q[40..];
+    let qlen = usize::from(u16::from_be_bytes([q[4], q[5]]));
+    let quoted_l4_csum_ok = (ql4.len() >= qlen).then(|| l4_checksum6(qs, qd, q[6], &ql4[..qlen]) == 0);
+    Icmp6Error {
+        src,
+        dst,
+        icmp_type: msg[0],
+        csum_ok: l4_checksum6(src, dst, 58, msg) == 0,
+        quoted: (qs, u16::from_be_bytes([ql4[0], ql4[1]]), qd, u16::from_be_bytes([ql4[2], ql4[3]])),
+        quoted_l4_csum_ok,
+    }
+}

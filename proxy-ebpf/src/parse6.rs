@@ -50,9 +50,14 @@ impl Flow6 {
     }
 }
 
+/// ICMPv6's next-header number.
+pub const PROTO_ICMPV6: u8 = 58;
+
 pub enum Parsed6 {
-    /// Not IPv6, or not TCP/UDP/SCTP: pass untouched.
+    /// Not IPv6, or not TCP/UDP/SCTP/ICMPv6: pass untouched.
     Other,
+    /// An ICMPv6 message, its header at `off` (pipeline6 translates errors about its flows).
+    Icmp { off: usize },
     /// Truncated headers, or more extension headers than are walked.
     Malformed,
     /// A fragment (first or later): no reliable L4 ports, as for IPv4.
@@ -122,6 +127,9 @@ pub fn parse<P: Pkt>(p: &P) -> Parsed6 {
         L4At::Fragment => return Parsed6::Fragment,
         L4At::Malformed => return Parsed6::Malformed,
     };
+    if next == PROTO_ICMPV6 {
+        return Parsed6::Icmp { off };
+    }
     if next != PROTO_TCP && next != PROTO_UDP && next != PROTO_SCTP {
         return Parsed6::Other;
     }

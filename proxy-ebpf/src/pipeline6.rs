@@ -9,7 +9,8 @@
 //! - Egress (TC egress, every interface of the fast path): the reply, netfilter's masquerade
 //!   undone, gets its reverse DNAT.
 //!
-//! So netfilter sees client <-> backend in both directions, as under kube-proxy.
+//! So netfilter sees client <-> backend in both directions, as under kube-proxy. ICMPv6 errors
+//! about a flow are translated at both hooks (icmp6.rs).
 use aya_ebpf::helpers::bpf_jiffies64;
 use aya_ebpf::maps::lpm_trie::Key;
 use proxy_common::{
@@ -22,7 +23,7 @@ use crate::{
     conntrack::{self, EGRESS, INGRESS},
     conntrack6::{self, Rewrite6},
     counters::{self, bump},
-    csum, lb,
+    csum, icmp6, lb,
     maps::{CONFIG, SOURCE_RANGES},
     parse::{Flow, IP_OFF},
     parse6::{self, Flow6, Parsed6},
@@ -31,12 +32,14 @@ use crate::{
     reject,
 };
 
-/// The packet's TCP or UDP flow; anything else returns from the hook here (passes, counted
-/// where malformed or a fragment). SCTP passes: the fast path does not forward it.
+/// The packet's TCP or UDP flow; anything else returns from the hook here: ICMPv6 errors are
+/// translated, other packets pass (counted where malformed or a fragment). SCTP passes: the
+/// fast path does not forward it.
 macro_rules! flow6_or_return {
-    ($p:expr) => {
+    ($p:expr, $dir:expr) => {
         match parse6::parse($p) {
             Parsed6::Flow(f) if f.proto == PROTO_TCP || f.proto == PROTO_UDP => f,
+            Parsed6::Icmp { off } => return icmp6::translate($p, off, $dir),
             Parsed6::Malformed => {
                 bump(counter::MALFORMED);
                 return Verdict::Pass;
@@ -52,7 +55,7 @@ macro_rules! flow6_or_return {
 
 #[inline(always)]
 pub fn ingress<P: Pkt>(p: &mut P) -> Verdict {
-    let f = flow6_or_return!(p);
+    let f = flow6_or_return!(p, INGRESS);
     let Some(cfg) = CONFIG.get(0) else {
         return Verdict::Pass;
     };
@@ -84,15 +87,21 @@ pub fn ingress<P: Pkt>(p: &mut P) -> Verdict {
 
 #[inline(always)]
 pub fn egress<P: Pkt>(p: &mut P) -> Verdict {
-    let f = flow6_or_return!(p);
+    let f = flow6_or_return!(p, EGRESS);
+    egress_flow(p, &f)
+}
+
+/// A subprogram: its frame and the ICMPv6 translation's are siblings (Linux 6.1 counts a call
+/// chain's frames against 512 bytes).
+#[inline(never)]
+fn egress_flow<P: Pkt>(p: &mut P, f: &Flow6) -> Verdict {
     let Some(cfg) = CONFIG.get(0) else {
         return Verdict::Pass;
     };
     let now = conntrack::now_ns(unsafe { bpf_jiffies64() });
-    // Inlined (the caller is a subprogram of TC egress already): a reply entry, never a forward
-    // one, so no deletion to call.
-    match conntrack6::track(&f, &conntrack6::key(&f, EGRESS), cfg, now) {
-        Some(rw) => rewrite(p, &f, &rw),
+    // A reply entry, never a forward one: no deletion to call.
+    match conntrack6::track(f, &conntrack6::key(f, EGRESS), cfg, now) {
+        Some(rw) => rewrite(p, f, &rw),
         None => Verdict::Pass,
     }
 }

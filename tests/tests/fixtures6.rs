@@ -5,7 +5,7 @@
 use aya::programs::{TestRun, TestRunOptions};
 use kpr_lab::{
     datapath_config, ip,
-    packet::{check_icmp6_port_unreachable, frame6, parse6, Frame, ACK, FIN, SYN, TCP, UDP},
+    packet::{check_icmp6_port_unreachable, frame6, icmp6_error, parse6, parse_icmp6_error, Frame, ACK, FIN, SYN, TCP, UDP},
     Loaded,
 };
 use proxy_agent::{dataplane::ebpf::kernel::Datapath, dataplane::ebpf::maps::DatapathMaps, model::NodeInfo};
@@ -202,4 +202,46 @@ fn ipv6_fin_closes_and_a_new_syn_starts_a_new_flow() {
     assert_eq!(counter_of(&l, counter::NEW_FLOW), new_flows);
     handshake(&mut l, 40040, NODE_IP6, 30080, BACKEND, &[]);
     assert_eq!(counter_of(&l, counter::NEW_FLOW), new_flows + 1, "the SYN on a closing tuple is a new flow");
+}
+
+#[test]
+fn ipv6_icmp_errors_about_a_flow_are_translated_at_both_hooks() {
+    let mut l = load("fx6-icmp");
+    handshake(&mut l, 40050, NODE_IP6, 30080, BACKEND, &[]);
+    let translated = counter_of(&l, counter::ICMP_ERROR_NAT);
+    // A router on the client's side: packet too big about a reply the node sent (frontend ->
+    // client). It goes to the backend, quoting backend -> client.
+    let reply = frame6(NODE_IP6, OUTSIDE, TCP, 30080, 40050, ACK, &[]);
+    let router = "2001:db8:ffff::1";
+    let ptb = icmp6_error(router, NODE_IP6, 2, 0, 1280, &reply, reply.len() - 14);
+    let (v, o) = ingress(&mut l, &ptb);
+    assert_eq!(v, TC_ACT_OK);
+    let e = parse_icmp6_error(&o);
+    assert_eq!((e.src, e.dst, e.icmp_type), (router.parse().unwrap(), BACKEND.parse().unwrap(), 2));
+    assert_eq!(e.quoted, (BACKEND.parse().unwrap(), 8080, OUTSIDE.parse().unwrap(), 40050));
+    assert!(e.csum_ok, "the ICMPv6 checksum covers the new outer addresses and the new quote");
+    assert_eq!(e.quoted_l4_csum_ok, Some(true), "the quoted TCP checksum follows its addresses and ports");
+
+    // The backend's answer to a UDP datagram (port unreachable), on its way to the client:
+    // from the frontend, quoting client -> frontend.
+    let (_, fwd) = ingress(&mut l, &frame6(OUTSIDE, NODE_IP6, UDP, 40051, 30053, 0, &[]));
+    let fwd = parse6(&fwd);
+    let sent = frame6(&OUTSIDE.to_string(), BACKEND, UDP, fwd.sport, 5353, 0, &[]);
+    let unreach = icmp6_error(BACKEND, OUTSIDE, 1, 4, 0, &sent, 48);
+    let (v, o) = egress(&mut l, &unreach);
+    assert_eq!(v, TC_ACT_OK);
+    let e = parse_icmp6_error(&o);
+    assert_eq!((e.src, e.dst, e.icmp_type), (NODE_IP6.parse().unwrap(), OUTSIDE.parse().unwrap(), 1));
+    assert_eq!(e.quoted, (OUTSIDE.parse().unwrap(), 40051, NODE_IP6.parse().unwrap(), 30053));
+    assert!(e.csum_ok);
+    assert_eq!(counter_of(&l, counter::ICMP_ERROR_NAT) - translated, 2);
+
+    // An error about no flow of ours, and an echo request, pass untouched.
+    let stranger = frame6(NODE_IP6, "2001:db8:c:9::9", TCP, 22, 50000, ACK, &[]);
+    let other = icmp6_error(router, NODE_IP6, 2, 0, 1280, &stranger, stranger.len() - 14);
+    let echo = icmp6_error(OUTSIDE, NODE_IP6, 128, 0, 1, &stranger, 48);
+    for f in [other, echo] {
+        assert_eq!(ingress(&mut l, &f), (TC_ACT_OK, f.clone()));
+    }
+    assert_eq!(counter_of(&l, counter::ICMP_ERROR_NAT) - translated, 2);
 }
