@@ -109,8 +109,11 @@ fn clusterip_nodeport_udp_lb_and_reject_on_real_traffic() {
         assert_eq!(errors(&v), 0, "outside -> IPv6 {target} (UDP): {v}");
         assert!(per_backend(&v).iter().all(|(b, _)| b == "b1" || b == "b2"), "{v}");
     }
-    let masq = kpr_lab::must(&format!("ip netns exec {} ip6tables -t nat -S KPR-EBPF6-POSTROUTING", lab.nodes[0].ns));
-    assert!(masq.contains("MASQUERADE"), "{masq}");
+    // externalTrafficPolicy Cluster: every one of those connections was masqueraded, by
+    // netfilter, as kpr_tc_ingress6 marked it (a NAT rule sees a connection's first packet).
+    let masq = kpr_lab::must(&format!("ip netns exec {} ip6tables -t nat -L KPR-EBPF6-POSTROUTING -v -n -x", lab.nodes[0].ns));
+    let masqueraded: u64 = masq.lines().find(|l| l.contains("MASQUERADE")).and_then(|l| l.split_whitespace().next()?.parse().ok()).unwrap_or(0);
+    assert!(masqueraded >= 2 * 60, "{masq}");
     // One unconnected UDP socket's datagrams, each balanced at sendmsg, keep one backend (the
     // Service's scheduler is random): the node's IPv4 socket, a pod's IPv6 one, and the node's
     // IPv6 socket to the IPv4-mapped address (the kernel hands that one to sendmsg4).
