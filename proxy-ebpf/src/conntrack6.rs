@@ -76,18 +76,37 @@ pub fn track(f: &Flow6, key: &CtKey6, cfg: &DatapathConfig, now: u64) -> Option<
     if now > v.last_seen_ns {
         v.last_seen_ns = now;
     }
-    if f.is_tcp_close() {
-        v.flags |= CT_F_CLOSING;
+    if f.is_tcp_close() && v.flags & CT_F_CLOSING == 0 {
+        closing(key, v);
     }
     let rw = Rewrite6::of(v);
     bump(if rw.flags & CT_F_REPLY != 0 { counter::REVERSE_NAT } else { counter::ESTABLISHED });
     Some(rw)
 }
 
-/// Deletes a flow's two entries (`v`: the forward one). Rare: a subprogram.
+/// The first FIN or RST an entry sees: it is closing, and so is its flow's forward entry when
+/// the backend's side closed (the forward entry is what ages a flow). Rare: a subprogram.
+#[inline(never)]
+fn closing(key: &CtKey6, v: &mut CtValue6) {
+    v.flags |= CT_F_CLOSING;
+    if v.flags & CT_F_REPLY != 0 {
+        if let Some(fwd) = CONNTRACK6.get_ptr_mut(&CtKey6::reversed_of(v, key.proto, CT_DIR_INGRESS)) {
+            unsafe { (*fwd).flags |= CT_F_CLOSING };
+        }
+    }
+}
+
+/// Deletes a flow's two entries (`v`: the forward one); the reply's only while it is still
+/// this flow's (after an LRU eviction its key may belong to a newer flow). Rare: a subprogram.
 #[inline(never)]
 fn forget(fwd_key: &CtKey6, v: &CtValue6) {
-    let _ = CONNTRACK6.remove(&CtKey6::reversed_of(v, fwd_key.proto, CT_DIR_EGRESS));
+    let rev_key = CtKey6::reversed_of(v, fwd_key.proto, CT_DIR_EGRESS);
+    if let Some(r) = unsafe { CONNTRACK6.get(&rev_key) } {
+        let ours = r.new_saddr == fwd_key.daddr && r.new_daddr == fwd_key.saddr && r.new_sport == fwd_key.dport && r.new_dport == fwd_key.sport;
+        if ours {
+            let _ = CONNTRACK6.remove(&rev_key);
+        }
+    }
     let _ = CONNTRACK6.remove(fwd_key);
 }
 

@@ -47,8 +47,8 @@ fn put<P: Pkt>(p: &mut P, at: usize, a: &[u32; 4]) -> Option<()> {
 }
 
 /// Translates the ICMPv6 message at `off` if it is an error about a flow this hook knows (`dir`:
-/// CT_DIR_INGRESS or CT_DIR_EGRESS); anything else passes untouched. A subprogram (rare
-/// packets): its frame stays off the hot path's.
+/// CT_DIR_INGRESS or CT_DIR_EGRESS); anything else goes on untouched (`Verdict::Next`, see
+/// pipeline6). A subprogram (rare packets): its frame stays off the hot path's.
 #[inline(never)]
 pub fn translate<P: Pkt>(p: &mut P, off: usize, dir: u8) -> Verdict {
     match rewrite(p, off, dir) {
@@ -56,7 +56,7 @@ pub fn translate<P: Pkt>(p: &mut P, off: usize, dir: u8) -> Verdict {
             bump(counter::ICMP_ERROR_NAT);
             Verdict::Pass
         }
-        Some(false) => Verdict::Pass,
+        Some(false) => Verdict::Next,
         None => Verdict::Drop,
     }
 }

@@ -82,12 +82,17 @@ fn egress4(p: &mut Tc) -> pkt::Verdict {
 
 #[inline(never)]
 fn egress6(p: &mut Tc) -> pkt::Verdict {
-    pipeline6::egress(p)
+    p.pull_headers_to(pkt::HEADERS6_MAX);
+    // TC egress is the fast path's alone: what is not its own passes, as for IPv4.
+    match pipeline6::egress(p) {
+        pkt::Verdict::Next => pkt::Verdict::Pass,
+        v => v,
+    }
 }
 
 program!("classifier" TC_INGRESS6: fn tc_ingress6(ctx: TcContext, __sk_buff) -> i32 {
     let mut p = Tc(&mut ctx);
-    p.pull_headers();
+    p.pull_headers_to(pkt::HEADERS6_MAX);
     let v = pipeline6::ingress(&mut p);
     p.action(v)
 });

@@ -33,8 +33,12 @@ use crate::{
 };
 
 /// The packet's TCP or UDP flow; anything else returns from the hook here: ICMPv6 errors are
-/// translated, other packets pass (counted where malformed or a fragment). SCTP passes: the
+/// translated, other packets go on (counted where malformed or a fragment). SCTP goes on: the
 /// fast path does not forward it.
+///
+/// What is not this path's is `Verdict::Next`, never `Pass`: on the uplink's TC ingress the
+/// program shares the hook (IPVS mode's set matching during a switch, other tools), and "pass"
+/// would end the chain there. With nothing after it, "next" passes the packet.
 macro_rules! flow6_or_return {
     ($p:expr, $dir:expr) => {
         match parse6::parse($p) {
@@ -42,13 +46,13 @@ macro_rules! flow6_or_return {
             Parsed6::Icmp { off } => return icmp6::translate($p, off, $dir),
             Parsed6::Malformed => {
                 bump(counter::MALFORMED);
-                return Verdict::Pass;
+                return Verdict::Next;
             }
             Parsed6::Fragment => {
                 bump(counter::FRAGMENT);
-                return Verdict::Pass;
+                return Verdict::Next;
             }
-            _ => return Verdict::Pass,
+            _ => return Verdict::Next,
         }
     };
 }
@@ -56,24 +60,30 @@ macro_rules! flow6_or_return {
 #[inline(always)]
 pub fn ingress<P: Pkt>(p: &mut P) -> Verdict {
     let f = flow6_or_return!(p, INGRESS);
+    // An IPv6 address whose last 96 bits are zero has an IPv4 frontend's map form: never ours
+    // (the agent programs no such IPv6 frontend).
+    if f.daddr[1] == 0 && f.daddr[2] == 0 && f.daddr[3] == 0 {
+        return Verdict::Next;
+    }
     let Some(cfg) = CONFIG.get(0) else {
-        return Verdict::Pass;
+        return Verdict::Next;
     };
     let now = conntrack::now_ns(unsafe { bpf_jiffies64() });
     if let Some(v) = tracked(p, &f, cfg, now) {
         return v;
     }
     let Some(svc) = lb::lookup(f.daddr, f.dport, f.proto, SCOPE_EXTERNAL) else {
-        return Verdict::Pass;
+        return Verdict::Next;
     };
     // Draining after a switch to IPVS mode: IPVS mode's program after this one serves it.
     if cfg.flags & CFG_F_NO_NEW_FLOWS != 0 {
         return Verdict::Next;
     }
-    // After a switch from IPVS mode: a connection IPVS still serves.
+    // After a switch from IPVS mode: a connection IPVS still serves (its set matching, after
+    // this program, marks it).
     if cfg.flags & CFG_F_HANDOVER != 0 && f.proto == PROTO_TCP && !f.is_new_tcp_syn() {
         bump(counter::HANDOVER_PASS);
-        return Verdict::Pass;
+        return Verdict::Next;
     }
     match new_flow(p, &f, &svc, cfg, now) {
         Some(v) => v,
@@ -96,13 +106,13 @@ pub fn egress<P: Pkt>(p: &mut P) -> Verdict {
 #[inline(never)]
 fn egress_flow<P: Pkt>(p: &mut P, f: &Flow6) -> Verdict {
     let Some(cfg) = CONFIG.get(0) else {
-        return Verdict::Pass;
+        return Verdict::Next;
     };
     let now = conntrack::now_ns(unsafe { bpf_jiffies64() });
     // A reply entry, never a forward one: no deletion to call.
     match conntrack6::track(f, &conntrack6::key(f, EGRESS), cfg, now) {
         Some(rw) => rewrite(p, f, &rw),
-        None => Verdict::Pass,
+        None => Verdict::Next,
     }
 }
 

@@ -165,13 +165,23 @@ pub struct Tc<'a>(pub &'a mut TcContext);
 /// Ethernet + the largest IPv4 header + a TCP header without options; also covers an ICMP
 /// error's quote up to the quoted TCP checksum (14 + 20 + 8 + 20 + 18).
 const HEADERS_MAX: u32 = 14 + 60 + 20;
+/// IPv6: an ICMPv6 error's quote up to the quoted TCP checksum (14 + 40 + 8 + 40 + 18), which
+/// also covers TCP behind 40 bytes of extension headers. Drivers that keep only the headers
+/// they parsed linear (eth_get_headlen) leave a quote in paged data.
+pub const HEADERS6_MAX: u32 = 14 + 40 + 8 + 40 + 20;
 
 impl Tc<'_> {
     /// Makes the headers directly accessible when the skb keeps them in paged data.
     #[inline(always)]
     pub fn pull_headers(&mut self) {
+        self.pull_headers_to(HEADERS_MAX);
+    }
+
+    /// `pull_headers` up to `max` bytes (IPv6: HEADERS6_MAX).
+    #[inline(always)]
+    pub fn pull_headers_to(&mut self, max: u32) {
         let len = unsafe { (*self.0.skb.skb).len };
-        let want = if len < HEADERS_MAX { len } else { HEADERS_MAX };
+        let want = if len < max { len } else { max };
         if (self.len() as u32) < want {
             let _ = self.0.pull_data(want);
         }
