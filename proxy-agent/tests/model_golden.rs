@@ -470,6 +470,23 @@ frontend [fd00:198::1]:30080/TCP external nodeport g/dual:http sched=random affi
     .map(|(o, f, r)| (o.to_string(), f.to_string(), r))
     .collect();
     assert_eq!(reported, want);
+    // eBPF mode without its IPv6 masquerade rule: the IPv6 clusterIP and its endpoints; each
+    // other IPv6 address is reported.
+    let dc = compute(&r.objects, &node, &ModelConfig { ipv6: Ipv6Reach::ClusterIps, ..ModelConfig::default() });
+    let v6: Vec<String> = dc.frontends.keys().filter(|k| k.ip.is_ipv6()).map(|k| format!("{}:{} {:?}", k.ip, k.port, k.scope)).collect();
+    assert_eq!(v6, ["fd00::3:1:80 Both"], "{}", dc.dump());
+    let mut reported: Vec<(String, String, &str)> = dc.problems().map(|e| (e.object.clone(), e.field.clone(), e.reason)).collect();
+    reported.sort();
+    let want: Vec<(String, String, &str)> = [
+        ("EndpointSlice g/dual-6", "endpoints[1].addresses[0]", "FieldNotProgrammed"),
+        ("Service g/dual", "spec.ports[0].nodePort", "NotSupported"),
+        ("Service g/dual", "status.loadBalancer.ingress[1].ip", "NotSupported"),
+        ("Service g/v4only", "spec.externalIPs[0]", "FieldNotProgrammed"),
+    ]
+    .into_iter()
+    .map(|(o, f, r)| (o.to_string(), f.to_string(), r))
+    .collect();
+    assert_eq!(reported, want);
 }
 
 /// eBPF mode keeps every address in its maps' form: an IPv6 clusterIP whose last 96 bits are

@@ -5,7 +5,7 @@
 use aya::programs::{TestRun, TestRunOptions};
 use kpr_lab::{
     datapath_config, ip,
-    packet::{check_icmp6_port_unreachable, frame6, icmp6_error, parse6, parse_icmp6_error, Frame, ACK, FIN, SYN, TCP, UDP},
+    packet::{check_icmp6_port_unreachable, frame6, icmp6_error, parse6, parse_icmp6_error, Frame, ACK, FIN, RST, SYN, TCP, UDP},
     Loaded,
 };
 use proxy_agent::{dataplane::ebpf::kernel::Datapath, dataplane::ebpf::maps::DatapathMaps, model::NodeInfo};
@@ -14,6 +14,8 @@ use proxy_common::{counter, prog_names};
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
 const TC_ACT_REDIRECT: u32 = 7;
+/// TC_ACT_UNSPEC: not this program's, the next one on the hook (or the stack) decides.
+const TC_ACT_NEXT: u32 = u32::MAX;
 
 const NODE_IP: &str = "198.18.0.1";
 const NODE_IP6: &str = "fd00:198::1";
@@ -182,13 +184,15 @@ fn ipv6_source_ranges_no_endpoints_and_unknown_traffic() {
     let (v, reply) = ingress(&mut l, &syn);
     assert_eq!(v, TC_ACT_REDIRECT);
     check_icmp6_port_unreachable(&reply, &syn);
-    // What is no frontend, a fragment, and IPv4 pass untouched.
+    // What is no frontend, a fragment, IPv4, and an IPv6 address with an IPv4 frontend's map
+    // form (10.96.0.10's words) go on untouched, to whatever runs next on the hook.
     for f in [
         frame6(OUTSIDE, NODE_IP6, TCP, 40032, 22, SYN, &[]),
         frame6(OUTSIDE, NODE_IP6, TCP, 40033, 30080, SYN, &[(44, 0)]),
         Frame::tcp("203.0.113.5", 40034, NODE_IP, 30080, SYN).bytes(),
+        frame6(OUTSIDE, "a60:a::", TCP, 40035, 80, SYN, &[]),
     ] {
-        assert_eq!(ingress(&mut l, &f), (TC_ACT_OK, f.clone()));
+        assert_eq!(ingress(&mut l, &f), (TC_ACT_NEXT, f.clone()));
     }
 }
 
@@ -202,6 +206,11 @@ fn ipv6_fin_closes_and_a_new_syn_starts_a_new_flow() {
     assert_eq!(counter_of(&l, counter::NEW_FLOW), new_flows);
     handshake(&mut l, 40040, NODE_IP6, 30080, BACKEND, &[]);
     assert_eq!(counter_of(&l, counter::NEW_FLOW), new_flows + 1, "the SYN on a closing tuple is a new flow");
+    // The backend's reset (at egress, on the reply entry) closes the flow too.
+    let (_, o) = egress(&mut l, &frame6(BACKEND, OUTSIDE, TCP, 8080, 40040, RST | ACK, &[]));
+    assert_eq!(parse6(&o).src, NODE_IP6.parse::<std::net::Ipv6Addr>().unwrap());
+    handshake(&mut l, 40040, NODE_IP6, 30080, BACKEND, &[]);
+    assert_eq!(counter_of(&l, counter::NEW_FLOW), new_flows + 2, "a SYN after the backend's reset is a new flow");
 }
 
 #[test]
@@ -241,7 +250,7 @@ fn ipv6_icmp_errors_about_a_flow_are_translated_at_both_hooks() {
     let other = icmp6_error(router, NODE_IP6, 2, 0, 1280, &stranger, stranger.len() - 14);
     let echo = icmp6_error(OUTSIDE, NODE_IP6, 128, 0, 1, &stranger, 48);
     for f in [other, echo] {
-        assert_eq!(ingress(&mut l, &f), (TC_ACT_OK, f.clone()));
+        assert_eq!(ingress(&mut l, &f), (TC_ACT_NEXT, f.clone()));
     }
     assert_eq!(counter_of(&l, counter::ICMP_ERROR_NAT) - translated, 2);
 }

@@ -93,7 +93,7 @@ pub(crate) fn port_endpoints(
             let local = ep.node_name.as_deref() == Some(node.name.as_str());
             for (ai, a) in ep.addresses.iter().enumerate() {
                 match a.ip() {
-                    Some(ip) if ipv6 == Ipv6Reach::AllWithoutFlowFeatures && !proxy_common::user::has_wire_form(ip) => {
+                    Some(ip) if ipv6.ebpf() && !proxy_common::user::has_wire_form(ip) => {
                         unsupported(errors, &sobj, format!("endpoints[{ei}].addresses[{ai}]"), format!("{ip}: {NO_WIRE_FORM}"))
                     }
                     Some(ip) if ip.is_ipv4() == v4 => eps.push(Ep { ip, port: tport, ready, serving, terminating, local, zones: ep.zones.clone() }),

@@ -202,6 +202,9 @@ pub enum Ipv6Reach {
     /// None.
     #[default]
     None,
+    /// clusterIPs only, at connect time (eBPF mode where its IPv6 masquerade rule could not be
+    /// installed: the packet path for outside clients needs it).
+    ClusterIps,
     /// Every address, without the per-flow features (eBPF mode: clusterIPs at connect time, for
     /// every socket of the node; NodePorts, externalIPs and load-balancer IPs also per packet
     /// from outside, by a flow table without maximum connection age, outlier ejection and
@@ -209,6 +212,18 @@ pub enum Ipv6Reach {
     AllWithoutFlowFeatures,
     /// Every address (IPVS mode).
     All,
+}
+
+impl Ipv6Reach {
+    /// IPv6 NodePorts, externalIPs and load-balancer IPs are served.
+    pub fn serves_external(self) -> bool {
+        matches!(self, Ipv6Reach::AllWithoutFlowFeatures | Ipv6Reach::All)
+    }
+    /// eBPF mode's levels: addresses in the maps' form (see NO_WIRE_FORM), and none of the
+    /// per-flow features for IPv6 frontends.
+    pub fn ebpf(self) -> bool {
+        matches!(self, Ipv6Reach::ClusterIps | Ipv6Reach::AllWithoutFlowFeatures)
+    }
 }
 
 #[derive(Clone, Debug, Default)]

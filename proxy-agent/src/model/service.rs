@@ -17,6 +17,9 @@ use crate::model::{
 };
 
 const NO_IPV6: &str = "this data plane serves no IPv6; the IPv4 parts of this Service are programmed";
+/// eBPF mode without its IPv6 masquerade rule (Ipv6Reach::ClusterIps).
+const IPV6_CLUSTER_IPS_ONLY: &str =
+    "this node serves IPv6 clusterIPs only (at connect time): kpr could not install its ip6tables masquerade rule, which IPv6 NodePorts, externalIPs and load-balancer IPs need (see the agent's log); the rest of this Service is programmed";
 const NO_CLUSTER_IP_OF_FAMILY: &str = "the Service has no clusterIP of this family (spec.ipFamilies): kube-proxy serves none of its addresses of it either";
 
 /// How a frontend treats the client's address.
@@ -63,7 +66,7 @@ pub(super) fn service_frontends(
     let outlier_ejection = outlier_ejection(svc.annotations.as_ref(), cfg.outlier_ejection, &object, errors);
     // IPv6 frontends in eBPF mode have no per-flow features: what works from them does not
     // apply there (the IPv4 frontends keep it).
-    if cfg.ipv6 == Ipv6Reach::AllWithoutFlowFeatures && addrs.cluster.iter().any(IpAddr::is_ipv6) {
+    if cfg.ipv6.ebpf() && addrs.cluster.iter().any(IpAddr::is_ipv6) {
         let by_flows = [
             (max_connection_age_s != 0, MAX_CONNECTION_AGE_ANNOTATION),
             (outlier_ejection, OUTLIER_EJECTION_ANNOTATION),
@@ -216,8 +219,16 @@ pub(super) fn service_frontends(
                     Some(np) => {
                         // A family's node addresses serve the Services that have a clusterIP of it.
                         let of_family = |ip: &&IpAddr| addrs.cluster.iter().any(|c| c.is_ipv4() == ip.is_ipv4());
+                        let mut skipped6 = false;
                         for ip in node.nodeport_addresses.iter().filter(of_family) {
+                            if ip.is_ipv6() && !cfg.ipv6.serves_external() {
+                                skipped6 = true;
+                                continue;
+                            }
                             add(*ip, np, FrontendKind::NodePort, ext, int_ext);
+                        }
+                        if skipped6 {
+                            unsupported(errors, &object, format!("{field}.nodePort"), format!("{np} on the node's IPv6 addresses: {IPV6_CLUSTER_IPS_ONLY}"));
                         }
                     }
                     None => err(errors, &object, format!("{field}.nodePort"), format!("{np} is not a port")),
@@ -292,7 +303,7 @@ fn addresses(svc: &ServiceObject, spec: &ServiceSpec, ipv6: Ipv6Reach, object: &
             }
             cluster_ips.retain(IpAddr::is_ipv4);
         }
-        Ipv6Reach::AllWithoutFlowFeatures => cluster_ips.retain(|ip| {
+        Ipv6Reach::ClusterIps | Ipv6Reach::AllWithoutFlowFeatures => cluster_ips.retain(|ip| {
             let ok = proxy_common::user::has_wire_form(*ip);
             if !ok {
                 unsupported(errors, object, "spec.clusterIPs", format!("{ip}: {NO_WIRE_FORM}"));
@@ -306,10 +317,11 @@ fn addresses(svc: &ServiceObject, spec: &ServiceSpec, ipv6: Ipv6Reach, object: &
         if !families.contains(&ip.is_ipv4()) {
             err(errors, object, field, format!("{ip}: {NO_CLUSTER_IP_OF_FAMILY}"));
             false
-        } else if ip.is_ipv6() && ipv6 == Ipv6Reach::None {
-            unsupported(errors, object, field, format!("{ip}: {NO_IPV6}"));
+        } else if ip.is_ipv6() && !ipv6.serves_external() {
+            let why = if ipv6 == Ipv6Reach::None { NO_IPV6 } else { IPV6_CLUSTER_IPS_ONLY };
+            unsupported(errors, object, field, format!("{ip}: {why}"));
             false
-        } else if ipv6 == Ipv6Reach::AllWithoutFlowFeatures && !proxy_common::user::has_wire_form(ip) {
+        } else if ipv6.ebpf() && !proxy_common::user::has_wire_form(ip) {
             unsupported(errors, object, field, format!("{ip}: {NO_WIRE_FORM}"));
             false
         } else {

@@ -95,6 +95,9 @@ pub struct Datapath {
 /// The TC filter priority of IPVS mode's set matching behind a draining fast path (whose filter
 /// got the kernel's first automatic priority, 49152; lower runs first).
 const AFTER_FAST_PATH_PRIORITY: u16 = 0xC001;
+/// The TC filter priority of the uplinks' IPv6 program on kernels before TCX: ahead of the
+/// automatic ones.
+const FIRST_PRIORITY: u16 = 0xBFFF;
 
 impl Datapath {
     /// Loads the embedded object. Maps already pinned under `pin_dir` are reused, so the
@@ -283,10 +286,21 @@ impl Datapath {
                     let _ = tc::qdisc_detach_program(iface, attach_type, name);
                 }
                 let prog = self.classifier(program)?;
-                let netlink_behind = behind && !KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
+                let tcx = KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
+                let netlink_behind = behind && !tcx;
                 let id = if netlink_behind {
                     let options = tc::NlOptions { priority: AFTER_FAST_PATH_PRIORITY, ..Default::default() };
                     prog.attach_with_options(iface, attach_type, tc::TcAttachOptions::Netlink(options))
+                } else if hook == Hook::TcIngress6 {
+                    // First on the hook: during a switch from IPVS mode its set matching is
+                    // there too, and the new IPv6 flows must be the fast path's, as XDP makes
+                    // the IPv4 ones (what is not its own goes on to the next program).
+                    let options = if tcx {
+                        tc::TcAttachOptions::TcxOrder(aya::programs::LinkOrder::first())
+                    } else {
+                        tc::TcAttachOptions::Netlink(tc::NlOptions { priority: FIRST_PRIORITY, ..Default::default() })
+                    };
+                    prog.attach_with_options(iface, attach_type, options)
                 } else {
                     prog.attach(iface, attach_type)
                 }

@@ -66,7 +66,8 @@ pub struct EbpfPlane {
     tcp_frontends: BTreeSet<(std::net::IpAddr, u16)>,
     stats: SharedStats,
     /// IPv6 is served with the connect-time programs attached (`--cgroup`: they alone serve
-    /// IPv6 clusterIPs) and the IPv6 masquerade rule installed (masquerade6).
+    /// IPv6 clusterIPs); its NodePorts, externalIPs and LB IPs also need the IPv6 masquerade
+    /// rule (masquerade6).
     ipv6: Ipv6Reach,
 }
 
@@ -164,22 +165,29 @@ impl EbpfPlane {
         let timeouts = Timeouts::from_settings(&s.conntrack);
         let outliers = Arc::new(Mutex::new(Outliers::new(OUTLIER_EJECTION_TIME)));
         let gc = start_gc(pin_dir.clone(), timeouts, stats.clone(), outliers.clone());
+        let config = ConfigInputs::new(s, timeouts);
         let ipv6 = match &cgroup {
             None => Ipv6Reach::None,
-            Some(_) => match masquerade6::install(&mut SystemNetfilter) {
+            Some(_) => match masquerade6::install(&mut SystemNetfilter, config.snat_ports) {
                 Ok(()) => Ipv6Reach::AllWithoutFlowFeatures,
                 Err(e) => {
-                    error!(error = %e, "the IPv6 masquerade rule (ip6tables) could not be installed: IPv6 Services are reported, not served");
-                    Ipv6Reach::None
+                    error!(error = %e, "the IPv6 masquerade rule (ip6tables) could not be installed: IPv6 clusterIPs are served at connect time, IPv6 NodePorts, externalIPs and LB IPs are reported, not served");
+                    Ipv6Reach::ClusterIps
                 }
             },
         };
+        // Not set here: on a node that learns its IPv6 routes from router advertisements,
+        // turning forwarding on stops accepting them (accept_ra 1). The node's provisioning
+        // decides; without it the IPv6 packet path's DNATed packets are not forwarded.
+        if ipv6.serves_external() && ProcSysctls.get("net.ipv6.conf.all.forwarding").is_ok_and(|v| v.trim() != "1") {
+            warn!("net.ipv6.conf.all.forwarding is off: IPv6 NodePorts, externalIPs and LB IPs reach no backend until it is on");
+        }
         Ok(Self {
             dp,
             maps,
             syncer: Syncer::new(s.capacities.services, proxy_common::limits::MAGLEV_ROWS),
             interfaces: Interfaces::new(s, pin_dir, true),
-            config: ConfigInputs::new(s, timeouts),
+            config,
             gc,
             max_ages: HashMap::new(),
             max_age_frontends: HashMap::new(),
