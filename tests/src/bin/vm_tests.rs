@@ -553,8 +553,8 @@ fn sctp_service(lab: &Lab) -> Result<()> {
 /// cluster CIDR), NodePort on the node's IPv6 address, and the LoadBalancer IP.
 fn ipv6_service(lab: &Lab) -> Result<()> {
     let (n, cl) = (node(lab), lab.ns("cl"));
-    // (The lab gives node A its IPv6 underlay address, NODE_IP6, and IPv6 forwarding.)
-    must(&format!("ip -n {cl} addr add fd00:198::2/64 dev c0 nodad"));
+    // (The lab gives node A its IPv6 underlay address, NODE_IP6, and IPv6 forwarding, and the
+    // client its own, CLIENT_IP6.)
     for net in ["fd00:96::/112", "2001:db8::/64"] {
         must(&format!("ip -n {cl} route add {net} via {NODE_IP6}"));
     }
