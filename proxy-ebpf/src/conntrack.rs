@@ -77,7 +77,7 @@ pub fn key(f: &Flow, dir: u8) -> CtKey {
 }
 
 #[inline(always)]
-fn timeout_ns(cfg: &DatapathConfig, proto: u8) -> u64 {
+pub fn timeout_ns(cfg: &DatapathConfig, proto: u8) -> u64 {
     let s = if proto == PROTO_TCP { cfg.ct_tcp_timeout_s } else { cfg.ct_udp_timeout_s };
     u64::from(s) * 1_000_000_000
 }

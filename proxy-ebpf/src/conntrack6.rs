@@ -10,7 +10,7 @@ use proxy_common::{
 };
 
 use crate::{
-    conntrack::random_port,
+    conntrack::{self, random_port},
     counters::bump,
     maps::{BACKENDS, CONNTRACK6, CT_SCRATCH6},
     parse6::Flow6,
@@ -52,8 +52,7 @@ fn timeout_ns(cfg: &DatapathConfig, v: &CtValue6, proto: u8) -> u64 {
     if v.flags & CT_F_CLOSING != 0 {
         return CLOSING_TIMEOUT_NS;
     }
-    let s = if proto == PROTO_UDP { cfg.ct_udp_timeout_s } else { cfg.ct_tcp_timeout_s };
-    u64::from(s) * 1_000_000_000
+    conntrack::timeout_ns(cfg, proto)
 }
 
 /// The packet's entry at this hook, its timestamp refreshed. None: no flow (any more). A

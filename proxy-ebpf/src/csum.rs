@@ -17,6 +17,12 @@ pub fn diff4(from: u32, to: u32) -> u32 {
     u32::from(!(from as u16)) + u32::from(!((from >> 16) as u16)) + u32::from(to as u16) + u32::from((to >> 16) as u16)
 }
 
+/// The same for an IPv6 address (four 32-bit words).
+#[inline(always)]
+pub fn diff16(from: &[u32; 4], to: &[u32; 4]) -> u32 {
+    diff4(from[0], to[0]) + diff4(from[1], to[1]) + diff4(from[2], to[2]) + diff4(from[3], to[3])
+}
+
 /// The same for a 16-bit field.
 #[inline(always)]
 pub fn diff2(from: u16, to: u16) -> u32 {

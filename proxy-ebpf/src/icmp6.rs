@@ -26,11 +26,6 @@ use crate::{
 const ICMPV6_DEST_UNREACH: u8 = 1;
 const ICMPV6_PARAM_PROBLEM: u8 = 4;
 
-#[inline(always)]
-fn diff16(from: &[u32; 4], to: &[u32; 4]) -> u32 {
-    csum::diff4(from[0], to[0]) + csum::diff4(from[1], to[1]) + csum::diff4(from[2], to[2]) + csum::diff4(from[3], to[3])
-}
-
 /// Whether the packet holds `a` at `at`, word by word (no copy on the stack).
 #[inline(always)]
 fn holds<P: Pkt>(p: &P, at: usize, a: &[u32; 4]) -> bool {
@@ -88,8 +83,8 @@ fn rewrite<P: Pkt>(p: &mut P, off: usize, dir: u8) -> Option<bool> {
     // that are the quote's follow it.
     let out_src_is_quote_dst = holds(p, IP_OFF + 8, &key.saddr);
     let out_dst_is_quote_src = holds(p, IP_OFF + 24, &key.daddr);
-    let inner_diff = diff16(&key.daddr, &v.new_daddr)
-        + diff16(&key.saddr, &v.new_saddr)
+    let inner_diff = csum::diff16(&key.daddr, &v.new_daddr)
+        + csum::diff16(&key.saddr, &v.new_saddr)
         + csum::diff2(key.dport, v.new_dport)
         + csum::diff2(key.sport, v.new_sport);
     let mut icmp_diff = inner_diff;
@@ -97,11 +92,11 @@ fn rewrite<P: Pkt>(p: &mut P, off: usize, dir: u8) -> Option<bool> {
     put(p, inner + 24, &v.new_saddr)?;
     p.store(inner_l4, [v.new_dport, v.new_sport])?;
     if out_src_is_quote_dst {
-        icmp_diff += diff16(&key.saddr, &v.new_saddr);
+        icmp_diff += csum::diff16(&key.saddr, &v.new_saddr);
         put(p, IP_OFF + 8, &v.new_saddr)?;
     }
     if out_dst_is_quote_src {
-        icmp_diff += diff16(&key.daddr, &v.new_daddr);
+        icmp_diff += csum::diff16(&key.daddr, &v.new_daddr);
         put(p, IP_OFF + 24, &v.new_daddr)?;
     }
     // The quoted L4 checksum, where the quote holds it: its pseudo-header and ports changed.

@@ -36,6 +36,12 @@ pub fn lookup(addr: [u32; 4], port: u16, proto: u8, scope: u8) -> Option<Service
     Some(*unsafe { SERVICES.get(&key) }.unwrap_or(internal))
 }
 
+/// An IPv6 address folded to the 32 bits the flow hash takes (it hashes an IPv4-shaped Flow).
+#[inline(always)]
+pub fn fold(a: &[u32; 4]) -> u32 {
+    a[0] ^ a[1] ^ a[2] ^ a[3]
+}
+
 /// Murmur3-style mixing of the 5-tuple: the Maglev flow hash.
 #[inline(always)]
 fn mix(h: u32, v: u32) -> u32 {

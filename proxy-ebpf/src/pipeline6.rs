@@ -125,11 +125,6 @@ fn tracked<P: Pkt>(p: &mut P, f: &Flow6, cfg: &DatapathConfig, now: u64) -> Opti
     Some(rewrite(p, f, &rw))
 }
 
-#[inline(always)]
-fn fold(a: &[u32; 4]) -> u32 {
-    a[0] ^ a[1] ^ a[2] ^ a[3]
-}
-
 /// A packet to a frontend that no flow knows: source ranges, backend choice, conntrack, DNAT.
 /// None: no endpoint at all, to be rejected. A subprogram: its frame stays off the established
 /// path's.
@@ -159,8 +154,8 @@ fn new_flow<P: Pkt>(p: &mut P, f: &Flow6, svc: &ServiceValue, cfg: &DatapathConf
         ihl_bytes: 0,
         proto: f.proto,
         tcp_flags: f.tcp_flags,
-        saddr: fold(&f.saddr),
-        daddr: fold(&f.daddr),
+        saddr: lb::fold(&f.saddr),
+        daddr: lb::fold(&f.daddr),
         sport: f.sport,
         dport: f.dport,
         csum: L4Csum { off: 0, udp: false },
@@ -200,19 +195,14 @@ fn rewrite<P: Pkt>(p: &mut P, f: &Flow6, rw: &Rewrite6) -> Verdict {
 }
 
 #[inline(always)]
-fn addr_diff(from: &[u32; 4], to: &[u32; 4]) -> u32 {
-    csum::diff4(from[0], to[0]) + csum::diff4(from[1], to[1]) + csum::diff4(from[2], to[2]) + csum::diff4(from[3], to[3])
-}
-
-#[inline(always)]
 fn rewrite_inner<P: Pkt>(p: &mut P, f: &Flow6, rw: &Rewrite6) -> Option<()> {
     let mut diff = 0;
     if rw.saddr != f.saddr {
-        diff += addr_diff(&f.saddr, &rw.saddr);
+        diff += csum::diff16(&f.saddr, &rw.saddr);
         p.store(IP_OFF + 8, rw.saddr)?;
     }
     if rw.daddr != f.daddr {
-        diff += addr_diff(&f.daddr, &rw.daddr);
+        diff += csum::diff16(&f.daddr, &rw.daddr);
         p.store(IP_OFF + 24, rw.daddr)?;
     }
     let mut port_diff = 0;

@@ -221,7 +221,7 @@ pub fn balance6(ctx: &SockAddrContext, pick: Pick) -> i32 {
         (netns as u32 ^ (netns >> 32) as u32, ip6)
     };
     // (daddr feeds only the flow hash here.)
-    let Some(f) = flow_of(sa, client, vip[0] ^ vip[1] ^ vip[2] ^ vip[3], cookie) else { return ALLOW };
+    let Some(f) = flow_of(sa, client, lb::fold(&vip), cookie) else { return ALLOW };
     match choose(&f, vip, cookie, pick) {
         Choice::Pass => ALLOW,
         Choice::Deny => DENY,
