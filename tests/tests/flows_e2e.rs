@@ -75,6 +75,10 @@ fn lab(prefix: &str, extra_args: &[&str]) -> (Lab, PathBuf) {
 /// Follows a `udpc-hold` run to `target` (the dns Service): the backend answering first, then
 /// (after `remove` took it out of the service) every answer and error after the removal.
 fn udp_client_across_removal(lab: &Lab, role: &str, target: &str, dir: &PathBuf) -> (String, Vec<String>, u64) {
+    // The peer prints each request's send time (ms since it started): a line is judged by when
+    // its request left, not when it is read. A request sent just before the cleanup can meet
+    // its flow's deletion and time out 500 ms later, as under kube-proxy's conntrack flush.
+    let spawned = Instant::now();
     let mut child = lab.peer_bg(role, &["udpc-hold", target, "6"]);
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let first = loop {
@@ -97,7 +101,9 @@ fn udp_client_across_removal(lab: &Lab, role: &str, target: &str, dir: &PathBuf)
         if l.starts_with('{') {
             break;
         }
-        if Instant::now() < removed_at {
+        // `spawned + ms` is never later than the true send time (the peer starts after spawn).
+        let sent = l.split_once(' ').and_then(|(ms, _)| ms.parse::<u64>().ok()).map(|ms| spawned + Duration::from_millis(ms));
+        if sent.is_none_or(|t| t < removed_at) {
             continue;
         }
         match l.split_once(' ') {
