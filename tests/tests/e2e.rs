@@ -1,6 +1,9 @@
 //! End to end in network namespaces: real TCP and UDP through the programs attached by the real
 //! agent, from a pod (TC) and from outside the node (XDP), to three backend namespaces.
-use std::{path::PathBuf, time::Duration};
+use std::{
+    path::PathBuf,
+    time::{Duration, Instant},
+};
 
 use kpr_lab::lab::{errors, per_backend, Lab, NODE_IP, NODE_IP6};
 
@@ -56,7 +59,7 @@ fn clusterip_nodeport_udp_lb_and_reject_on_real_traffic() {
     assert_eq!(errors(&v), 0, "{v}");
     assert!(per_backend(&v).iter().all(|(b, _)| b == "b2" || b == "b3"), "{v}");
     // No endpoints: refused at once, not a timeout.
-    let t = std::time::Instant::now();
+    let t = Instant::now();
     let v = lab.peer("pod", &["burst", "10.96.0.99:80", "tcp", "3"]);
     assert_eq!(errors(&v), 3, "{v}");
     assert!(v["first_error"].as_str().unwrap().contains("refused"), "{v}");
@@ -190,7 +193,12 @@ fn sigkill_of_the_agent_during_traffic_fails_no_connection() {
         assert!(n > 20, "{what}: too little traffic to mean anything: {v}");
         println!("{what}: {v}");
     }
-    // The restarted agent took over the same maps and changed nothing.
+    // The restarted agent took over the same maps and changed nothing. Its first sync may
+    // still be under way on a loaded machine: the traffic above never waited for it.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while lab.agent_log().matches("synced").count() < 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+    }
     assert!(lab.agent_log().matches("synced").count() >= 2, "{}", lab.agent_log());
 }
 

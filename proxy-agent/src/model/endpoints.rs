@@ -68,7 +68,7 @@ pub(crate) fn port_endpoints(
     let mut eps: Vec<Ep> = Vec::new();
     for (slice_name, slice) in slices {
         let sobj = format!("EndpointSlice {ns}/{slice_name}");
-        let v4 = match slice.address_type.as_str() {
+        let v4 = match &*slice.address_type {
             "IPv4" => true,
             "IPv6" if ipv6 != Ipv6Reach::None => false,
             "IPv6" => {
@@ -80,7 +80,7 @@ pub(crate) fn port_endpoints(
                 continue;
             }
         };
-        let target = slice.ports.iter().find(|p| p.name.clone().unwrap_or_default() == port_name && p.protocol.as_deref().unwrap_or("TCP") == proto.name());
+        let target = slice.ports.iter().find(|p| p.name.as_deref().unwrap_or_default() == port_name && p.protocol.as_deref().unwrap_or("TCP") == proto.name());
         let Some(target) = target else { continue };
         let Some(tport) = target.port.and_then(|p| u16::try_from(p).ok()).filter(|p| *p != 0) else {
             err(errors, &sobj, "ports[].port", format!("port {port_name:?} has no valid port number"));
@@ -90,13 +90,13 @@ pub(crate) fn port_endpoints(
             let ready = ep.ready.unwrap_or(true);
             let serving = ep.serving.unwrap_or(ready);
             let terminating = ep.terminating.unwrap_or(false);
-            let local = ep.node_name.as_deref() == Some(node.name.as_str());
-            for (ai, a) in ep.addresses.iter().enumerate() {
+            let local = ep.node_name() == Some(node.name.as_str());
+            for (ai, a) in ep.addresses().iter().enumerate() {
                 match a.ip() {
                     Some(ip) if ipv6.ebpf() && !proxy_common::user::has_wire_form(ip) => {
                         unsupported(errors, &sobj, format!("endpoints[{ei}].addresses[{ai}]"), format!("{ip}: {NO_WIRE_FORM}"))
                     }
-                    Some(ip) if ip.is_ipv4() == v4 => eps.push(Ep { ip, port: tport, ready, serving, terminating, local, zones: ep.zones.clone() }),
+                    Some(ip) if ip.is_ipv4() == v4 => eps.push(Ep { ip, port: tport, ready, serving, terminating, local, zones: ep.zones().into() }),
                     _ => {
                         err(errors, &sobj, format!("endpoints[{ei}].addresses[{ai}]"), format!("{:?} is not an {} address", a.to_string(), slice.address_type))
                     }

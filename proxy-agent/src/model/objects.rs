@@ -15,8 +15,8 @@ use std::{
 };
 
 use k8s_openapi::api::{
-    core::v1::{LoadBalancerIngress, Service, ServicePort, ServiceSpec},
-    discovery::v1::{EndpointPort, EndpointSlice},
+    core::v1::{LoadBalancerIngress, Service, ServicePort as ApiServicePort, ServiceSpec as ApiServiceSpec},
+    discovery::v1::{EndpointPort as ApiEndpointPort, EndpointSlice},
 };
 use smallvec::SmallVec;
 
@@ -127,9 +127,9 @@ pub struct ServiceObject {
     pub other_proxy: bool,
     /// Its kpr.io/ annotations.
     pub annotations: Option<BTreeMap<String, String>>,
-    /// The spec without what the model never reads (the selector, the families, the target
-    /// ports: the endpoint controllers' concern). Boxed: a map node holds eleven entries inline
-    /// and is often half full, so a 700-byte spec inline would cost twice its size.
+    /// What the model reads of the spec (not the selector, the families, the target ports:
+    /// the endpoint controllers' concern). Boxed: a map node holds eleven entries inline and
+    /// is often half full.
     pub spec: Option<Box<ServiceSpec>>,
     /// status.loadBalancer.ingress.
     pub ingress: Vec<LoadBalancerIngress>,
@@ -144,22 +144,73 @@ impl From<Service> for ServiceObject {
             resource_version: meta.resource_version,
             other_proxy: meta.labels.as_ref().is_some_and(|l| l.contains_key(SERVICE_PROXY_NAME_LABEL)),
             annotations: annotations.filter(|a| !a.is_empty()),
-            spec: svc.spec.map(|spec| {
-                Box::new(ServiceSpec {
-                    selector: None,
-                    ip_families: None,
-                    ip_family_policy: None,
-                    allocate_load_balancer_node_ports: None,
-                    load_balancer_class: None,
-                    external_name: None,
-                    traffic_distribution: None,
-                    ports: spec.ports.map(|ports| ports.into_iter().map(|p| ServicePort { target_port: None, app_protocol: None, ..p }).collect()),
-                    ..spec
-                })
-            }),
+            spec: svc.spec.map(|spec| Box::new(spec.into())),
             ingress: ingress.into_iter().map(|i| LoadBalancerIngress { hostname: None, ports: None, ..i }).collect(),
         }
     }
+}
+
+/// What the model reads of a Service's spec: 200 bytes and an allocation or three, against
+/// about 870 for the API type with its strings (at 100,000 Services the largest part of the
+/// Service cache). The values the API writes from a small set (type, policies, protocols,
+/// port names) are interned: one copy each for the whole cluster. Addresses stay text, as
+/// written, so an error names them.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ServiceSpec {
+    pub type_: Option<Arc<str>>,
+    pub cluster_ip: Option<Box<str>>,
+    pub cluster_ips: Box<[Box<str>]>,
+    pub external_ips: Box<[Box<str>]>,
+    pub load_balancer_source_ranges: Box<[Box<str>]>,
+    pub ports: Box<[ServicePort]>,
+    pub external_traffic_policy: Option<Arc<str>>,
+    pub internal_traffic_policy: Option<Arc<str>>,
+    pub session_affinity: Option<Arc<str>>,
+    /// sessionAffinityConfig.clientIP.timeoutSeconds.
+    pub affinity_timeout_seconds: Option<i32>,
+    pub health_check_node_port: Option<i32>,
+    pub publish_not_ready_addresses: Option<bool>,
+}
+
+/// One of spec.ports, as the model reads it.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ServicePort {
+    pub name: Option<Arc<str>>,
+    pub protocol: Option<Arc<str>>,
+    pub port: i32,
+    pub node_port: Option<i32>,
+}
+
+fn texts(v: Option<Vec<String>>) -> Box<[Box<str>]> {
+    v.unwrap_or_default().into_iter().map(String::into_boxed_str).collect()
+}
+
+impl From<ApiServiceSpec> for ServiceSpec {
+    fn from(spec: ApiServiceSpec) -> Self {
+        let port = |p: ApiServicePort| ServicePort { name: p.name.map(intern), protocol: p.protocol.map(intern), port: p.port, node_port: p.node_port };
+        ServiceSpec {
+            type_: spec.type_.map(intern),
+            cluster_ip: spec.cluster_ip.map(String::into_boxed_str),
+            cluster_ips: texts(spec.cluster_ips),
+            external_ips: texts(spec.external_ips),
+            load_balancer_source_ranges: texts(spec.load_balancer_source_ranges),
+            ports: spec.ports.unwrap_or_default().into_iter().map(port).collect(),
+            external_traffic_policy: spec.external_traffic_policy.map(intern),
+            internal_traffic_policy: spec.internal_traffic_policy.map(intern),
+            session_affinity: spec.session_affinity.map(intern),
+            affinity_timeout_seconds: spec.session_affinity_config.and_then(|c| c.client_ip).and_then(|c| c.timeout_seconds),
+            health_check_node_port: spec.health_check_node_port,
+            publish_not_ready_addresses: spec.publish_not_ready_addresses,
+        }
+    }
+}
+
+/// One of an EndpointSlice's ports, as the model reads it (name and protocol interned).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct EndpointPort {
+    pub name: Option<Arc<str>>,
+    pub protocol: Option<Arc<str>>,
+    pub port: Option<i32>,
 }
 
 /// What the model reads of an EndpointSlice.
@@ -168,55 +219,114 @@ pub struct SliceObject {
     pub resource_version: Option<String>,
     /// The owning Service (the kubernetes.io/service-name label).
     pub service: Option<String>,
-    pub address_type: String,
-    pub ports: Vec<EndpointPort>,
+    /// Interned: "IPv4", "IPv6" or "FQDN" in every slice.
+    pub address_type: Arc<str>,
+    pub ports: Box<[EndpointPort]>,
     pub endpoints: Box<[Endpoint]>,
     /// endpoints.kubernetes.io/last-change-trigger-time, when it parses.
     pub trigger_time: Option<SystemTime>,
 }
 
-/// One endpoint of a slice: 72 bytes with its address, against 340 and several allocations for
+/// One endpoint of a slice: 40 bytes with its address, against 340 and several allocations for
 /// the API type. A million of them are a 100,000-Service cluster's largest cache.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Endpoint {
-    /// Inline: the API allows up to 100, but the controllers write one.
-    pub addresses: SmallVec<[Address; 1]>,
+    addresses: Addresses,
     /// conditions.ready, .serving, .terminating as written (None: not set).
     pub ready: Option<bool>,
     pub serving: Option<bool>,
     pub terminating: Option<bool>,
-    /// Interned: a node's name is shared by every endpoint on it.
-    pub node_name: Option<Arc<str>>,
-    /// hints.forZones (interned); empty when the controller set none.
-    pub zones: Box<[Arc<str>]>,
+    /// Interned: the endpoints on a node with the same hints share one.
+    place: Option<Arc<Place>>,
 }
 
-/// Node and zone names, one copy each. Names no endpoint holds any more are dropped when the
-/// table has doubled since it was last pruned, so node churn does not grow it for ever.
-#[derive(Default)]
-struct Interner {
-    names: HashSet<Arc<str>>,
+/// The API allows up to 100 addresses an endpoint; the controllers write one, kept inline.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Addresses {
+    One(Address),
+    Many(Box<[Address]>),
+}
+
+/// Where an endpoint is: its node and hints.forZones.
+#[derive(Debug, PartialEq, Eq, Hash)]
+struct Place {
+    node: Option<Arc<str>>,
+    zones: Box<[Arc<str>]>,
+}
+
+impl Endpoint {
+    pub fn new(addresses: Vec<Address>, node_name: Option<String>, zones: Vec<String>) -> Self {
+        let addresses = match <[Address; 1]>::try_from(addresses) {
+            Ok([one]) => Addresses::One(one),
+            Err(v) => Addresses::Many(v.into()),
+        };
+        let place = Place { node: node_name.map(intern), zones: zones.into_iter().map(intern).collect() };
+        let place = (place.node.is_some() || !place.zones.is_empty()).then(|| intern_place(place));
+        Endpoint { addresses, ready: None, serving: None, terminating: None, place }
+    }
+
+    pub fn addresses(&self) -> &[Address] {
+        match &self.addresses {
+            Addresses::One(a) => std::slice::from_ref(a),
+            Addresses::Many(v) => v,
+        }
+    }
+
+    pub fn node_name(&self) -> Option<&str> {
+        self.place.as_ref().and_then(|p| p.node.as_deref())
+    }
+
+    /// hints.forZones; empty when the controller set none.
+    pub fn zones(&self) -> &[Arc<str>] {
+        self.place.as_ref().map_or(&[], |p| &p.zones)
+    }
+}
+
+/// Node and zone names, the values of a small set (types, policies, protocols, port names) and
+/// endpoints' places, one copy each. Values nothing holds any more are dropped when the table
+/// has doubled since it was last pruned, so node churn does not grow it for ever.
+struct Interner<T: ?Sized> {
+    names: HashSet<Arc<T>>,
     pruned_at: usize,
 }
 
-impl Interner {
-    fn intern(&mut self, name: String) -> Arc<str> {
-        if let Some(known) = self.names.get(name.as_str()) {
-            return known.clone();
-        }
+impl<T: ?Sized> Default for Interner<T> {
+    fn default() -> Self {
+        Self { names: HashSet::new(), pruned_at: 0 }
+    }
+}
+
+impl<T: ?Sized + std::hash::Hash + Eq> Interner<T> {
+    fn get(&self, value: &T) -> Option<Arc<T>> {
+        self.names.get(value).cloned()
+    }
+
+    fn insert(&mut self, new: Arc<T>) -> Arc<T> {
         if self.names.len() >= (self.pruned_at * 2).max(1024) {
             self.names.retain(|n| Arc::strong_count(n) > 1);
             self.pruned_at = self.names.len();
         }
-        let new: Arc<str> = name.into();
         self.names.insert(new.clone());
         new
     }
 }
 
+impl Interner<str> {
+    fn intern(&mut self, name: String) -> Arc<str> {
+        self.get(&name).unwrap_or_else(|| self.insert(name.into()))
+    }
+}
+
 fn intern(name: String) -> Arc<str> {
-    static NAMES: Mutex<Option<Interner>> = Mutex::new(None);
+    static NAMES: Mutex<Option<Interner<str>>> = Mutex::new(None);
     NAMES.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).get_or_insert_with(Interner::default).intern(name)
+}
+
+fn intern_place(place: Place) -> Arc<Place> {
+    static PLACES: Mutex<Option<Interner<Place>>> = Mutex::new(None);
+    let mut table = PLACES.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let table = table.get_or_insert_with(Interner::default);
+    table.get(&place).unwrap_or_else(|| table.insert(Arc::new(place)))
 }
 
 /// An endpoint's address: parsed when it is one, else the text, for the error that names it.
@@ -255,21 +365,26 @@ impl From<EndpointSlice> for SliceObject {
             .into_iter()
             .map(|e| {
                 let conditions = e.conditions.unwrap_or_default();
+                let addresses = e.addresses.into_iter().map(|a| a.parse().map(Address::Ip).unwrap_or_else(|_| Address::Invalid(a.into()))).collect();
+                let zones = e.hints.and_then(|h| h.for_zones).unwrap_or_default().into_iter().map(|z| z.name).collect();
                 Endpoint {
-                    addresses: e.addresses.into_iter().map(|a| a.parse().map(Address::Ip).unwrap_or_else(|_| Address::Invalid(a.into()))).collect(),
                     ready: conditions.ready,
                     serving: conditions.serving,
                     terminating: conditions.terminating,
-                    node_name: e.node_name.map(intern),
-                    zones: e.hints.and_then(|h| h.for_zones).unwrap_or_default().into_iter().map(|z| intern(z.name)).collect(),
+                    ..Endpoint::new(addresses, e.node_name, zones)
                 }
             })
             .collect();
         SliceObject {
             resource_version: meta.resource_version.clone(),
             service: label(SERVICE_NAME_LABEL),
-            address_type: slice.address_type,
-            ports: slice.ports.unwrap_or_default().into_iter().map(|p| EndpointPort { app_protocol: None, ..p }).collect(),
+            address_type: intern(slice.address_type),
+            ports: slice
+                .ports
+                .unwrap_or_default()
+                .into_iter()
+                .map(|p: ApiEndpointPort| EndpointPort { name: p.name.map(intern), protocol: p.protocol.map(intern), port: p.port })
+                .collect(),
             endpoints,
             trigger_time,
         }
@@ -326,7 +441,7 @@ mod tests {
 
     #[test]
     fn a_name_is_stored_once_and_dropped_once_unused() {
-        let mut table = Interner::default();
+        let mut table: Interner<str> = Interner::default();
         let first = table.intern("node-a".to_string());
         assert!(Arc::ptr_eq(&first, &table.intern("node-a".to_string())), "the second endpoint on a node shares its name");
         drop(first);
@@ -336,6 +451,18 @@ mod tests {
         let _next = table.intern("node-b".to_string());
         assert_eq!((table.names.len(), table.pruned_at), (1024, 1023));
         assert!(!table.names.contains("node-a") && held.iter().all(|n| table.names.contains(n)));
+    }
+
+    #[test]
+    fn an_endpoint_is_40_bytes_and_shares_its_place() {
+        assert_eq!(std::mem::size_of::<Endpoint>(), 40);
+        let ip = |s: &str| Address::Ip(s.parse().unwrap());
+        let a = Endpoint::new(vec![ip("10.0.0.1")], Some("node-a".into()), vec!["z1".into()]);
+        let b = Endpoint::new(vec![ip("10.0.0.2"), ip("fd00::2")], Some("node-a".into()), vec!["z1".into()]);
+        assert!(Arc::ptr_eq(a.place.as_ref().unwrap(), b.place.as_ref().unwrap()));
+        assert_eq!((a.node_name(), &*a.zones()[0], a.addresses().len(), b.addresses().len()), (Some("node-a"), "z1", 1, 2));
+        let bare = Endpoint::new(vec![], None, vec![]);
+        assert!(bare.place.is_none() && bare.addresses().is_empty() && bare.zones().is_empty());
     }
 
     #[test]

@@ -2,7 +2,6 @@
 use std::{collections::BTreeSet, net::IpAddr, sync::Arc};
 
 use ipnet::IpNet;
-use k8s_openapi::api::core::v1::ServiceSpec;
 use proxy_common::limits::MAX_BACKENDS_PER_SERVICE;
 
 use crate::model::{
@@ -11,7 +10,7 @@ use crate::model::{
         OUTLIER_EJECTION_ANNOTATION, SCHEDULER_ANNOTATION,
     },
     endpoints::{port_endpoints, to_keys_of, topology_filtered, usable, Ep},
-    objects::{err, unsupported, Address, ObjectError, ServiceObject, SliceObject},
+    objects::{err, unsupported, Address, ObjectError, ServiceObject, ServiceSpec, SliceObject},
     BackendKey, DesiredState, Frontend, FrontendKey, FrontendKind, Ipv6Reach, ModelConfig, NodeInfo, Protocol, Scheduler, Scope, DEFAULT_AFFINITY_TIMEOUT_S,
     NO_WIRE_FORM,
 };
@@ -97,7 +96,7 @@ pub(super) fn service_frontends(
         }
     }
     let mut seen_ports = BTreeSet::new();
-    for (i, port) in spec.ports.iter().flatten().enumerate() {
+    for (i, port) in spec.ports.iter().enumerate() {
         let field = format!("spec.ports[{i}]");
         let proto = match Protocol::from_name(port.protocol.as_deref().unwrap_or("TCP")) {
             Some(p @ (Protocol::Tcp | Protocol::Udp)) => p,
@@ -119,7 +118,7 @@ pub(super) fn service_frontends(
             err(errors, &object, format!("{field}.port"), format!("duplicate port {svc_port}/{}", proto.name()));
             continue;
         }
-        let port_name = port.name.clone().unwrap_or_default();
+        let port_name = port.name.as_deref().unwrap_or_default();
         let service: Arc<str> = format!("{ns}/{name}:{port_name}").into();
 
         let eps = port_endpoints(slices, ns, &port_name, proto, node, cfg.ipv6, errors);
@@ -287,7 +286,7 @@ fn addresses(svc: &ServiceObject, spec: &ServiceSpec, ipv6: Ipv6Reach, object: &
             }
         }
     }
-    for (i, s) in spec.cluster_ips.iter().flatten().enumerate() {
+    for (i, s) in spec.cluster_ips.iter().enumerate() {
         match s.parse::<IpAddr>() {
             Ok(ip) if !cluster_ips.contains(&ip) => cluster_ips.push(ip),
             Ok(_) => {}
@@ -330,7 +329,7 @@ fn addresses(svc: &ServiceObject, spec: &ServiceSpec, ipv6: Ipv6Reach, object: &
     };
 
     let mut external_ips = Vec::new();
-    for (i, s) in spec.external_ips.iter().flatten().enumerate() {
+    for (i, s) in spec.external_ips.iter().enumerate() {
         match s.parse::<IpAddr>() {
             Ok(ip) => {
                 if servable(ip, format!("spec.externalIPs[{i}]"), errors) {
@@ -362,7 +361,7 @@ fn addresses(svc: &ServiceObject, spec: &ServiceSpec, ipv6: Ipv6Reach, object: &
         }
     }
     let mut source_ranges = Vec::new();
-    for (i, s) in spec.load_balancer_source_ranges.iter().flatten().enumerate() {
+    for (i, s) in spec.load_balancer_source_ranges.iter().enumerate() {
         match s.trim().parse::<IpNet>() {
             Ok(net) => source_ranges.push(net.trunc()),
             Err(_) => err(errors, object, format!("spec.loadBalancerSourceRanges[{i}]"), format!("{s:?} is not a CIDR")),
@@ -375,8 +374,7 @@ fn addresses(svc: &ServiceObject, spec: &ServiceSpec, ipv6: Ipv6Reach, object: &
 /// sessionAffinity ClientIP's timeout (0: no affinity).
 fn affinity_timeout(spec: &ServiceSpec, object: &str, errors: &mut Vec<ObjectError>) -> u32 {
     if spec.session_affinity.as_deref() == Some("ClientIP") {
-        let t = spec.session_affinity_config.as_ref().and_then(|c| c.client_ip.as_ref()).and_then(|c| c.timeout_seconds);
-        match t {
+        match spec.affinity_timeout_seconds {
             None => DEFAULT_AFFINITY_TIMEOUT_S,
             Some(t) if (1..=86_400).contains(&t) => t as u32,
             Some(t) => {
@@ -399,9 +397,9 @@ fn local_ready_endpoints(slices: &[(&String, &SliceObject)], node: &NodeInfo, pu
     let local: BTreeSet<IpAddr> = slices
         .iter()
         .flat_map(|(_, s)| s.endpoints.iter())
-        .filter(|e| e.node_name.as_deref() == Some(node.name.as_str()))
+        .filter(|e| e.node_name() == Some(node.name.as_str()))
         .filter(|e| publish_not_ready || e.ready.unwrap_or(true))
-        .flat_map(|e| e.addresses.iter().filter_map(Address::ip))
+        .flat_map(|e| e.addresses().iter().filter_map(Address::ip))
         .collect();
     local.len()
 }

@@ -12,6 +12,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use proxy_agent::{host::netif, serve::metrics, settings};
 
 /// jemalloc: see the dependency's comment in Cargo.toml.
+#[cfg(feature = "jemalloc")]
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 

@@ -2,15 +2,18 @@
 //! generation that changes each time the id is given out again (so a flow of its previous owner
 //! is never taken for the new one's); a backend id per backend; a Maglev row per Maglev service.
 //! Recovered from the maps after a restart (`seed`), so a restart changes nothing that works.
-use std::collections::BTreeSet;
+use std::{
+    collections::{BTreeSet, VecDeque},
+    hash::BuildHasher,
+};
 
-use foldhash::HashMap;
+use foldhash::{fast::RandomState, HashMap};
+use hashbrown::HashTable;
 
 use proxy_common::{Backend, ServiceKey, ServiceValue, SCHED_MAGLEV};
 
 pub(crate) struct Ids {
-    backends: HashMap<Backend, u32>,
-    next_backend: u32,
+    backends: BackendIds,
     services: HashMap<ServiceKey, u32>,
     /// Service id -> its ServiceValue::generation.
     generations: HashMap<u32, u16>,
@@ -25,11 +28,196 @@ pub(crate) struct Ids {
     pub seeded: bool,
 }
 
+/// Backend ids, 1..limit: below the backend map's capacity, so the per-backend arrays
+/// (KPR_BE_NEW, KPR_BE_ACTIVE, as large as the backend map) have a slot for each, however many
+/// pods a node sees come and go. Fresh ids first; once every id has been used, the one freed
+/// longest ago (a flow or affinity entry that still names it is least likely then).
+///
+/// Dense: at 100,000 Services a million backends are 20 bytes each here and 4 bytes in the
+/// index, where a hash map of backend -> id took 29 bytes a bucket with half the buckets empty.
+struct BackendIds {
+    /// id -> its backend; `Backend::default()` (protocol 0, never a real one) where it is free.
+    by_id: Vec<Backend>,
+    /// The ids in use, found by their backend.
+    by_key: HashTable<u32>,
+    hasher: RandomState,
+    /// Freed ids, the oldest first (may name an id given out again since: skipped then).
+    free: VecDeque<u32>,
+    next: u32,
+    limit: u32,
+}
+
+impl BackendIds {
+    fn new(limit: u32) -> Self {
+        Self { by_id: Vec::new(), by_key: HashTable::new(), hasher: RandomState::default(), free: VecDeque::new(), next: 1, limit }
+    }
+
+    fn in_use(&self, id: u32) -> bool {
+        self.by_id.get(id as usize).is_some_and(|b| *b != Backend::default())
+    }
+
+    fn get(&self, b: &Backend) -> Option<u32> {
+        let by_id = &self.by_id;
+        self.by_key.find(self.hasher.hash_one(b), |&id| by_id[id as usize] == *b).copied()
+    }
+
+    fn assign(&mut self, id: u32, b: Backend) {
+        if self.by_id.len() <= id as usize {
+            grow(&mut self.by_id, id, self.limit);
+        }
+        self.by_id[id as usize] = b;
+        let (by_id, hasher) = (&self.by_id, &self.hasher);
+        self.by_key.insert_unique(hasher.hash_one(&b), id, |&i| hasher.hash_one(&by_id[i as usize]));
+    }
+
+    /// `b`'s id, given out now if it has none; None when every id is in use.
+    fn give(&mut self, b: Backend) -> Option<u32> {
+        if let Some(id) = self.get(&b) {
+            return Some(id);
+        }
+        let id = if self.next < self.limit {
+            self.next += 1;
+            self.next - 1
+        } else {
+            loop {
+                let id = self.free.pop_front()?;
+                if !self.in_use(id) {
+                    break id;
+                }
+            }
+        };
+        self.assign(id, b);
+        Some(id)
+    }
+
+    /// Frees `id` (nothing if it is not in use).
+    fn release(&mut self, id: u32) {
+        if !self.in_use(id) {
+            return;
+        }
+        let b = std::mem::take(&mut self.by_id[id as usize]);
+        if let Ok(entry) = self.by_key.find_entry(self.hasher.hash_one(&b), |&i| i == id) {
+            entry.remove();
+        }
+        self.free.push_back(id);
+    }
+}
+
+/// A set of backend ids, one bit each (a hash set of a million ids took 10 MB).
+#[derive(Debug, Default, Clone)]
+pub(crate) struct IdSet {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl IdSet {
+    pub fn insert(&mut self, id: u32) {
+        let (w, bit) = (id as usize / 64, 1u64 << (id % 64));
+        if self.words.len() <= w {
+            self.words.resize(w + 1, 0);
+        }
+        if self.words[w] & bit == 0 {
+            self.words[w] |= bit;
+            self.len += 1;
+        }
+    }
+
+    pub fn contains(&self, id: u32) -> bool {
+        self.words.get(id as usize / 64).is_some_and(|w| w & (1u64 << (id % 64)) != 0)
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Extend<u32> for IdSet {
+    fn extend<I: IntoIterator<Item = u32>>(&mut self, iter: I) {
+        for id in iter {
+            self.insert(id);
+        }
+    }
+}
+
+impl FromIterator<u32> for IdSet {
+    fn from_iter<I: IntoIterator<Item = u32>>(iter: I) -> Self {
+        let mut s = IdSet::default();
+        s.extend(iter);
+        s
+    }
+}
+
+/// Makes room for index `id` in an array of at most `limit` entries: doubling, but never past
+/// the limit (an array that doubled from 750,000 to 1.5 million entries would hold 40% slack
+/// where the limit is 1 million).
+fn grow<T: Copy + Default>(v: &mut Vec<T>, id: u32, limit: u32) {
+    let len = (v.len() * 2).max(id as usize + 1).min(limit.max(id + 1) as usize);
+    v.reserve_exact(len - v.len());
+    v.resize(len, T::default());
+}
+
+/// Small values by backend id: an array below the id limit (the ids kpr gives out), a hash map
+/// above it (ids an agent before the limit gave out, until the full sync has re-ided them).
+/// `T::default()` is "none".
+#[derive(Debug, Default)]
+pub(crate) struct ById<T> {
+    dense: Vec<T>,
+    sparse: HashMap<u32, T>,
+    limit: u32,
+    len: usize,
+}
+
+impl<T: Copy + Default + PartialEq> ById<T> {
+    pub fn new(limit: u32) -> Self {
+        Self { dense: Vec::new(), sparse: HashMap::default(), limit, len: 0 }
+    }
+
+    pub fn get(&self, id: u32) -> Option<T> {
+        let v = if id < self.limit { self.dense.get(id as usize).copied() } else { self.sparse.get(&id).copied() };
+        v.filter(|v| *v != T::default())
+    }
+
+    pub fn contains(&self, id: u32) -> bool {
+        self.get(id).is_some()
+    }
+
+    /// Sets `id`'s value (`T::default()` removes it); returns the one it had.
+    pub fn set(&mut self, id: u32, v: T) -> Option<T> {
+        let old = if id < self.limit {
+            if self.dense.len() <= id as usize {
+                if v == T::default() {
+                    return None;
+                }
+                grow(&mut self.dense, id, self.limit);
+            }
+            Some(std::mem::replace(&mut self.dense[id as usize], v)).filter(|o| *o != T::default())
+        } else if v == T::default() {
+            self.sparse.remove(&id)
+        } else {
+            self.sparse.insert(id, v)
+        };
+        self.len = self.len + usize::from(v != T::default()) - usize::from(old.is_some());
+        old
+    }
+
+    pub fn remove(&mut self, id: u32) -> Option<T> {
+        self.set(id, T::default())
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (u32, T)> + '_ {
+        let dense = self.dense.iter().enumerate().filter(|(_, v)| **v != T::default()).map(|(id, v)| (id as u32, *v));
+        dense.chain(self.sparse.iter().map(|(id, v)| (*id, *v)))
+    }
+}
+
 impl Ids {
-    pub fn new(max_services: u32, maglev_rows: u32) -> Self {
+    pub fn new(max_services: u32, max_backends: u32, maglev_rows: u32) -> Self {
         Ids {
-            backends: HashMap::default(),
-            next_backend: 1,
+            backends: BackendIds::new(max_backends),
             services: HashMap::default(),
             generations: HashMap::default(),
             next_generation: 1,
@@ -42,12 +230,18 @@ impl Ids {
         }
     }
 
-    /// Recovers the ids a previous agent gave out, from its maps.
+    /// Recovers the ids a previous agent gave out, from its maps. A backend id at or above the
+    /// limit (an agent before ids were bounded) is not taken over: the full sync gives that
+    /// backend a new id and deletes the old entry once no slot points to it.
     pub fn seed(&mut self, services: &[(ServiceKey, ServiceValue)], backends: &[(u32, Backend)]) {
-        for (id, b) in backends {
-            self.backends.insert(*b, *id);
-            self.next_backend = self.next_backend.max(id + 1);
+        let limit = self.backends.limit;
+        for (id, b) in backends.iter().filter(|(id, b)| (1..limit).contains(id) && *b != Backend::default()) {
+            if self.backends.get(b).is_none() {
+                self.backends.assign(*id, *b);
+                self.backends.next = self.backends.next.max(id + 1);
+            }
         }
+        self.backends.free = (1..self.backends.next).filter(|id| !self.backends.in_use(*id)).collect();
         let mut used = BTreeSet::new();
         for (k, v) in services {
             self.services.insert(*k, v.service_id);
@@ -110,26 +304,25 @@ impl Ids {
         Some(row)
     }
 
-    /// `b`'s backend id, given out now if it has none.
-    pub fn backend(&mut self, b: Backend) -> u32 {
-        let next = &mut self.next_backend;
-        *self.backends.entry(b).or_insert_with(|| {
-            *next += 1;
-            *next - 1
-        })
+    /// `b`'s backend id, given out now if it has none; None when every id is in use (the
+    /// backend map is full).
+    pub fn backend(&mut self, b: Backend) -> Option<u32> {
+        self.backends.give(b)
     }
 
-    /// Keeps the backend ids `keep` says.
+    /// Frees the backend ids `keep` does not want. An id the backend map still holds must be
+    /// kept: it is freed when its entry is deleted (`release_backend`).
     pub fn retain_backends(&mut self, keep: impl Fn(u32) -> bool) {
-        self.backends.retain(|_, id| keep(*id));
+        for id in 1..self.backends.by_id.len() as u32 {
+            if self.backends.in_use(id) && !keep(id) {
+                self.backends.release(id);
+            }
+        }
     }
 
-    /// Forgets `b`'s id if it is `id` (by key: a pass over the table would cost a million steps
-    /// at 100,000 Services).
-    pub fn forget_backend(&mut self, b: &Backend, id: u32) {
-        if self.backends.get(b) == Some(&id) {
-            self.backends.remove(b);
-        }
+    /// Frees backend id `id`: its entry left the backend map.
+    pub fn release_backend(&mut self, id: u32) {
+        self.backends.release(id);
     }
 
     /// `service_id`'s Maglev row, given out now if it has none; None when every row is in use.
@@ -156,12 +349,63 @@ mod tests {
         ServiceKey { addr: [u32::from_be_bytes([10, 96, 0, last as u8]), 0, 0, 0], port: 80u16.to_be(), proto: 6, scope: 0 }
     }
 
+    fn backend(last: u8) -> Backend {
+        Backend { addr: [u32::from_be_bytes([10, 244, 0, last]), 0, 0, 0], port: 8080u16.to_be(), proto: 6, flags: 0 }
+    }
+
+    #[test]
+    fn by_id_counts_and_finds_on_both_sides_of_the_limit() {
+        let mut m: ById<u32> = ById::new(4);
+        assert_eq!((m.set(2, 7), m.set(9, 8), m.set(2, 5), m.len()), (None, None, Some(7), 2));
+        assert_eq!((m.get(2), m.get(9), m.get(3), m.get(100)), (Some(5), Some(8), None, None));
+        assert_eq!(m.iter().collect::<Vec<_>>(), vec![(2, 5), (9, 8)]);
+        assert_eq!((m.remove(9), m.remove(9), m.set(3, 0), m.len()), (Some(8), None, None, 1));
+    }
+
+    #[test]
+    fn id_set_counts_each_id_once() {
+        let mut s: IdSet = [3, 64, 3].into_iter().collect();
+        s.insert(1_000_000);
+        assert_eq!(s.len(), 3);
+        assert!(s.contains(3) && s.contains(64) && s.contains(1_000_000) && !s.contains(63) && !s.contains(2_000_000));
+    }
+
+    #[test]
+    fn backend_ids_stay_below_the_limit_and_the_longest_free_is_given_out_first() {
+        // Ids 1..4: the arrays of per-backend counters have four slots.
+        let mut ids = Ids::new(8, 4, 0);
+        let [a, b, c] = [1, 2, 3].map(|i| ids.backend(backend(i)).unwrap());
+        assert_eq!([a, b, c], [1, 2, 3]);
+        assert_eq!(ids.backend(backend(2)), Some(b), "a known backend keeps its id");
+        assert_eq!(ids.backend(backend(4)), None, "every id in use: the backend map is full");
+        ids.release_backend(b);
+        ids.release_backend(b);
+        ids.release_backend(a);
+        assert_eq!(ids.backend(backend(4)), Some(b), "freed first, given out first");
+        assert_eq!(ids.backend(backend(5)), Some(a));
+        assert_eq!(ids.backend(backend(6)), None, "the double release did not free b twice");
+        // The full sync's pass frees what it does not keep.
+        ids.retain_backends(|id| id != c);
+        assert_eq!(ids.backend(backend(3)), Some(c), "backend 3 comes back with the id it just freed (the only free one)");
+        assert_eq!(ids.backend(backend(2)), None);
+    }
+
+    #[test]
+    fn a_restart_takes_over_backend_ids_below_the_limit_only() {
+        let mut ids = Ids::new(8, 4, 0);
+        // An agent before ids were bounded gave 9 out; 2 is free.
+        ids.seed(&[], &[(1, backend(1)), (3, backend(3)), (9, backend(9))]);
+        assert_eq!((ids.backend(backend(1)), ids.backend(backend(3))), (Some(1), Some(3)));
+        assert_eq!(ids.backend(backend(9)), Some(2), "re-ided below the limit");
+        assert_eq!(ids.backend(backend(4)), None);
+    }
+
     #[test]
     fn a_restart_recovers_the_ids_and_hands_out_newer_generations() {
-        let mut before = Ids::new(8, 4);
+        let mut before = Ids::new(8, 16, 4);
         let (a, b) = (before.service(key(1)).unwrap(), before.service(key(2)).unwrap());
         let row = before.maglev_row(b).unwrap();
-        let be = before.backend(Backend { addr: [7, 0, 0, 0], port: 8080, ..Backend::default() });
+        let be = before.backend(backend(7)).unwrap();
         // What the maps would hold: a's id was released and b's kept.
         let value = |id: u32, ids: &Ids, maglev: bool| ServiceValue {
             service_id: id,
@@ -171,17 +415,17 @@ mod tests {
             ..ServiceValue::default()
         };
         let services = [(key(2), value(b, &before, true))];
-        let mut after = Ids::new(8, 4);
-        after.seed(&services, &[(be, Backend { addr: [7, 0, 0, 0], port: 8080, ..Backend::default() })]);
+        let mut after = Ids::new(8, 16, 4);
+        after.seed(&services, &[(be, backend(7))]);
         assert_eq!((after.service_of(&key(2)), after.maglev_row(b)), (Some(b), Some(row)), "kept: same id, same row");
-        assert_eq!(after.backend(Backend { addr: [7, 0, 0, 0], port: 8080, ..Backend::default() }), be);
+        assert_eq!(after.backend(backend(7)), Some(be));
         // The free id below the highest is given out again, with a generation newer than any seen.
         let again = after.service(key(3)).unwrap();
         assert_eq!(again, a);
         assert!(after.generation(again).wrapping_sub(before.generation(b)) < u16::MAX / 2 && after.generation(again) != before.generation(b));
         assert_eq!(after.maglev_rows_total(), 4);
         // Out of ids: None, and a release makes one free.
-        let mut small = Ids::new(2, 0);
+        let mut small = Ids::new(2, 16, 0);
         assert!(small.service(key(1)).is_some() && small.service(key(2)).is_none());
         assert_eq!(small.release_service(&key(1)), None, "no Maglev row to give back");
         assert!(small.service(key(2)).is_some());

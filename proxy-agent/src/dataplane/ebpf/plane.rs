@@ -185,7 +185,7 @@ impl EbpfPlane {
         Ok(Self {
             dp,
             maps,
-            syncer: Syncer::new(s.capacities.services, proxy_common::limits::MAGLEV_ROWS),
+            syncer: Syncer::new(s.capacities.services, s.capacities.backends, proxy_common::limits::MAGLEV_ROWS),
             interfaces: Interfaces::new(s, pin_dir, true),
             config,
             gc,

@@ -6,13 +6,16 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use foldhash::{HashMap as FastMap, HashSet as FastSet};
 
 use proxy_common::{
-    limits::{MAGLEV_ROWS, MAX_SERVICES},
+    limits::{MAGLEV_ROWS, MAX_BACKENDS, MAX_SERVICES},
     map_names, Backend, DatapathConfig, ServiceKey, ServiceValue, SlotKey, SourceRangeKey, SCHED_MAGLEV, SCHED_RANDOM,
 };
 
 use crate::{
     dataplane::ebpf::maps::{DatapathMaps, MapError, SrcRange},
-    dataplane::ebpf::{ids::Ids, maglev, wire},
+    dataplane::ebpf::{
+        ids::{ById, IdSet, Ids},
+        maglev, wire,
+    },
     model::{DesiredState, Frontend, FrontendKey},
 };
 
@@ -58,9 +61,10 @@ pub struct RemovedBackend {
 /// slot points to and no frontend wants: the deletes that cannot break a flow.
 fn delete_unreferenced(
     maps: &mut dyn DatapathMaps,
+    ids: &mut Ids,
     m: &mut Mirror,
     keep_services: &FastSet<u32>,
-    live_backends: &FastSet<u32>,
+    live_backends: &IdSet,
     st: &mut SyncStats,
 ) -> Result<(), SyncError> {
     let held: FastSet<u32> = m.services.values().map(|v| v.service_id).chain(keep_services.iter().copied()).collect();
@@ -71,11 +75,12 @@ fn delete_unreferenced(
             st.deletes += 1;
         }
     }
-    let referenced: FastSet<u32> = m.slots.values().flat_map(|s| s.values().copied()).collect();
-    let gone: Vec<u32> = m.backends.keys().filter(|id| !live_backends.contains(id) && !referenced.contains(id)).copied().collect();
+    let referenced: IdSet = m.slots.values().flat_map(|s| s.values().copied()).collect();
+    let gone: Vec<u32> = m.backends.iter().map(|(id, _)| id).filter(|id| !live_backends.contains(*id) && !referenced.contains(*id)).collect();
     for id in gone {
         maps.del_backend(id)?;
-        m.backends.remove(&id);
+        m.backends.remove(id);
+        ids.release_backend(id);
         st.deletes += 1;
     }
     Ok(())
@@ -91,8 +96,8 @@ fn current_ids(m: &Mirror, key: &ServiceKey) -> Vec<u32> {
 
 fn note_removed(st: &mut SyncStats, m: &Mirror, key: &ServiceKey, service_id: u32, old: &[u32], new: &[u32]) {
     for id in old.iter().filter(|id| !new.contains(id)) {
-        if let Some(backend) = m.backends.get(id) {
-            st.removed.insert(RemovedBackend { service_id, backend_id: *id, frontend: *key, backend: *backend });
+        if let Some(backend) = m.backends.get(*id) {
+            st.removed.insert(RemovedBackend { service_id, backend_id: *id, frontend: *key, backend });
         }
     }
 }
@@ -104,7 +109,9 @@ pub struct Syncer {
     /// What the maps hold after the last successful sync (None: list them next time).
     mirror: Option<Mirror>,
     /// Backend id -> frontends whose slots use it (a backend is deleted when unused).
-    backend_refs: FastMap<u32, u32>,
+    backend_refs: ById<u32>,
+    /// Backend ids are below this (the backend map's capacity).
+    max_backends: u32,
     /// Frontends programmed as given here rather than as the desired state has them (outlier
     /// ejection leaves backends out of a few): set before each sync (`set_overrides`).
     overrides: std::sync::Arc<HashMap<FrontendKey, Frontend>>,
@@ -112,7 +119,7 @@ pub struct Syncer {
 
 impl Default for Syncer {
     fn default() -> Self {
-        Self::new(MAX_SERVICES, MAGLEV_ROWS)
+        Self::new(MAX_SERVICES, MAX_BACKENDS, MAGLEV_ROWS)
     }
 }
 
@@ -136,12 +143,13 @@ impl Syncer {
         }
     }
 
-    pub fn new(max_services: u32, maglev_rows: u32) -> Self {
+    pub fn new(max_services: u32, max_backends: u32, maglev_rows: u32) -> Self {
         Self {
-            ids: Ids::new(max_services, maglev_rows),
+            ids: Ids::new(max_services, max_backends, maglev_rows),
             maglev_written: HashMap::new(),
             mirror: None,
-            backend_refs: FastMap::default(),
+            backend_refs: ById::new(max_backends),
+            max_backends,
             overrides: Default::default(),
         }
     }
@@ -157,10 +165,10 @@ impl Syncer {
     /// (an entry deleted or changed by hand).
     pub fn sync(&mut self, maps: &mut dyn DatapathMaps, desired: &DesiredState, config: DatapathConfig) -> Result<SyncStats, SyncError> {
         self.mirror = None;
-        let actual = Mirror::read(maps)?;
+        let actual = Mirror::read(maps, self.max_backends)?;
         if !self.ids.seeded {
             let svcs: Vec<_> = actual.services.iter().map(|(k, v)| (*k, *v)).collect();
-            let bes: Vec<_> = actual.backends.iter().map(|(k, v)| (*k, *v)).collect();
+            let bes: Vec<_> = actual.backends.iter().collect();
             self.ids.seed(&svcs, &bes);
         }
         self.apply(maps, desired, config, actual, true)
@@ -185,16 +193,15 @@ impl Syncer {
         let overrides = std::sync::Arc::clone(&self.overrides);
         let wanted: FastSet<ServiceKey> = desired.frontends.keys().map(wire::service_key).collect();
         // Their ids too, in the frontends' order, for the writes below: a million backends'
-        // ids looked up once.
+        // ids looked up once (0: none was free, the backend map is full).
         let slots_wanted: usize = desired.frontends.iter().map(|(k, f)| effective(&overrides, k, f).backends.len()).sum();
         let mut ids_in_order: Vec<u32> = Vec::with_capacity(slots_wanted);
-        // At most one a slot: sized once, not grown through a million inserts.
-        let mut live_backends: FastSet<u32> = FastSet::with_capacity_and_hasher(slots_wanted, Default::default());
+        let mut live_backends = IdSet::default();
         for (k, f) in &desired.frontends {
             for b in effective(&overrides, k, f).backends.iter() {
                 let id = self.ids.backend(wire::backend(b));
-                ids_in_order.push(id);
-                live_backends.insert(id);
+                ids_in_order.push(id.unwrap_or(0));
+                live_backends.extend(id);
             }
         }
         st.backends = live_backends.len();
@@ -231,7 +238,7 @@ impl Syncer {
         mut m: Mirror,
         mut st: SyncStats,
         wanted: &FastSet<ServiceKey>,
-        live_backends: &FastSet<u32>,
+        live_backends: &IdSet,
         ids_in_order: &[u32],
         overrides: &HashMap<FrontendKey, Frontend>,
         full: bool,
@@ -249,11 +256,11 @@ impl Syncer {
                 self.release_service_id(&key);
             }
         }
-        delete_unreferenced(maps, &mut m, &Default::default(), live_backends, &mut st)?;
+        delete_unreferenced(maps, &mut self.ids, &mut m, &Default::default(), live_backends, &mut st)?;
 
         let mut desired_ranges: BTreeSet<SrcRange> = BTreeSet::new();
         let mut live_services: FastSet<u32> = FastSet::default();
-        let mut refs: FastMap<u32, u32> = FastMap::default();
+        let mut refs: ById<u32> = ById::new(self.max_backends);
         // Frontends that met a full map: tried again once the rest made room.
         let mut retry: Vec<(&FrontendKey, &Frontend)> = Vec::new();
         for pass in 0..2 {
@@ -265,7 +272,11 @@ impl Syncer {
                 let ids = if pass == 0 {
                     let (ids, rest) = known_ids.split_at(f.backends.len());
                     known_ids = rest;
-                    Self::put_known_backends(maps, &mut m, f, ids.to_vec(), &mut st)
+                    if ids.contains(&0) {
+                        Err(SyncError::Map(MapError::Full { map: map_names::BACKENDS }))
+                    } else {
+                        Self::put_known_backends(maps, &mut m, f, ids.to_vec(), &mut st)
+                    }
                 } else {
                     self.put_backends(maps, &mut m, f, &mut st)
                 };
@@ -274,7 +285,7 @@ impl Syncer {
                     Ok(Some((service_id, ids))) => {
                         live_services.insert(service_id);
                         for id in ids {
-                            *refs.entry(id).or_insert(0) += 1;
+                            refs.set(id, refs.get(id).unwrap_or(0) + 1);
                         }
                     }
                     Ok(None) => {}
@@ -291,12 +302,14 @@ impl Syncer {
                 }
             }
             // What the programmed frontends no longer point to goes now, before the retries.
-            delete_unreferenced(maps, &mut m, &live_services, live_backends, &mut st)?;
+            delete_unreferenced(maps, &mut self.ids, &mut m, &live_services, live_backends, &mut st)?;
             if retry.is_empty() {
                 break;
             }
         }
-        self.ids.retain_backends(|id| live_backends.contains(&id));
+        // An id the backend map still holds (a slot of a frontend left as it was points to it)
+        // stays given out until its entry is deleted.
+        self.ids.retain_backends(|id| live_backends.contains(id) || m.backends.contains(id));
 
         let old_ranges = std::mem::take(&mut m.ranges);
         for r in old_ranges.difference(&desired_ranges) {
@@ -329,7 +342,8 @@ impl Syncer {
     /// Writes the backends `f` needs that the maps do not hold yet; returns their ids, in `f`'s
     /// order.
     fn put_backends(&mut self, maps: &mut dyn DatapathMaps, m: &mut Mirror, f: &Frontend, st: &mut SyncStats) -> Result<Vec<u32>, SyncError> {
-        let ids = f.backends.iter().map(|b| self.ids.backend(wire::backend(b))).collect();
+        let full = || SyncError::Map(MapError::Full { map: map_names::BACKENDS });
+        let ids = f.backends.iter().map(|b| self.ids.backend(wire::backend(b)).ok_or_else(full)).collect::<Result<_, _>>()?;
         Self::put_known_backends(maps, m, f, ids, st)
     }
 
@@ -337,9 +351,9 @@ impl Syncer {
     fn put_known_backends(maps: &mut dyn DatapathMaps, m: &mut Mirror, f: &Frontend, ids: Vec<u32>, st: &mut SyncStats) -> Result<Vec<u32>, SyncError> {
         for (b, id) in f.backends.iter().zip(&ids) {
             let wire = wire::backend(b);
-            if m.backends.get(id) != Some(&wire) {
+            if m.backends.get(*id) != Some(wire) {
                 maps.put_backend(*id, wire)?;
-                m.backends.insert(*id, wire);
+                m.backends.set(*id, wire);
                 st.writes += 1;
             }
         }
@@ -486,9 +500,9 @@ impl Syncer {
             if let Some(v) = old {
                 let old_ids: Vec<u32> = m.slots.get(&v.service_id).map(|s| s.range(1..=v.backend_count).map(|(_, id)| *id).collect()).unwrap_or_default();
                 for id in old_ids {
-                    if let Some(r) = self.backend_refs.get_mut(&id) {
-                        *r = r.saturating_sub(1);
-                        if *r == 0 {
+                    if let Some(r) = self.backend_refs.get(id) {
+                        self.backend_refs.set(id, r - 1);
+                        if r == 1 {
                             released.insert(id);
                         }
                     }
@@ -505,7 +519,7 @@ impl Syncer {
                     let ids = backend_ids.remove(fk).expect("the loop above put the backends of every touched frontend the desired state has");
                     if let Some((_, ids)) = self.program_frontend(maps, &mut m, fk, f, ids, false, &mut st, &mut new_ranges)? {
                         for id in ids {
-                            *self.backend_refs.entry(id).or_insert(0) += 1;
+                            self.backend_refs.set(id, self.backend_refs.get(id).unwrap_or(0) + 1);
                             released.remove(&id);
                         }
                     }
@@ -536,14 +550,11 @@ impl Syncer {
                 st.writes += 1;
             }
         }
-        released.retain(|id| self.backend_refs.get(id).copied().unwrap_or(0) == 0);
+        released.retain(|id| self.backend_refs.get(*id).is_none());
         for id in &released {
             maps.del_backend(*id)?;
-            // The id table by key (a pass over it would cost a million steps at 100,000 Services).
-            if let Some(b) = m.backends.remove(id) {
-                self.ids.forget_backend(&b, *id);
-            }
-            self.backend_refs.remove(id);
+            m.backends.remove(*id);
+            self.ids.release_backend(*id);
             st.deletes += 1;
         }
         st.backends = m.backends.len();
@@ -562,13 +573,13 @@ fn effective<'a>(overrides: &'a HashMap<FrontendKey, Frontend>, k: &FrontendKey,
 struct Mirror {
     config: DatapathConfig,
     services: FastMap<ServiceKey, ServiceValue>,
-    backends: FastMap<u32, Backend>,
+    backends: ById<Backend>,
     slots: FastMap<u32, BTreeMap<u32, u32>>,
     ranges: BTreeSet<SrcRange>,
 }
 
 impl Mirror {
-    fn read(maps: &dyn DatapathMaps) -> Result<Self, MapError> {
+    fn read(maps: &dyn DatapathMaps, max_backends: u32) -> Result<Self, MapError> {
         let mut slots: FastMap<u32, BTreeMap<u32, u32>> = FastMap::default();
         for (k, id) in maps.slots()? {
             slots.entry(k.service_id).or_default().insert(k.slot, id);
@@ -576,7 +587,13 @@ impl Mirror {
         Ok(Self {
             config: maps.config()?,
             services: maps.services()?.into_iter().collect(),
-            backends: maps.backends()?.into_iter().collect(),
+            backends: {
+                let mut m = ById::new(max_backends);
+                for (id, b) in maps.backends()? {
+                    m.set(id, b);
+                }
+                m
+            },
             slots,
             ranges: maps.source_ranges()?.into_iter().collect(),
         })
@@ -680,6 +697,30 @@ mod tests {
         assert_eq!(maps.bulks, 1);
     }
 
+    #[test]
+    fn backend_ids_stay_below_the_limit_through_churn() {
+        // Ids 1..8 (the per-backend arrays' size), and 60 backends that come and go: pods
+        // rescheduled with new addresses, as on a node that runs for months.
+        let mut maps = FakeMaps::default();
+        let mut s = Syncer::new(16, 8, 2);
+        for round in 0..20u8 {
+            let (a, b) = (format!("10.244.{round}.1"), format!("10.244.{round}.2"));
+            let (c, keep) = (format!("10.244.{round}.3"), "10.244.200.1".to_string());
+            let d = state(&[("10.96.0.1", &[(&a, 80), (&b, 80), (&keep, 80)]), ("10.96.0.2", &[(&c, 80)])]);
+            let st = if round % 3 == 0 {
+                s.sync(&mut maps, &d, DatapathConfig::default()).unwrap()
+            } else {
+                s.sync_subset(&mut maps, &d, DatapathConfig::default(), &[key("10.96.0.1"), key("10.96.0.2")].into()).unwrap()
+            };
+            assert!(st.errors.is_empty() && st.full.is_empty(), "round {round}: {:?} {:?}", st.errors, st.full);
+            assert!(maps.backends.keys().all(|id| (1..8).contains(id)), "round {round}: {:?}", maps.backends.keys());
+            let mut fresh = FakeMaps::default();
+            Syncer::default().sync(&mut fresh, &d, DatapathConfig::default()).unwrap();
+            assert_eq!(programmed(&maps), programmed(&fresh), "round {round}");
+            assert_eq!(maps.backends.len(), 4, "round {round}: the old backends are deleted");
+        }
+    }
+
     /// Each service (by VIP) -> the backend addresses its slots point to, sorted.
     fn programmed(maps: &FakeMaps) -> BTreeMap<[u32; 4], Vec<[u32; 4]>> {
         maps.services
@@ -732,7 +773,7 @@ mod tests {
     fn the_service_ids_are_the_configured_capacity_and_running_out_is_a_full_services_map() {
         let mut maps = FakeMaps::default();
         // Ids 1..=2 (id 0 is never given out).
-        let mut s = Syncer::new(3, 2);
+        let mut s = Syncer::new(3, MAX_BACKENDS, 2);
         let d = state(&[("10.96.0.1", &[("10.244.1.1", 80)]), ("10.96.0.2", &[("10.244.1.1", 80)]), ("10.96.0.3", &[("10.244.1.1", 80)])]);
         let st = s.sync(&mut maps, &d, DatapathConfig::default()).unwrap();
         assert_eq!(st.full, vec![(proxy_common::map_names::SERVICES, "ns/10.96.0.3:http".to_string())]);
@@ -898,7 +939,7 @@ mod tests {
     #[test]
     fn maglev_row_is_written_once_and_freed() {
         let mut maps = FakeMaps::default();
-        let mut s = Syncer::new(16, 2);
+        let mut s = Syncer::new(16, MAX_BACKENDS, 2);
         let mut d = DesiredState::default();
         d.frontends.insert(key("10.96.0.1"), frontend(&[("10.0.0.1", 80)], Scheduler::Maglev));
         d.frontends.insert(key("10.96.0.2"), frontend(&[("10.0.0.1", 80)], Scheduler::Maglev));
