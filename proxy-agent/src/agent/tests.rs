@@ -184,7 +184,7 @@ fn what_is_not_programmed_stays_known_across_incremental_syncs() {
     let mut a = agent(2);
     // s0 asks for a scheduler kpr does not have: programmed with the default, and reported.
     let svc = a.source.objects.services.get_mut(&("demo".to_string(), "s0".to_string())).unwrap();
-    svc.annotations = Some([(crate::model::SCHEDULER_ANNOTATION.to_string(), "fastest".to_string())].into());
+    svc.annotations = Some(Box::new([(crate::model::SCHEDULER_ANNOTATION.to_string(), "fastest".to_string())].into()));
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     a.events = Some(tx);
     let t0 = Instant::now();

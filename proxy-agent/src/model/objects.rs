@@ -122,17 +122,18 @@ pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-t
 #[derive(Debug, Default, Clone)]
 pub struct ServiceObject {
     /// Renewed by every change (the change trackers compare it).
-    pub resource_version: Option<String>,
+    pub resource_version: Option<Box<str>>,
     /// Labelled service.kubernetes.io/service-proxy-name: another proxy's Service.
     pub other_proxy: bool,
-    /// Its kpr.io/ annotations.
-    pub annotations: Option<BTreeMap<String, String>>,
+    /// Its kpr.io/ annotations (boxed: most Services have none, and the cache's map nodes hold
+    /// this struct inline).
+    pub annotations: Option<Box<BTreeMap<String, String>>>,
     /// What the model reads of the spec (not the selector, the families, the target ports:
     /// the endpoint controllers' concern). Boxed: a map node holds eleven entries inline and
     /// is often half full.
     pub spec: Option<Box<ServiceSpec>>,
     /// status.loadBalancer.ingress.
-    pub ingress: Vec<LoadBalancerIngress>,
+    pub ingress: Box<[LoadBalancerIngress]>,
 }
 
 impl From<Service> for ServiceObject {
@@ -141,9 +142,9 @@ impl From<Service> for ServiceObject {
         let annotations = meta.annotations.map(|a| a.into_iter().filter(|(k, _)| k.starts_with(KPR_ANNOTATION_PREFIX)).collect::<BTreeMap<_, _>>());
         let ingress = svc.status.and_then(|s| s.load_balancer).and_then(|l| l.ingress).unwrap_or_default();
         ServiceObject {
-            resource_version: meta.resource_version,
+            resource_version: meta.resource_version.map(String::into_boxed_str),
             other_proxy: meta.labels.as_ref().is_some_and(|l| l.contains_key(SERVICE_PROXY_NAME_LABEL)),
-            annotations: annotations.filter(|a| !a.is_empty()),
+            annotations: annotations.filter(|a| !a.is_empty()).map(Box::new),
             spec: svc.spec.map(|spec| Box::new(spec.into())),
             ingress: ingress.into_iter().map(|i| LoadBalancerIngress { hostname: None, ports: None, ..i }).collect(),
         }
@@ -216,7 +217,7 @@ pub struct EndpointPort {
 /// What the model reads of an EndpointSlice.
 #[derive(Debug, Default, Clone)]
 pub struct SliceObject {
-    pub resource_version: Option<String>,
+    pub resource_version: Option<Box<str>>,
     /// The owning Service (the kubernetes.io/service-name label).
     pub service: Option<String>,
     /// Interned: "IPv4", "IPv6" or "FQDN" in every slice.
@@ -376,7 +377,7 @@ impl From<EndpointSlice> for SliceObject {
             })
             .collect();
         SliceObject {
-            resource_version: meta.resource_version.clone(),
+            resource_version: meta.resource_version.clone().map(String::into_boxed_str),
             service: label(SERVICE_NAME_LABEL),
             address_type: intern(slice.address_type),
             ports: slice

@@ -58,11 +58,11 @@ pub(super) fn service_frontends(
     let itp_local = spec.internal_traffic_policy.as_deref() == Some("Local");
     let publish_not_ready = spec.publish_not_ready_addresses.unwrap_or(false);
 
-    let scheduler = scheduler(svc.annotations.as_ref(), cfg.default_scheduler, &object, errors);
+    let scheduler = scheduler(svc.annotations.as_deref(), cfg.default_scheduler, &object, errors);
     let affinity_timeout_s = affinity_timeout(spec, &object, errors);
-    let ipvs = ipvs_options(svc.annotations.as_ref(), &object, errors);
-    let max_connection_age_s = max_connection_age(svc.annotations.as_ref(), cfg.max_connection_age, &object, errors);
-    let outlier_ejection = outlier_ejection(svc.annotations.as_ref(), cfg.outlier_ejection, &object, errors);
+    let ipvs = ipvs_options(svc.annotations.as_deref(), &object, errors);
+    let max_connection_age_s = max_connection_age(svc.annotations.as_deref(), cfg.max_connection_age, &object, errors);
+    let outlier_ejection = outlier_ejection(svc.annotations.as_deref(), cfg.outlier_ejection, &object, errors);
     // IPv6 frontends in eBPF mode have no per-flow features: what works from them does not
     // apply there (the IPv4 frontends keep it).
     if cfg.ipv6.ebpf() && addrs.cluster.iter().any(IpAddr::is_ipv6) {
@@ -71,7 +71,7 @@ pub(super) fn service_frontends(
             (outlier_ejection, OUTLIER_EJECTION_ANNOTATION),
             (
                 matches!(scheduler, Scheduler::LeastConnection | Scheduler::PowerOfTwo)
-                    && svc.annotations.as_ref().is_some_and(|a| a.contains_key(SCHEDULER_ANNOTATION)),
+                    && svc.annotations.as_deref().is_some_and(|a| a.contains_key(SCHEDULER_ANNOTATION)),
                 SCHEDULER_ANNOTATION,
             ),
         ];

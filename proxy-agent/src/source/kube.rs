@@ -137,7 +137,7 @@ pub fn node_eligible(node: Option<&Node>) -> bool {
 /// cache): its resourceVersion, which every change renews, and a slice's owning Service.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Version {
-    rv: Option<String>,
+    rv: Option<Box<str>>,
     owner: Option<String>,
 }
 

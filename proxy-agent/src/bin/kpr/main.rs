@@ -16,6 +16,14 @@ use proxy_agent::{host::netif, serve::metrics, settings};
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
+/// jemalloc's options (`_RJEM_MALLOC_CONF` in the environment still overrides them): freed
+/// pages go back to the kernel after a second, by a background thread, not the 10 s default.
+/// The initial list and sync of a large cluster free as much as stays (kpr-scale at 100,000
+/// Services: peak RSS 393 MB with the defaults, 351 MB so, the initial sync no slower).
+#[cfg(feature = "jemalloc")]
+#[unsafe(export_name = "_rjem_malloc_conf")]
+static MALLOC_CONF: Option<&'static std::ffi::c_char> = Some(unsafe { &*c"background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0".as_ptr() });
+
 #[derive(Parser)]
 #[command(name = "kpr", version, about = "kube-proxy replacement: eBPF service load balancing (and IPVS)")]
 struct Cli {

@@ -126,6 +126,23 @@ impl IdSet {
         self.words.get(id as usize / 64).is_some_and(|w| w & (1u64 << (id % 64)) != 0)
     }
 
+    pub fn remove(&mut self, id: u32) {
+        if let Some(w) = self.words.get_mut(id as usize / 64) {
+            let bit = 1u64 << (id % 64);
+            if *w & bit != 0 {
+                *w &= !bit;
+                self.len -= 1;
+            }
+        }
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = u32> + '_ {
+        self.words.iter().enumerate().flat_map(|(i, w)| {
+            let base = i as u32 * 64;
+            (0..64).filter(move |b| w & (1u64 << b) != 0).map(move |b| base + b)
+        })
+    }
+
     pub fn len(&self) -> usize {
         self.len
     }
@@ -164,21 +181,16 @@ pub(crate) struct ById<T> {
     dense: Vec<T>,
     sparse: HashMap<u32, T>,
     limit: u32,
-    len: usize,
 }
 
 impl<T: Copy + Default + PartialEq> ById<T> {
     pub fn new(limit: u32) -> Self {
-        Self { dense: Vec::new(), sparse: HashMap::default(), limit, len: 0 }
+        Self { dense: Vec::new(), sparse: HashMap::default(), limit }
     }
 
     pub fn get(&self, id: u32) -> Option<T> {
         let v = if id < self.limit { self.dense.get(id as usize).copied() } else { self.sparse.get(&id).copied() };
         v.filter(|v| *v != T::default())
-    }
-
-    pub fn contains(&self, id: u32) -> bool {
-        self.get(id).is_some()
     }
 
     /// Sets `id`'s value (`T::default()` removes it); returns the one it had.
@@ -196,21 +208,7 @@ impl<T: Copy + Default + PartialEq> ById<T> {
         } else {
             self.sparse.insert(id, v)
         };
-        self.len = self.len + usize::from(v != T::default()) - usize::from(old.is_some());
         old
-    }
-
-    pub fn remove(&mut self, id: u32) -> Option<T> {
-        self.set(id, T::default())
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn iter(&self) -> impl Iterator<Item = (u32, T)> + '_ {
-        let dense = self.dense.iter().enumerate().filter(|(_, v)| **v != T::default()).map(|(id, v)| (id as u32, *v));
-        dense.chain(self.sparse.iter().map(|(id, v)| (*id, *v)))
     }
 }
 
@@ -304,6 +302,11 @@ impl Ids {
         Some(row)
     }
 
+    /// The backend `id` is given to, if it is.
+    pub fn backend_of(&self, id: u32) -> Option<Backend> {
+        self.backends.by_id.get(id as usize).copied().filter(|b| *b != Backend::default())
+    }
+
     /// `b`'s backend id, given out now if it has none; None when every id is in use (the
     /// backend map is full).
     pub fn backend(&mut self, b: Backend) -> Option<u32> {
@@ -354,20 +357,23 @@ mod tests {
     }
 
     #[test]
-    fn by_id_counts_and_finds_on_both_sides_of_the_limit() {
+    fn by_id_finds_on_both_sides_of_the_limit() {
         let mut m: ById<u32> = ById::new(4);
-        assert_eq!((m.set(2, 7), m.set(9, 8), m.set(2, 5), m.len()), (None, None, Some(7), 2));
+        assert_eq!((m.set(2, 7), m.set(9, 8), m.set(2, 5)), (None, None, Some(7)));
         assert_eq!((m.get(2), m.get(9), m.get(3), m.get(100)), (Some(5), Some(8), None, None));
-        assert_eq!(m.iter().collect::<Vec<_>>(), vec![(2, 5), (9, 8)]);
-        assert_eq!((m.remove(9), m.remove(9), m.set(3, 0), m.len()), (Some(8), None, None, 1));
+        assert_eq!((m.set(9, 0), m.set(9, 0), m.set(3, 0), m.get(9)), (Some(8), None, None, None));
     }
 
     #[test]
     fn id_set_counts_each_id_once() {
         let mut s: IdSet = [3, 64, 3].into_iter().collect();
         s.insert(1_000_000);
-        assert_eq!(s.len(), 3);
+        assert_eq!((s.len(), s.iter().collect::<Vec<_>>()), (3, vec![3, 64, 1_000_000]));
         assert!(s.contains(3) && s.contains(64) && s.contains(1_000_000) && !s.contains(63) && !s.contains(2_000_000));
+        s.remove(64);
+        s.remove(64);
+        s.remove(5_000_000);
+        assert_eq!((s.len(), s.contains(64)), (2, false));
     }
 
     #[test]

@@ -76,7 +76,7 @@ fn delete_unreferenced(
         }
     }
     let referenced: IdSet = m.slots.values().flat_map(|s| s.values().copied()).collect();
-    let gone: Vec<u32> = m.backends.iter().map(|(id, _)| id).filter(|id| !live_backends.contains(*id) && !referenced.contains(*id)).collect();
+    let gone: Vec<u32> = m.backends.ids().filter(|id| !live_backends.contains(*id) && !referenced.contains(*id)).collect();
     for id in gone {
         maps.del_backend(id)?;
         m.backends.remove(id);
@@ -94,9 +94,9 @@ fn current_ids(m: &Mirror, key: &ServiceKey) -> Vec<u32> {
     }
 }
 
-fn note_removed(st: &mut SyncStats, m: &Mirror, key: &ServiceKey, service_id: u32, old: &[u32], new: &[u32]) {
+fn note_removed(st: &mut SyncStats, ids: &Ids, m: &Mirror, key: &ServiceKey, service_id: u32, old: &[u32], new: &[u32]) {
     for id in old.iter().filter(|id| !new.contains(id)) {
-        if let Some(backend) = m.backends.get(*id) {
+        if let Some(backend) = m.backends.get(ids, *id) {
             st.removed.insert(RemovedBackend { service_id, backend_id: *id, frontend: *key, backend });
         }
     }
@@ -165,12 +165,7 @@ impl Syncer {
     /// (an entry deleted or changed by hand).
     pub fn sync(&mut self, maps: &mut dyn DatapathMaps, desired: &DesiredState, config: DatapathConfig) -> Result<SyncStats, SyncError> {
         self.mirror = None;
-        let actual = Mirror::read(maps, self.max_backends)?;
-        if !self.ids.seeded {
-            let svcs: Vec<_> = actual.services.iter().map(|(k, v)| (*k, *v)).collect();
-            let bes: Vec<_> = actual.backends.iter().collect();
-            self.ids.seed(&svcs, &bes);
-        }
+        let actual = Mirror::read(maps, &mut self.ids)?;
         self.apply(maps, desired, config, actual, true)
     }
 
@@ -248,7 +243,7 @@ impl Syncer {
         let stale: Vec<(ServiceKey, ServiceValue)> = m.services.iter().filter(|(k, _)| !wanted.contains(k)).map(|(k, v)| (*k, *v)).collect();
         for (key, v) in stale {
             let old = current_ids(&m, &key);
-            note_removed(&mut st, &m, &key, v.service_id, &old, &[]);
+            note_removed(&mut st, &self.ids, &m, &key, v.service_id, &old, &[]);
             maps.del_service(key)?;
             m.services.remove(&key);
             st.deletes += 1;
@@ -275,7 +270,7 @@ impl Syncer {
                     if ids.contains(&0) {
                         Err(SyncError::Map(MapError::Full { map: map_names::BACKENDS }))
                     } else {
-                        Self::put_known_backends(maps, &mut m, f, ids.to_vec(), &mut st)
+                        Self::put_known_backends(maps, &self.ids, &mut m, f, ids.to_vec(), &mut st)
                     }
                 } else {
                     self.put_backends(maps, &mut m, f, &mut st)
@@ -344,16 +339,23 @@ impl Syncer {
     fn put_backends(&mut self, maps: &mut dyn DatapathMaps, m: &mut Mirror, f: &Frontend, st: &mut SyncStats) -> Result<Vec<u32>, SyncError> {
         let full = || SyncError::Map(MapError::Full { map: map_names::BACKENDS });
         let ids = f.backends.iter().map(|b| self.ids.backend(wire::backend(b)).ok_or_else(full)).collect::<Result<_, _>>()?;
-        Self::put_known_backends(maps, m, f, ids, st)
+        Self::put_known_backends(maps, &self.ids, m, f, ids, st)
     }
 
     /// `put_backends` with their ids already given out (`ids`, in `f`'s order).
-    fn put_known_backends(maps: &mut dyn DatapathMaps, m: &mut Mirror, f: &Frontend, ids: Vec<u32>, st: &mut SyncStats) -> Result<Vec<u32>, SyncError> {
+    fn put_known_backends(
+        maps: &mut dyn DatapathMaps,
+        given: &Ids,
+        m: &mut Mirror,
+        f: &Frontend,
+        ids: Vec<u32>,
+        st: &mut SyncStats,
+    ) -> Result<Vec<u32>, SyncError> {
         for (b, id) in f.backends.iter().zip(&ids) {
             let wire = wire::backend(b);
-            if m.backends.get(*id) != Some(wire) {
+            if m.backends.get(given, *id) != Some(wire) {
                 maps.put_backend(*id, wire)?;
-                m.backends.set(*id, wire);
+                m.backends.set(given, *id, wire);
                 st.writes += 1;
             }
         }
@@ -405,7 +407,7 @@ impl Syncer {
             }
         }
         let old = current_ids(m, &key);
-        note_removed(st, m, &key, service_id, &old, &ids);
+        note_removed(st, &self.ids, m, &key, service_id, &old, &ids);
         // Make before break: new slots, then the count, then the slots past the count.
         let slots = m.slots.entry(service_id).or_default();
         for (i, id) in ids.iter().enumerate() {
@@ -527,7 +529,7 @@ impl Syncer {
                 None => {
                     if let Some(v) = old {
                         let old_ids = current_ids(&m, &key);
-                        note_removed(&mut st, &m, &key, v.service_id, &old_ids, &[]);
+                        note_removed(&mut st, &self.ids, &m, &key, v.service_id, &old_ids, &[]);
                         maps.del_service(key)?;
                         m.services.remove(&key);
                         st.deletes += 1;
@@ -573,30 +575,81 @@ fn effective<'a>(overrides: &'a HashMap<FrontendKey, Frontend>, k: &FrontendKey,
 struct Mirror {
     config: DatapathConfig,
     services: FastMap<ServiceKey, ServiceValue>,
-    backends: ById<Backend>,
+    backends: HeldBackends,
     slots: FastMap<u32, BTreeMap<u32, u32>>,
     ranges: BTreeSet<SrcRange>,
 }
 
 impl Mirror {
-    fn read(maps: &dyn DatapathMaps, max_backends: u32) -> Result<Self, MapError> {
+    /// What the maps hold; the ids in them are taken over first, after a restart.
+    fn read(maps: &dyn DatapathMaps, ids: &mut Ids) -> Result<Self, MapError> {
         let mut slots: FastMap<u32, BTreeMap<u32, u32>> = FastMap::default();
         for (k, id) in maps.slots()? {
             slots.entry(k.service_id).or_default().insert(k.slot, id);
         }
+        let services: Vec<(ServiceKey, ServiceValue)> = maps.services()?;
+        let backends = maps.backends()?;
+        if !ids.seeded {
+            ids.seed(&services, &backends);
+        }
+        let mut held = HeldBackends::default();
+        for (id, b) in backends {
+            held.set(ids, id, b);
+        }
         Ok(Self {
             config: maps.config()?,
-            services: maps.services()?.into_iter().collect(),
-            backends: {
-                let mut m = ById::new(max_backends);
-                for (id, b) in maps.backends()? {
-                    m.set(id, b);
-                }
-                m
-            },
+            services: services.into_iter().collect(),
+            backends: held,
             slots,
             ranges: maps.source_ranges()?.into_iter().collect(),
         })
+    }
+}
+
+/// The backend map's entries, without a second copy of a million backends: an entry that holds
+/// what the id table gives its id to (every entry, but for drift) is a bit; any other is kept
+/// whole. The id table changes an id's backend only once the id is free, and an id is freed
+/// only after its entry left the map (`Ids::retain_backends`, `release_backend`).
+#[derive(Debug, Default)]
+struct HeldBackends {
+    as_given: IdSet,
+    other: FastMap<u32, Backend>,
+}
+
+impl HeldBackends {
+    fn get(&self, ids: &Ids, id: u32) -> Option<Backend> {
+        match self.other.get(&id) {
+            Some(b) => Some(*b),
+            None if self.as_given.contains(id) => ids.backend_of(id),
+            None => None,
+        }
+    }
+
+    fn set(&mut self, ids: &Ids, id: u32, b: Backend) {
+        if ids.backend_of(id) == Some(b) {
+            self.as_given.insert(id);
+            self.other.remove(&id);
+        } else {
+            self.as_given.remove(id);
+            self.other.insert(id, b);
+        }
+    }
+
+    fn remove(&mut self, id: u32) {
+        self.as_given.remove(id);
+        self.other.remove(&id);
+    }
+
+    fn contains(&self, id: u32) -> bool {
+        self.as_given.contains(id) || self.other.contains_key(&id)
+    }
+
+    fn len(&self) -> usize {
+        self.as_given.len() + self.other.len()
+    }
+
+    fn ids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.as_given.iter().chain(self.other.keys().copied())
     }
 }
 
