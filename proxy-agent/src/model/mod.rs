@@ -289,6 +289,12 @@ fn compute_filtered(objects: &Objects, node: &NodeInfo, cfg: &ModelConfig, only:
             out.service_errors.insert((ns.clone(), name.clone()), own);
         }
     }
+    if only.is_none() {
+        // Packed map nodes: filled in key order (by_service) or at random (frontends), they
+        // are half to two thirds full; rebuilt from sorted entries, full.
+        out.frontends = std::mem::take(&mut out.frontends).into_iter().collect();
+        out.by_service = std::mem::take(&mut out.by_service).into_iter().collect();
+    }
     out
 }
 

@@ -275,7 +275,8 @@ fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
                 relist.services.get_or_insert_with(BTreeMap::new).insert(name_of(&o), o.into());
             }
             watcher::Event::InitDone => {
-                let fresh = relist.services.take().unwrap_or_default();
+                // Packed (`Slices::packed`): the list filled it in key order.
+                let fresh = relist.services.take().unwrap_or_default().into_iter().collect();
                 replace_all(&mut st.objects.services, fresh, &mut st.service_changes, |_| {});
                 if !st.services_synced {
                     info!(services = st.objects.services.len(), "services listed");
@@ -293,7 +294,7 @@ fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
                 relist.slices.get_or_insert_with(Slices::default).insert(name_of(&o), o.into());
             }
             watcher::Event::InitDone => {
-                let fresh = relist.slices.take().unwrap_or_default();
+                let fresh = relist.slices.take().unwrap_or_default().packed();
                 let triggers = &mut st.trigger_times;
                 replace_all(&mut st.objects.slices, fresh, &mut st.slice_changes, |o| triggers.extend(o.trigger_time));
                 if !st.slices_synced {
