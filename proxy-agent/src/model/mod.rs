@@ -247,7 +247,8 @@ pub struct ModelConfig {
 pub struct DesiredState {
     pub frontends: BTreeMap<FrontendKey, Frontend>,
     /// Each Service's frontend keys, by (namespace, name): what an incremental sync replaces.
-    pub by_service: BTreeMap<(String, String), Vec<FrontendKey>>,
+    /// Inline: most Services have one (a Vec grown to four took 120 bytes).
+    pub by_service: BTreeMap<(String, String), smallvec::SmallVec<[FrontendKey; 1]>>,
     /// healthCheckNodePort -> (namespace/name, local ready endpoints): what the health check
     /// servers of externalTrafficPolicy Local services answer.
     pub health_checks: BTreeMap<u16, (String, String, usize)>,

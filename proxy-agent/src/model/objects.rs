@@ -157,26 +157,52 @@ impl From<Service> for ServiceObject {
     }
 }
 
-/// What the model reads of a Service's spec: 200 bytes and an allocation or three, against
+/// What the model reads of a Service's spec: 120 bytes and an allocation or three, against
 /// about 870 for the API type with its strings (at 100,000 Services the largest part of the
 /// Service cache). The values the API writes from a small set (type, policies, protocols,
 /// port names) are interned: one copy each for the whole cluster. Addresses stay text, as
 /// written, so an error names them.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct ServiceSpec {
-    pub type_: Option<Arc<str>>,
+    /// type, the traffic policies and sessionAffinity: the Services of a cluster share a few
+    /// combinations, interned.
+    kinds: Option<Arc<SpecKinds>>,
     pub cluster_ip: Option<Box<str>>,
     pub cluster_ips: Box<[Box<str>]>,
     pub external_ips: Box<[Box<str>]>,
     pub load_balancer_source_ranges: Box<[Box<str>]>,
     pub ports: Box<[ServicePort]>,
-    pub external_traffic_policy: Option<Arc<str>>,
-    pub internal_traffic_policy: Option<Arc<str>>,
-    pub session_affinity: Option<Arc<str>>,
     /// sessionAffinityConfig.clientIP.timeoutSeconds.
     pub affinity_timeout_seconds: Option<i32>,
     pub health_check_node_port: Option<i32>,
     pub publish_not_ready_addresses: Option<bool>,
+}
+
+#[derive(Debug, Default, PartialEq, Eq, Hash)]
+struct SpecKinds {
+    type_: Option<Box<str>>,
+    external_traffic_policy: Option<Box<str>>,
+    internal_traffic_policy: Option<Box<str>>,
+    session_affinity: Option<Box<str>>,
+}
+
+impl ServiceSpec {
+    fn kinds(&self) -> &SpecKinds {
+        static NONE: SpecKinds = SpecKinds { type_: None, external_traffic_policy: None, internal_traffic_policy: None, session_affinity: None };
+        self.kinds.as_deref().unwrap_or(&NONE)
+    }
+    pub fn type_(&self) -> Option<&str> {
+        self.kinds().type_.as_deref()
+    }
+    pub fn external_traffic_policy(&self) -> Option<&str> {
+        self.kinds().external_traffic_policy.as_deref()
+    }
+    pub fn internal_traffic_policy(&self) -> Option<&str> {
+        self.kinds().internal_traffic_policy.as_deref()
+    }
+    pub fn session_affinity(&self) -> Option<&str> {
+        self.kinds().session_affinity.as_deref()
+    }
 }
 
 /// One of spec.ports, as the model reads it.
@@ -195,16 +221,19 @@ fn texts(v: Option<Vec<String>>) -> Box<[Box<str>]> {
 impl From<ApiServiceSpec> for ServiceSpec {
     fn from(spec: ApiServiceSpec) -> Self {
         let port = |p: ApiServicePort| ServicePort { name: p.name.map(intern), protocol: p.protocol.map(intern), port: p.port, node_port: p.node_port };
+        let kinds = SpecKinds {
+            type_: spec.type_.map(String::into_boxed_str),
+            external_traffic_policy: spec.external_traffic_policy.map(String::into_boxed_str),
+            internal_traffic_policy: spec.internal_traffic_policy.map(String::into_boxed_str),
+            session_affinity: spec.session_affinity.map(String::into_boxed_str),
+        };
         ServiceSpec {
-            type_: spec.type_.map(intern),
+            kinds: (kinds != SpecKinds::default()).then(|| intern_kinds(kinds)),
             cluster_ip: spec.cluster_ip.map(String::into_boxed_str),
             cluster_ips: texts(spec.cluster_ips),
             external_ips: texts(spec.external_ips),
             load_balancer_source_ranges: texts(spec.load_balancer_source_ranges),
             ports: spec.ports.unwrap_or_default().into_iter().map(port).collect(),
-            external_traffic_policy: spec.external_traffic_policy.map(intern),
-            internal_traffic_policy: spec.internal_traffic_policy.map(intern),
-            session_affinity: spec.session_affinity.map(intern),
             affinity_timeout_seconds: spec.session_affinity_config.and_then(|c| c.client_ip).and_then(|c| c.timeout_seconds),
             health_check_node_port: spec.health_check_node_port,
             publish_not_ready_addresses: spec.publish_not_ready_addresses,
@@ -329,11 +358,20 @@ fn intern(name: String) -> Arc<str> {
     NAMES.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).get_or_insert_with(Interner::default).intern(name)
 }
 
+fn intern_in<T: std::hash::Hash + Eq>(table: &Mutex<Option<Interner<T>>>, value: T) -> Arc<T> {
+    let mut table = table.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let table = table.get_or_insert_with(Interner::default);
+    table.get(&value).unwrap_or_else(|| table.insert(Arc::new(value)))
+}
+
 fn intern_place(place: Place) -> Arc<Place> {
     static PLACES: Mutex<Option<Interner<Place>>> = Mutex::new(None);
-    let mut table = PLACES.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let table = table.get_or_insert_with(Interner::default);
-    table.get(&place).unwrap_or_else(|| table.insert(Arc::new(place)))
+    intern_in(&PLACES, place)
+}
+
+fn intern_kinds(kinds: SpecKinds) -> Arc<SpecKinds> {
+    static KINDS: Mutex<Option<Interner<SpecKinds>>> = Mutex::new(None);
+    intern_in(&KINDS, kinds)
 }
 
 /// An endpoint's address: parsed when it is one, else the text, for the error that names it.

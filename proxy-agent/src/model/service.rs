@@ -6,7 +6,7 @@ use proxy_common::limits::MAX_BACKENDS_PER_SERVICE;
 
 use crate::model::{
     annotations::{
-        ipvs_options, max_connection_age, outlier_ejection, scheduler, IpvsForward, IPVS_FORWARD_ANNOTATION, MAX_CONNECTION_AGE_ANNOTATION,
+        ipvs_options, max_connection_age, outlier_ejection, scheduler, IpvsForward, IpvsOptions, IPVS_FORWARD_ANNOTATION, MAX_CONNECTION_AGE_ANNOTATION,
         OUTLIER_EJECTION_ANNOTATION, SCHEDULER_ANNOTATION,
     },
     endpoints::{port_endpoints, to_keys_of, topology_filtered, usable, Ep},
@@ -44,7 +44,7 @@ pub(super) fn service_frontends(
         return;
     }
     let Some(spec) = &svc.spec else { return };
-    if spec.type_.as_deref() == Some("ExternalName") {
+    if spec.type_() == Some("ExternalName") {
         return;
     }
     let cluster_ip = spec.cluster_ip.as_deref().unwrap_or("");
@@ -53,9 +53,9 @@ pub(super) fn service_frontends(
     }
     let Some(addrs) = addresses(svc, spec, cfg.ipv6, &object, errors) else { return };
 
-    let svc_type = spec.type_.as_deref().unwrap_or("ClusterIP");
-    let etp_local = spec.external_traffic_policy.as_deref() == Some("Local");
-    let itp_local = spec.internal_traffic_policy.as_deref() == Some("Local");
+    let svc_type = spec.type_().unwrap_or("ClusterIP");
+    let etp_local = spec.external_traffic_policy() == Some("Local");
+    let itp_local = spec.internal_traffic_policy() == Some("Local");
     let publish_not_ready = spec.publish_not_ready_addresses.unwrap_or(false);
 
     let scheduler = scheduler(svc.annotations.as_deref(), cfg.default_scheduler, &object, errors);
@@ -158,7 +158,7 @@ pub(super) fn service_frontends(
             );
             ipvs.forward = IpvsForward::Nat;
         }
-        let ipvs = Arc::new(ipvs);
+        let ipvs = shared_ipvs_options(ipvs);
 
         // kube-proxy's verdicts without endpoints: a service with none at all rejects; a traffic
         // policy Local frontend whose endpoints are all on other nodes drops.
@@ -275,7 +275,7 @@ struct Addresses {
 /// None: the clusterIP is not an address, and nothing of the Service can be programmed.
 fn addresses(svc: &ServiceObject, spec: &ServiceSpec, ipv6: Ipv6Reach, object: &str, errors: &mut Vec<ObjectError>) -> Option<Addresses> {
     let cluster_ip = spec.cluster_ip.as_deref().unwrap_or("");
-    let svc_type = spec.type_.as_deref().unwrap_or("ClusterIP");
+    let svc_type = spec.type_().unwrap_or("ClusterIP");
     let mut cluster_ips: Vec<IpAddr> = Vec::new();
     if !cluster_ip.is_empty() {
         match cluster_ip.parse::<IpAddr>() {
@@ -373,7 +373,7 @@ fn addresses(svc: &ServiceObject, spec: &ServiceSpec, ipv6: Ipv6Reach, object: &
 
 /// sessionAffinity ClientIP's timeout (0: no affinity).
 fn affinity_timeout(spec: &ServiceSpec, object: &str, errors: &mut Vec<ObjectError>) -> u32 {
-    if spec.session_affinity.as_deref() == Some("ClientIP") {
+    if spec.session_affinity() == Some("ClientIP") {
         match spec.affinity_timeout_seconds {
             None => DEFAULT_AFFINITY_TIMEOUT_S,
             Some(t) if (1..=86_400).contains(&t) => t as u32,
@@ -402,4 +402,14 @@ fn local_ready_endpoints(slices: &[(&String, &SliceObject)], node: &NodeInfo, pu
         .flat_map(|e| e.addresses().iter().filter_map(Address::ip))
         .collect();
     local.len()
+}
+
+/// One allocation for every port with IPVS mode's defaults (nearly all: 80 bytes a port).
+fn shared_ipvs_options(o: IpvsOptions) -> Arc<IpvsOptions> {
+    static DEFAULT: std::sync::LazyLock<Arc<IpvsOptions>> = std::sync::LazyLock::new(Default::default);
+    if o == IpvsOptions::default() {
+        DEFAULT.clone()
+    } else {
+        Arc::new(o)
+    }
 }
