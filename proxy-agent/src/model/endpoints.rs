@@ -87,11 +87,11 @@ pub(crate) fn port_endpoints(
             continue;
         };
         for (ei, ep) in slice.endpoints.iter().enumerate() {
-            let ready = ep.ready.unwrap_or(true);
-            let serving = ep.serving.unwrap_or(ready);
-            let terminating = ep.terminating.unwrap_or(false);
+            let ready = ep.ready().unwrap_or(true);
+            let serving = ep.serving().unwrap_or(ready);
+            let terminating = ep.terminating().unwrap_or(false);
             let local = ep.node_name() == Some(node.name.as_str());
-            for (ai, a) in ep.addresses().iter().enumerate() {
+            for (ai, a) in ep.addresses().enumerate() {
                 match a.ip() {
                     Some(ip) if ipv6.ebpf() && !proxy_common::user::has_wire_form(ip) => {
                         unsupported(errors, &sobj, format!("endpoints[{ei}].addresses[{ai}]"), format!("{ip}: {NO_WIRE_FORM}"))

@@ -263,49 +263,84 @@ pub struct SliceObject {
     pub trigger_time: Option<SystemTime>,
 }
 
-/// One endpoint of a slice: 40 bytes with its address, against 340 and several allocations for
+/// One endpoint of a slice: 32 bytes with its address, against 340 and several allocations for
 /// the API type. A million of them are a 100,000-Service cluster's largest cache.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Endpoint {
-    addresses: Addresses,
-    /// conditions.ready, .serving, .terminating as written (None: not set).
-    pub ready: Option<bool>,
-    pub serving: Option<bool>,
-    pub terminating: Option<bool>,
-    /// Interned: the endpoints on a node with the same hints share one.
+    /// The first address, when it is an IP (the usual endpoint: one address), by `FIRST_V4`
+    /// or `FIRST_V6`; the others are in `place`.
+    first: [u8; 16],
+    first_family: u8,
+    /// conditions.ready, .serving, .terminating as written, two bits each (`condition`).
+    conditions: u8,
+    /// Interned: the endpoints on a node with the same hints (and no other address) share one.
     place: Option<Arc<Place>>,
 }
 
-/// The API allows up to 100 addresses an endpoint; the controllers write one, kept inline.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Addresses {
-    One(Address),
-    Many(Box<[Address]>),
-}
+const FIRST_NONE: u8 = 0;
+const FIRST_V4: u8 = 4;
+const FIRST_V6: u8 = 6;
 
-/// Where an endpoint is: its node and hints.forZones.
+/// Where an endpoint is (its node and hints.forZones), and the addresses it has past an IP
+/// first one (all of them when the first is not an IP).
 #[derive(Debug, PartialEq, Eq, Hash)]
 struct Place {
     node: Option<Arc<str>>,
     zones: Box<[Arc<str>]>,
+    addresses: Box<[Address]>,
+}
+
+/// An optional condition in two bits: 0 unset, 1 false, 2 true.
+fn condition(bits: u8, at: u8) -> Option<bool> {
+    match (bits >> at) & 3 {
+        0 => None,
+        v => Some(v == 2),
+    }
 }
 
 impl Endpoint {
-    pub fn new(addresses: Vec<Address>, node_name: Option<String>, zones: Vec<String>) -> Self {
-        let addresses = match <[Address; 1]>::try_from(addresses) {
-            Ok([one]) => Addresses::One(one),
-            Err(v) => Addresses::Many(v.into()),
-        };
-        let place = Place { node: node_name.map(intern), zones: zones.into_iter().map(intern).collect() };
-        let place = (place.node.is_some() || !place.zones.is_empty()).then(|| intern_place(place));
-        Endpoint { addresses, ready: None, serving: None, terminating: None, place }
+    pub fn new(addresses: Vec<Address>, node_name: Option<String>, zones: Vec<String>, conditions: [Option<bool>; 3]) -> Self {
+        let mut rest = addresses.into_iter();
+        let (mut first, mut first_family) = ([0u8; 16], FIRST_NONE);
+        let mut others: Vec<Address> = Vec::new();
+        match rest.next() {
+            Some(Address::Ip(IpAddr::V4(ip))) => {
+                first[..4].copy_from_slice(&ip.octets());
+                first_family = FIRST_V4;
+            }
+            Some(Address::Ip(IpAddr::V6(ip))) => {
+                first = ip.octets();
+                first_family = FIRST_V6;
+            }
+            Some(other) => others.push(other),
+            None => {}
+        }
+        others.extend(rest);
+        let place = Place { node: node_name.map(intern), zones: zones.into_iter().map(intern).collect(), addresses: others.into() };
+        let place = (place.node.is_some() || !place.zones.is_empty() || !place.addresses.is_empty()).then(|| intern_place(place));
+        let conditions = conditions.iter().enumerate().fold(0u8, |bits, (i, c)| bits | (c.map_or(0, |v| 1 + u8::from(v)) << (2 * i)));
+        Endpoint { first, first_family, conditions, place }
     }
 
-    pub fn addresses(&self) -> &[Address] {
-        match &self.addresses {
-            Addresses::One(a) => std::slice::from_ref(a),
-            Addresses::Many(v) => v,
-        }
+    /// Its addresses, in the slice's order.
+    pub fn addresses(&self) -> impl Iterator<Item = std::borrow::Cow<'_, Address>> + '_ {
+        let first = match self.first_family {
+            FIRST_V4 => Some(IpAddr::from([self.first[0], self.first[1], self.first[2], self.first[3]])),
+            FIRST_V6 => Some(IpAddr::from(self.first)),
+            _ => None,
+        };
+        let rest = self.place.as_ref().map_or(&[][..], |p| &p.addresses);
+        first.map(|ip| std::borrow::Cow::Owned(Address::Ip(ip))).into_iter().chain(rest.iter().map(std::borrow::Cow::Borrowed))
+    }
+
+    pub fn ready(&self) -> Option<bool> {
+        condition(self.conditions, 0)
+    }
+    pub fn serving(&self) -> Option<bool> {
+        condition(self.conditions, 2)
+    }
+    pub fn terminating(&self) -> Option<bool> {
+        condition(self.conditions, 4)
     }
 
     pub fn node_name(&self) -> Option<&str> {
@@ -375,7 +410,7 @@ fn intern_kinds(kinds: SpecKinds) -> Arc<SpecKinds> {
 }
 
 /// An endpoint's address: parsed when it is one, else the text, for the error that names it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Address {
     Ip(IpAddr),
     Invalid(Box<str>),
@@ -412,12 +447,7 @@ impl From<EndpointSlice> for SliceObject {
                 let conditions = e.conditions.unwrap_or_default();
                 let addresses = e.addresses.into_iter().map(|a| a.parse().map(Address::Ip).unwrap_or_else(|_| Address::Invalid(a.into()))).collect();
                 let zones = e.hints.and_then(|h| h.for_zones).unwrap_or_default().into_iter().map(|z| z.name).collect();
-                Endpoint {
-                    ready: conditions.ready,
-                    serving: conditions.serving,
-                    terminating: conditions.terminating,
-                    ..Endpoint::new(addresses, e.node_name, zones)
-                }
+                Endpoint::new(addresses, e.node_name, zones, [conditions.ready, conditions.serving, conditions.terminating])
             })
             .collect();
         SliceObject {
@@ -499,15 +529,22 @@ mod tests {
     }
 
     #[test]
-    fn an_endpoint_is_40_bytes_and_shares_its_place() {
-        assert_eq!(std::mem::size_of::<Endpoint>(), 40);
+    fn an_endpoint_is_32_bytes_and_shares_its_place() {
+        assert_eq!(std::mem::size_of::<Endpoint>(), 32);
         let ip = |s: &str| Address::Ip(s.parse().unwrap());
-        let a = Endpoint::new(vec![ip("10.0.0.1")], Some("node-a".into()), vec!["z1".into()]);
-        let b = Endpoint::new(vec![ip("10.0.0.2"), ip("fd00::2")], Some("node-a".into()), vec!["z1".into()]);
-        assert!(Arc::ptr_eq(a.place.as_ref().unwrap(), b.place.as_ref().unwrap()));
-        assert_eq!((a.node_name(), &*a.zones()[0], a.addresses().len(), b.addresses().len()), (Some("node-a"), "z1", 1, 2));
-        let bare = Endpoint::new(vec![], None, vec![]);
-        assert!(bare.place.is_none() && bare.addresses().is_empty() && bare.zones().is_empty());
+        let addrs = |e: &Endpoint| e.addresses().map(|a| a.to_string()).collect::<Vec<_>>();
+        let a = Endpoint::new(vec![ip("10.0.0.1")], Some("node-a".into()), vec!["z1".into()], [Some(true), None, Some(false)]);
+        let b = Endpoint::new(vec![ip("fd00::2")], Some("node-a".into()), vec!["z1".into()], [None; 3]);
+        assert!(Arc::ptr_eq(a.place.as_ref().unwrap(), b.place.as_ref().unwrap()), "one address each: the place is shared");
+        assert_eq!((a.node_name(), &*a.zones()[0], addrs(&a), addrs(&b)), (Some("node-a"), "z1", vec!["10.0.0.1".to_string()], vec!["fd00::2".to_string()]));
+        assert_eq!((a.ready(), a.serving(), a.terminating(), b.ready()), (Some(true), None, Some(false), None));
+        // More addresses, or a first that is not one, live in the place, in order.
+        let c = Endpoint::new(vec![ip("10.0.0.3"), Address::Invalid("x".into()), ip("fd00::3")], None, vec![], [None; 3]);
+        let d = Endpoint::new(vec![Address::Invalid("y".into()), ip("10.0.0.4")], None, vec![], [None; 3]);
+        assert_eq!((addrs(&c), addrs(&d)), (["10.0.0.3", "x", "fd00::3"].map(String::from).to_vec(), ["y", "10.0.0.4"].map(String::from).to_vec()));
+        assert!(d.addresses().next().unwrap().ip().is_none());
+        let bare = Endpoint::new(vec![], None, vec![], [None; 3]);
+        assert!(bare.place.is_none() && bare.addresses().next().is_none() && bare.zones().is_empty());
     }
 
     #[test]

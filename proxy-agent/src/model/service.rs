@@ -10,7 +10,7 @@ use crate::model::{
         OUTLIER_EJECTION_ANNOTATION, SCHEDULER_ANNOTATION,
     },
     endpoints::{port_endpoints, to_keys_of, topology_filtered, usable, Ep},
-    objects::{err, unsupported, Address, ObjectError, ServiceObject, ServiceSpec, SliceObject},
+    objects::{err, unsupported, ObjectError, ServiceObject, ServiceSpec, SliceObject},
     BackendKey, DesiredState, Frontend, FrontendKey, FrontendKind, Ipv6Reach, ModelConfig, NodeInfo, Protocol, Scheduler, Scope, DEFAULT_AFFINITY_TIMEOUT_S,
     NO_WIRE_FORM,
 };
@@ -398,8 +398,8 @@ fn local_ready_endpoints(slices: &[(&String, &SliceObject)], node: &NodeInfo, pu
         .iter()
         .flat_map(|(_, s)| s.endpoints.iter())
         .filter(|e| e.node_name() == Some(node.name.as_str()))
-        .filter(|e| publish_not_ready || e.ready.unwrap_or(true))
-        .flat_map(|e| e.addresses().iter().filter_map(Address::ip))
+        .filter(|e| publish_not_ready || e.ready().unwrap_or(true))
+        .flat_map(|e| e.addresses().filter_map(|a| a.ip()))
         .collect();
     local.len()
 }
