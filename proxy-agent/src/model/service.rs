@@ -121,7 +121,7 @@ pub(super) fn service_frontends(
         let port_name = port.name.as_deref().unwrap_or_default();
         let service: Arc<str> = format!("{ns}/{name}:{port_name}").into();
 
-        let eps = port_endpoints(slices, ns, &port_name, proto, node, cfg.ipv6, errors);
+        let eps = port_endpoints(slices, ns, port_name, proto, node, cfg.ipv6, errors);
         if eps.len() > MAX_BACKENDS_PER_SERVICE as usize {
             err(
                 errors,

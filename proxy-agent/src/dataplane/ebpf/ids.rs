@@ -67,7 +67,7 @@ impl BackendIds {
         }
         self.by_id[id as usize] = b;
         let (by_id, hasher) = (&self.by_id, &self.hasher);
-        self.by_key.insert_unique(hasher.hash_one(&b), id, |&i| hasher.hash_one(&by_id[i as usize]));
+        self.by_key.insert_unique(hasher.hash_one(b), id, |&i| hasher.hash_one(by_id[i as usize]));
     }
 
     /// `b`'s id, given out now if it has none; None when every id is in use.
@@ -96,7 +96,7 @@ impl BackendIds {
             return;
         }
         let b = std::mem::take(&mut self.by_id[id as usize]);
-        if let Ok(entry) = self.by_key.find_entry(self.hasher.hash_one(&b), |&i| i == id) {
+        if let Ok(entry) = self.by_key.find_entry(self.hasher.hash_one(b), |&i| i == id) {
             entry.remove();
         }
         self.free.push_back(id);
@@ -195,7 +195,7 @@ impl<T: Copy + Default + PartialEq> ById<T> {
 
     /// Sets `id`'s value (`T::default()` removes it); returns the one it had.
     pub fn set(&mut self, id: u32, v: T) -> Option<T> {
-        let old = if id < self.limit {
+        if id < self.limit {
             if self.dense.len() <= id as usize {
                 if v == T::default() {
                     return None;
@@ -207,8 +207,7 @@ impl<T: Copy + Default + PartialEq> ById<T> {
             self.sparse.remove(&id)
         } else {
             self.sparse.insert(id, v)
-        };
-        old
+        }
     }
 }
 
