@@ -120,7 +120,7 @@ impl Loaded {
         let caps = Capacities { services: 8192, backends: 8192, slots: 65536, conntrack: 65536, conntrack_new: 16384, affinity: 16384 };
         let dp = Datapath::load(pins.path(), caps).expect("load eBPF object");
         let mut maps = KernelMaps::open(pins.path()).expect("open maps");
-        let mut syncer = Syncer::new(4096, 16);
+        let mut syncer = Syncer::new(4096, caps.backends, 16);
         let d = desired(yaml, node);
         let st = syncer.sync(&mut maps, &d, cfg).expect("sync");
         assert!(st.errors.is_empty(), "{:?}", st.errors);

@@ -52,7 +52,7 @@ fn held_puts_write_what_entry_by_entry_puts_write() {
     let _dp = Datapath::load(pins.path(), caps).expect("load");
     let mut kernel = KernelMaps::open(pins.path()).unwrap();
     let mut fake = FakeMaps::default();
-    let (mut real_syncer, mut model_syncer) = (Syncer::new(caps.services, MAGLEV_ROWS), Syncer::new(caps.services, MAGLEV_ROWS));
+    let (mut real_syncer, mut model_syncer) = (Syncer::new(caps.services, caps.backends, MAGLEV_ROWS), Syncer::new(caps.services, caps.backends, MAGLEV_ROWS));
     let cfg = DatapathConfig::default();
     // 24,000 Services: 24,000 frontends, 72,000 slots: several batches of held puts (16,384 each).
     // Then a sync that drops a quarter of them and moves the backends of the rest: deletes

@@ -288,7 +288,7 @@ fn main() {
     dp.load_ipset().expect("load the IPVS-mode set matching");
     let mut maps = KernelMaps::open(pins.path()).unwrap();
     let mut set_maps = proxy_agent::dataplane::ipvs::sets::KernelSetMaps::open(pins.path()).unwrap();
-    let mut syncer = Syncer::new(caps.services, 16);
+    let mut syncer = Syncer::new(caps.services, caps.backends, 16);
     let cfg = datapath_config("192.0.2.1", Some(("10.244.0.0", 16)));
 
     let mut ct: AyaHashMap<MapData, CtKey, CtValue> =

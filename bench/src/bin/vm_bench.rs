@@ -160,7 +160,7 @@ fn control_plane(n: u32) -> Cp {
     };
     let _dp = Datapath::load(pins.path(), caps).expect("load");
     let mut maps = KernelMaps::open(pins.path()).expect("maps");
-    let mut bsync = Syncer::new(caps.services, 16);
+    let mut bsync = Syncer::new(caps.services, caps.backends, 16);
     let cfg = datapath_config("198.18.0.1", Some(("10.244.0.0", 16)));
     let mut d = desired(n, 10);
     let t = Instant::now();
