@@ -5,6 +5,7 @@
 use std::{
     collections::{BTreeSet, VecDeque},
     hash::BuildHasher,
+    time::{Duration, Instant},
 };
 
 use foldhash::{fast::RandomState, HashMap};
@@ -31,7 +32,9 @@ pub(crate) struct Ids {
 /// Backend ids, 1..limit: below the backend map's capacity, so the per-backend arrays
 /// (KPR_BE_NEW, KPR_BE_ACTIVE, as large as the backend map) have a slot for each, however many
 /// pods a node sees come and go. Fresh ids first; once every id has been used, the one freed
-/// longest ago (a flow or affinity entry that still names it is least likely then).
+/// longest ago, and never one freed less than `REUSE_AFTER` ago: the cleanup of a removed
+/// backend's flows and affinity entries (by service and backend id, on the collector's thread
+/// after the sync) must not meet its successor's.
 ///
 /// Dense: at 100,000 Services a million backends are 20 bytes each here and 4 bytes in the
 /// index, where a hash map of backend -> id took 29 bytes a bucket with half the buckets empty.
@@ -41,15 +44,31 @@ struct BackendIds {
     /// The ids in use, found by their backend.
     by_key: HashTable<u32>,
     hasher: RandomState,
-    /// Freed ids, the oldest first (may name an id given out again since: skipped then).
-    free: VecDeque<u32>,
+    /// Freed ids and when, the oldest first (may name an id given out again since: skipped).
+    free: VecDeque<(u32, Instant)>,
+    /// Ids the backend map holds that the table does not give out (after a restart, a second
+    /// id for a backend): freed when their entry is deleted, not before.
+    orphans: IdSet,
     next: u32,
     limit: u32,
+    reuse_after: Duration,
 }
+
+/// How long a freed backend id rests before it is given out again.
+const REUSE_AFTER: Duration = Duration::from_secs(60);
 
 impl BackendIds {
     fn new(limit: u32) -> Self {
-        Self { by_id: Vec::new(), by_key: HashTable::new(), hasher: RandomState::default(), free: VecDeque::new(), next: 1, limit }
+        Self {
+            by_id: Vec::new(),
+            by_key: HashTable::new(),
+            hasher: RandomState::default(),
+            free: VecDeque::new(),
+            orphans: IdSet::default(),
+            next: 1,
+            limit,
+            reuse_after: REUSE_AFTER,
+        }
     }
 
     fn in_use(&self, id: u32) -> bool {
@@ -80,7 +99,11 @@ impl BackendIds {
             self.next - 1
         } else {
             loop {
-                let id = self.free.pop_front()?;
+                let (id, freed) = *self.free.front()?;
+                if freed.elapsed() < self.reuse_after {
+                    return None;
+                }
+                self.free.pop_front();
                 if !self.in_use(id) {
                     break id;
                 }
@@ -90,28 +113,39 @@ impl BackendIds {
         Some(id)
     }
 
-    /// Frees `id` (nothing if it is not in use).
+    /// Frees `id` (nothing if it is neither in use nor an orphan).
     fn release(&mut self, id: u32) {
-        if !self.in_use(id) {
+        if self.orphans.contains(id) {
+            self.orphans.remove(id);
+        } else if self.in_use(id) {
+            let b = std::mem::take(&mut self.by_id[id as usize]);
+            if let Ok(entry) = self.by_key.find_entry(self.hasher.hash_one(b), |&i| i == id) {
+                entry.remove();
+            }
+        } else {
             return;
         }
-        let b = std::mem::take(&mut self.by_id[id as usize]);
-        if let Ok(entry) = self.by_key.find_entry(self.hasher.hash_one(b), |&i| i == id) {
-            entry.remove();
-        }
-        self.free.push_back(id);
+        self.free.push_back((id, Instant::now()));
     }
 }
 
-/// A set of backend ids, one bit each (a hash set of a million ids took 10 MB).
+/// A set of backend ids, one bit each (a hash set of a million ids took 10 MB); ids past 2^24
+/// (a slot or entry written by hand) in a hash set, so one cannot cost 512 MiB of bits.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct IdSet {
     words: Vec<u64>,
+    far: foldhash::HashSet<u32>,
     len: usize,
 }
 
+const ID_SET_BITS: u32 = 1 << 24;
+
 impl IdSet {
     pub fn insert(&mut self, id: u32) {
+        if id >= ID_SET_BITS {
+            self.len += usize::from(self.far.insert(id));
+            return;
+        }
         let (w, bit) = (id as usize / 64, 1u64 << (id % 64));
         if self.words.len() <= w {
             self.words.resize(w + 1, 0);
@@ -123,11 +157,16 @@ impl IdSet {
     }
 
     pub fn contains(&self, id: u32) -> bool {
+        if id >= ID_SET_BITS {
+            return self.far.contains(&id);
+        }
         self.words.get(id as usize / 64).is_some_and(|w| w & (1u64 << (id % 64)) != 0)
     }
 
     pub fn remove(&mut self, id: u32) {
-        if let Some(w) = self.words.get_mut(id as usize / 64) {
+        if id >= ID_SET_BITS {
+            self.len -= usize::from(self.far.remove(&id));
+        } else if let Some(w) = self.words.get_mut(id as usize / 64) {
             let bit = 1u64 << (id % 64);
             if *w & bit != 0 {
                 *w &= !bit;
@@ -137,10 +176,11 @@ impl IdSet {
     }
 
     pub fn iter(&self) -> impl Iterator<Item = u32> + '_ {
-        self.words.iter().enumerate().flat_map(|(i, w)| {
+        let near = self.words.iter().enumerate().flat_map(|(i, w)| {
             let base = i as u32 * 64;
             (0..64).filter(move |b| w & (1u64 << b) != 0).map(move |b| base + b)
-        })
+        });
+        near.chain(self.far.iter().copied())
     }
 
     pub fn len(&self) -> usize {
@@ -232,13 +272,20 @@ impl Ids {
     /// backend a new id and deletes the old entry once no slot points to it.
     pub fn seed(&mut self, services: &[(ServiceKey, ServiceValue)], backends: &[(u32, Backend)]) {
         let limit = self.backends.limit;
-        for (id, b) in backends.iter().filter(|(id, b)| (1..limit).contains(id) && *b != Backend::default()) {
-            if self.backends.get(b).is_none() {
+        for (id, b) in backends.iter().filter(|(id, _)| (1..limit).contains(id)) {
+            // Every id the map holds stays out of use by another backend until deleted.
+            self.backends.next = self.backends.next.max(id + 1);
+            if *b != Backend::default() && self.backends.get(b).is_none() {
                 self.backends.assign(*id, *b);
-                self.backends.next = self.backends.next.max(id + 1);
+            } else {
+                self.backends.orphans.insert(*id);
             }
         }
-        self.backends.free = (1..self.backends.next).filter(|id| !self.backends.in_use(*id)).collect();
+        // Free since before the restart: given out again without waiting.
+        let long_ago = Instant::now().checked_sub(REUSE_AFTER).unwrap_or_else(Instant::now);
+        let b = &self.backends;
+        let free = (1..b.next).filter(|id| !b.in_use(*id) && !b.orphans.contains(*id)).map(|id| (id, long_ago)).collect();
+        self.backends.free = free;
         let mut used = BTreeSet::new();
         for (k, v) in services {
             self.services.insert(*k, v.service_id);
@@ -327,6 +374,12 @@ impl Ids {
         self.backends.release(id);
     }
 
+    /// Freed backend ids are given out again at once (tests of churn past the limit).
+    #[cfg(test)]
+    pub fn reuse_backend_ids_at_once(&mut self) {
+        self.backends.reuse_after = Duration::ZERO;
+    }
+
     /// `service_id`'s Maglev row, given out now if it has none; None when every row is in use.
     pub fn maglev_row(&mut self, service_id: u32) -> Option<u32> {
         if let Some(row) = self.maglev_rows.get(&service_id) {
@@ -368,6 +421,9 @@ mod tests {
         let mut s: IdSet = [3, 64, 3].into_iter().collect();
         s.insert(1_000_000);
         assert_eq!((s.len(), s.iter().collect::<Vec<_>>()), (3, vec![3, 64, 1_000_000]));
+        s.insert(u32::MAX);
+        assert!(s.contains(u32::MAX) && s.words.len() < 20_000, "far ids are not bits");
+        s.remove(u32::MAX);
         assert!(s.contains(3) && s.contains(64) && s.contains(1_000_000) && !s.contains(63) && !s.contains(2_000_000));
         s.remove(64);
         s.remove(64);
@@ -379,6 +435,7 @@ mod tests {
     fn backend_ids_stay_below_the_limit_and_the_longest_free_is_given_out_first() {
         // Ids 1..4: the arrays of per-backend counters have four slots.
         let mut ids = Ids::new(8, 4, 0);
+        ids.reuse_backend_ids_at_once();
         let [a, b, c] = [1, 2, 3].map(|i| ids.backend(backend(i)).unwrap());
         assert_eq!([a, b, c], [1, 2, 3]);
         assert_eq!(ids.backend(backend(2)), Some(b), "a known backend keeps its id");
@@ -396,13 +453,27 @@ mod tests {
     }
 
     #[test]
+    fn a_freed_backend_id_rests_before_it_is_given_out_again() {
+        let mut ids = Ids::new(8, 3, 0);
+        let a = ids.backend(backend(1)).unwrap();
+        ids.backend(backend(2)).unwrap();
+        ids.release_backend(a);
+        assert_eq!(ids.backend(backend(3)), None, "freed just now: the backend map counts as full");
+    }
+
+    #[test]
     fn a_restart_takes_over_backend_ids_below_the_limit_only() {
-        let mut ids = Ids::new(8, 4, 0);
-        // An agent before ids were bounded gave 9 out; 2 is free.
-        ids.seed(&[], &[(1, backend(1)), (3, backend(3)), (9, backend(9))]);
+        let mut ids = Ids::new(8, 6, 0);
+        // An agent before ids were bounded gave 9 out, and backend 3 a second id (5) that the
+        // map still holds; 2 and 4 are free.
+        ids.seed(&[], &[(1, backend(1)), (3, backend(3)), (5, backend(3)), (9, backend(9))]);
         assert_eq!((ids.backend(backend(1)), ids.backend(backend(3))), (Some(1), Some(3)));
-        assert_eq!(ids.backend(backend(9)), Some(2), "re-ided below the limit");
-        assert_eq!(ids.backend(backend(4)), None);
+        assert_eq!(ids.backend(backend(9)), Some(2), "re-ided below the limit, at once");
+        assert_eq!(ids.backend(backend(4)), Some(4));
+        assert_eq!(ids.backend(backend(6)), None, "5 is held by the map");
+        ids.reuse_backend_ids_at_once();
+        ids.release_backend(5);
+        assert_eq!(ids.backend(backend(6)), Some(5), "its entry deleted: free");
     }
 
     #[test]

@@ -259,7 +259,6 @@ impl Syncer {
 
         let mut desired_ranges: BTreeSet<SrcRange> = BTreeSet::new();
         let mut live_services: FastSet<u32> = FastSet::default();
-        let mut refs: ById<u32> = ById::new(self.max_backends);
         // Frontends that met a full map: tried again once the rest made room.
         let mut retry: Vec<(&FrontendKey, &Frontend)> = Vec::new();
         for pass in 0..2 {
@@ -281,11 +280,8 @@ impl Syncer {
                 };
                 let programmed = ids.and_then(|ids| self.program_frontend(maps, &mut m, fk, f, ids, full, &mut st, &mut desired_ranges));
                 match programmed {
-                    Ok(Some((service_id, ids))) => {
+                    Ok(Some((service_id, _))) => {
                         live_services.insert(service_id);
-                        for id in ids {
-                            refs.set(id, refs.get(id).unwrap_or(0) + 1);
-                        }
                     }
                     Ok(None) => {}
                     Err(SyncError::Map(e)) if e.full_map().is_some() && pass == 0 => retry.push((fk, f)),
@@ -306,9 +302,10 @@ impl Syncer {
                 break;
             }
         }
-        // An id the backend map still holds (a slot of a frontend left as it was points to it)
-        // stays given out until its entry is deleted.
-        self.ids.retain_backends(|id| live_backends.contains(id) || m.backends.contains(id));
+        // An id the backend map still holds, or a slot names (a frontend left as it was after a
+        // full map), stays given out until its entry is deleted.
+        let in_slots: IdSet = m.slots.values().flat_map(Slots::ids).collect();
+        self.ids.retain_backends(|id| live_backends.contains(id) || m.backends.contains(id) || in_slots.contains(id));
 
         let old_ranges = std::mem::take(&mut m.ranges);
         for r in old_ranges.difference(&desired_ranges) {
@@ -331,6 +328,14 @@ impl Syncer {
                     maps.del_affinity(k)?;
                     st.deletes += 1;
                 }
+            }
+        }
+        // Each backend's frontends, as the maps now have them: what an incremental sync takes
+        // off when it rewrites a frontend (a frontend left as it was counts too).
+        let mut refs: ById<u32> = ById::new(self.max_backends);
+        for v in m.services.values() {
+            for id in m.slots.get(&v.service_id).map(|s| s.ids_upto(v.backend_count)).unwrap_or_default() {
+                refs.set(id, refs.get(id).unwrap_or(0) + 1);
             }
         }
         self.backend_refs = refs;
@@ -819,6 +824,28 @@ mod tests {
     }
 
     #[test]
+    fn a_backend_that_a_frontend_left_as_it_was_points_to_keeps_its_id() {
+        // Two ids (1..3). Both services use A; then s1 wants two more backends than there are
+        // ids, so it stays as it was (pointing to A), and s2 leaves: A's id must not be freed
+        // and given to another backend while s1's slot names it.
+        let mut maps = FakeMaps::default();
+        let mut s = Syncer::new(16, 3, 2);
+        s.ids.reuse_backend_ids_at_once();
+        let a = ("10.244.1.1", 80);
+        s.sync(&mut maps, &state(&[("10.96.0.1", &[a]), ("10.96.0.2", &[a])]), DatapathConfig::default()).unwrap();
+        let grown = state(&[("10.96.0.1", &[a, ("10.244.1.2", 80), ("10.244.1.3", 80)]), ("10.96.0.2", &[a])]);
+        let st = s.sync(&mut maps, &grown, DatapathConfig::default()).unwrap();
+        assert_eq!(st.full.len(), 1, "{:?}", st.errors);
+        let left = state(&[("10.96.0.1", &[a, ("10.244.1.2", 80), ("10.244.1.3", 80)])]);
+        s.sync_subset(&mut maps, &left, DatapathConfig::default(), &[key("10.96.0.2")].into()).unwrap();
+        let then = state(&[("10.96.0.1", &[a, ("10.244.1.2", 80), ("10.244.1.3", 80)]), ("10.96.0.3", &[("10.244.9.9", 80)])]);
+        s.sync_subset(&mut maps, &then, DatapathConfig::default(), &[key("10.96.0.3")].into()).unwrap();
+        let a_addr = proxy_common::user::addr_words(a.0.parse().unwrap());
+        let s1 = programmed(&maps)[&proxy_common::user::addr_words("10.96.0.1".parse().unwrap())].clone();
+        assert_eq!(s1, vec![a_addr], "s1 still reaches A, not the newcomer");
+    }
+
+    #[test]
     fn slots_written_by_hand_past_any_service_are_deleted() {
         let d = state(&[("10.96.0.1", &[("10.244.1.1", 80)])]);
         let mut maps = FakeMaps::default();
@@ -841,6 +868,7 @@ mod tests {
         // rescheduled with new addresses, as on a node that runs for months.
         let mut maps = FakeMaps::default();
         let mut s = Syncer::new(16, 8, 2);
+        s.ids.reuse_backend_ids_at_once();
         for round in 0..20u8 {
             let (a, b) = (format!("10.244.{round}.1"), format!("10.244.{round}.2"));
             let (c, keep) = (format!("10.244.{round}.3"), "10.244.200.1".to_string());
