@@ -2,6 +2,7 @@
 //! configuration. All Service semantics live here; no I/O.
 pub mod annotations;
 mod endpoints;
+mod intern;
 pub mod objects;
 mod service;
 
