@@ -58,7 +58,8 @@ pub struct RemovedBackend {
 }
 
 /// Deletes the slots of services no frontend holds (nor `keep_services`), then the backends no
-/// slot points to and no frontend wants: the deletes that cannot break a flow.
+/// slot points to and no frontend wants: the deletes that cannot break a flow. Returns the
+/// backend ids the remaining slots point to.
 fn delete_unreferenced(
     maps: &mut dyn DatapathMaps,
     ids: &mut Ids,
@@ -66,7 +67,7 @@ fn delete_unreferenced(
     keep_services: &FastSet<u32>,
     live_backends: &IdSet,
     st: &mut SyncStats,
-) -> Result<(), SyncError> {
+) -> Result<IdSet, SyncError> {
     let held: FastSet<u32> = m.services.values().map(|v| v.service_id).chain(keep_services.iter().copied()).collect();
     let dead: Vec<u32> = m.slots.keys().filter(|id| !held.contains(id)).copied().collect();
     for service_id in dead {
@@ -87,7 +88,7 @@ fn delete_unreferenced(
         ids.release_backend(id);
         st.deletes += 1;
     }
-    Ok(())
+    Ok(referenced)
 }
 
 /// The backends a frontend had (its slots up to its count).
@@ -261,6 +262,7 @@ impl Syncer {
         let mut live_services: FastSet<u32> = FastSet::default();
         // Frontends that met a full map: tried again once the rest made room.
         let mut retry: Vec<(&FrontendKey, &Frontend)> = Vec::new();
+        let mut in_slots = IdSet::default();
         for pass in 0..2 {
             let todo: Vec<(&FrontendKey, &Frontend)> =
                 if pass == 0 { desired.frontends.iter().map(|(k, f)| (k, effective(overrides, k, f))).collect() } else { std::mem::take(&mut retry) };
@@ -297,14 +299,13 @@ impl Syncer {
                 }
             }
             // What the programmed frontends no longer point to goes now, before the retries.
-            delete_unreferenced(maps, &mut self.ids, &mut m, &live_services, live_backends, &mut st)?;
+            in_slots = delete_unreferenced(maps, &mut self.ids, &mut m, &live_services, live_backends, &mut st)?;
             if retry.is_empty() {
                 break;
             }
         }
         // An id the backend map still holds, or a slot names (a frontend left as it was after a
         // full map), stays given out until its entry is deleted.
-        let in_slots: IdSet = m.slots.values().flat_map(Slots::ids).collect();
         self.ids.retain_backends(|id| live_backends.contains(id) || m.backends.contains(id) || in_slots.contains(id));
 
         let old_ranges = std::mem::take(&mut m.ranges);
