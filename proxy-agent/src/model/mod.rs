@@ -292,10 +292,8 @@ fn compute_filtered(objects: &Objects, node: &NodeInfo, cfg: &ModelConfig, only:
         }
     }
     if only.is_none() {
-        // Packed map nodes: filled in key order (by_service) or at random (frontends), they
-        // are half to two thirds full; rebuilt from sorted entries, full.
-        out.frontends = std::mem::take(&mut out.frontends).into_iter().collect();
-        out.by_service = std::mem::take(&mut out.by_service).into_iter().collect();
+        out.frontends = objects::packed(std::mem::take(&mut out.frontends));
+        out.by_service = objects::packed(std::mem::take(&mut out.by_service));
     }
     out
 }

@@ -19,7 +19,7 @@ use kube::{
 };
 use tracing::{info, warn};
 
-use crate::model::objects::{ObjectName, Objects, ServiceObject, SliceObject, Slices};
+use crate::model::objects::{packed, ObjectName, Objects, ServiceObject, SliceObject, Slices};
 
 /// kube-proxy's label selectors: services of another proxy, and headless slices, are not ours.
 pub const SERVICE_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name";
@@ -275,8 +275,7 @@ fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
                 relist.services.get_or_insert_with(BTreeMap::new).insert(name_of(&o), o.into());
             }
             watcher::Event::InitDone => {
-                // Packed (`Slices::packed`): the list filled it in key order.
-                let fresh = relist.services.take().unwrap_or_default().into_iter().collect();
+                let fresh = packed(relist.services.take().unwrap_or_default());
                 replace_all(&mut st.objects.services, fresh, &mut st.service_changes, |_| {});
                 if !st.services_synced {
                     info!(services = st.objects.services.len(), "services listed");
