@@ -4,7 +4,7 @@
 //! logs it), one change's latency from the API write to the kernel map (p50/p99 over several
 //! changes, measured by reading the map), and the agent's peak RSS. Figures, not assertions.
 //!
-//!   kpr-scale [--services 10000] [--endpoints 10] [--changes 50] [--wrap heaptrack]
+//!   kpr-scale [--services 10000] [--endpoints 10] [--changes 50] [--wrap heaptrack] [--keep]
 use std::{
     process::{Command, Stdio},
     time::{Duration, Instant},
@@ -14,7 +14,6 @@ use kpr_lab::{
     fake_api::{FakeApi, Kind},
     PinDir,
 };
-use proxy_agent::dataplane::ebpf::maps::DatapathMaps;
 use serde_json::json;
 
 fn service(i: u32) -> serde_json::Value {
@@ -44,6 +43,43 @@ fn vm_hwm_kb(pid: u32) -> u64 {
 fn percentile(v: &mut [f64], p: f64) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[((v.len() as f64 - 1.0) * p).round() as usize]
+}
+
+fn frontend_key(i: u32) -> proxy_common::ServiceKey {
+    let vip: std::net::IpAddr = service(i)["spec"]["clusterIP"].as_str().unwrap().parse().unwrap();
+    proxy_common::ServiceKey::new(vip, 80, proxy_common::PROTO_TCP, proxy_common::SCOPE_INTERNAL)
+}
+
+/// Whether the kernel's service map holds all `n` frontends. The harness shares the agent's
+/// two cores, so it looks cheaply: 256 of the keys spread over the services first, and counts
+/// the whole map (batched reads, a few system calls) only once those are all there. Walking
+/// the map key by key every poll took about a core from the sync it was timing.
+fn all_frontends_in(pins: &PinDir, n: u32) -> bool {
+    use aya::maps::{HashMap, IterableMap, Map, MapData};
+    let Ok(data) = MapData::from_pin(pins.path().join(proxy_common::map_names::SERVICES)) else {
+        return false;
+    };
+    let Ok(services): Result<HashMap<MapData, proxy_common::ServiceKey, proxy_common::ServiceValue>, _> = Map::from_map_data(data).unwrap().try_into() else {
+        return false;
+    };
+    let step = (n / 256).max(1);
+    if !(0..n).step_by(step as usize).chain([n - 1]).all(|i| services.get(&frontend_key(i), 0).is_ok()) {
+        return false;
+    }
+    let fd = services.map().fd();
+    let (mut count, mut cursor) = (0, None);
+    loop {
+        let Ok((batch, next)) =
+            proxy_agent::dataplane::ebpf::bpf_batch::lookup_batch::<proxy_common::ServiceKey, proxy_common::ServiceValue>(fd, cursor, 16_384)
+        else {
+            return false;
+        };
+        count += batch.len();
+        match next {
+            Some(c) => cursor = Some(c),
+            None => return count >= n as usize,
+        }
+    }
 }
 
 /// The agent, killed when the run ends, also when an assertion fails on the way (it would
@@ -117,13 +153,11 @@ fn main() {
     // Initial sync: until the maps hold every frontend (one a ClusterIP port: both scopes).
     let want = n as usize;
     loop {
-        if let Ok(m) = proxy_agent::dataplane::ebpf::kernel_maps::KernelMaps::open(pins.path()) {
-            if m.services().map(|s| s.len()).unwrap_or(0) >= want {
-                break;
-            }
+        if all_frontends_in(&pins, n) {
+            break;
         }
         assert!(start.elapsed() < Duration::from_secs(300), "initial sync did not finish; see {}", log.display());
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(5));
     }
     let initial = start.elapsed();
     // The agent logs its sync's duration after the last write, which this loop may see first.
@@ -152,8 +186,7 @@ fn main() {
     let mut lat = Vec::new();
     for c in 0..changes {
         let i = (c * 97) % n;
-        let vip: std::net::IpAddr = service(i)["spec"]["clusterIP"].as_str().unwrap().parse().unwrap();
-        let key = proxy_common::ServiceKey::new(vip, 80, proxy_common::PROTO_TCP, proxy_common::SCOPE_INTERNAL);
+        let key = frontend_key(i);
         let maps = {
             use aya::maps::{HashMap, Map, MapData};
             let svc: HashMap<MapData, proxy_common::ServiceKey, proxy_common::ServiceValue> =
@@ -208,5 +241,10 @@ fn main() {
             inc.len()
         );
     }
-    let _ = std::fs::remove_dir_all(&dir);
+    // `--keep` leaves the agent's log for a look at where its time went.
+    if args.iter().any(|a| a == "--keep") {
+        println!("agent log: {}", log.display());
+    } else {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
