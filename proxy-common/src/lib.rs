@@ -44,7 +44,8 @@ macro_rules! map_name {
     // V6: handover_pass.
     (COUNTERS) => { "KPR_CNT_V6" };
     (SOCK_REV) => { "KPR_SOCK_REV_V1" };
-    (BACKEND_NEW) => { "KPR_BE_NEW_V1" };
+    // V2: one counter per backend for all CPUs (an array, not a per-CPU array).
+    (BACKEND_NEW) => { "KPR_BE_NEW_V2" };
     (BACKEND_ACTIVE) => { "KPR_BE_ACTIVE_V1" };
     (BACKEND_FAIL) => { "KPR_BE_FAIL_V1" };
     (FLOW_CACHE_GEN) => { "KPR_FC_GEN_V1" };
@@ -95,7 +96,7 @@ pub mod map_names {
     pub const SETS: [&str; 5] = [SET_IP_PORT, SET_IP_PORT_IP, SET_IP_PORT_NET, SET_PORT, SET_IP];
     /// Pins of earlier layouts: removed at load, so an upgrade does not keep them (and their
     /// memory) alive next to their successors.
-    pub const RETIRED: [&str; 18] = [
+    pub const RETIRED: [&str; 19] = [
         "KPR_SVC_V1",
         "KPR_SLOT_V1",
         "KPR_BE_V1",
@@ -114,6 +115,7 @@ pub mod map_names {
         "KPR_SET_PORT_V1",
         "KPR_SET_IP_V1",
         "KPR_RR_V1",
+        "KPR_BE_NEW_V1",
     ];
     /// Every map the fast path pins.
     pub const ALL: [&str; 18] = [

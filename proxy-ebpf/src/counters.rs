@@ -1,4 +1,6 @@
 //! Per-CPU counters instead of logging on the hot path.
+use core::intrinsics::{atomic_xadd, AtomicOrdering};
+
 use crate::maps::{BACKEND_ACTIVE, BACKEND_FAIL, BACKEND_NEW, COUNTERS};
 
 #[inline(always)]
@@ -9,25 +11,24 @@ pub fn bump(index: u32) {
     }
 }
 
-/// One more new connection for this backend.
+/// One more new connection for this backend: an atomic add on the slot every CPU shares.
 #[inline(always)]
 pub fn backend_new(backend_id: u32) {
     if let Some(p) = BACKEND_NEW.get_ptr_mut(backend_id) {
-        unsafe { *p += 1 };
+        unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(p, 1) };
     }
 }
 
-/// One more open flow on this backend. Shared by every CPU and not atomic (Rust offers no
-/// atomic add on the BPF target): two CPUs adding at once may lose one, which the collector's
-/// next count corrects.
+/// One more open flow on this backend: an atomic add on the slot every CPU shares.
 #[inline(always)]
 pub fn backend_active(backend_id: u32) {
     if let Some(p) = BACKEND_ACTIVE.get_ptr_mut(backend_id) {
-        unsafe { *p = (*p).wrapping_add(1) };
+        unsafe { atomic_xadd::<u32, u32, { AtomicOrdering::Relaxed }>(p, 1) };
     }
 }
 
-/// One open flow fewer (its client closed it), never below zero.
+/// One open flow fewer (its client closed it), never below zero. Not atomic (a compare and
+/// exchange loop would be): one lost to a race is corrected by the collector's next count.
 #[inline(always)]
 pub fn backend_closed(backend_id: u32) {
     if let Some(p) = BACKEND_ACTIVE.get_ptr_mut(backend_id) {

@@ -12,6 +12,8 @@
 //!
 //! `kpr_tc_pass` / `kpr_xdp_pass` only return "pass": the floor the benchmark compares against.
 #![no_std]
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
 #![no_main]
 
 mod conntrack;

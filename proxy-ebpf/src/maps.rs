@@ -124,8 +124,9 @@ map! {
 }
 
 map! {
-    /// per CPU: backend id -> new connections sent to it (ids are below MAX_BACKENDS).
-    BACKEND_NEW: PerCpuArray<u64> = PerCpuArray::pinned(MAX_BACKENDS, 0)
+    /// backend id -> new connections sent to it, added to atomically (V2: per CPU before, which
+    /// cost 8 bytes a backend and CPU, and a start-up allocation per backend).
+    BACKEND_NEW: Array<u64> = Array::pinned(MAX_BACKENDS, 0)
 }
 
 map! {

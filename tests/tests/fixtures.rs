@@ -881,6 +881,9 @@ fn least_connection_and_p2c_follow_the_active_flow_counts() {
         .unwrap()
     };
     assert_eq!(active("10.244.3.2") + active("10.244.3.3"), 5 + 5 + 10);
+    // And to its new-connection count (KPR_BE_NEW_V2, one counter for all CPUs).
+    let new = |ip: &str| l.maps.backend_new_connections(id(ip)).unwrap();
+    assert_eq!((new("10.244.3.1"), new("10.244.3.2") + new("10.244.3.3")), (0, 15));
     // A count from the collector replaces the sum.
     set(&mut loads, &mut written, &[("10.244.3.1", 100), ("10.244.3.2", 3), ("10.244.3.3", 3)]);
     assert_eq!(active("10.244.3.2"), 3);

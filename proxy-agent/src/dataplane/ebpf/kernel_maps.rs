@@ -43,7 +43,7 @@ pub struct KernelMaps {
     ifaces: HashMap<MapData, u32, proxy_common::IfaceInfo>,
     affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     counters: PerCpuArray<MapData, u64>,
-    backend_new: PerCpuArray<MapData, u64>,
+    backend_new: Array<MapData, u64>,
     /// Puts held back between `begin_bulk` and `end_bulk`.
     bulk: Option<Bulk>,
 }
@@ -388,7 +388,7 @@ impl DatapathMaps for KernelMaps {
         del(map_names::AFFINITY, self.affinity.remove(&k))
     }
     fn backend_new_connections(&self, id: u32) -> Result<u64, MapError> {
-        self.backend_new.get(&id, 0).map(|v| v.iter().sum()).map_err(|e| op(map_names::BACKEND_NEW, "lookup", e))
+        self.backend_new.get(&id, 0).map_err(|e| op(map_names::BACKEND_NEW, "lookup", e))
     }
     fn ipv6_flows(&self) -> Result<Vec<(CtKey6, CtValue6)>, MapError> {
         collect(map_names::CONNTRACK6, self.conntrack6.iter())
