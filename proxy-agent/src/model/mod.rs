@@ -5,6 +5,7 @@ mod endpoints;
 mod intern;
 pub mod objects;
 mod service;
+pub mod slice_wire;
 
 use std::{
     collections::{BTreeMap, BTreeSet},

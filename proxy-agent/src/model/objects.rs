@@ -22,6 +22,7 @@ use smallvec::SmallVec;
 
 use crate::model::{
     intern::{intern, intern_in, Interner},
+    slice_wire::SliceWire,
     SERVICE_NAME_LABEL, SERVICE_PROXY_NAME_LABEL,
 };
 
@@ -398,8 +399,8 @@ impl fmt::Display for Address {
     }
 }
 
-impl From<EndpointSlice> for SliceObject {
-    fn from(slice: EndpointSlice) -> Self {
+impl From<SliceWire> for SliceObject {
+    fn from(slice: SliceWire) -> Self {
         let meta = slice.metadata;
         let label = |k: &str| meta.labels.as_ref().and_then(|l| l.get(k)).cloned();
         let trigger_time = meta.annotations.as_ref().and_then(|a| a.get(TRIGGER_TIME_ANNOTATION)).and_then(|t| humantime::parse_rfc3339_weak(t.trim()).ok());
@@ -409,8 +410,7 @@ impl From<EndpointSlice> for SliceObject {
             .map(|e| {
                 let conditions = e.conditions.unwrap_or_default();
                 let addresses = e.addresses.into_iter().map(|a| a.parse().map(Address::Ip).unwrap_or_else(|_| Address::Invalid(a.into()))).collect();
-                let zones = e.hints.and_then(|h| h.for_zones).unwrap_or_default().into_iter().map(|z| z.name).collect();
-                Endpoint::new(addresses, e.node_name, zones, [conditions.ready, conditions.serving, conditions.terminating])
+                Endpoint::new(addresses, e.node_name, e.zone_hints, [conditions.ready, conditions.serving, conditions.terminating])
             })
             .collect();
         SliceObject {
@@ -426,6 +426,13 @@ impl From<EndpointSlice> for SliceObject {
             endpoints,
             trigger_time,
         }
+    }
+}
+
+/// Manifests and tests hold k8s-openapi's type; the model reads the watch's.
+impl From<EndpointSlice> for SliceObject {
+    fn from(slice: EndpointSlice) -> Self {
+        SliceWire::from(slice).into()
     }
 }
 

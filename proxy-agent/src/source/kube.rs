@@ -9,17 +9,17 @@ use std::{
 };
 
 use futures::StreamExt;
-use k8s_openapi::api::{
-    core::v1::{Node, Service},
-    discovery::v1::EndpointSlice,
-};
+use k8s_openapi::api::core::v1::{Node, Service};
 use kube::{
     runtime::{watcher, WatchStreamExt},
     Api, Client, Resource, ResourceExt,
 };
 use tracing::{info, warn};
 
-use crate::model::objects::{packed, ObjectName, Objects, ServiceObject, SliceObject, Slices};
+use crate::model::{
+    objects::{packed, ObjectName, Objects, ServiceObject, SliceObject, Slices},
+    slice_wire::SliceWire,
+};
 
 /// kube-proxy's label selectors: services of another proxy, and headless slices, are not ours.
 pub const SERVICE_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name";
@@ -211,7 +211,7 @@ fn name_of<K: Resource>(o: &K) -> ObjectName {
 
 enum Kind {
     Service(watcher::Event<Service>),
-    Slice(watcher::Event<EndpointSlice>),
+    Slice(watcher::Event<SliceWire>),
     Node(watcher::Event<Node>),
 }
 
@@ -331,7 +331,7 @@ pub async fn run(client: Client, node_name: String, shared: Arc<Shared>) {
     let services =
         watcher(Api::<Service>::all(client.clone()), watcher::Config::default().labels(SERVICE_SELECTOR)).default_backoff().map(|r| r.map(Kind::Service));
     let slices =
-        watcher(Api::<EndpointSlice>::all(client.clone()), watcher::Config::default().labels(SLICE_SELECTOR)).default_backoff().map(|r| r.map(Kind::Slice));
+        watcher(Api::<SliceWire>::all(client.clone()), watcher::Config::default().labels(SLICE_SELECTOR)).default_backoff().map(|r| r.map(Kind::Slice));
     let node_cfg = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
     let nodes = watcher(Api::<Node>::all(client), node_cfg).default_backoff().map(|r| r.map(Kind::Node));
     let tasks = [tokio::spawn(follow(services, shared.clone())), tokio::spawn(follow(slices, shared.clone())), tokio::spawn(follow(nodes, shared))];
@@ -391,7 +391,7 @@ mod tests {
     #[test]
     fn trigger_time_is_read_from_the_annotation() {
         let at = |t: &str| {
-            let mut slice = EndpointSlice::default();
+            let mut slice = k8s_openapi::api::discovery::v1::EndpointSlice::default();
             slice.metadata.annotations = Some([(crate::model::objects::TRIGGER_TIME_ANNOTATION.to_string(), t.to_string())].into());
             SliceObject::from(slice).trigger_time.map(|t| t.duration_since(SystemTime::UNIX_EPOCH).unwrap().as_millis())
         };
