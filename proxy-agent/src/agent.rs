@@ -272,6 +272,7 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
                 }
                 _ => (model::compute(input.objects, &info, &cfg.model), None),
             };
+            tracing::debug!(full, ms = start.elapsed().as_secs_f64() * 1e3, "desired state computed");
             Ok((desired, touched, node, node_version, input.errors, input.trigger_times))
         });
         let (desired, touched, node, node_version, source_errors, triggers) = match taken {
