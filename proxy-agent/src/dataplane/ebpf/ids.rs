@@ -75,23 +75,45 @@ impl BackendIds {
         self.by_id.get(id as usize).is_some_and(|b| *b != Backend::default())
     }
 
-    fn get(&self, b: &Backend) -> Option<u32> {
+    fn hash(&self, b: &Backend) -> u64 {
+        self.hasher.hash_one(b)
+    }
+
+    fn find(&self, hash: u64, b: &Backend) -> Option<u32> {
         let by_id = &self.by_id;
-        self.by_key.find(self.hasher.hash_one(b), |&id| by_id[id as usize] == *b).copied()
+        self.by_key.find(hash, |&id| by_id[id as usize] == *b).copied()
+    }
+
+    fn get(&self, b: &Backend) -> Option<u32> {
+        self.find(self.hash(b), b)
     }
 
     fn assign(&mut self, id: u32, b: Backend) {
+        self.assign_hashed(id, b, self.hash(&b));
+    }
+
+    fn assign_hashed(&mut self, id: u32, b: Backend, hash: u64) {
         if self.by_id.len() <= id as usize {
             grow(&mut self.by_id, id, self.limit);
         }
         self.by_id[id as usize] = b;
         let (by_id, hasher) = (&self.by_id, &self.hasher);
-        self.by_key.insert_unique(hasher.hash_one(b), id, |&i| hasher.hash_one(by_id[i as usize]));
+        self.by_key.insert_unique(hash, id, |&i| hasher.hash_one(by_id[i as usize]));
+    }
+
+    /// Room for `more` backends than the table holds now, without growing it step by step:
+    /// each growth rehashes every entry, reading its backend at a random place of `by_id`.
+    fn reserve(&mut self, more: usize) {
+        let (by_id, hasher) = (&self.by_id, &self.hasher);
+        self.by_key.reserve(more, |&i| hasher.hash_one(by_id[i as usize]));
+        let ids = (self.by_key.len() + more + 1).min(self.limit as usize);
+        self.by_id.reserve_exact(ids.saturating_sub(self.by_id.len()));
     }
 
     /// `b`'s id, given out now if it has none; None when every id is in use.
     fn give(&mut self, b: Backend) -> Option<u32> {
-        if let Some(id) = self.get(&b) {
+        let hash = self.hash(&b);
+        if let Some(id) = self.find(hash, &b) {
             return Some(id);
         }
         let id = if self.next < self.limit {
@@ -109,7 +131,7 @@ impl BackendIds {
                 }
             }
         };
-        self.assign(id, b);
+        self.assign_hashed(id, b, hash);
         Some(id)
     }
 
@@ -357,6 +379,15 @@ impl Ids {
     /// backend map is full).
     pub fn backend(&mut self, b: Backend) -> Option<u32> {
         self.backends.give(b)
+    }
+
+    /// Room for up to `wanted` backends in all (a sync's count, duplicates included), made at
+    /// once when they are more than the ids held: the initial sync's million.
+    pub fn reserve_backends(&mut self, wanted: usize) {
+        let more = wanted.saturating_sub(self.backends.by_key.len());
+        if more > 0 {
+            self.backends.reserve(more);
+        }
     }
 
     /// Frees the backend ids `keep` does not want. An id the backend map still holds must be

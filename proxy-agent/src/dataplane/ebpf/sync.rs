@@ -196,6 +196,7 @@ impl Syncer {
         // ids looked up once (0: none was free, the backend map is full).
         let slots_wanted: usize = desired.frontends.iter().map(|(k, f)| effective(&overrides, k, f).backends.len()).sum();
         let mut ids_in_order: Vec<u32> = Vec::with_capacity(slots_wanted);
+        self.ids.reserve_backends(slots_wanted);
         let mut live_backends = IdSet::default();
         for (k, f) in &desired.frontends {
             for b in effective(&overrides, k, f).backends.iter() {
@@ -205,6 +206,7 @@ impl Syncer {
             }
         }
         st.backends = live_backends.len();
+        tracing::debug!(backends = st.backends, "backend ids assigned");
 
         // Everything fits even before the deletes make room: the puts may be held back and
         // written map by map (a few system calls instead of one per entry: the initial sync of
@@ -219,6 +221,7 @@ impl Syncer {
             maps.begin_bulk();
         }
         let programmed = self.program_all(maps, desired, m, st, &wanted, &live_backends, &ids_in_order, &overrides, full);
+        tracing::debug!("writes handed on");
         let written = if bulk { maps.end_bulk() } else { Ok(()) };
         if written.is_err() {
             // The mirror counts puts that may not be in: the next sync lists the maps again.
