@@ -88,31 +88,11 @@ fn lean_meta<'de, D: Deserializer<'de>>(d: D) -> Result<ObjectMeta, D::Error> {
     .unwrap_or_default())
 }
 
+/// Through its JSON, so the fields kept and how they read are this file's decoder alone (a
+/// manifest's slice is small; the watch decodes the API's JSON directly).
 impl From<EndpointSlice> for SliceWire {
     fn from(s: EndpointSlice) -> Self {
-        let m = s.metadata;
-        SliceWire {
-            metadata: ObjectMeta {
-                name: m.name,
-                namespace: m.namespace,
-                resource_version: m.resource_version,
-                labels: m.labels,
-                annotations: m.annotations,
-                ..Default::default()
-            },
-            address_type: s.address_type,
-            endpoints: s
-                .endpoints
-                .into_iter()
-                .map(|e| EndpointWire {
-                    addresses: e.addresses,
-                    conditions: e.conditions.map(|c| ConditionsWire { ready: c.ready, serving: c.serving, terminating: c.terminating }),
-                    node_name: e.node_name,
-                    zone_hints: e.hints.and_then(|h| h.for_zones).unwrap_or_default().into_iter().map(|z| z.name).collect(),
-                })
-                .collect(),
-            ports: s.ports,
-        }
+        serde_json::to_value(s).and_then(serde_json::from_value).expect("every field this type reads is optional and typed as in k8s-openapi's")
     }
 }
 
@@ -169,10 +149,17 @@ mod tests {
     }"#;
 
     #[test]
-    fn decodes_what_k8s_openapi_decodes_of_the_fields_the_model_reads() {
+    fn decodes_the_fields_the_model_reads_and_skips_the_rest() {
         let wire: SliceWire = serde_json::from_str(SLICE).unwrap();
         let reference: EndpointSlice = serde_json::from_str(SLICE).unwrap();
         assert_eq!(wire, SliceWire::from(reference));
+        assert_eq!((wire.metadata.name.as_deref(), wire.metadata.namespace.as_deref(), wire.address_type.as_str()), (Some("web-abc"), Some("shop"), "IPv4"));
+        assert_eq!(wire.metadata.labels.as_ref().unwrap()["kubernetes.io/service-name"], "web");
+        assert!(wire.metadata.annotations.as_ref().unwrap().contains_key("endpoints.kubernetes.io/last-change-trigger-time"));
+        assert_eq!(wire.endpoints.iter().map(|e| e.addresses.len()).collect::<Vec<_>>(), [1, 2, 1]);
+        assert_eq!(wire.endpoints[0].node_name.as_deref(), Some("n1"));
+        let ports = wire.ports.as_ref().unwrap();
+        assert_eq!((ports[0].name.as_deref(), ports[0].port, ports[1].protocol.as_deref()), (Some("http"), Some(8080), Some("UDP")));
         assert_eq!(wire.endpoints[0].zone_hints, ["a", "b"]);
         assert_eq!(wire.endpoints[1].conditions, Some(ConditionsWire { ready: Some(false), serving: None, terminating: Some(true) }));
         assert!(wire.endpoints[2].zone_hints.is_empty(), "node hints are not zone hints");
