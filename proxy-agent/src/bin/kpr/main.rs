@@ -26,8 +26,7 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 /// 100,000: 246–253 MB with the default on two CPUs, 228–232 MB with one, as fast).
 #[cfg(feature = "jemalloc")]
 #[unsafe(export_name = "_rjem_malloc_conf")]
-static MALLOC_CONF: Option<&'static std::ffi::c_char> =
-    Some(unsafe { &*c"background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0,narenas:1".as_ptr() });
+static MALLOC_CONF: Option<&'static std::ffi::c_char> = Some(unsafe { &*c"background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0,narenas:1".as_ptr() });
 
 #[derive(Parser)]
 #[command(name = "kpr", version, about = "kube-proxy replacement: eBPF service load balancing (and IPVS)")]
