@@ -96,7 +96,7 @@ impl Drop for KillOnDrop {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let opt = |n: &str, d: u32| args.iter().position(|a| a == n).and_then(|i| args.get(i + 1)).map(|s| s.parse().unwrap()).unwrap_or(d);
-    let (n, e, changes) = (opt("--services", 10_000), opt("--endpoints", 10), opt("--changes", 50));
+    let (n, e, changes) = (opt("--services", 10_000).max(1), opt("--endpoints", 10), opt("--changes", 50));
     // Two threads for the stand-in API server: it serves the Service and EndpointSlice lists
     // side by side, as an API server does, instead of being the initial sync's bottleneck.
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();

@@ -286,10 +286,14 @@ fn compute_on(objects: &Objects, node: &NodeInfo, cfg: &ModelConfig, threads: us
         }
         out
     };
+    // A part whose thread cannot start (a pids limit) is computed here, in its turn.
     let parts: Vec<DesiredState> = std::thread::scope(|s| {
         let compute = &compute;
-        let parts: Vec<_> = services.chunks(services.len().div_ceil(threads.max(1)).max(1)).map(|part| s.spawn(move || compute(part))).collect();
-        parts.into_iter().map(|p| p.join().expect("the model's compute does not panic")).collect()
+        let parts: Vec<_> = services
+            .chunks(services.len().div_ceil(threads.max(1)).max(1))
+            .map(|part| (part, std::thread::Builder::new().name("kpr-model".into()).spawn_scoped(s, move || compute(part)).ok()))
+            .collect();
+        parts.into_iter().map(|(part, t)| t.map_or_else(|| compute(part), |t| t.join().expect("the model's compute does not panic"))).collect()
     });
     for part in parts {
         out.append(part);

@@ -17,7 +17,7 @@ use serde::{Deserialize, Deserializer};
 pub struct SliceWire {
     #[serde(default, deserialize_with = "lean_meta")]
     pub metadata: ObjectMeta,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub address_type: String,
     #[serde(default, deserialize_with = "null_as_empty")]
     pub endpoints: Vec<EndpointWire>,
@@ -48,12 +48,19 @@ pub struct ConditionsWire {
 
 /// An absent list and `null` (Go's nil slice) both read as empty.
 fn null_as_empty<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Vec<T>, D::Error> {
-    Ok(Option::<Vec<T>>::deserialize(d)?.unwrap_or_default())
+    null_as_default(d)
+}
+
+/// `null` reads as the default, as k8s-openapi reads it: one odd field never fails a page of
+/// the list (the watch would retry it for ever).
+fn null_as_default<'de, D: Deserializer<'de>, T: Deserialize<'de> + Default>(d: D) -> Result<T, D::Error> {
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
 }
 
 fn zone_hints<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
     #[derive(Deserialize)]
     struct Zone {
+        #[serde(default, deserialize_with = "null_as_default")]
         name: String,
     }
     #[derive(Deserialize)]
@@ -176,6 +183,12 @@ mod tests {
         let wire: SliceWire =
             serde_json::from_str(r#"{"metadata": {"name": "s"}, "addressType": "IPv4", "endpoints": [{"addresses": null, "hints": null}]}"#).unwrap();
         assert_eq!(wire.endpoints, [EndpointWire::default()]);
+        // As k8s-openapi reads them: a null address type, a zone hint without a name.
+        let odd =
+            r#"{"metadata": {"name": "s"}, "addressType": null, "endpoints": [{"addresses": ["10.0.0.1"], "hints": {"forZones": [{"name": null}, {}]}}]}"#;
+        let wire: SliceWire = serde_json::from_str(odd).unwrap();
+        assert_eq!((wire.address_type.as_str(), &wire.endpoints[0].zone_hints[..]), ("", &[String::new(), String::new()][..]));
+        assert_eq!(wire, SliceWire::from(serde_json::from_str::<EndpointSlice>(odd).unwrap()));
     }
 
     #[test]

@@ -381,9 +381,10 @@ impl Ids {
         self.backends.give(b)
     }
 
-    /// Room for up to `wanted` backends in all (a sync's count, duplicates included), made at
-    /// once when they are more than the ids held: the initial sync's million.
+    /// Room for `wanted` backends in all (about a sync's distinct ones), made at once when they
+    /// are more than the ids held: the initial sync's million. Never past the id limit.
     pub fn reserve_backends(&mut self, wanted: usize) {
+        let wanted = wanted.min(self.backends.limit as usize);
         let more = wanted.saturating_sub(self.backends.by_key.len());
         if more > 0 {
             self.backends.reserve(more);
@@ -437,6 +438,19 @@ mod tests {
 
     fn backend(last: u8) -> Backend {
         Backend { addr: [u32::from_be_bytes([10, 244, 0, last]), 0, 0, 0], port: 8080u16.to_be(), proto: 6, flags: 0 }
+    }
+
+    #[test]
+    fn room_is_made_for_the_backends_wanted_up_to_the_limit() {
+        let mut ids = Ids::new(16, 64, 0);
+        ids.reserve_backends(1_000_000);
+        assert!(ids.backends.by_key.capacity() < 1_000, "never past the id limit: {}", ids.backends.by_key.capacity());
+        let room = ids.backends.by_key.capacity();
+        assert!(room >= 63);
+        let given: Vec<u32> = (1..=40).map(|i| ids.backend(backend(i)).unwrap()).collect();
+        assert_eq!(given, (1..=40).collect::<Vec<u32>>());
+        assert_eq!(ids.backends.by_key.capacity(), room, "no growth while filling what was reserved");
+        assert_eq!(ids.backend(backend(7)), Some(7), "found, not given again");
     }
 
     #[test]

@@ -196,7 +196,17 @@ impl Syncer {
         // ids looked up once (0: none was free, the backend map is full).
         let slots_wanted: usize = desired.frontends.iter().map(|(k, f)| effective(&overrides, k, f).backends.len()).sum();
         let mut ids_in_order: Vec<u32> = Vec::with_capacity(slots_wanted);
-        self.ids.reserve_backends(slots_wanted);
+        // The frontends of a port share one backend list: counted once, the lists come close
+        // to the distinct backends (a table reserved for every slot would keep that room).
+        let mut lists = FastSet::default();
+        let distinct: usize = desired
+            .frontends
+            .iter()
+            .map(|(k, f)| &effective(&overrides, k, f).backends)
+            .filter(|b| lists.insert(std::sync::Arc::as_ptr(b) as *const u8 as usize))
+            .map(|b| b.len())
+            .sum();
+        self.ids.reserve_backends(distinct);
         let mut live_backends = IdSet::default();
         for (k, f) in &desired.frontends {
             for b in effective(&overrides, k, f).backends.iter() {
