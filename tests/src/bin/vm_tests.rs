@@ -859,7 +859,10 @@ fn mode_switch(lab: &mut Lab) -> Result<()> {
     wait_until("IPVS mode programmed", 60, || programmed(lab).map(|_| ()))?;
     std::thread::sleep(Duration::from_secs(2));
     let state = sorted_lines(&programmed(lab)?);
-    let under_ipvs = [held(lab, "pod", "10.96.0.10:80", "30")?, held(lab, "cl", &nodeport, "30")?];
+    // Held long enough to keep IPVS mode's state (it goes once they end) through the checks
+    // below that read its counters: on a loaded emulated guest the switch and those checks
+    // have taken over 30 s.
+    let under_ipvs = [held(lab, "pod", "10.96.0.10:80", "60")?, held(lab, "cl", &nodeport, "60")?];
 
     // IPVS -> eBPF.
     let log_len = lab.agent_log().len();
