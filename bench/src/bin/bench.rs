@@ -178,9 +178,15 @@ fn clear_conntrack(maps: &mut KernelMaps) {
 /// Fails the run when a figure did not measure what its column says.
 fn check(what: &str, got: u64, want: u64) {
     if got != want {
-        eprintln!("kpr-bench: {what}: counted {got} packets, expected {want}; the figure would be wrong");
-        std::process::exit(1);
+        fail(&format!("{what}: counted {got} packets, expected {want}; the figure would be wrong"));
     }
+}
+
+/// Ends the run with an error (exit status 101). It unwinds rather than exits, so the pin
+/// directory's drop removes what the run pinned under /sys/fs/bpf.
+fn fail(why: &str) -> ! {
+    eprintln!("kpr-bench: {why}");
+    std::panic::resume_unwind(Box::new(why.to_string()))
 }
 
 /// A flow through `first` (the ingress program the client's packets meet), with its handshake
@@ -233,13 +239,7 @@ fn collector_round(pins: &PinDir, ct: &mut AyaHashMap<MapData, CtKey, CtValue>, 
                 let st = gc.round(&mut tables, stamped + after).expect("collector round");
                 let ms = t.elapsed().as_secs_f64() * 1e3;
                 if st.read != 2 * FLOWS as usize || st.entries != 0 {
-                    eprintln!(
-                        "kpr-bench: collector: read {} entries and deleted {}, expected {} and 0; the figure would be wrong",
-                        st.read,
-                        st.entries,
-                        2 * FLOWS
-                    );
-                    std::process::exit(1);
+                    fail(&format!("collector: read {} entries and deleted {}, expected {} and 0; the figure would be wrong", st.read, st.entries, 2 * FLOWS));
                 }
                 ms
             })
@@ -400,8 +400,7 @@ fn main() {
                         .map(|_| {
                             let (ns, out) = run(&mut dp, p, frame, repeat);
                             if lb && out != frame {
-                                eprintln!("kpr-bench: {}: an even number of ping-pong rewrites did not restore the packet", p.name());
-                                std::process::exit(1);
+                                fail(&format!("{}: an even number of ping-pong rewrites did not restore the packet", p.name()));
                             }
                             ns
                         })
@@ -420,8 +419,7 @@ fn main() {
                         let want = if counter.is_some() { total } else { 0 };
                         check(&format!("{} {}", p.name(), counter::NAMES[counter::FLOW_CACHE_MISS as usize]), misses, want);
                     } else if counter.is_some() && misses > 2 * runs as u64 * (1 + refreshes) {
-                        eprintln!("kpr-bench: {}: {misses} flow cache misses in {total} hits: the figure would time conntrack, not the cache", p.name());
-                        std::process::exit(1);
+                        fail(&format!("{}: {misses} flow cache misses in {total} hits: the figure would time conntrack, not the cache", p.name()));
                     }
                     for c in [counter::ESTABLISHED, counter::REVERSE_NAT, counter::NEW_FLOW] {
                         let want = if Some(c) == counter { total } else { 0 };
