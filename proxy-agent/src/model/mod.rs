@@ -281,19 +281,22 @@ fn compute_on(objects: &Objects, node: &NodeInfo, cfg: &ModelConfig, threads: us
     let services: Vec<(&(String, String), &ServiceObject)> = objects.services.iter().collect();
     let compute = |part: &[(&(String, String), &ServiceObject)]| {
         let mut out = DesiredState::default();
-        for (name, svc) in part {
-            add_service(objects, name, svc, node, cfg, &mut out);
-        }
+        add_services(objects, part.iter().copied(), node, cfg, &mut out);
         out
     };
-    // A part whose thread cannot start (a pids limit) is computed here, in its turn.
+    // The last part is computed here, not on a thread of its own (with one part, no thread
+    // starts); a part whose thread cannot start (a pids limit) is computed here too, in its turn.
+    let chunks: Vec<_> = services.chunks(services.len().div_ceil(threads.max(1)).max(1)).collect();
     let parts: Vec<DesiredState> = std::thread::scope(|s| {
         let compute = &compute;
-        let parts: Vec<_> = services
-            .chunks(services.len().div_ceil(threads.max(1)).max(1))
-            .map(|part| (part, std::thread::Builder::new().name("kpr-model".into()).spawn_scoped(s, move || compute(part)).ok()))
-            .collect();
-        parts.into_iter().map(|(part, t)| t.map_or_else(|| compute(part), |t| t.join().expect("the model's compute does not panic"))).collect()
+        let (last, rest) = chunks.split_last().map_or((&[][..], &[][..]), |(l, r)| (*l, r));
+        let started: Vec<_> =
+            rest.iter().map(|part| (*part, std::thread::Builder::new().name("kpr-model".into()).spawn_scoped(s, move || compute(part)).ok())).collect();
+        let last = compute(last);
+        let mut parts: Vec<DesiredState> =
+            started.into_iter().map(|(part, t)| t.map_or_else(|| compute(part), |t| t.join().expect("the model's compute does not panic"))).collect();
+        parts.push(last);
+        parts
     });
     for part in parts {
         out.append(part);
@@ -306,9 +309,7 @@ fn compute_on(objects: &Objects, node: &NodeInfo, cfg: &ModelConfig, threads: us
 /// The desired state of the `names` services alone: the incremental path.
 fn compute_only(objects: &Objects, node: &NodeInfo, cfg: &ModelConfig, names: &BTreeSet<(String, String)>) -> DesiredState {
     let mut out = unowned_slices(objects);
-    for (name, svc) in names.iter().filter_map(|n| objects.services.get_key_value(n)) {
-        add_service(objects, name, svc, node, cfg, &mut out);
-    }
+    add_services(objects, names.iter().filter_map(|n| objects.services.get_key_value(n)), node, cfg, &mut out);
     out
 }
 
@@ -324,6 +325,19 @@ fn unowned_slices(objects: &Objects) -> DesiredState {
         );
     }
     out
+}
+
+/// Each Service's frontends, health check and problems, into `out`, in order.
+fn add_services<'a>(
+    objects: &Objects,
+    services: impl Iterator<Item = (&'a (String, String), &'a ServiceObject)>,
+    node: &NodeInfo,
+    cfg: &ModelConfig,
+    out: &mut DesiredState,
+) {
+    for (name, svc) in services {
+        add_service(objects, name, svc, node, cfg, out);
+    }
 }
 
 /// One Service's frontends, health check and problems, into `out`.
