@@ -14,7 +14,7 @@ use aya_ebpf::{
     maps::LruHashMap,
 };
 use proxy_common::{
-    counter, Backend, CtKey, CtRole, CtValue, DatapathConfig, CT_DIR_EGRESS, CT_DIR_INGRESS,
+    counter, Backend, CtKey, CtRole, CtScratch, CtValue, DatapathConfig, CT_DIR_EGRESS, CT_DIR_INGRESS,
     CT_F_CLOSING, CT_F_MAX_AGE, CT_F_REFUSED, CT_F_REPLY, CT_F_SEEN_REPLY, CT_F_SNAT, CT_F_SNAT_PENDING, PROTO_TCP, PROTO_UDP,
     SNAT_PORT_MAX, SNAT_PORT_MIN,
 };
@@ -22,7 +22,7 @@ use proxy_common::{
 use crate::{
     counters::{self, bump},
     flowcache,
-    maps::{BACKENDS, CLOCK, CONNTRACK_NEW, CT_SCRATCH, CONNTRACK, IFACES},
+    maps::{BPF_NOEXIST, EEXIST, BACKENDS, CLOCK, CONNTRACK_NEW, CT_SCRATCH, CONNTRACK, IFACES},
     parse::{Flow, TCP_RST},
     rewrite::Rewrite,
 };
@@ -356,22 +356,34 @@ pub fn random_port(cfg: &DatapathConfig) -> u16 {
     (p as u16).to_be()
 }
 
-/// The source port of a new flow towards `be`: the client's own unless its reverse-DNAT key is
-/// taken (one client port towards two VIPs with a common backend, or the backend reached directly
-/// too), then a few random tries in the SNAT range, as conntrack's NAT moves clashing ports. A
-/// hairpin flow's port must differ from the backend's, or its SNAT and reverse-DNAT keys meet.
+/// Claims a new flow's reply tuple (B:b -> C:p at egress) by inserting its reverse-DNAT entry
+/// (the scratch's second, its value filled in and its key's port left to this) with
+/// BPF_NOEXIST, and returns p: the client's own port unless the tuple is taken (one client port
+/// towards two VIPs with a common backend, or the backend reached directly too), then a few
+/// random tries in the SNAT range, as conntrack's NAT moves clashing ports. The insert is the
+/// check in the table the flow starts in, which saves a cold hash probe on every new flow; only
+/// a TCP flow probes the other (assured) table. A hairpin flow's port must differ from the
+/// backend's, or its SNAT and reverse-DNAT keys meet. Everything is read back from the scratch
+/// entry, so little stays live across the calls (new_flow's frame counts against 512 bytes).
 #[inline(always)]
-pub fn pick_port(f: &Flow, be: &Backend, cfg: &DatapathConfig) -> Option<u16> {
-    let hairpin = be.addr[0] == f.saddr;
-    let mut port = f.sport;
+fn claim_reply(f: &Flow, be: &Backend, cfg: &DatapathConfig, s: &mut CtScratch) -> Option<u16> {
+    s.keys[1] = CtKey { saddr: be.addr[0], daddr: f.saddr, sport: be.port, dport: f.sport, proto: f.proto, dir: CT_DIR_EGRESS, _pad: 0 };
     let mut tries = 0;
     while tries < 4 {
-        let rev = CtKey { saddr: be.addr[0], daddr: f.saddr, sport: be.port, dport: port, proto: f.proto, dir: CT_DIR_EGRESS, _pad: 0 };
-        if !(hairpin && port == be.port) && !taken(&rev) {
-            return Some(port);
+        let k = &s.keys[1];
+        let hairpin_clash = k.saddr == k.daddr && k.dport == k.sport;
+        if !hairpin_clash && !(k.proto == PROTO_TCP && unsafe { CONNTRACK.get(k) }.is_some()) {
+            match Table::for_new(k.proto).map().insert(k, &s.values[1], BPF_NOEXIST) {
+                Ok(()) => return Some(s.keys[1].dport),
+                Err(e) if e != -EEXIST => {
+                    bump(counter::CT_INSERT_FAILED);
+                    return None;
+                }
+                Err(_) => {}
+            }
         }
         bump(counter::SNAT_PORT_COLLISION);
-        port = random_port(cfg);
+        s.keys[1].dport = random_port(cfg);
         tries += 1;
     }
     bump(counter::SNAT_NO_PORT);
@@ -429,28 +441,28 @@ fn finish_snat(table: Table, key: &CtKey, v: &mut CtValue, cfg: &DatapathConfig,
     }
 }
 
-/// Records a new flow: its reverse-DNAT entry, its SNAT entry (address pending) when
-/// masqueraded, then its forward entry, in the table its protocol starts in. Keys and values are
-/// built in a per-CPU scratch entry, not on the 512-byte stack.
+/// Records a new flow: its reverse-DNAT entry (claiming the reply tuple, see `claim_reply`), its
+/// SNAT entry (address pending) when masqueraded, then its forward entry, in the table its
+/// protocol starts in. Keys and values are built in a per-CPU scratch entry, not on the 512-byte
+/// stack.
 #[inline(always)]
-pub fn create(f: &Flow, now: u64, backend_id: u32, service_id: u32, be: &Backend, port: u16, masq: bool) -> Option<Rewrite> {
-    let snat = if masq { CT_F_SNAT } else { 0 };
+pub fn create(f: &Flow, now: u64, backend_id: u32, service_id: u32, be: &Backend, masq: bool, cfg: &DatapathConfig) -> Option<Rewrite> {
     let s = unsafe { &mut *CT_SCRATCH.get_ptr_mut(0)? };
+    // Reverse DNAT: (B:b -> C:p) becomes (V:v -> C:c).
+    let snat = if masq { CT_F_SNAT } else { 0 };
+    s.values[1] = CtValue { last_seen_ns: now, new_saddr: f.daddr, new_daddr: f.saddr, new_sport: f.dport, new_dport: f.sport, backend_id, service_id, flags: snat | CT_F_REPLY, _pad: 0 };
+    let port = claim_reply(f, be, cfg, s)?;
+    // The other entries read what they share from the reply's: less stays live across the
+    // claim's calls.
+    let blank = CtValue { last_seen_ns: s.values[1].last_seen_ns, backend_id: s.values[1].backend_id, service_id: s.values[1].service_id, ..CtValue::default() };
+    let snat = s.values[1].flags & CT_F_SNAT;
     let table = Table::for_new(f.proto).map();
-    let blank = CtValue { last_seen_ns: now, backend_id, service_id, ..CtValue::default() };
     // Forward: (C:c -> V:v) becomes (C:p -> B:b). A flow picked up mid-stream (not by a SYN)
     // has no handshake left to wait for: its next packet makes it assured.
     let picked_up = if f.proto == PROTO_TCP && !f.is_new_tcp_syn() { CT_F_SEEN_REPLY } else { 0 };
     s.keys[0] = key(f, CT_DIR_INGRESS);
     s.values[0] = CtValue { new_saddr: f.saddr, new_daddr: be.addr[0], new_sport: port, new_dport: be.port, flags: snat | picked_up, ..blank };
-    // Reverse DNAT: (B:b -> C:p) becomes (V:v -> C:c).
-    s.keys[1] = CtKey::reversed_of(&s.values[0], f.proto, CT_DIR_EGRESS);
-    s.values[1] = CtValue { new_saddr: f.daddr, new_daddr: f.saddr, new_sport: f.dport, new_dport: f.sport, flags: snat | CT_F_REPLY, ..blank };
-    if table.insert(&s.keys[1], &s.values[1], 0).is_err() {
-        bump(counter::CT_INSERT_FAILED);
-        return None;
-    }
-    if masq {
+    if snat != 0 {
         // SNAT: (C:p -> B:b) becomes (S:s -> B:b) once egress knows S.
         s.keys[2] = CtKey::straight_of(&s.values[0], f.proto, CT_DIR_EGRESS);
         s.values[2] = CtValue { new_saddr: 0, new_daddr: be.addr[0], new_sport: port, new_dport: be.port, flags: CT_F_SNAT | CT_F_SNAT_PENDING, ..blank };

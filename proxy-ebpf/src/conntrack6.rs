@@ -12,7 +12,7 @@ use proxy_common::{
 use crate::{
     conntrack::{self, random_port},
     counters::bump,
-    maps::{BACKENDS, CONNTRACK6, CT_SCRATCH6},
+    maps::{BPF_NOEXIST, EEXIST, BACKENDS, CONNTRACK6, CT_SCRATCH6},
     parse6::Flow6,
 };
 
@@ -109,39 +109,39 @@ fn forget(fwd_key: &CtKey6, v: &CtValue6) {
     let _ = CONNTRACK6.remove(fwd_key);
 }
 
-/// The source port of a new flow towards `be`: the client's own unless its reply tuple is taken
-/// (one client port towards two frontends with a common backend: netfilter would take both for
-/// one connection), then a few random ones, as conntrack's NAT moves clashing ports.
-#[inline(always)]
-pub fn pick_port(f: &Flow6, be: &Backend, cfg: &DatapathConfig) -> Option<u16> {
-    let mut rev = CtKey6 { saddr: be.addr, daddr: f.saddr, sport: be.port, dport: f.sport, proto: f.proto, dir: CT_DIR_EGRESS, _pad: 0 };
-    let mut tries = 0;
-    while tries < 4 {
-        if unsafe { CONNTRACK6.get(&rev) }.is_none() {
-            return Some(rev.dport);
-        }
-        bump(counter::SNAT_PORT_COLLISION);
-        rev.dport = random_port(cfg);
-        tries += 1;
-    }
-    bump(counter::SNAT_NO_PORT);
-    None
-}
-
 /// Records a new flow: the reply's entry first, so a forward entry never exists without it.
-/// Keys and values are built in a per-CPU scratch entry, not on the 512-byte stack.
+/// Its insert with BPF_NOEXIST claims the reply tuple (B:b -> C:p): the client's own port unless
+/// the tuple is taken (one client port towards two frontends with a common backend: netfilter
+/// would take both for one connection), then a few random ones, as conntrack's NAT moves
+/// clashing ports. Keys and values are built in a per-CPU scratch entry, not on the 512-byte
+/// stack.
 #[inline(always)]
-pub fn create(f: &Flow6, now: u64, backend_id: u32, service_id: u32, be: &Backend, port: u16, masq: bool) -> Option<Rewrite6> {
+pub fn create(f: &Flow6, now: u64, backend_id: u32, service_id: u32, be: &Backend, masq: bool, cfg: &DatapathConfig) -> Option<Rewrite6> {
     let snat = if masq { CT_F_SNAT } else { 0 };
     let s = unsafe { &mut *CT_SCRATCH6.get_ptr_mut(0)? };
     let blank = CtValue6 { last_seen_ns: now, backend_id, service_id, ..CtValue6::default() };
     // Reverse DNAT: (B:b -> C:p) becomes (V:v -> C:c).
-    s.keys[0] = CtKey6 { saddr: be.addr, daddr: f.saddr, sport: be.port, dport: port, proto: f.proto, dir: CT_DIR_EGRESS, _pad: 0 };
+    s.keys[0] = CtKey6 { saddr: be.addr, daddr: f.saddr, sport: be.port, dport: f.sport, proto: f.proto, dir: CT_DIR_EGRESS, _pad: 0 };
     s.values[0] = CtValue6 { new_saddr: f.daddr, new_daddr: f.saddr, new_sport: f.dport, new_dport: f.sport, flags: snat | CT_F_REPLY, ..blank };
-    if CONNTRACK6.insert(&s.keys[0], &s.values[0], 0).is_err() {
-        bump(counter::CT_INSERT_FAILED);
-        return None;
+    let mut tries = 0;
+    loop {
+        match CONNTRACK6.insert(&s.keys[0], &s.values[0], BPF_NOEXIST) {
+            Ok(()) => break,
+            Err(e) if e != -EEXIST => {
+                bump(counter::CT_INSERT_FAILED);
+                return None;
+            }
+            Err(_) => {}
+        }
+        bump(counter::SNAT_PORT_COLLISION);
+        tries += 1;
+        if tries >= 4 {
+            bump(counter::SNAT_NO_PORT);
+            return None;
+        }
+        s.keys[0].dport = random_port(cfg);
     }
+    let port = s.keys[0].dport;
     // Forward: (C:c -> V:v) becomes (C:p -> B:b).
     s.keys[1] = key(f, CT_DIR_INGRESS);
     s.values[1] = CtValue6 { new_saddr: f.saddr, new_daddr: be.addr, new_sport: port, new_dport: be.port, flags: snat, ..blank };

@@ -20,6 +20,11 @@ macro_rules! map {
     };
 }
 
+/// bpf_map_update_elem's flag: fail if the key is there (a new flow claims its reply tuple so).
+pub const BPF_NOEXIST: u64 = aya_ebpf::bindings::BPF_NOEXIST as u64;
+/// The errno, negated, that an update with BPF_NOEXIST returns for a key that is there.
+pub const EEXIST: i32 = 17;
+
 /// The control plane's hash maps allocate per entry (V2 map names: this flag changed).
 const NO_PREALLOC: u32 = proxy_common::BPF_F_NO_PREALLOC;
 

@@ -228,10 +228,7 @@ fn new_flow<P: Pkt>(p: &mut P, f: &Flow, svc: &ServiceValue, cfg: &DatapathConfi
         || svc.flags & SVC_F_MASQ != 0
         || cfg.flags & CFG_F_MASQUERADE_ALL != 0
         || off_cluster;
-    let Some(port) = conntrack::pick_port(f, &be, cfg) else {
-        return NewFlow::Done(Verdict::Drop);
-    };
-    let Some(rw) = conntrack::create(f, now, backend_id, svc.service_id, &be, port, masq) else {
+    let Some(rw) = conntrack::create(f, now, backend_id, svc.service_id, &be, masq, cfg) else {
         return NewFlow::Done(Verdict::Drop);
     };
     if masq {

@@ -170,10 +170,7 @@ fn new_flow<P: Pkt>(p: &mut P, f: &Flow6, svc: &ServiceValue, cfg: &DatapathConf
         || svc.flags & SVC_F_MASQ != 0
         || cfg.flags & CFG_F_MASQUERADE_ALL != 0
         || (svc.flags & SVC_F_PRESERVE_SOURCE == 0 && off_cluster6(&f.saddr, p.ifindex(), cfg));
-    let Some(port) = conntrack6::pick_port(f, &be, cfg) else {
-        return Some(Verdict::Drop);
-    };
-    let Some(rw) = conntrack6::create(f, now, backend_id, svc.service_id, &be, port, masq) else {
+    let Some(rw) = conntrack6::create(f, now, backend_id, svc.service_id, &be, masq, cfg) else {
         return Some(Verdict::Drop);
     };
     if masq {

@@ -71,8 +71,13 @@ fn manifests() -> String {
 }
 
 fn load(name: &str) -> Loaded {
+    load_with(name, "")
+}
+
+/// `load` with more manifests.
+fn load_with(name: &str, extra: &str) -> Loaded {
     let node = NodeInfo { name: "node-a".into(), nodeport_addresses: vec![ip(NODE_IP)], ..Default::default() };
-    Loaded::new(name, &manifests(), &node, datapath_config(NODE_IP, Some(("10.244.0.0", 16))))
+    Loaded::new(name, &(manifests() + extra), &node, datapath_config(NODE_IP, Some(("10.244.0.0", 16))))
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -516,6 +521,45 @@ fn two_flows_meeting_on_one_backend_with_one_reply_tuple_get_distinct_ports() {
     let (_, b2) = tc(&mut l.dp, &Frame::tcp("10.244.0.20", 51000, "10.96.0.16", 80, ACK));
     assert_eq!(parse(&b2).sport, b.sport);
     assert_eq!(counter_of(&l, counter::SNAT), 0, "a port move is not a masquerade");
+}
+
+#[test]
+fn a_reply_tuple_held_by_an_assured_flow_or_a_udp_flow_moves_the_new_flows_port() {
+    // A new flow claims its reply tuple by inserting it into the table it starts in; a TCP
+    // flow's tuple may also be held in the other (assured) table, and UDP flows start in that
+    // one. Both cases must move the port as the embryonic clash does.
+    let dns2 = svc("dns2", "10.96.0.20", 53, "UDP", "", "") + &slice("dns2", 5353, "UDP", &["10.244.1.3"]);
+    let mut l = load_with("clash-assured", &dns2);
+    let a = handshake(&mut l, "10.244.0.21", 51100, "10.96.0.13", 80);
+    assert!(assured_has(&l, "10.244.0.21", 51100));
+    assert_eq!((a.dst.to_string().as_str(), a.sport), ("10.244.1.1", 51100));
+    let collisions = counter_of(&l, counter::SNAT_PORT_COLLISION);
+    let (_, b) = tc(&mut l.dp, &Frame::tcp("10.244.0.21", 51100, "10.96.0.16", 80, SYN));
+    let b = parse(&b);
+    assert_eq!(b.dst.to_string(), "10.244.1.1");
+    assert_ne!(b.sport, 51100, "the assured flow holds 10.244.1.1:8080 -> 10.244.0.21:51100");
+    assert!(b.ip_csum_ok && b.l4_csum_ok);
+    assert_eq!(counter_of(&l, counter::SNAT_PORT_COLLISION), collisions + 1);
+    let (_, rb) = out(&mut l.dp, &Frame::tcp("10.244.1.1", 8080, "10.244.0.21", b.sport, SYN | ACK).bytes());
+    let rb = parse(&rb);
+    assert_eq!((rb.src.to_string().as_str(), rb.sport, rb.dport), ("10.96.0.16", 80, 51100));
+    let (_, ra) = out(&mut l.dp, &Frame::tcp("10.244.1.1", 8080, "10.244.0.21", 51100, ACK).bytes());
+    assert_eq!(parse(&ra).src.to_string(), "10.96.0.13", "the assured flow's replies are its own");
+
+    // One UDP socket's datagrams to two DNS VIPs with one backend.
+    let (_, u1) = tc(&mut l.dp, &Frame::udp("10.244.0.21", 53000, "10.96.0.15", 53, b"q1"));
+    let (_, u2) = tc(&mut l.dp, &Frame::udp("10.244.0.21", 53000, "10.96.0.20", 53, b"q2"));
+    let (u1, u2) = (parse(&u1), parse(&u2));
+    assert_eq!((u1.dst.to_string().as_str(), u1.sport), ("10.244.1.3", 53000));
+    assert_eq!(u2.dst.to_string(), "10.244.1.3");
+    assert_ne!(u2.sport, 53000, "the first datagram's flow holds 10.244.1.3:5353 -> 10.244.0.21:53000");
+    assert!(u2.ip_csum_ok && u2.l4_csum_ok);
+    let (_, r2) = out(&mut l.dp, &Frame::udp("10.244.1.3", 5353, "10.244.0.21", u2.sport, b"a2").bytes());
+    let r2 = parse(&r2);
+    assert_eq!((r2.src.to_string().as_str(), r2.sport, r2.dport), ("10.96.0.20", 53, 53000));
+    let (_, r1) = out(&mut l.dp, &Frame::udp("10.244.1.3", 5353, "10.244.0.21", 53000, b"a1").bytes());
+    assert_eq!(parse(&r1).src.to_string(), "10.96.0.15");
+    assert_eq!(counter_of(&l, counter::SNAT_PORT_COLLISION), collisions + 2);
 }
 
 /// Runs the rest of this thread on one CPU: the flow cache is per CPU.

@@ -152,6 +152,28 @@ fn ipv6_nodeport_lb_ip_and_external_ip_from_outside_dnat_and_reverse_dnat() {
 }
 
 #[test]
+fn ipv6_one_client_port_to_two_frontends_with_one_backend_gets_two_reply_tuples() {
+    let mut l = load("fx6-clash");
+    let collisions = counter_of(&l, counter::SNAT_PORT_COLLISION);
+    let (_, a) = ingress(&mut l, &frame6(OUTSIDE, "2001:db8::80", TCP, 40100, 80, SYN, &[]));
+    let (_, b) = ingress(&mut l, &frame6(OUTSIDE, "2001:db8:e::10", TCP, 40100, 80, SYN, &[]));
+    let (a, b) = (parse6(&a), parse6(&b));
+    let backend: std::net::Ipv6Addr = BACKEND.parse().unwrap();
+    assert_eq!((a.dst, a.sport), (backend, 40100), "the first flow keeps its port");
+    assert_eq!(b.dst, backend);
+    assert_ne!(b.sport, 40100, "the second flow's port moves");
+    assert!(b.l4_csum_ok);
+    assert_eq!(counter_of(&l, counter::SNAT_PORT_COLLISION), collisions + 1);
+    // Each SYN-ACK goes back through its own frontend.
+    for (sport, frontend) in [(b.sport, "2001:db8:e::10"), (40100, "2001:db8::80")] {
+        let (_, r) = egress(&mut l, &frame6(BACKEND, OUTSIDE, TCP, 8080, sport, SYN | ACK, &[]));
+        let r = parse6(&r);
+        assert_eq!((r.src, r.sport, r.dport), (frontend.parse().unwrap(), 80, 40100));
+        assert!(r.l4_csum_ok);
+    }
+}
+
+#[test]
 fn ipv6_traffic_policy_local_keeps_the_client_address() {
     let mut l = load("fx6-local");
     let snat = counter_of(&l, counter::SNAT);
