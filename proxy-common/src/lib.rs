@@ -29,7 +29,8 @@ macro_rules! map_name {
     (SERVICES) => { "KPR_SVC_V2" };
     (SLOTS) => { "KPR_SLOT_V2" };
     (MAGLEV) => { "KPR_MAGLEV_V1" };
-    (BACKENDS) => { "KPR_BE_V2" };
+    // V3: an array indexed by backend id (a hash map before), see Backend::is_present.
+    (BACKENDS) => { "KPR_BE_V3" };
     // V3: the key carries the hook direction, one flow has up to four entries.
     (CONNTRACK) => { "KPR_CT_V3" };
     (CONNTRACK_NEW) => { "KPR_CT_NEW_V1" };
@@ -96,7 +97,7 @@ pub mod map_names {
     pub const SETS: [&str; 5] = [SET_IP_PORT, SET_IP_PORT_IP, SET_IP_PORT_NET, SET_PORT, SET_IP];
     /// Pins of earlier layouts: removed at load, so an upgrade does not keep them (and their
     /// memory) alive next to their successors.
-    pub const RETIRED: [&str; 19] = [
+    pub const RETIRED: [&str; 20] = [
         "KPR_SVC_V1",
         "KPR_SLOT_V1",
         "KPR_BE_V1",
@@ -116,6 +117,8 @@ pub mod map_names {
         "KPR_SET_IP_V1",
         "KPR_RR_V1",
         "KPR_BE_NEW_V1",
+        // Its entries are copied into KPR_BE_V3 at load first (the backend ids stay).
+        "KPR_BE_V2",
     ];
     /// Every map the fast path pins.
     pub const ALL: [&str; 18] = [
@@ -542,6 +545,15 @@ pub struct Backend {
     pub flags: u8,
 }
 const _: () = assert!(core::mem::size_of::<Backend>() == 20);
+
+impl Backend {
+    /// KPR_BE_V3 is an array: an id with no backend holds zeros. Every backend kpr programs has
+    /// a protocol (TCP, UDP, SCTP), so protocol 0 is "no backend".
+    #[inline(always)]
+    pub const fn is_present(&self) -> bool {
+        self.proto != 0
+    }
+}
 
 /// Conntrack key: an IPv4 packet's 5-tuple as it is seen at one hook (CtKey::dir). A flow from
 /// client C:c to frontend V:v, balanced to backend B:b with source port p (C's own unless that

@@ -22,7 +22,8 @@ use proxy_common::{
 use crate::{
     counters::{self, bump},
     flowcache,
-    maps::{BPF_NOEXIST, EEXIST, BACKENDS, CLOCK, CONNTRACK_NEW, CT_SCRATCH, CONNTRACK, IFACES},
+    lb,
+    maps::{BPF_NOEXIST, EEXIST, CLOCK, CONNTRACK_NEW, CT_SCRATCH, CONNTRACK, IFACES},
     parse::{Flow, TCP_RST},
     rewrite::Rewrite,
 };
@@ -187,7 +188,7 @@ fn entry(f: &Flow, key: &CtKey, v: &mut CtValue, table: Table, cfg: &DatapathCon
             let idle = now.saturating_sub(v.last_seen_ns) > timeout_ns(cfg, f.proto);
             // A fresh SYN on a closing tuple, or to a backend that is gone, is a new connection.
             let reopened = f.is_new_tcp_syn()
-                && (v.flags & CT_F_CLOSING != 0 || unsafe { BACKENDS.get(&v.backend_id) }.is_none());
+                && (v.flags & CT_F_CLOSING != 0 || lb::backend(v.backend_id).is_none());
             if idle || reopened {
                 forget(table, key, v);
                 // The tuple is about to mean another flow: no CPU may answer it from its cache.

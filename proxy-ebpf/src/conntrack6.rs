@@ -12,7 +12,7 @@ use proxy_common::{
 use crate::{
     conntrack::{self, random_port},
     counters::bump,
-    maps::{BPF_NOEXIST, EEXIST, BACKENDS, CONNTRACK6, CT_SCRATCH6},
+    maps::{BPF_NOEXIST, EEXIST, CONNTRACK6, CT_SCRATCH6},
     parse6::Flow6,
 };
 
@@ -66,7 +66,7 @@ pub fn track(f: &Flow6, key: &CtKey6, cfg: &DatapathConfig, now: u64) -> Option<
         // Saturating: another CPU may have stamped the entry with a newer clock reading.
         let idle = now.saturating_sub(v.last_seen_ns) > timeout_ns(cfg, v, f.proto);
         let reopened = f.is_new_tcp_syn() && v.flags & CT_F_CLOSING != 0;
-        let gone = (f.proto == PROTO_UDP || f.is_new_tcp_syn()) && unsafe { BACKENDS.get(&v.backend_id) }.is_none();
+        let gone = (f.proto == PROTO_UDP || f.is_new_tcp_syn()) && crate::lb::backend(v.backend_id).is_none();
         if idle || reopened || gone {
             forget(key, v);
             return None;

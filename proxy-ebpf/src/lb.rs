@@ -99,6 +99,12 @@ fn schedule(svc: &ServiceValue, f: &Flow, pick: Pick) -> Option<u32> {
     unsafe { SLOTS.get(&SlotKey { service_id: svc.service_id, slot }) }.copied()
 }
 
+/// The backend an id names, if any (see proxy_common::Backend::is_present).
+#[inline(always)]
+pub fn backend(id: u32) -> Option<&'static Backend> {
+    BACKENDS.get(id).filter(|b| b.is_present())
+}
+
 #[inline(always)]
 fn slot_backend(service_id: u32, slot: u32) -> Option<u32> {
     unsafe { SLOTS.get(&SlotKey { service_id, slot }) }.copied()
@@ -163,7 +169,7 @@ pub fn select_backend_for(client: [u32; 4], svc: &ServiceValue, f: &Flow, now: u
             // Saturating: another CPU's stamp may be a little ahead of our clock reading.
             // Another generation: the service id's earlier owner remembered it.
             if now.saturating_sub(a.last_used_ns) <= affinity_ns && a.generation == svc.generation {
-                if let Some(be) = unsafe { BACKENDS.get(&a.backend_id) } {
+                if let Some(be) = backend(a.backend_id) {
                     if now > a.last_used_ns {
                         a.last_used_ns = now;
                     }
@@ -174,7 +180,7 @@ pub fn select_backend_for(client: [u32; 4], svc: &ServiceValue, f: &Flow, now: u
         }
     }
     let id = schedule(svc, f, pick)?;
-    let be = *unsafe { BACKENDS.get(&id) }?;
+    let be = *backend(id)?;
     if affinity_ns != 0 {
         let v = AffinityValue { last_used_ns: now, backend_id: id, generation: svc.generation, _pad: 0 };
         let _ = AFFINITY.insert(&aff_key, &v, 0);

@@ -44,8 +44,10 @@ map! {
 }
 
 map! {
-    /// Stable backend id -> backend address, target port, protocol.
-    BACKENDS: HashMap<u32, Backend> = HashMap::pinned(MAX_BACKENDS, NO_PREALLOC)
+    /// Stable backend id -> backend address, target port, protocol; zeros where the id names
+    /// none (Backend::is_present). An array (V3; a hash map before): the ids are dense, a new
+    /// flow's lookup is inlined by the verifier, and the agent's writes allocate nothing.
+    BACKENDS: Array<Backend> = Array::pinned(MAX_BACKENDS, 0)
 }
 
 map! {

@@ -1,12 +1,18 @@
-//! A pinned map keeps its capacity across restarts: `capacity_mismatches` names the maps whose
-//! new capacity a restart cannot apply, and leaves out a larger map that allocates per entry
-//! (BPF_F_NO_PREALLOC: it costs nothing), such as the services map of earlier releases.
+//! Pinned maps across restarts and upgrades. A pinned map keeps its capacity: `capacity_mismatches`
+//! names the maps whose new capacity a restart cannot apply, and leaves out a larger map that
+//! allocates per entry (BPF_F_NO_PREALLOC: it costs nothing), such as the services map of earlier
+//! releases. A map whose layout changed moves its entries into its successor where they must
+//! keep their meaning (backend ids).
 use kpr_lab::PinDir;
 use proxy_agent::{
-    dataplane::ebpf::kernel::{capacity_mismatches, Datapath},
+    dataplane::ebpf::{
+        kernel::{capacity_mismatches, Datapath},
+        kernel_maps::KernelMaps,
+        maps::DatapathMaps,
+    },
     settings::Capacities,
 };
-use proxy_common::map_names;
+use proxy_common::{map_names, Backend};
 
 fn caps(services: u32) -> Capacities {
     Capacities { services, backends: 64, slots: 64, conntrack: 64, conntrack_new: 64, affinity: 64 }
@@ -24,4 +30,56 @@ fn a_larger_per_entry_map_is_no_mismatch_a_smaller_or_preallocated_one_is() {
     assert_eq!(names(caps(32)), [map_names::RR_STATE]);
     // More asked: neither can grow in place.
     assert_eq!(names(caps(128)), [map_names::SERVICES, map_names::RR_STATE]);
+}
+
+/// One bpf(2) call with a zero-padded attribute.
+fn bpf(cmd: libc::c_long, attr: &[u64]) -> i64 {
+    let mut buf = [0u64; 16];
+    buf[..attr.len()].copy_from_slice(attr);
+    unsafe { libc::syscall(libc::SYS_bpf, cmd, buf.as_mut_ptr(), std::mem::size_of_val(&buf)) }
+}
+
+/// Pins a hash map of backends by id, as releases before KPR_BE_V3 did (KPR_BE_V2).
+fn pin_backend_hash(path: &std::path::Path, entries: &[(u32, Backend)]) {
+    const MAP_CREATE: libc::c_long = 0;
+    const MAP_UPDATE_ELEM: libc::c_long = 2;
+    const OBJ_PIN: libc::c_long = 6;
+    const HASH: u64 = 1;
+    const NO_PREALLOC: u64 = 1;
+    // map_type, key_size | value_size << 32, max_entries | map_flags << 32.
+    let fd = bpf(MAP_CREATE, &[HASH | (4 << 32), 20 | (64 << 32), NO_PREALLOC]);
+    assert!(fd >= 0, "create a hash map: {}", std::io::Error::last_os_error());
+    for (id, b) in entries {
+        let r = bpf(MAP_UPDATE_ELEM, &[fd as u64, id as *const u32 as u64, b as *const Backend as u64, 0]);
+        assert_eq!(r, 0, "insert backend {id}: {}", std::io::Error::last_os_error());
+    }
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    assert_eq!(bpf(OBJ_PIN, &[c.as_ptr() as u64, fd as u64]), 0, "pin {path:?}: {}", std::io::Error::last_os_error());
+    unsafe { libc::close(fd as i32) };
+}
+
+#[test]
+fn an_earlier_backend_hash_map_moves_into_the_array_with_its_ids() {
+    let pins = PinDir::new("be-v2");
+    std::fs::create_dir_all(pins.path()).unwrap();
+    let web = Backend::new("10.244.1.7".parse().unwrap(), 8080, proxy_common::PROTO_TCP);
+    let dns = Backend::new("fd00:244::53".parse().unwrap(), 53, proxy_common::PROTO_UDP);
+    let past_capacity = Backend::new("10.244.1.9".parse().unwrap(), 80, proxy_common::PROTO_TCP);
+    let v2 = pins.path().join("KPR_BE_V2");
+    pin_backend_hash(&v2, &[(7, web), (63, dns), (64, past_capacity)]);
+
+    let dp = Datapath::load_object(pins.path(), caps(64)).expect("load the object");
+    assert!(!v2.exists(), "the earlier map's pin is removed");
+    let maps = KernelMaps::open(pins.path()).unwrap();
+    let mut held = maps.backends().unwrap();
+    held.sort();
+    assert_eq!(held, vec![(7, web), (63, dns)], "the backends keep their ids; an id past the array's capacity stays behind");
+
+    // A restart finds the array pinned: nothing is carried over again, deletes hold.
+    let mut maps = maps;
+    maps.del_backend(7).unwrap();
+    maps.del_backend(7).unwrap();
+    drop((dp, maps));
+    let _dp = Datapath::load_object(pins.path(), caps(64)).expect("load again");
+    assert_eq!(KernelMaps::open(pins.path()).unwrap().backends().unwrap(), vec![(63, dns)]);
 }

@@ -99,6 +99,39 @@ const AFTER_FAST_PATH_PRIORITY: u16 = 0xC001;
 /// automatic ones.
 const FIRST_PRIORITY: u16 = 0xBFFF;
 
+/// The pin of the backend map before it was an array (KPR_BE_V2, a hash map of the same entries).
+const BACKENDS_V2: &str = "KPR_BE_V2";
+
+/// The backends of an earlier release's hash map (KPR_BE_V2), where its successor is not pinned
+/// yet: they move into the new array with their ids, so the next sync takes the ids over (the
+/// flows in conntrack and the per-backend counters name them). Ids past the new capacity stay
+/// behind: the sync gives their backends new ones. Best effort: without them the sync re-ids
+/// every backend, as it does after `kpr cleanup`.
+fn earlier_backends(pin_dir: &Path, capacity: u32) -> Vec<(u32, proxy_common::Backend)> {
+    if !pin_dir.join(BACKENDS_V2).exists() || pin_dir.join(map_names::BACKENDS).exists() {
+        return Vec::new();
+    }
+    let read = crate::dataplane::ebpf::kernel_maps::open(pin_dir, BACKENDS_V2).and_then(|m| match map_data(&m) {
+        Some(d) => crate::dataplane::ebpf::kernel_maps::read_all::<u32, proxy_common::Backend>(BACKENDS_V2, d),
+        None => Ok(Vec::new()),
+    });
+    match read {
+        Ok(all) => all.into_iter().filter(|(id, b)| *id < capacity && b.is_present()).collect(),
+        Err(err) => {
+            tracing::warn!(map = BACKENDS_V2, error = %err, "cannot read the earlier backend map: the sync gives every backend a new id");
+            Vec::new()
+        }
+    }
+}
+
+/// The descriptor side of the two kinds the carry-over touches.
+fn map_data(m: &aya::maps::Map) -> Option<&aya::maps::MapData> {
+    match m {
+        aya::maps::Map::Array(d) | aya::maps::Map::HashMap(d) => Some(d),
+        _ => None,
+    }
+}
+
 impl Datapath {
     /// Loads the embedded object. Maps already pinned under `pin_dir` are reused, so the
     /// flows and services of a previous agent stay in force.
@@ -126,6 +159,7 @@ impl Datapath {
                 "a pinned map keeps its capacity: run `kpr cleanup` on this node (forwarding stops until the agent is back) for the new one to apply"
             );
         }
+        let carried = earlier_backends(pin_dir, caps.backends);
         for name in map_names::RETIRED {
             if std::fs::remove_file(pin_dir.join(name)).is_ok() {
                 tracing::info!(map = name, "removed the pin of a map an earlier version used");
@@ -137,7 +171,21 @@ impl Datapath {
             loader.map_max_entries(name, n);
         }
         let ebpf = loader.load(EBPF_OBJECT).map_err(KernelError::Load)?;
-        Ok(Self { ebpf, pin_dir: pin_dir.into(), tc_program: prog_names::TC_INGRESS, after_fast_path: false })
+        let dp = Self { ebpf, pin_dir: pin_dir.into(), tc_program: prog_names::TC_INGRESS, after_fast_path: false };
+        if !carried.is_empty() {
+            dp.carry_backends_over(&carried);
+        }
+        Ok(dp)
+    }
+
+    /// Writes an earlier release's backends (`earlier_backends`) into the new backend array.
+    fn carry_backends_over(&self, carried: &[(u32, proxy_common::Backend)]) {
+        let Some(map) = self.ebpf.map(map_names::BACKENDS).and_then(map_data) else { return };
+        let (ids, backends): (Vec<u32>, Vec<proxy_common::Backend>) = carried.iter().copied().unzip();
+        match crate::dataplane::ebpf::bpf_batch::update_batch(map.fd(), &ids, &backends) {
+            Ok(()) => tracing::info!(backends = ids.len(), from = BACKENDS_V2, to = map_names::BACKENDS, "carried the backends and their ids over"),
+            Err((i, err)) => tracing::warn!(written = i, of = ids.len(), error = %err, "carrying the earlier backends over failed: the sync gives the rest new ids"),
+        }
     }
 
     /// IPVS mode: loads the set-matching TC program (attached instead of the fast path) and the

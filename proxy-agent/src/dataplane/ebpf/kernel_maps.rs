@@ -34,7 +34,7 @@ fn is_enoent(e: &AyaMapError) -> bool {
 pub struct KernelMaps {
     services: HashMap<MapData, ServiceKey, ServiceValue>,
     slots: HashMap<MapData, SlotKey, u32>,
-    backends: HashMap<MapData, u32, Backend>,
+    backends: Array<MapData, Backend>,
     maglev: Array<MapData, u32>,
     source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
     config: Array<MapData, DatapathConfig>,
@@ -98,8 +98,8 @@ impl KernelFailureCounts {
     }
 }
 
-/// KPR_BE_V2 read by id (which backend a failure count is about).
-pub struct KernelBackendNames(HashMap<MapData, u32, Backend>);
+/// KPR_BE_V3 read by id (which backend a failure count is about).
+pub struct KernelBackendNames(Array<MapData, Backend>);
 
 impl KernelBackendNames {
     pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
@@ -108,7 +108,7 @@ impl KernelBackendNames {
 
     /// The backend an id names, if it still exists.
     pub fn get(&self, id: u32) -> Option<Backend> {
-        self.0.get(&id, 0).ok()
+        self.0.get(&id, 0).ok().filter(Backend::is_present)
     }
 }
 
@@ -251,6 +251,30 @@ impl KernelMaps {
     }
 }
 
+/// Every entry of a hash map or an array, many per system call: a million entries in a few
+/// hundred calls, where an iteration makes two calls per entry.
+pub(crate) fn read_all<K: bytemuck::Pod, V: bytemuck::Pod>(name: &'static str, map: &MapData) -> Result<Vec<(K, V)>, MapError> {
+    let fd = map.fd();
+    let mut out = Vec::new();
+    let mut cursor = None;
+    loop {
+        let (batch, next) = crate::dataplane::ebpf::bpf_batch::lookup_batch(fd, cursor, 16_384)
+            .map_err(|source| MapError::Op { map: name, op: "lookup batch", source })?;
+        out.extend(batch);
+        match next {
+            Some(c) => cursor = Some(c),
+            None => return Ok(out),
+        }
+    }
+}
+
+/// The backends KPR_BE_V3 holds (its ids without one hold zeros).
+fn backends_of(name: &'static str, map: &MapData) -> Result<Vec<(u32, Backend)>, MapError> {
+    let mut all = read_all::<u32, Backend>(name, map)?;
+    all.retain(|(_, b)| b.is_present());
+    Ok(all)
+}
+
 pub(crate) fn collect<K, V, I: Iterator<Item = Result<(K, V), AyaMapError>>>(name: &'static str, it: I) -> Result<Vec<(K, V)>, MapError> {
     let mut out = Vec::new();
     for r in it {
@@ -300,17 +324,18 @@ impl DatapathMaps for KernelMaps {
         del(map_names::SLOTS, self.slots.remove(&k))
     }
     fn backends(&self) -> Result<Vec<(u32, Backend)>, MapError> {
-        collect(map_names::BACKENDS, self.backends.iter())
+        backends_of(map_names::BACKENDS, aya::maps::IterableMap::map(&self.backends))
     }
     fn put_backend(&mut self, id: u32, b: Backend) -> Result<(), MapError> {
         if let Some(bulk) = self.bulk.as_mut() {
             return bulk.put_backend(id, b);
         }
-        self.backends.insert(id, b, 0).map_err(|e| op(map_names::BACKENDS, "update", e))
+        self.backends.set(id, b, 0).map_err(|e| op(map_names::BACKENDS, "update", e))
     }
     fn del_backend(&mut self, id: u32) -> Result<(), MapError> {
         self.held_written()?;
-        del(map_names::BACKENDS, self.backends.remove(&id))
+        // Zeros: no backend (idempotent, as a delete is).
+        self.backends.set(id, Backend::default(), 0).map_err(|e| op(map_names::BACKENDS, "delete", e))
     }
     fn maglev_row(&self, row: u32) -> Result<Vec<u32>, MapError> {
         let m = limits::MAGLEV_TABLE_SIZE;
