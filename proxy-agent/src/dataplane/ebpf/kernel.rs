@@ -112,11 +112,11 @@ fn earlier_backends(pin_dir: &Path, capacity: u32) -> Vec<(u32, proxy_common::Ba
         return Vec::new();
     }
     let read = crate::dataplane::ebpf::kernel_maps::open(pin_dir, BACKENDS_V2).and_then(|m| match map_data(&m) {
-        Some(d) => crate::dataplane::ebpf::kernel_maps::read_all::<u32, proxy_common::Backend>(BACKENDS_V2, d),
+        Some(d) => crate::dataplane::ebpf::kernel_maps::read_all(BACKENDS_V2, d, |(id, b): &(u32, proxy_common::Backend)| *id < capacity && b.is_present()),
         None => Ok(Vec::new()),
     });
     match read {
-        Ok(all) => all.into_iter().filter(|(id, b)| *id < capacity && b.is_present()).collect(),
+        Ok(all) => all,
         Err(err) => {
             tracing::warn!(map = BACKENDS_V2, error = %err, "cannot read the earlier backend map: the sync gives every backend a new id");
             Vec::new()

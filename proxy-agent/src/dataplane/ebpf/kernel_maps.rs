@@ -251,16 +251,17 @@ impl KernelMaps {
     }
 }
 
-/// Every entry of a hash map or an array, many per system call: a million entries in a few
-/// hundred calls, where an iteration makes two calls per entry.
-pub(crate) fn read_all<K: bytemuck::Pod, V: bytemuck::Pod>(name: &'static str, map: &MapData) -> Result<Vec<(K, V)>, MapError> {
+/// The entries of a hash map or an array that `keep` keeps, many per system call: a million
+/// entries in a few hundred calls, where an iteration makes two calls per entry. Filtered batch
+/// by batch, so an array's empty entries are never all held at once.
+pub(crate) fn read_all<K: bytemuck::Pod, V: bytemuck::Pod>(name: &'static str, map: &MapData, keep: impl Fn(&(K, V)) -> bool) -> Result<Vec<(K, V)>, MapError> {
     let fd = map.fd();
     let mut out = Vec::new();
     let mut cursor = None;
     loop {
-        let (batch, next) = crate::dataplane::ebpf::bpf_batch::lookup_batch(fd, cursor, 16_384)
+        let (batch, next): (Vec<(K, V)>, _) = crate::dataplane::ebpf::bpf_batch::lookup_batch(fd, cursor, 16_384)
             .map_err(|source| MapError::Op { map: name, op: "lookup batch", source })?;
-        out.extend(batch);
+        out.extend(batch.into_iter().filter(&keep));
         match next {
             Some(c) => cursor = Some(c),
             None => return Ok(out),
@@ -270,9 +271,7 @@ pub(crate) fn read_all<K: bytemuck::Pod, V: bytemuck::Pod>(name: &'static str, m
 
 /// The backends KPR_BE_V3 holds (its ids without one hold zeros).
 fn backends_of(name: &'static str, map: &MapData) -> Result<Vec<(u32, Backend)>, MapError> {
-    let mut all = read_all::<u32, Backend>(name, map)?;
-    all.retain(|(_, b)| b.is_present());
-    Ok(all)
+    read_all(name, map, |(_, b): &(u32, Backend)| b.is_present())
 }
 
 pub(crate) fn collect<K, V, I: Iterator<Item = Result<(K, V), AyaMapError>>>(name: &'static str, it: I) -> Result<Vec<(K, V)>, MapError> {
