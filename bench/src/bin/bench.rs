@@ -201,6 +201,42 @@ fn assured_flow(dp: &mut Datapath, first: Prog, syn: Vec<u8>) {
     run(dp, first, &tcp(s, sp, d, dp_, ACK), 1);
 }
 
+/// A full read of the service and slot maps, what every full sync and metrics scrape starts
+/// from: the agent's batched reads (BPF_MAP_LOOKUP_BATCH) against a per-entry iteration (two
+/// system calls an entry), median of `runs` each, in milliseconds.
+fn map_read(pins: &PinDir, maps: &KernelMaps, runs: usize) -> serde_json::Value {
+    use proxy_agent::dataplane::ebpf::kernel_maps::open_typed;
+    let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
+    let mut entries = 0;
+    let batched = median(
+        (0..runs)
+            .map(|_| {
+                let t = Instant::now();
+                use proxy_agent::dataplane::ebpf::maps::DatapathMaps;
+                entries = maps.services().expect("services").len() + maps.slots().expect("slots").len();
+                ms(t)
+            })
+            .collect(),
+    );
+    let services: AyaHashMap<MapData, proxy_common::ServiceKey, proxy_common::ServiceValue> = open_typed(pins.path(), map_names::SERVICES).unwrap();
+    let slots: AyaHashMap<MapData, proxy_common::SlotKey, u32> = open_typed(pins.path(), map_names::SLOTS).unwrap();
+    let iterated = median(
+        (0..runs)
+            .map(|_| {
+                let t = Instant::now();
+                let n = services.iter().filter(Result::is_ok).count() + slots.iter().filter(Result::is_ok).count();
+                check("entries read by iteration", n as u64, entries as u64);
+                ms(t)
+            })
+            .collect(),
+    );
+    println!(
+        "full read of the service and slot maps ({entries} entries; every full sync and metrics scrape starts with it), median of {runs}: batched {batched:.1} ms, per-entry iteration {iterated:.1} ms: {:.1}x",
+        iterated / batched
+    );
+    serde_json::json!({"entries": entries, "batched_ms": batched, "iterated_ms": iterated})
+}
+
 /// The conntrack collector's round over busy flows (stamped 5 s ago) against the same flows
 /// quiet for 20 s, past a closing TCP flow's timeout, which is what every round cost before
 /// the collector skipped busy entries: their other entries are looked up, a system call each.
@@ -487,8 +523,9 @@ fn main() {
         }
     }
     let collector = collector_round(&pins, &mut ct, runs);
+    let read = map_read(&pins, &maps, runs);
     if let Some(path) = json_out {
-        let doc = serde_json::json!({"kernel": kernel.trim(), "cpu": cpu, "cpus": ncpu, "repeat": repeat, "new_flows": new_flows, "runs": runs, "results": results, "collector": collector});
+        let doc = serde_json::json!({"kernel": kernel.trim(), "cpu": cpu, "cpus": ncpu, "repeat": repeat, "new_flows": new_flows, "runs": runs, "results": results, "collector": collector, "map_read": read});
         std::fs::write(&path, serde_json::to_string_pretty(&doc).unwrap()).unwrap();
         println!("wrote {path}");
     }

@@ -114,7 +114,7 @@ impl KernelBackendNames {
 
 impl crate::dataplane::ebpf::outlier::FailureCounts for KernelFailureCounts {
     fn all(&self) -> Result<Vec<(u32, u32)>, MapError> {
-        collect(map_names::BACKEND_FAIL, self.fails.iter())
+        read_all(map_names::BACKEND_FAIL, aya::maps::IterableMap::map(&self.fails), all)
     }
     fn add(&mut self, backend_id: u32, n: u32) -> Result<(), MapError> {
         let now: u32 = match self.fails.get(&backend_id, 0) {
@@ -269,6 +269,11 @@ pub(crate) fn read_all<K: bytemuck::Pod, V: bytemuck::Pod>(name: &'static str, m
     }
 }
 
+/// `read_all`'s filter that keeps every entry.
+fn all<T>(_: &T) -> bool {
+    true
+}
+
 /// The backends KPR_BE_V3 holds (its ids without one hold zeros).
 fn backends_of(name: &'static str, map: &MapData) -> Result<Vec<(u32, Backend)>, MapError> {
     read_all(name, map, |(_, b): &(u32, Backend)| b.is_present())
@@ -297,7 +302,7 @@ pub(crate) fn del<R>(name: &'static str, r: Result<R, AyaMapError>) -> Result<()
 
 impl DatapathMaps for KernelMaps {
     fn services(&self) -> Result<Vec<(ServiceKey, ServiceValue)>, MapError> {
-        collect(map_names::SERVICES, self.services.iter())
+        read_all(map_names::SERVICES, aya::maps::IterableMap::map(&self.services), all)
     }
     fn put_service(&mut self, k: ServiceKey, v: ServiceValue) -> Result<(), MapError> {
         if let Some(bulk) = self.bulk.as_mut() {
@@ -310,7 +315,7 @@ impl DatapathMaps for KernelMaps {
         del(map_names::SERVICES, self.services.remove(&k))
     }
     fn slots(&self) -> Result<Vec<(SlotKey, u32)>, MapError> {
-        collect(map_names::SLOTS, self.slots.iter())
+        read_all(map_names::SLOTS, aya::maps::IterableMap::map(&self.slots), all)
     }
     fn put_slot(&mut self, k: SlotKey, id: u32) -> Result<(), MapError> {
         if let Some(bulk) = self.bulk.as_mut() {
@@ -337,8 +342,17 @@ impl DatapathMaps for KernelMaps {
         self.backends.set(id, Backend::default(), 0).map_err(|e| op(map_names::BACKENDS, "delete", e))
     }
     fn maglev_row(&self, row: u32) -> Result<Vec<u32>, MapError> {
+        // One batch from the row's first index (an array's batch goes on after the index it is
+        // given): a call where a lookup per entry made 1,021.
         let m = limits::MAGLEV_TABLE_SIZE;
-        (row * m..(row + 1) * m).map(|i| self.maglev.get(&i, 0).map_err(|e| op(map_names::MAGLEV, "lookup", e))).collect()
+        let fd = aya::maps::IterableMap::map(&self.maglev).fd();
+        let after = (row > 0).then(|| row * m - 1);
+        let (entries, _): (Vec<(u32, u32)>, _) = crate::dataplane::ebpf::bpf_batch::lookup_batch(fd, after, m as usize)
+            .map_err(|source| MapError::Op { map: map_names::MAGLEV, op: "lookup batch", source })?;
+        if entries.len() != m as usize || entries.first().map(|e| e.0) != Some(row * m) {
+            return Err(MapError::Op { map: map_names::MAGLEV, op: "lookup batch", source: io::Error::from_raw_os_error(libc::ERANGE) });
+        }
+        Ok(entries.into_iter().map(|(_, id)| id).collect())
     }
     fn put_maglev_row(&mut self, row: u32, table: &[u32]) -> Result<(), MapError> {
         // A row names backend ids: theirs must be in first (a Service may use the row already).
@@ -406,7 +420,7 @@ impl DatapathMaps for KernelMaps {
         Ok(())
     }
     fn affinity(&self) -> Result<Vec<(AffinityKey, AffinityValue)>, MapError> {
-        collect(map_names::AFFINITY, self.affinity.iter())
+        read_all(map_names::AFFINITY, aya::maps::IterableMap::map(&self.affinity), all)
     }
     fn del_affinity(&mut self, k: AffinityKey) -> Result<(), MapError> {
         del(map_names::AFFINITY, self.affinity.remove(&k))
@@ -415,7 +429,7 @@ impl DatapathMaps for KernelMaps {
         self.backend_new.get(&id, 0).map_err(|e| op(map_names::BACKEND_NEW, "lookup", e))
     }
     fn ipv6_flows(&self) -> Result<Vec<(CtKey6, CtValue6)>, MapError> {
-        collect(map_names::CONNTRACK6, self.conntrack6.iter())
+        read_all(map_names::CONNTRACK6, aya::maps::IterableMap::map(&self.conntrack6), all)
     }
     fn counters(&self) -> Result<Vec<u64>, MapError> {
         (0..proxy_common::counter::COUNT).map(|i| self.counters.get(&i, 0).map(|v| v.iter().sum()).map_err(|e| op(map_names::COUNTERS, "lookup", e))).collect()
