@@ -117,9 +117,11 @@ pub mod map_names {
         "KPR_SET_IP_V1",
         "KPR_RR_V1",
         "KPR_BE_NEW_V1",
-        // Its entries are copied into KPR_BE_V3 at load first (the backend ids stay).
-        "KPR_BE_V2",
+        BACKENDS_V2,
     ];
+    /// The backend map before it was an array (a hash map of the same entries): at load its
+    /// entries are carried into KPR_BE_V3 with their ids, then its pin is removed.
+    pub const BACKENDS_V2: &str = "KPR_BE_V2";
     /// Every map the fast path pins.
     pub const ALL: [&str; 18] = [
         SERVICES,

@@ -366,6 +366,8 @@ pub fn random_port(cfg: &DatapathConfig) -> u16 {
 /// a TCP flow probes the other (assured) table. A hairpin flow's port must differ from the
 /// backend's, or its SNAT and reverse-DNAT keys meet. Everything is read back from the scratch
 /// entry, so little stays live across the calls (new_flow's frame counts against 512 bytes).
+/// On a full table the kernel takes a free entry (evicting the least recently used) before it
+/// finds the key taken: a clash costs an eviction, as every insert into a full LRU does.
 #[inline(always)]
 fn claim_reply(f: &Flow, be: &Backend, cfg: &DatapathConfig, s: &mut CtScratch) -> Option<u16> {
     s.keys[1] = CtKey { saddr: be.addr[0], daddr: f.saddr, sport: be.port, dport: f.sport, proto: f.proto, dir: CT_DIR_EGRESS, _pad: 0 };

@@ -65,7 +65,7 @@ fn an_earlier_backend_hash_map_moves_into_the_array_with_its_ids() {
     let web = Backend::new("10.244.1.7".parse().unwrap(), 8080, proxy_common::PROTO_TCP);
     let dns = Backend::new("fd00:244::53".parse().unwrap(), 53, proxy_common::PROTO_UDP);
     let past_capacity = Backend::new("10.244.1.9".parse().unwrap(), 80, proxy_common::PROTO_TCP);
-    let v2 = pins.path().join("KPR_BE_V2");
+    let v2 = pins.path().join(map_names::BACKENDS_V2);
     pin_backend_hash(&v2, &[(7, web), (63, dns), (64, past_capacity)]);
 
     let dp = Datapath::load_object(pins.path(), caps(64)).expect("load the object");
@@ -75,11 +75,22 @@ fn an_earlier_backend_hash_map_moves_into_the_array_with_its_ids() {
     held.sort();
     assert_eq!(held, vec![(7, web), (63, dns)], "the backends keep their ids; an id past the array's capacity stays behind");
 
-    // A restart finds the array pinned: nothing is carried over again, deletes hold.
+    // Deletes are idempotent, past the array too; a put past it is a full map.
     let mut maps = maps;
     maps.del_backend(7).unwrap();
     maps.del_backend(7).unwrap();
+    maps.del_backend(1_000).unwrap();
+    assert_eq!(maps.put_backend(1_000, web).unwrap_err().full_map(), Some(map_names::BACKENDS));
+    // A restart finds the array pinned and no earlier map: nothing is carried over again.
     drop((dp, maps));
-    let _dp = Datapath::load_object(pins.path(), caps(64)).expect("load again");
+    let dp = Datapath::load_object(pins.path(), caps(64)).expect("load again");
     assert_eq!(KernelMaps::open(pins.path()).unwrap().backends().unwrap(), vec![(63, dns)]);
+
+    // A rollback: an older release made its own KPR_BE_V2 and gave the backends new ids. The
+    // next upgrade takes those, not what the first one left in KPR_BE_V3.
+    drop(dp);
+    pin_backend_hash(&v2, &[(5, web)]);
+    let _dp = Datapath::load_object(pins.path(), caps(64)).expect("load after a rollback");
+    assert!(!v2.exists());
+    assert_eq!(KernelMaps::open(pins.path()).unwrap().backends().unwrap(), vec![(5, web)], "the rollback's ids, none of the stale array's");
 }

@@ -99,29 +99,29 @@ const AFTER_FAST_PATH_PRIORITY: u16 = 0xC001;
 /// automatic ones.
 const FIRST_PRIORITY: u16 = 0xBFFF;
 
-/// The pin of the backend map before it was an array (KPR_BE_V2, a hash map of the same entries).
-const BACKENDS_V2: &str = "KPR_BE_V2";
-
-/// The backends of an earlier release's hash map (KPR_BE_V2), where its successor is not pinned
-/// yet: they move into the new array with their ids, so the next sync takes the ids over (the
-/// flows in conntrack and the per-backend counters name them). Ids past the new capacity stay
-/// behind: the sync gives their backends new ones. Best effort: without them the sync re-ids
-/// every backend, as it does after `kpr cleanup`.
-fn earlier_backends(pin_dir: &Path, capacity: u32) -> Vec<(u32, proxy_common::Backend)> {
-    if !pin_dir.join(BACKENDS_V2).exists() || pin_dir.join(map_names::BACKENDS).exists() {
-        return Vec::new();
+/// The backends of an earlier release's hash map (KPR_BE_V2), if it is pinned: they move into
+/// the array with their ids, so the next sync takes the ids over (the flows in conntrack and the
+/// per-backend counters name them). Ids past the new capacity stay behind: the sync gives their
+/// backends new ones. A pinned KPR_BE_V2 is always the newer data (this release unpins it once
+/// carried over), so a KPR_BE_V3 beside it is a leftover of an upgrade that a rollback undid:
+/// it is unpinned, to be made anew. Best effort: without the entries the sync re-ids every
+/// backend, as it does after `kpr cleanup`.
+fn earlier_backends(pin_dir: &Path, capacity: u32) -> Option<Vec<(u32, proxy_common::Backend)>> {
+    let v2 = map_names::BACKENDS_V2;
+    if !pin_dir.join(v2).exists() {
+        return None;
     }
-    let read = crate::dataplane::ebpf::kernel_maps::open(pin_dir, BACKENDS_V2).and_then(|m| match map_data(&m) {
-        Some(d) => crate::dataplane::ebpf::kernel_maps::read_all(BACKENDS_V2, d, |(id, b): &(u32, proxy_common::Backend)| *id < capacity && b.is_present()),
+    if std::fs::remove_file(pin_dir.join(map_names::BACKENDS)).is_ok() {
+        tracing::warn!(stale = map_names::BACKENDS, newer = v2, "an older release ran after this one: its backend map replaces the one this release left");
+    }
+    let read = crate::dataplane::ebpf::kernel_maps::open(pin_dir, v2).and_then(|m| match map_data(&m) {
+        Some(d) => crate::dataplane::ebpf::kernel_maps::read_all(v2, d, |(id, b): &(u32, proxy_common::Backend)| *id < capacity && b.is_present()),
         None => Ok(Vec::new()),
     });
-    match read {
-        Ok(all) => all,
-        Err(err) => {
-            tracing::warn!(map = BACKENDS_V2, error = %err, "cannot read the earlier backend map: the sync gives every backend a new id");
-            Vec::new()
-        }
-    }
+    Some(read.unwrap_or_else(|err| {
+        tracing::warn!(map = v2, error = %err, "cannot read the earlier backend map: the sync gives every backend a new id");
+        Vec::new()
+    }))
 }
 
 /// The descriptor side of the two kinds the carry-over touches.
@@ -160,11 +160,12 @@ impl Datapath {
             );
         }
         let carried = earlier_backends(pin_dir, caps.backends);
-        for name in map_names::RETIRED {
+        let unpin = |name: &'static str| {
             if std::fs::remove_file(pin_dir.join(name)).is_ok() {
                 tracing::info!(map = name, "removed the pin of a map an earlier version used");
             }
-        }
+        };
+        map_names::RETIRED.into_iter().filter(|n| *n != map_names::BACKENDS_V2).for_each(unpin);
         let mut loader = EbpfLoader::new();
         loader.default_map_pin_directory(pin_dir);
         for (name, n) in sized_maps(&caps) {
@@ -172,8 +173,12 @@ impl Datapath {
         }
         let ebpf = loader.load(EBPF_OBJECT).map_err(KernelError::Load)?;
         let dp = Self { ebpf, pin_dir: pin_dir.into(), tc_program: prog_names::TC_INGRESS, after_fast_path: false };
-        if !carried.is_empty() {
-            dp.carry_backends_over(&carried);
+        if let Some(carried) = carried {
+            if !carried.is_empty() {
+                dp.carry_backends_over(&carried);
+            }
+            // Only now: a load that failed leaves it for the next one to carry over.
+            unpin(map_names::BACKENDS_V2);
         }
         Ok(dp)
     }
@@ -183,7 +188,7 @@ impl Datapath {
         let Some(map) = self.ebpf.map(map_names::BACKENDS).and_then(map_data) else { return };
         let (ids, backends): (Vec<u32>, Vec<proxy_common::Backend>) = carried.iter().copied().unzip();
         match crate::dataplane::ebpf::bpf_batch::update_batch(map.fd(), &ids, &backends) {
-            Ok(()) => tracing::info!(backends = ids.len(), from = BACKENDS_V2, to = map_names::BACKENDS, "carried the backends and their ids over"),
+            Ok(()) => tracing::info!(backends = ids.len(), from = map_names::BACKENDS_V2, to = map_names::BACKENDS, "carried the backends and their ids over"),
             Err((i, err)) => tracing::warn!(written = i, of = ids.len(), error = %err, "carrying the earlier backends over failed: the sync gives the rest new ids"),
         }
     }

@@ -15,6 +15,8 @@ use crate::dataplane::ebpf::{
 
 pub(crate) fn op(map: &'static str, op: &'static str, e: AyaMapError) -> MapError {
     let source = match e {
+        // An array's index past its capacity (aya checks before the kernel would: E2BIG).
+        AyaMapError::OutOfBounds { .. } if op == "update" => return MapError::Full { map },
         AyaMapError::SyscallError(s) if op == "update" => return MapError::update_failed(map, op, s.io_error),
         AyaMapError::SyscallError(s) => s.io_error,
         other => io::Error::other(other.to_string()),
@@ -255,6 +257,12 @@ impl KernelMaps {
 /// entries in a few hundred calls, where an iteration makes two calls per entry. Filtered batch
 /// by batch, so an array's empty entries are never all held at once.
 pub(crate) fn read_all<K: bytemuck::Pod, V: bytemuck::Pod>(name: &'static str, map: &MapData, keep: impl Fn(&(K, V)) -> bool) -> Result<Vec<(K, V)>, MapError> {
+    // The kernel writes key_size and value_size bytes an entry into the buffers: a pin of
+    // another layout must not be read into these types.
+    let info = map.info().map_err(|e| op(name, "info", e))?;
+    if (info.key_size() as usize, info.value_size() as usize) != (std::mem::size_of::<K>(), std::mem::size_of::<V>()) {
+        return Err(MapError::Op { map: name, op: "lookup batch", source: io::Error::from_raw_os_error(libc::EINVAL) });
+    }
     let fd = map.fd();
     let mut out = Vec::new();
     let mut cursor = None;
@@ -338,8 +346,15 @@ impl DatapathMaps for KernelMaps {
     }
     fn del_backend(&mut self, id: u32) -> Result<(), MapError> {
         self.held_written()?;
-        // Zeros: no backend (idempotent, as a delete is).
-        self.backends.set(id, Backend::default(), 0).map_err(|e| op(map_names::BACKENDS, "delete", e))
+        // Protocol 0 is no backend. Only that byte changes: an array write is a copy in place,
+        // not a swap, so a flow choosing the backend meanwhile reads it whole or absent, never
+        // half zeroed. Idempotent, as a delete is; an id past the array holds nothing.
+        let b = match self.backends.get(&id, 0) {
+            Ok(b) if b.is_present() => b,
+            Ok(_) | Err(AyaMapError::OutOfBounds { .. }) => return Ok(()),
+            Err(e) => return Err(op(map_names::BACKENDS, "lookup", e)),
+        };
+        self.backends.set(id, Backend { proto: 0, ..b }, 0).map_err(|e| op(map_names::BACKENDS, "delete", e))
     }
     fn maglev_row(&self, row: u32) -> Result<Vec<u32>, MapError> {
         // One batch from the row's first index (an array's batch goes on after the index it is

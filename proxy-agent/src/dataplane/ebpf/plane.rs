@@ -182,10 +182,13 @@ impl EbpfPlane {
         if ipv6.serves_external() && ProcSysctls.get("net.ipv6.conf.all.forwarding").is_ok_and(|v| v.trim() != "1") {
             warn!("net.ipv6.conf.all.forwarding is off: IPv6 NodePorts, externalIPs and LB IPs reach no backend until it is on");
         }
+        // Backend ids index the backend array: a pinned one keeps its capacity (a larger
+        // setting applies after `kpr cleanup`), so the ids stay below what it holds.
+        let backend_ids = maps.capacity(proxy_common::map_names::BACKENDS).map_or(s.capacities.backends, |c| s.capacities.backends.min(c as u32));
         Ok(Self {
             dp,
             maps,
-            syncer: Syncer::new(s.capacities.services, s.capacities.backends, proxy_common::limits::MAGLEV_ROWS),
+            syncer: Syncer::new(s.capacities.services, backend_ids, proxy_common::limits::MAGLEV_ROWS),
             interfaces: Interfaces::new(s, pin_dir, true),
             config,
             gc,
