@@ -362,8 +362,8 @@ pub fn random_port(cfg: &DatapathConfig) -> u16 {
 /// BPF_NOEXIST, and returns p: the client's own port unless the tuple is taken (one client port
 /// towards two VIPs with a common backend, or the backend reached directly too), then a few
 /// random tries in the SNAT range, as conntrack's NAT moves clashing ports. The insert is the
-/// check in the table the flow starts in, which saves a cold hash probe on every new flow; only
-/// a TCP flow probes the other (assured) table. A hairpin flow's port must differ from the
+/// check in the table the flow starts in, so two CPUs cannot both claim one tuple; only a TCP
+/// flow probes the other (assured) table. A hairpin flow's port must differ from the
 /// backend's, or its SNAT and reverse-DNAT keys meet. Everything is read back from the scratch
 /// entry, so little stays live across the calls (new_flow's frame counts against 512 bytes).
 /// On a full table the kernel takes a free entry (evicting the least recently used) before it

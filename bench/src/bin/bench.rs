@@ -205,14 +205,13 @@ fn assured_flow(dp: &mut Datapath, first: Prog, syn: Vec<u8>) {
 /// from: the agent's batched reads (BPF_MAP_LOOKUP_BATCH) against a per-entry iteration (two
 /// system calls an entry), median of `runs` each, in milliseconds.
 fn map_read(pins: &PinDir, maps: &KernelMaps, runs: usize) -> serde_json::Value {
-    use proxy_agent::dataplane::ebpf::kernel_maps::open_typed;
+    use proxy_agent::dataplane::ebpf::{kernel_maps::open_typed, maps::DatapathMaps};
     let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
     let mut entries = 0;
     let batched = median(
         (0..runs)
             .map(|_| {
                 let t = Instant::now();
-                use proxy_agent::dataplane::ebpf::maps::DatapathMaps;
                 entries = maps.services().expect("services").len() + maps.slots().expect("slots").len();
                 ms(t)
             })

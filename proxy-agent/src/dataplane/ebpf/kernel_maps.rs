@@ -142,23 +142,9 @@ impl KernelSockRev {
 
 impl crate::dataplane::ebpf::endpoint_cleanup::BalancedSockets for KernelSockRev {
     fn cookies_to(&self, addr: std::net::IpAddr, port: u16) -> Result<std::collections::BTreeSet<u64>, MapError> {
-        let fd = aya::maps::IterableMap::map(&self.0).fd();
         let (want_addr, want_port) = (proxy_common::user::addr_words(addr), port.to_be());
-        let mut out = std::collections::BTreeSet::new();
-        let mut cursor = None;
-        loop {
-            let (batch, next): (Vec<(proxy_common::SockRevKey, proxy_common::SockRevValue)>, _) =
-                crate::dataplane::ebpf::bpf_batch::lookup_batch(fd, cursor, 4096).map_err(|source| MapError::Op {
-                    map: map_names::SOCK_REV,
-                    op: "lookup batch",
-                    source,
-                })?;
-            out.extend(batch.iter().filter(|(k, _)| k.addr == want_addr && k.port == want_port).map(|(k, _)| k.cookie));
-            match next {
-                Some(c) => cursor = Some(c),
-                None => return Ok(out),
-            }
-        }
+        let to_it = |(k, _): &(proxy_common::SockRevKey, proxy_common::SockRevValue)| k.addr == want_addr && k.port == want_port;
+        Ok(read_all(map_names::SOCK_REV, aya::maps::IterableMap::map(&self.0), to_it)?.into_iter().map(|(k, _)| k.cookie).collect())
     }
 }
 
