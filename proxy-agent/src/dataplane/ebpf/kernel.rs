@@ -189,7 +189,9 @@ impl Datapath {
         let (ids, backends): (Vec<u32>, Vec<proxy_common::Backend>) = carried.iter().copied().unzip();
         match crate::dataplane::ebpf::bpf_batch::update_batch(map.fd(), &ids, &backends) {
             Ok(()) => tracing::info!(backends = ids.len(), from = map_names::BACKENDS_V2, to = map_names::BACKENDS, "carried the backends and their ids over"),
-            Err((i, err)) => tracing::warn!(written = i, of = ids.len(), error = %err, "carrying the earlier backends over failed: the sync gives the rest new ids"),
+            Err((i, err)) => {
+                tracing::warn!(written = i, of = ids.len(), error = %err, "carrying the earlier backends over failed: the sync gives the rest new ids")
+            }
         }
     }
 

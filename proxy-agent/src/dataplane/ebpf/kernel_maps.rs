@@ -253,8 +253,8 @@ pub(crate) fn read_all<K: bytemuck::Pod, V: bytemuck::Pod>(name: &'static str, m
     let mut out = Vec::new();
     let mut cursor = None;
     loop {
-        let (batch, next): (Vec<(K, V)>, _) = crate::dataplane::ebpf::bpf_batch::lookup_batch(fd, cursor, 16_384)
-            .map_err(|source| MapError::Op { map: name, op: "lookup batch", source })?;
+        let (batch, next): (Vec<(K, V)>, _) =
+            crate::dataplane::ebpf::bpf_batch::lookup_batch(fd, cursor, 16_384).map_err(|source| MapError::Op { map: name, op: "lookup batch", source })?;
         out.extend(batch.into_iter().filter(&keep));
         match next {
             Some(c) => cursor = Some(c),
@@ -348,8 +348,11 @@ impl DatapathMaps for KernelMaps {
         let m = limits::MAGLEV_TABLE_SIZE;
         let fd = aya::maps::IterableMap::map(&self.maglev).fd();
         let after = (row > 0).then(|| row * m - 1);
-        let (entries, _): (Vec<(u32, u32)>, _) = crate::dataplane::ebpf::bpf_batch::lookup_batch(fd, after, m as usize)
-            .map_err(|source| MapError::Op { map: map_names::MAGLEV, op: "lookup batch", source })?;
+        let (entries, _): (Vec<(u32, u32)>, _) = crate::dataplane::ebpf::bpf_batch::lookup_batch(fd, after, m as usize).map_err(|source| MapError::Op {
+            map: map_names::MAGLEV,
+            op: "lookup batch",
+            source,
+        })?;
         if entries.len() != m as usize || entries.first().map(|e| e.0) != Some(row * m) {
             return Err(MapError::Op { map: map_names::MAGLEV, op: "lookup batch", source: io::Error::from_raw_os_error(libc::ERANGE) });
         }
