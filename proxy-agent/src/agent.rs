@@ -18,7 +18,7 @@ use tracing::{error, info, warn};
 use crate::{
     dataplane::{Dataplane, DataplaneError, NodeContext, SyncStats},
     host::netif,
-    model::{self, objects::ObjectError, DesiredState, FrontendKey, ModelConfig, NodeInfo},
+    model::{self, errors::ObjectError, DesiredState, FrontendKey, ModelConfig, NodeInfo},
     serve::healthcheck::HealthChecks,
     settings::{NodePortAddresses, Settings},
     source::{Poll, Source, SyncInput},
@@ -362,7 +362,7 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
         stats.m.rejected_objects.set(problems.len() as i64);
         let full_by_reason: Vec<&'static str> = full.iter().map(|e| e.reason).collect();
         stats.not_programmed = problems.iter().map(|e| (*e).clone()).chain(full).collect();
-        for reason in crate::model::objects::REASONS {
+        for reason in crate::model::errors::REASONS {
             let n = problems.iter().filter(|p| p.reason == reason).count() + full_by_reason.iter().filter(|r| **r == reason).count();
             stats.m.not_programmed.with_label_values(&[reason]).set(n as i64);
         }
@@ -395,7 +395,7 @@ fn map_full_error(map: &'static str, service: &str) -> ObjectError {
         object: format!("Service {name}"),
         field: format!("spec.ports[{port}]"),
         message: format!("not programmed on this node: map {map} is full (raise its capacity: docs/configuration.md); every other service is"),
-        reason: crate::model::objects::MAP_FULL,
+        reason: crate::model::errors::MAP_FULL,
     }
 }
 

@@ -138,7 +138,7 @@ impl Metrics {
         for policy in ["internal", "external"] {
             m.no_local_endpoints.with_label_values(&[policy]);
         }
-        for reason in crate::model::objects::REASONS {
+        for reason in crate::model::errors::REASONS {
             m.not_programmed.with_label_values(&[reason]);
         }
         // Only Linux has /proc for the process collector.
@@ -177,7 +177,7 @@ pub struct Stats {
     pub mode: &'static str,
     /// What the last sync could not program, each with its object, field and reason (served
     /// at /notProgrammed for `kpr services`).
-    pub not_programmed: Vec<crate::model::objects::ObjectError>,
+    pub not_programmed: Vec<crate::model::errors::ObjectError>,
 }
 
 impl Stats {

@@ -324,7 +324,7 @@ endpoints: [{addresses: ["fd00:10:244::30"], conditions: {ready: true}}]
         ("EndpointSlice g/dual-6", "addressType"),
     ] {
         assert!(
-            reported.iter().any(|(o, f, reason)| o == object && f == field && *reason == proxy_agent::model::objects::NOT_SUPPORTED),
+            reported.iter().any(|(o, f, reason)| o == object && f == field && *reason == proxy_agent::model::errors::NOT_SUPPORTED),
             "{object} {field} not reported: {reported:?}"
         );
     }

@@ -172,7 +172,7 @@ fn a_full_map_is_an_event_once_and_a_metric_each_time() {
     let t0 = Instant::now();
     assert_eq!(a.step(t0, W), Step::Synced { full: true });
     let e = rx.try_recv().expect("an Event");
-    assert_eq!((e.reason, e.object.as_str(), e.field.as_str()), (crate::model::objects::MAP_FULL, "Service demo/s0", "spec.ports[http]"));
+    assert_eq!((e.reason, e.object.as_str(), e.field.as_str()), (crate::model::errors::MAP_FULL, "Service demo/s0", "spec.ports[http]"));
     a.source.pending = changed(&["s0"]);
     assert_eq!(a.step(t0 + Duration::from_secs(2), W), Step::Synced { full: false });
     assert!(rx.try_recv().is_err(), "once while it lasts");
@@ -193,7 +193,7 @@ fn what_is_not_programmed_stays_known_across_incremental_syncs() {
     assert_eq!((e.object.as_str(), e.field.as_str()), ("Service demo/s0", "metadata.annotations[kpr.io/scheduler]"));
     let listed = |a: &Agent<FakeSource, FakeDataplane>| a.stats.lock().unwrap().not_programmed.iter().map(|e| e.object.clone()).collect::<Vec<_>>();
     let gauge =
-        |a: &Agent<FakeSource, FakeDataplane>| a.stats.lock().unwrap().m.not_programmed.with_label_values(&[crate::model::objects::FIELD_NOT_PROGRAMMED]).get();
+        |a: &Agent<FakeSource, FakeDataplane>| a.stats.lock().unwrap().m.not_programmed.with_label_values(&[crate::model::errors::FIELD_NOT_PROGRAMMED]).get();
     assert_eq!((listed(&a), gauge(&a)), (vec!["Service demo/s0".to_string()], 1));
     // Another Service changes: s0's problem is still listed and counted, and not sent again.
     a.source.pending = changed(&["s1"]);

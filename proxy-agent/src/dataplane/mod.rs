@@ -49,7 +49,7 @@ pub struct SyncStats {
     /// (map, "namespace/name:port") of each frontend that did not fit in a full map.
     pub full: Vec<(&'static str, String)>,
     /// Backends left out of Services for now (outlier ejection), as Events' content.
-    pub ejected: Vec<crate::model::objects::ObjectError>,
+    pub ejected: Vec<crate::model::errors::ObjectError>,
 }
 
 #[derive(Debug, thiserror::Error)]

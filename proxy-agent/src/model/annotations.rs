@@ -2,7 +2,7 @@
 use std::{collections::BTreeMap, net::IpAddr};
 
 use crate::model::{
-    objects::{err, unsupported, ObjectError},
+    errors::{err, unsupported, ObjectError},
     Scheduler,
 };
 

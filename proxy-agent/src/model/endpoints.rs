@@ -2,7 +2,8 @@
 use std::{collections::BTreeSet, net::IpAddr, sync::Arc};
 
 use crate::model::{
-    objects::{err, unsupported, ObjectError, SliceObject},
+    errors::{err, unsupported, ObjectError},
+    slice_object::SliceObject,
     BackendKey, Ipv6Reach, NodeInfo, Protocol, NO_WIRE_FORM,
 };
 

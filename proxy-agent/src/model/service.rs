@@ -10,7 +10,9 @@ use crate::model::{
         OUTLIER_EJECTION_ANNOTATION, SCHEDULER_ANNOTATION,
     },
     endpoints::{port_endpoints, to_keys_of, topology_filtered, usable, Ep},
-    objects::{err, unsupported, ObjectError, ServiceObject, ServiceSpec, SliceObject},
+    errors::{err, unsupported, ObjectError},
+    objects::{ServiceObject, ServiceSpec},
+    slice_object::SliceObject,
     BackendKey, DesiredState, Frontend, FrontendKey, FrontendKind, Ipv6Reach, ModelConfig, NodeInfo, Protocol, Scheduler, Scope, DEFAULT_AFFINITY_TIMEOUT_S,
     NO_WIRE_FORM,
 };

@@ -17,7 +17,8 @@ use kube::{
 use tracing::{info, warn};
 
 use crate::model::{
-    objects::{packed, ObjectName, Objects, ServiceObject, SliceObject, Slices},
+    objects::{packed, ObjectName, Objects, ServiceObject, Slices},
+    slice_object::SliceObject,
     slice_wire::SliceWire,
 };
 
@@ -392,7 +393,7 @@ mod tests {
     fn trigger_time_is_read_from_the_annotation() {
         let at = |t: &str| {
             let mut slice = k8s_openapi::api::discovery::v1::EndpointSlice::default();
-            slice.metadata.annotations = Some([(crate::model::objects::TRIGGER_TIME_ANNOTATION.to_string(), t.to_string())].into());
+            slice.metadata.annotations = Some([(crate::model::slice_object::TRIGGER_TIME_ANNOTATION.to_string(), t.to_string())].into());
             SliceObject::from(slice).trigger_time.map(|t| t.duration_since(SystemTime::UNIX_EPOCH).unwrap().as_millis())
         };
         assert_eq!(at("2024-02-29T12:34:56Z"), Some(1_709_210_096_000));
@@ -403,7 +404,7 @@ mod tests {
 
 /// Publishes Kubernetes Events (events.k8s.io/v1, type Warning) for objects kpr could not
 /// program, so `kubectl describe service` shows why.
-pub async fn publish_events(client: Client, node_name: String, mut rx: tokio::sync::mpsc::UnboundedReceiver<crate::model::objects::ObjectError>) {
+pub async fn publish_events(client: Client, node_name: String, mut rx: tokio::sync::mpsc::UnboundedReceiver<crate::model::errors::ObjectError>) {
     use k8s_openapi::api::core::v1::ObjectReference;
     use kube::runtime::events::{Event, EventType, Recorder, Reporter};
     let recorder = Recorder::new(client, Reporter { controller: "kpr".into(), instance: Some(node_name) });

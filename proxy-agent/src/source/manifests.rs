@@ -8,7 +8,7 @@ use std::{
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 
-use crate::model::objects::{ObjectError, Objects};
+use crate::model::{errors::ObjectError, objects::Objects};
 use serde::de::DeserializeOwned;
 
 #[derive(Debug, thiserror::Error)]
@@ -58,7 +58,7 @@ pub fn load_dir(dir: &Path) -> Result<LoadReport, SourceError> {
                 object: "-".into(),
                 field: "-".into(),
                 message: format!("cannot read: {e}"),
-                reason: crate::model::objects::FIELD_NOT_PROGRAMMED,
+                reason: crate::model::errors::FIELD_NOT_PROGRAMMED,
             }),
         }
     }
@@ -76,7 +76,7 @@ pub fn load_text(source: &str, text: &str, report: &mut LoadReport) {
                     object: format!("document {}", i + 1),
                     field: "-".into(),
                     message: format!("not YAML/JSON: {e}"),
-                    reason: crate::model::objects::FIELD_NOT_PROGRAMMED,
+                    reason: crate::model::errors::FIELD_NOT_PROGRAMMED,
                 });
                 // The rest of the stream cannot be resynchronised.
                 return;
@@ -141,7 +141,7 @@ fn typed<T: DeserializeOwned>(source: &str, object: &str, value: serde_yaml::Val
             object: object.into(),
             field: "metadata.name".into(),
             message: "missing".into(),
-            reason: crate::model::objects::FIELD_NOT_PROGRAMMED,
+            reason: crate::model::errors::FIELD_NOT_PROGRAMMED,
         });
         return None;
     }
@@ -153,7 +153,7 @@ fn typed<T: DeserializeOwned>(source: &str, object: &str, value: serde_yaml::Val
                 object: object.into(),
                 field: e.path().to_string(),
                 message: e.inner().to_string(),
-                reason: crate::model::objects::FIELD_NOT_PROGRAMMED,
+                reason: crate::model::errors::FIELD_NOT_PROGRAMMED,
             });
             None
         }

@@ -14,7 +14,10 @@ use std::{
 use k8s_openapi::api::core::v1::Node;
 
 use crate::{
-    model::objects::{ObjectError, ObjectName, Objects},
+    model::{
+        errors::ObjectError,
+        objects::{ObjectName, Objects},
+    },
     stats::Stats,
 };
 

@@ -17,7 +17,7 @@ use proxy_common::Backend;
 use crate::{
     dataplane::ebpf::{maps::MapError, wire},
     model::{
-        objects::{ObjectError, OUTLIER_EJECTED},
+        errors::{ObjectError, OUTLIER_EJECTED},
         BackendKey, DesiredState, Frontend, FrontendKey,
     },
 };
