@@ -6,8 +6,12 @@
 //!
 //! Order: a batch writes its backends, then its slots, then its services, and batches are
 //! written in the order they were made (each stage takes them in order, and the second takes a
-//! batch only once the first wrote its backends). So no entry is ever written before one it
-//! points to: a slot's backend is in an earlier map of its batch or in an earlier batch.
+//! batch only once the first wrote its part). So no entry is ever written before one it points
+//! to: a slot's backend is in an earlier map of its batch or in an earlier batch.
+//!
+//! The slots (a million at 100,000 Services, each a hash insert) are the most work: the first
+//! stage writes the first half of a batch's slots after its backends (an array's writes, cheap),
+//! the second the other half, then the services, once both halves are in.
 use std::{
     os::fd::{AsFd, BorrowedFd, OwnedFd},
     sync::{mpsc, Arc, Mutex},
@@ -36,8 +40,13 @@ impl Batch {
     }
 }
 
-fn write_map<K: bytemuck::Pod, V: bytemuck::Pod>(fd: BorrowedFd, name: &'static str, puts: &(Vec<K>, Vec<V>)) -> Result<(), MapError> {
-    bpf_batch::update_batch(fd, &puts.0, &puts.1).map_err(|(_, source)| MapError::update_failed(name, "update batch", source))
+fn write_map<K: bytemuck::Pod, V: bytemuck::Pod>(fd: BorrowedFd, name: &'static str, keys: &[K], values: &[V]) -> Result<(), MapError> {
+    bpf_batch::update_batch(fd, keys, values).map_err(|(_, source)| MapError::update_failed(name, "update batch", source))
+}
+
+/// Where a batch's slots split between the two stages.
+fn slot_half(b: &Batch) -> usize {
+    b.slots.0.len() / 2
 }
 
 enum ToWriter {
@@ -110,17 +119,23 @@ impl Bulk {
         // The writer threads' own descriptors of the three maps.
         let own = |fd: BorrowedFd| -> Option<OwnedFd> { fd.try_clone_to_owned().ok() };
         let (backends, slots, services) = (own(backends)?, own(slots)?, own(services)?);
-        // Two stages, each on a thread: the backends, then the slots and services (two thirds
-        // of the entries), so the kernel's inserts run on two cores beside the sync's own.
+        // Two stages, each on a thread: the backends and half the slots, then the other half
+        // and the services, so the kernel's inserts run on two cores beside the sync's own.
         // One batch queued before each: at most five in memory.
         let (tx, rx) = mpsc::sync_channel::<ToWriter>(1);
         let (to_second, second_rx) = mpsc::sync_channel::<ToWriter>(1);
         let error: Arc<Mutex<Option<MapError>>> = Arc::default();
+        let slots_second = slots.try_clone().ok()?;
         let second = stage("kpr-bulk", second_rx, None, Arc::clone(&error), move |b| {
-            write_map(slots.as_fd(), map_names::SLOTS, &b.slots)?;
-            write_map(services.as_fd(), map_names::SERVICES, &b.services)
+            let h = slot_half(b);
+            write_map(slots_second.as_fd(), map_names::SLOTS, &b.slots.0[h..], &b.slots.1[h..])?;
+            write_map(services.as_fd(), map_names::SERVICES, &b.services.0, &b.services.1)
         })?;
-        let first = stage("kpr-bulk-be", rx, Some(to_second), Arc::clone(&error), move |b| write_map(backends.as_fd(), map_names::BACKENDS, &b.backends))?;
+        let first = stage("kpr-bulk-be", rx, Some(to_second), Arc::clone(&error), move |b| {
+            write_map(backends.as_fd(), map_names::BACKENDS, &b.backends.0, &b.backends.1)?;
+            let h = slot_half(b);
+            write_map(slots.as_fd(), map_names::SLOTS, &b.slots.0[..h], &b.slots.1[..h])
+        })?;
         Some(Bulk { current: Batch::default(), unfenced: 0, writer: Writer { tx, threads: [first, second], error }, failed: false })
     }
 
