@@ -19,10 +19,10 @@ use crate::{
             interfaces::Interfaces,
             kernel::{self, Datapath},
             kernel_maps::{KernelBackendLoads, KernelBackendNames, KernelConntrack, KernelFailureCounts, KernelMaps, KernelSockRev},
-            maps::{write_loads, DatapathMaps},
+            maps::{write_loads, DatapathMaps, MapError},
             masquerade6,
             outlier::{self, Outliers},
-            sync::{RemovedBackend, SyncError, Syncer},
+            sync::{MapsRead, RemovedBackend, SyncError, Syncer},
         },
         Dataplane, DataplaneError, NodeContext, PreviousProxy, SyncStats,
     },
@@ -65,6 +65,8 @@ pub struct EbpfPlane {
     /// While handing over: the TCP Services' (address, port) at the last sync.
     tcp_frontends: BTreeSet<(std::net::IpAddr, u16)>,
     stats: SharedStats,
+    /// The maps read on a thread of their own while the API server lists, for the first sync.
+    read_ahead: Option<std::thread::JoinHandle<Result<MapsRead, MapError>>>,
     /// IPv6 is served with the connect-time programs attached (`--cgroup`: they alone serve
     /// IPv6 clusterIPs); its NodePorts, externalIPs and LB IPs also need the IPv6 masquerade
     /// rule (masquerade6).
@@ -162,6 +164,12 @@ impl EbpfPlane {
         let mut maps = KernelMaps::open(&pin_dir)?;
         // Before the programs attach: IPVS's connections must pass through from the first packet.
         let handover = previous(&mut maps);
+        // Nothing but the syncer writes what this reads (the handover above sets a config flag
+        // and conntrack entries): read now, while the API server lists, not after.
+        let read_ahead = {
+            let pin_dir = pin_dir.clone();
+            std::thread::Builder::new().name("kpr-read".into()).spawn(move || KernelMaps::open(&pin_dir).and_then(|m| MapsRead::read(&m))).ok()
+        };
         let timeouts = Timeouts::from_settings(&s.conntrack);
         let outliers = Arc::new(Mutex::new(Outliers::new(OUTLIER_EJECTION_TIME)));
         let gc = start_gc(pin_dir.clone(), timeouts, stats.clone(), outliers.clone());
@@ -198,6 +206,7 @@ impl EbpfPlane {
             handover,
             tcp_frontends: BTreeSet::new(),
             stats,
+            read_ahead,
             ipv6,
         })
     }
@@ -255,6 +264,14 @@ impl Dataplane for EbpfPlane {
         };
         let (left_out, ejected_events) = outlier::leave_out(desired, &ejected);
         self.syncer.set_overrides(left_out);
+        if let Some(reading) = self.read_ahead.take() {
+            match reading.join() {
+                Ok(Ok(read)) => self.syncer.set_read_ahead(read),
+                // The sync reads the maps itself.
+                Ok(Err(e)) => warn!(error = %e, "reading the maps ahead of the first sync failed"),
+                Err(_) => warn!("the thread reading the maps ahead of the first sync panicked"),
+            }
+        }
         let r = match touched {
             None => self.syncer.sync(&mut self.maps, desired, config),
             Some(t) => self.syncer.sync_subset(&mut self.maps, desired, config, t),

@@ -113,6 +113,8 @@ pub struct Syncer {
     maglev_written: HashMap<u32, Vec<u32>>,
     /// What the maps hold after the last successful sync (None: list them next time).
     mirror: Option<Mirror>,
+    /// The maps as read before the first sync (`set_read_ahead`), taken by the next full read.
+    read_ahead: Option<MapsRead>,
     /// Backend id -> frontends whose slots use it (a backend is deleted when unused).
     backend_refs: ById<u32>,
     /// Backend ids are below this (the backend map's capacity).
@@ -153,6 +155,7 @@ impl Syncer {
             ids: Ids::new(max_services, max_backends, maglev_rows),
             maglev_written: HashMap::new(),
             mirror: None,
+            read_ahead: None,
             backend_refs: ById::new(max_backends),
             max_backends,
             overrides: Default::default(),
@@ -166,11 +169,27 @@ impl Syncer {
         }
     }
 
+    /// What the maps held when they were read on another thread while the API server listed
+    /// (at 100,000 Services a restart's read is a few tenths of a second, a fresh start's about
+    /// a quarter: the backend array is read whole). The next full sync takes it in place of
+    /// reading them: the syncer is the only writer of these maps, and it has not written yet.
+    /// Every later full sync reads them itself and so repairs any drift.
+    pub fn set_read_ahead(&mut self, read: MapsRead) {
+        if self.mirror.is_none() {
+            self.read_ahead = Some(read);
+        }
+    }
+
     /// Full sync: lists what the maps hold now, then writes the difference. Repairs any drift
     /// (an entry deleted or changed by hand).
     pub fn sync(&mut self, maps: &mut dyn DatapathMaps, desired: &DesiredState, config: DatapathConfig) -> Result<SyncStats, SyncError> {
         self.mirror = None;
-        let actual = Mirror::read(maps, &mut self.ids)?;
+        let read = match self.read_ahead.take() {
+            Some(r) => r,
+            None => MapsRead::read(maps)?,
+        };
+        let actual = Mirror::build(read, maps.config()?, &mut self.ids);
+        tracing::debug!(services = actual.services.len(), backends = actual.backends.len(), "maps read");
         self.apply(maps, desired, config, actual, true)
     }
 
@@ -660,9 +679,18 @@ impl Slots {
     }
 }
 
-impl Mirror {
-    /// What the maps hold; the ids in them are taken over first, after a restart.
-    fn read(maps: &dyn DatapathMaps, ids: &mut Ids) -> Result<Self, MapError> {
+/// What the service, slot, backend and source-range maps hold, as read: what a full sync
+/// starts from, before the ids are taken over from it.
+pub struct MapsRead {
+    services: Vec<(ServiceKey, ServiceValue)>,
+    backends: Vec<(u32, Backend)>,
+    slots: FastMap<u32, Slots>,
+    stray_slots: Vec<SlotKey>,
+    ranges: BTreeSet<SrcRange>,
+}
+
+impl MapsRead {
+    pub fn read(maps: &dyn DatapathMaps) -> Result<Self, MapError> {
         let mut slots: FastMap<u32, Slots> = FastMap::default();
         let mut stray_slots = Vec::new();
         for (k, id) in maps.slots()? {
@@ -673,8 +701,14 @@ impl Mirror {
             }
         }
         slots.values_mut().for_each(|s| s.0.shrink_to_fit());
-        let services: Vec<(ServiceKey, ServiceValue)> = maps.services()?;
-        let backends = maps.backends()?;
+        Ok(Self { services: maps.services()?, backends: maps.backends()?, slots, stray_slots, ranges: maps.source_ranges()?.into_iter().collect() })
+    }
+}
+
+impl Mirror {
+    /// The mirror of what was read; the ids in it are taken over first, after a restart.
+    fn build(read: MapsRead, config: DatapathConfig, ids: &mut Ids) -> Self {
+        let MapsRead { services, backends, slots, stray_slots, ranges } = read;
         if !ids.seeded {
             ids.seed(&services, &backends);
         }
@@ -682,14 +716,7 @@ impl Mirror {
         for (id, b) in backends {
             held.set(ids, id, b);
         }
-        Ok(Self {
-            config: maps.config()?,
-            services: services.into_iter().collect(),
-            backends: held,
-            slots,
-            stray_slots,
-            ranges: maps.source_ranges()?.into_iter().collect(),
-        })
+        Self { config, services: services.into_iter().collect(), backends: held, slots, stray_slots, ranges }
     }
 }
 
@@ -1044,6 +1071,35 @@ mod tests {
         assert!(maps.slots.is_empty());
         s.sync(&mut maps, &d, DatapathConfig::default()).unwrap();
         assert_eq!(maps.slots.len(), 1);
+    }
+
+    #[test]
+    fn the_first_full_sync_takes_the_maps_read_ahead_and_later_ones_read_them() {
+        // What a previous agent left.
+        let mut maps = FakeMaps::default();
+        let mut d = DesiredState::default();
+        d.frontends.insert(key("10.96.0.1"), frontend(&[("10.0.0.1", 80), ("10.0.0.2", 80)], Scheduler::Random));
+        Syncer::default().sync(&mut maps, &d, DatapathConfig::default()).unwrap();
+        let kept = programmed(&maps);
+
+        // A restart reads ahead: the sync takes over the ids from that read and writes nothing.
+        let mut s = Syncer::default();
+        s.set_read_ahead(MapsRead::read(&maps).unwrap());
+        // Proof that it is that read the sync uses: a slot deleted after it is not seen.
+        let slot = *maps.slots.keys().next().unwrap();
+        let slot_id = maps.slots.remove(&slot).unwrap();
+        let st = s.sync(&mut maps, &d, DatapathConfig::default()).unwrap();
+        assert_eq!((st.writes, st.deletes), (0, 0), "{st:?}");
+        // The next full sync reads the maps and repairs the slot, with its backend id.
+        let st = s.sync(&mut maps, &d, DatapathConfig::default()).unwrap();
+        assert_eq!(st.writes, 1);
+        assert_eq!(maps.slots.get(&slot), Some(&slot_id));
+        assert_eq!(programmed(&maps), kept);
+
+        // Once a sync has a mirror, a read ahead is not taken: it may be older than the mirror.
+        s.set_read_ahead(MapsRead::read(&FakeMaps::default()).unwrap());
+        let st = s.sync(&mut maps, &d, DatapathConfig::default()).unwrap();
+        assert_eq!((st.writes, st.deletes), (0, 0), "{st:?}");
     }
 
     /// Frontend -> backend addresses, as the maps say.
