@@ -50,9 +50,29 @@ pub fn packed<K: Ord, V>(map: BTreeMap<K, V>) -> BTreeMap<K, V> {
 }
 
 impl Slices {
-    /// The same slices in full map nodes (`packed`).
-    pub fn packed(self) -> Self {
-        Slices { by_name: packed(self.by_name), by_service: packed(self.by_service), unowned: self.unowned }
+    /// The slices of a list, in full map nodes (`packed`): each map built in one pass from
+    /// sorted entries, where inserting 100,000 slices one by one walked down both maps three
+    /// times a slice, comparing names. A name listed twice keeps its last slice.
+    pub fn from_list(list: Vec<(ObjectName, SliceObject)>) -> Self {
+        let by_name: BTreeMap<ObjectName, SliceObject> = list.into_iter().collect();
+        let mut owned: Vec<(ObjectName, String)> = Vec::with_capacity(by_name.len());
+        let mut unowned = Vec::new();
+        for (name, slice) in &by_name {
+            match &slice.service {
+                Some(svc) => owned.push(((name.0.clone(), svc.clone()), name.1.clone())),
+                None => unowned.push(name.clone()),
+            }
+        }
+        // Stable: each Service's slice names stay in name order, as `index` keeps them.
+        owned.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut by_service: Vec<(ObjectName, SmallVec<[String; 1]>)> = Vec::new();
+        for (owner, name) in owned {
+            match by_service.last_mut() {
+                Some((o, names)) if *o == owner => names.push(name),
+                _ => by_service.push((owner, SmallVec::from_elem(name, 1))),
+            }
+        }
+        Slices { by_name, by_service: by_service.into_iter().collect(), unowned: unowned.into_iter().collect() }
     }
 
     pub fn get(&self, name: &ObjectName) -> Option<&SliceObject> {
@@ -277,5 +297,30 @@ mod tests {
         assert!(s.remove(&n("x")).is_some() && s.remove(&n("x")).is_none());
         assert_eq!((names(&s, "b"), s.len()), (vec!["a-2"], 2));
         assert!(names(&s, "a").is_empty() && s.by_service.len() == 1, "no empty index entries left");
+    }
+
+    #[test]
+    fn a_list_builds_the_slices_that_inserting_them_one_by_one_builds() {
+        let n = |s: &str| ("ns".to_string(), s.to_string());
+        let v = |owner: Option<&str>, rv: &str| SliceObject { resource_version: Some(rv.into()), ..slice(owner) };
+        // Out of order, one unowned, one name twice (the last counts).
+        let list = vec![
+            (n("b-2"), v(Some("b"), "1")),
+            (n("a-1"), v(Some("a"), "2")),
+            (n("x"), v(None, "3")),
+            (n("b-1"), v(Some("b"), "4")),
+            (n("a-1"), v(Some("b"), "5")),
+        ];
+        let mut one_by_one = Slices::default();
+        for (name, slice) in list.clone() {
+            one_by_one.insert(name, slice);
+        }
+        let built = Slices::from_list(list);
+        let view = |s: &Slices| {
+            let slices: Vec<_> = s.iter().map(|(n, o)| (n.clone(), o.resource_version.clone(), o.service.clone())).collect();
+            (slices, s.by_service.clone(), s.unowned.clone())
+        };
+        assert_eq!(view(&built), view(&one_by_one));
+        assert_eq!((names(&built, "a"), names(&built, "b")), (vec![], vec!["a-1", "b-1", "b-2"]));
     }
 }

@@ -17,7 +17,7 @@ use kube::{
 use tracing::{info, warn};
 
 use crate::model::{
-    objects::{packed, ObjectName, Objects, ServiceObject, Slices},
+    objects::{ObjectName, Objects, ServiceObject, Slices},
     slice_object::SliceObject,
     slice_wire::SliceWire,
 };
@@ -54,6 +54,20 @@ impl<T: PartialEq> Tracker<T> {
         } else if previous != current {
             self.pending.insert(name, (previous, current));
         }
+    }
+    /// `record` for many objects, each named once. On an empty tracker (the first list, or a
+    /// re-list after a sync took the changes) the pending map is built in one pass: 100,000
+    /// inserts one by one walked down the map comparing names, on the way to the first sync.
+    pub fn record_all(&mut self, mut changes: Vec<(ObjectName, Option<T>, Option<T>)>) {
+        if !self.pending.is_empty() {
+            for (name, previous, current) in changes {
+                self.record(name, previous, current);
+            }
+            return;
+        }
+        changes.retain(|(_, previous, current)| previous != current);
+        self.total += changes.len() as u64;
+        self.pending = changes.into_iter().map(|(name, previous, current)| (name, (previous, current))).collect();
     }
     pub fn pending(&self) -> usize {
         self.pending.len()
@@ -218,9 +232,11 @@ enum Kind {
 
 /// A watch's buffer for its re-lists (Init .. InitDone), applied atomically at InitDone.
 #[derive(Default)]
+/// A re-list's objects as they arrive, in a vector (the API server lists them in key order);
+/// the caches are built from it in one pass at InitDone.
 struct Relist {
-    services: Option<BTreeMap<ObjectName, ServiceObject>>,
-    slices: Option<Slices>,
+    services: Option<Vec<(ObjectName, ServiceObject)>>,
+    slices: Option<Vec<(ObjectName, SliceObject)>>,
     node: Option<Option<Node>>,
 }
 
@@ -228,9 +244,10 @@ struct Relist {
 /// object that is new or different.
 fn replace_all<K: Cached, S: Store<K>>(cache: &mut S, fresh: S, tracker: &mut Tracker<Version>, mut changed: impl FnMut(&K)) {
     let old = std::mem::replace(cache, fresh);
+    let mut changes = Vec::new();
     for (n, o) in old.entries() {
         if cache.lookup(n).is_none() {
-            tracker.record(n.clone(), Some(o.version()), None);
+            changes.push((n.clone(), Some(o.version()), None));
         }
     }
     for (n, o) in cache.entries() {
@@ -239,8 +256,9 @@ fn replace_all<K: Cached, S: Store<K>>(cache: &mut S, fresh: S, tracker: &mut Tr
         if prev.as_ref() != Some(&cur) {
             changed(o);
         }
-        tracker.record(n.clone(), prev, Some(cur));
+        changes.push((n.clone(), prev, Some(cur)));
     }
+    tracker.record_all(changes);
 }
 
 /// Keeps what the model reads of `o` (converted once, on arrival).
@@ -271,12 +289,13 @@ fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
     );
     match ev {
         Kind::Service(e) => match e {
-            watcher::Event::Init => relist.services = Some(BTreeMap::new()),
+            watcher::Event::Init => relist.services = Some(Vec::new()),
             watcher::Event::InitApply(o) => {
-                relist.services.get_or_insert_with(BTreeMap::new).insert(name_of(&o), o.into());
+                relist.services.get_or_insert_with(Vec::new).push((name_of(&o), o.into()));
             }
             watcher::Event::InitDone => {
-                let fresh = packed(relist.services.take().unwrap_or_default());
+                // In full nodes (`packed`); a name listed twice keeps its last object.
+                let fresh: BTreeMap<ObjectName, ServiceObject> = relist.services.take().unwrap_or_default().into_iter().collect();
                 replace_all(&mut st.objects.services, fresh, &mut st.service_changes, |_| {});
                 if !st.services_synced {
                     info!(services = st.objects.services.len(), "services listed");
@@ -289,12 +308,12 @@ fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
             watcher::Event::Delete(o) => remove(&mut st.objects.services, &mut st.service_changes, &o),
         },
         Kind::Slice(e) => match e {
-            watcher::Event::Init => relist.slices = Some(Slices::default()),
+            watcher::Event::Init => relist.slices = Some(Vec::new()),
             watcher::Event::InitApply(o) => {
-                relist.slices.get_or_insert_with(Slices::default).insert(name_of(&o), o.into());
+                relist.slices.get_or_insert_with(Vec::new).push((name_of(&o), o.into()));
             }
             watcher::Event::InitDone => {
-                let fresh = relist.slices.take().unwrap_or_default().packed();
+                let fresh = Slices::from_list(relist.slices.take().unwrap_or_default());
                 let triggers = &mut st.trigger_times;
                 replace_all(&mut st.objects.slices, fresh, &mut st.slice_changes, |o| triggers.extend(o.trigger_time));
                 if !st.slices_synced {
@@ -371,6 +390,30 @@ mod tests {
         t.record(n.clone(), None, Some(5));
         assert_eq!(t.take(), vec![n]);
         assert_eq!(t.pending(), 0);
+    }
+
+    #[test]
+    fn recording_many_at_once_is_recording_each() {
+        let n = |s: &str| ("ns".to_string(), s.to_string());
+        let changes = || vec![(n("b"), None, Some(1)), (n("a"), Some(1), Some(2)), (n("c"), Some(3), None), (n("d"), Some(4), Some(4))];
+        let entries = |t: &mut Tracker<u32>| (t.total, t.take_entries());
+        // An empty tracker (built in one pass) and one with changes pending (one by one).
+        for pending in [None, Some((n("a"), Some(2), Some(1)))] {
+            let (mut at_once, mut each) = (Tracker::default(), Tracker::default());
+            for t in [&mut at_once, &mut each] {
+                if let Some((name, p, c)) = pending.clone() {
+                    t.record(name, p, c);
+                }
+            }
+            at_once.record_all(changes());
+            for (name, p, c) in changes() {
+                each.record(name, p, c);
+            }
+            assert_eq!(entries(&mut at_once), entries(&mut each), "pending before: {pending:?}");
+        }
+        let mut t = Tracker::default();
+        t.record_all(changes());
+        assert_eq!(t.take(), vec![n("a"), n("b"), n("c")], "in name order, the unchanged one left out");
     }
 
     #[test]
