@@ -16,6 +16,7 @@ use kube::{
 };
 use tracing::{info, warn};
 
+use super::relist::{Relist, SliceConversion};
 use crate::model::{
     objects::{ObjectName, Objects, ServiceObject, Slices},
     slice_object::SliceObject,
@@ -230,16 +231,6 @@ enum Kind {
     Node(watcher::Event<Node>),
 }
 
-/// A watch's buffer for its re-lists (Init .. InitDone), applied atomically at InitDone.
-#[derive(Default)]
-/// A re-list's objects as they arrive, in a vector (the API server lists them in key order);
-/// the caches are built from it in one pass at InitDone.
-struct Relist {
-    services: Option<Vec<(ObjectName, ServiceObject)>>,
-    slices: Option<Vec<(ObjectName, SliceObject)>>,
-    node: Option<Option<Node>>,
-}
-
 /// Replaces `cache` with a re-listed set, recording every difference; `changed` sees each
 /// object that is new or different.
 fn replace_all<K: Cached, S: Store<K>>(cache: &mut S, fresh: S, tracker: &mut Tracker<Version>, mut changed: impl FnMut(&K)) {
@@ -308,12 +299,10 @@ fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
             watcher::Event::Delete(o) => remove(&mut st.objects.services, &mut st.service_changes, &o),
         },
         Kind::Slice(e) => match e {
-            watcher::Event::Init => relist.slices = Some(Vec::new()),
-            watcher::Event::InitApply(o) => {
-                relist.slices.get_or_insert_with(Vec::new).push((name_of(&o), o.into()));
-            }
+            watcher::Event::Init => relist.slices = Some(SliceConversion::start()),
+            watcher::Event::InitApply(o) => relist.slices.get_or_insert_with(SliceConversion::start).push(o),
             watcher::Event::InitDone => {
-                let fresh = Slices::from_list(relist.slices.take().unwrap_or_default());
+                let fresh = Slices::from_list(relist.slices.take().map(SliceConversion::finish).unwrap_or_default());
                 let triggers = &mut st.trigger_times;
                 replace_all(&mut st.objects.slices, fresh, &mut st.slice_changes, |o| triggers.extend(o.trigger_time));
                 if !st.slices_synced {

@@ -3,6 +3,7 @@
 //! tests).
 pub mod kube;
 pub mod manifests;
+mod relist;
 
 use std::{
     collections::BTreeSet,
