@@ -407,41 +407,53 @@ fn finish_snat(table: Table, key: &CtKey, v: &mut CtValue, cfg: &DatapathConfig,
         bump(counter::SNAT_NO_PORT);
         return false;
     }
-    let mut port = random_port(cfg);
+    // The reverse-SNAT key and value are built in the per-CPU scratch entry (free here: only
+    // `create` uses it, for another packet), not on the stack: TC egress's call chain counts
+    // against 512 bytes.
+    let Some(s) = CT_SCRATCH.get_ptr_mut(0) else {
+        return false;
+    };
+    let s = unsafe { &mut *s };
+    // Reverse SNAT: (backend -> S:s) becomes (backend -> client:p), the packet netfilter saw
+    // leave.
+    s.values[0] = CtValue {
+        last_seen_ns: v.last_seen_ns,
+        new_saddr: key.daddr,
+        new_daddr: key.saddr,
+        new_sport: key.dport,
+        new_dport: key.sport,
+        backend_id: v.backend_id,
+        service_id: v.service_id,
+        flags: CT_F_SNAT | CT_F_REPLY,
+        _pad: 0,
+    };
+    // The port is drawn first thing in each try: Linux 6.1's verifier rejects a loop that
+    // starts again right after a helper call ("back-edge").
     let mut tries = 0;
-    loop {
-        let rev = CtKey { saddr: key.daddr, daddr: addr, sport: key.dport, dport: port, proto: key.proto, dir: CT_DIR_INGRESS, _pad: 0 };
-        if !taken(&rev) {
-            // Reverse SNAT: (backend -> S:s) becomes (backend -> client:p), the packet netfilter
-            // saw leave.
-            let back = CtValue {
-                last_seen_ns: v.last_seen_ns,
-                new_saddr: key.daddr,
-                new_daddr: key.saddr,
-                new_sport: key.dport,
-                new_dport: key.sport,
-                backend_id: v.backend_id,
-                service_id: v.service_id,
-                flags: CT_F_SNAT | CT_F_REPLY,
-                _pad: 0,
-            };
-            if table.map().insert(&rev, &back, 0).is_err() {
-                bump(counter::CT_INSERT_FAILED);
-                return false;
+    while tries < 8 {
+        s.keys[0] = CtKey { saddr: key.daddr, daddr: addr, sport: key.dport, dport: random_port(cfg), proto: key.proto, dir: CT_DIR_INGRESS, _pad: 0 };
+        if !taken(&s.keys[0]) {
+            // BPF_NOEXIST: another CPU may have taken the same port since the probe; its
+            // entry must not be overwritten (as `claim_reply` claims a new flow's tuple).
+            match table.map().insert(&s.keys[0], &s.values[0], BPF_NOEXIST) {
+                Ok(()) => {
+                    v.new_saddr = addr;
+                    v.new_sport = s.keys[0].dport;
+                    v.flags &= !CT_F_SNAT_PENDING;
+                    return true;
+                }
+                Err(e) if e != -EEXIST => {
+                    bump(counter::CT_INSERT_FAILED);
+                    return false;
+                }
+                Err(_) => {}
             }
-            v.new_saddr = addr;
-            v.new_sport = port;
-            v.flags &= !CT_F_SNAT_PENDING;
-            return true;
         }
         bump(counter::SNAT_PORT_COLLISION);
         tries += 1;
-        if tries >= 8 {
-            bump(counter::SNAT_NO_PORT);
-            return false;
-        }
-        port = random_port(cfg);
     }
+    bump(counter::SNAT_NO_PORT);
+    false
 }
 
 /// Records a new flow: its reverse-DNAT entry (claiming the reply tuple, see `claim_reply`), its
