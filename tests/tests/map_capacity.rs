@@ -6,7 +6,7 @@
 use kpr_lab::PinDir;
 use proxy_agent::{
     dataplane::ebpf::{
-        kernel::{capacity_mismatches, Datapath},
+        kernel::{backend_id_limit, capacity_mismatches, Datapath},
         kernel_maps::KernelMaps,
         maps::DatapathMaps,
     },
@@ -30,6 +30,22 @@ fn a_larger_per_entry_map_is_no_mismatch_a_smaller_or_preallocated_one_is() {
     assert_eq!(names(caps(32)), [map_names::RR_STATE]);
     // More asked: neither can grow in place.
     assert_eq!(names(caps(128)), [map_names::SERVICES, map_names::RR_STATE]);
+}
+
+#[test]
+fn backend_ids_stay_below_the_smallest_map_indexed_by_them() {
+    let pins = PinDir::new("beidlim");
+    let with_backends = |backends| Capacities { backends, ..caps(64) };
+    drop(Datapath::load_object(pins.path(), with_backends(64)).expect("load the object"));
+    assert_eq!(backend_id_limit(pins.path(), 32), 32, "fewer asked than pinned");
+    assert_eq!(backend_id_limit(pins.path(), 128), 64, "more asked than pinned");
+    // As an upgrade that brings a new backend map leaves it: the array made at the new size,
+    // the per-backend counters pinned at the old one.
+    std::fs::remove_file(pins.path().join(map_names::BACKENDS)).unwrap();
+    drop(Datapath::load_object(pins.path(), with_backends(128)).expect("load the object again"));
+    let info = aya::maps::MapInfo::from_pin(pins.path().join(map_names::BACKENDS)).unwrap();
+    assert_eq!(info.max_entries(), 128);
+    assert_eq!(backend_id_limit(pins.path(), 128), 64, "the counters' 64 ids bound the ids");
 }
 
 /// One bpf(2) call with a zero-padded attribute.

@@ -528,6 +528,17 @@ fn sized_maps(caps: &Capacities) -> [(&'static str, u32); 9] {
     ]
 }
 
+/// The maps indexed by backend id: the backends and their per-backend counters.
+const BY_BACKEND_ID: [&str; 3] = [map_names::BACKENDS, map_names::BACKEND_NEW, map_names::BACKEND_ACTIVE];
+
+/// How many backend ids the pinned maps hold (at most `wanted`): each map indexed by backend id
+/// keeps its capacity when it is pinned (a larger setting applies after `kpr cleanup`), and an
+/// upgrade may have replaced one of them at the new size while the others stayed, so the ids
+/// stay below the smallest. A count past an array's end would be dropped without a word.
+pub fn backend_id_limit(pin_dir: &Path, wanted: u32) -> u32 {
+    BY_BACKEND_ID.iter().filter_map(|name| aya::maps::MapInfo::from_pin(pin_dir.join(name)).ok()).fold(wanted, |limit, info| limit.min(info.max_entries()))
+}
+
 /// Each pinned map's capacity (max_entries), for `kpr_map_capacity`.
 pub fn map_capacities(pin_dir: &Path) -> Vec<(&'static str, u32)> {
     map_names::ALL

@@ -190,9 +190,7 @@ impl EbpfPlane {
         if ipv6.serves_external() && ProcSysctls.get("net.ipv6.conf.all.forwarding").is_ok_and(|v| v.trim() != "1") {
             warn!("net.ipv6.conf.all.forwarding is off: IPv6 NodePorts, externalIPs and LB IPs reach no backend until it is on");
         }
-        // Backend ids index the backend array: a pinned one keeps its capacity (a larger
-        // setting applies after `kpr cleanup`), so the ids stay below what it holds.
-        let backend_ids = maps.capacity(proxy_common::map_names::BACKENDS).map_or(s.capacities.backends, |c| s.capacities.backends.min(c as u32));
+        let backend_ids = kernel::backend_id_limit(&pin_dir, s.capacities.backends);
         Ok(Self {
             dp,
             maps,
