@@ -268,69 +268,69 @@ fn remove<R: Resource, K: Cached, S: Store<K>>(cache: &mut S, tracker: &mut Trac
     tracker.record(n, prev.as_ref().map(K::version), None);
 }
 
+/// A watch event once its re-list buffer has had its part: what changes the shared state.
+enum Change {
+    Services(BTreeMap<ObjectName, ServiceObject>),
+    Slices(Slices),
+    Node(Option<Node>),
+    Event(Kind),
+}
+
 fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
+    // Init and InitApply only fill the buffer, and InitDone builds the new cache from it, all
+    // without the lock: the sync and the other watches go on meanwhile (a slice may wait for
+    // the converter). Nothing changes until InitDone swaps the cache in.
+    let change = match ev {
+        Kind::Service(watcher::Event::Init) => return relist.services = Some(Vec::new()),
+        Kind::Service(watcher::Event::InitApply(o)) => return relist.services.get_or_insert_with(Vec::new).push((name_of(&o), o.into())),
+        // In full nodes (`packed`); a name listed twice keeps its last object.
+        Kind::Service(watcher::Event::InitDone) => Change::Services(relist.services.take().unwrap_or_default().into_iter().collect()),
+        Kind::Slice(watcher::Event::Init) => return relist.slices = Some(SliceConversion::start()),
+        Kind::Slice(watcher::Event::InitApply(o)) => return relist.slices.get_or_insert_with(SliceConversion::start).push(o),
+        Kind::Slice(watcher::Event::InitDone) => Change::Slices(Slices::from_list(relist.slices.take().map(SliceConversion::finish).unwrap_or_default())),
+        Kind::Node(watcher::Event::Init) => return relist.node = Some(None),
+        Kind::Node(watcher::Event::InitApply(o)) => return relist.node = Some(Some(slim_node(o))),
+        Kind::Node(watcher::Event::InitDone) => Change::Node(relist.node.take().flatten()),
+        ev => Change::Event(ev),
+    };
     let mut guard = shared.state.lock().unwrap();
     let st = &mut *guard;
-    // Init and InitApply only fill a buffer: nothing changes until InitDone swaps it in.
-    let changed = !matches!(
-        &ev,
-        Kind::Service(watcher::Event::Init | watcher::Event::InitApply(_))
-            | Kind::Slice(watcher::Event::Init | watcher::Event::InitApply(_))
-            | Kind::Node(watcher::Event::Init | watcher::Event::InitApply(_))
-    );
-    match ev {
-        Kind::Service(e) => match e {
-            watcher::Event::Init => relist.services = Some(Vec::new()),
-            watcher::Event::InitApply(o) => {
-                relist.services.get_or_insert_with(Vec::new).push((name_of(&o), o.into()));
+    match change {
+        Change::Services(fresh) => {
+            replace_all(&mut st.objects.services, fresh, &mut st.service_changes, |_| {});
+            if !st.services_synced {
+                info!(services = st.objects.services.len(), "services listed");
             }
-            watcher::Event::InitDone => {
-                // In full nodes (`packed`); a name listed twice keeps its last object.
-                let fresh: BTreeMap<ObjectName, ServiceObject> = relist.services.take().unwrap_or_default().into_iter().collect();
-                replace_all(&mut st.objects.services, fresh, &mut st.service_changes, |_| {});
-                if !st.services_synced {
-                    info!(services = st.objects.services.len(), "services listed");
-                }
-                st.services_synced = true;
+            st.services_synced = true;
+        }
+        Change::Slices(fresh) => {
+            let triggers = &mut st.trigger_times;
+            replace_all(&mut st.objects.slices, fresh, &mut st.slice_changes, |o| triggers.extend(o.trigger_time));
+            if !st.slices_synced {
+                info!(slices = st.objects.slices.len(), "endpoint slices listed");
             }
-            watcher::Event::Apply(o) => {
-                upsert(&mut st.objects.services, &mut st.service_changes, o);
-            }
-            watcher::Event::Delete(o) => remove(&mut st.objects.services, &mut st.service_changes, &o),
-        },
-        Kind::Slice(e) => match e {
-            watcher::Event::Init => relist.slices = Some(SliceConversion::start()),
-            watcher::Event::InitApply(o) => relist.slices.get_or_insert_with(SliceConversion::start).push(o),
-            watcher::Event::InitDone => {
-                let fresh = Slices::from_list(relist.slices.take().map(SliceConversion::finish).unwrap_or_default());
-                let triggers = &mut st.trigger_times;
-                replace_all(&mut st.objects.slices, fresh, &mut st.slice_changes, |o| triggers.extend(o.trigger_time));
-                if !st.slices_synced {
-                    info!(slices = st.objects.slices.len(), "endpoint slices listed");
-                }
-                st.slices_synced = true;
-            }
-            watcher::Event::Apply(o) => {
-                let slice = upsert(&mut st.objects.slices, &mut st.slice_changes, o);
-                st.trigger_times.extend(slice.trigger_time);
-            }
-            watcher::Event::Delete(o) => remove(&mut st.objects.slices, &mut st.slice_changes, &o),
-        },
-        Kind::Node(e) => match e {
-            watcher::Event::Init => relist.node = Some(None),
-            watcher::Event::InitApply(o) => relist.node = Some(Some(slim_node(o))),
-            watcher::Event::InitDone => {
-                st.node = relist.node.take().flatten();
-                st.node_synced = true;
-            }
-            watcher::Event::Apply(o) => st.node = Some(slim_node(o)),
-            watcher::Event::Delete(_) => st.node = None,
-        },
+            st.slices_synced = true;
+        }
+        Change::Node(node) => {
+            st.node = node;
+            st.node_synced = true;
+        }
+        Change::Event(Kind::Service(watcher::Event::Apply(o))) => {
+            upsert(&mut st.objects.services, &mut st.service_changes, o);
+        }
+        Change::Event(Kind::Service(watcher::Event::Delete(o))) => remove(&mut st.objects.services, &mut st.service_changes, &o),
+        Change::Event(Kind::Slice(watcher::Event::Apply(o))) => {
+            let slice = upsert(&mut st.objects.slices, &mut st.slice_changes, o);
+            st.trigger_times.extend(slice.trigger_time);
+        }
+        Change::Event(Kind::Slice(watcher::Event::Delete(o))) => remove(&mut st.objects.slices, &mut st.slice_changes, &o),
+        Change::Event(Kind::Node(watcher::Event::Apply(o))) => st.node = Some(slim_node(o)),
+        Change::Event(Kind::Node(watcher::Event::Delete(_))) => st.node = None,
+        // Taken by the first match.
+        Change::Event(_) => return,
     }
-    if changed {
-        st.touched();
-        shared.changed.notify_all();
-    }
+    st.touched();
+    shared.changed.notify_all();
 }
 
 /// Runs the three watches until the runtime stops. Errors are logged and retried with backoff

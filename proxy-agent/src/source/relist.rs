@@ -31,9 +31,11 @@ pub(super) struct Relist {
 /// The slices of one re-list, converted on the converter thread (inline if it cannot start).
 pub(super) struct SliceConversion {
     batch: Vec<SliceWire>,
-    /// Two batches queued at most: the decoded slices wait in memory a page or two, no more.
+    /// Two batches queued at most: with the one being filled and the one being converted,
+    /// about four pages of decoded slices wait in memory, no more.
     tx: Option<mpsc::SyncSender<Vec<SliceWire>>>,
     converter: Option<JoinHandle<Vec<(ObjectName, SliceObject)>>>,
+    /// Converted here, when the thread could not start.
     converted: Vec<(ObjectName, SliceObject)>,
 }
 
@@ -68,15 +70,23 @@ impl SliceConversion {
         let batch = std::mem::replace(&mut self.batch, Vec::with_capacity(BATCH));
         match &self.tx {
             Some(tx) => {
-                if let Err(mpsc::SendError(batch)) = tx.send(batch) {
-                    // The converter is gone (it panicked): what it had is lost with it, so the
-                    // caller's cache is built from what is converted here, and the next
-                    // re-list brings the rest.
-                    self.tx = None;
-                    convert(batch, &mut self.converted);
+                if tx.send(batch).is_err() {
+                    // The converter is gone: it panicked.
+                    self.rethrow();
                 }
             }
             None => convert(batch, &mut self.converted),
+        }
+    }
+
+    /// The converter's panic, here: a partial list must never replace the cache (every slice
+    /// left out would be taken as deleted). The watch task fails as loudly as it would have
+    /// had the conversion panicked in it.
+    fn rethrow(&mut self) -> ! {
+        self.tx = None;
+        match self.converter.take().map(JoinHandle::join) {
+            Some(Err(panic)) => std::panic::resume_unwind(panic),
+            _ => panic!("the slice converter ended before its list did"),
         }
     }
 
@@ -84,9 +94,12 @@ impl SliceConversion {
     pub fn finish(mut self) -> Vec<(ObjectName, SliceObject)> {
         self.hand_on();
         self.tx = None;
-        let mut out = self.converter.take().and_then(|t| t.join().ok()).unwrap_or_default();
-        out.append(&mut self.converted);
-        out
+        match self.converter.take().map(JoinHandle::join) {
+            Some(Ok(out)) => out,
+            Some(Err(panic)) => std::panic::resume_unwind(panic),
+            // No thread: converted here.
+            None => std::mem::take(&mut self.converted),
+        }
     }
 }
 

@@ -1,8 +1,8 @@
 //! Held puts of a sync that fits (`DatapathMaps::begin_bulk`): the service, slot and backend
 //! entries are gathered and written map by map with BPF_MAP_UPDATE_BATCH, on two threads of
-//! their own (backends; then slots and services), while the sync goes on computing the next
-//! ones: the initial sync of a large cluster pays a few system calls instead of one per entry,
-//! and its kernel time overlaps its own.
+//! their own (backends and some slots; then the other slots and services), while the sync goes
+//! on computing the next ones: the initial sync of a large cluster pays a few system calls
+//! instead of one per entry, and its kernel time overlaps its own.
 //!
 //! Order: a batch writes its backends, then its slots, then its services, and batches are
 //! written in the order they were made (each stage takes them in order, and the second takes a
@@ -10,8 +10,10 @@
 //! to: a slot's backend is in an earlier map of its batch or in an earlier batch.
 //!
 //! The slots (a million at 100,000 Services, each a hash insert) are the most work: the first
-//! stage writes the first half of a batch's slots after its backends (an array's writes, cheap),
-//! the second the other half, then the services, once both halves are in.
+//! stage writes the slots of even service ids after its backends (an array's writes, cheap), the
+//! second those of odd ones, then the services, once both parts are in. Split by service id, so
+//! one slot key is always written by one stage, in the order of its puts (two frontends that
+//! share a service key put the same slots twice in one sync).
 use std::{
     os::fd::{AsFd, BorrowedFd, OwnedFd},
     sync::{mpsc, Arc, Mutex},
@@ -30,23 +32,19 @@ const BATCH: usize = 16_384;
 #[derive(Default)]
 struct Batch {
     backends: (Vec<u32>, Vec<Backend>),
-    slots: (Vec<SlotKey>, Vec<u32>),
+    /// By the parity of the service id: the first stage's, then the second's.
+    slots: [(Vec<SlotKey>, Vec<u32>); 2],
     services: (Vec<ServiceKey>, Vec<ServiceValue>),
 }
 
 impl Batch {
     fn len(&self) -> usize {
-        self.backends.0.len() + self.slots.0.len() + self.services.0.len()
+        self.backends.0.len() + self.slots[0].0.len() + self.slots[1].0.len() + self.services.0.len()
     }
 }
 
 fn write_map<K: bytemuck::Pod, V: bytemuck::Pod>(fd: BorrowedFd, name: &'static str, keys: &[K], values: &[V]) -> Result<(), MapError> {
     bpf_batch::update_batch(fd, keys, values).map_err(|(_, source)| MapError::update_failed(name, "update batch", source))
-}
-
-/// Where a batch's slots split between the two stages.
-fn slot_half(b: &Batch) -> usize {
-    b.slots.0.len() / 2
 }
 
 enum ToWriter {
@@ -119,22 +117,21 @@ impl Bulk {
         // The writer threads' own descriptors of the three maps.
         let own = |fd: BorrowedFd| -> Option<OwnedFd> { fd.try_clone_to_owned().ok() };
         let (backends, slots, services) = (own(backends)?, own(slots)?, own(services)?);
-        // Two stages, each on a thread: the backends and half the slots, then the other half
-        // and the services, so the kernel's inserts run on two cores beside the sync's own.
+        // Two stages, each on a thread: the backends and the slots of even service ids, then
+        // the odd ones' and the services, so the kernel's inserts run on two cores beside the
+        // sync's own.
         // One batch queued before each: at most five in memory.
         let (tx, rx) = mpsc::sync_channel::<ToWriter>(1);
         let (to_second, second_rx) = mpsc::sync_channel::<ToWriter>(1);
         let error: Arc<Mutex<Option<MapError>>> = Arc::default();
         let slots_second = slots.try_clone().ok()?;
         let second = stage("kpr-bulk", second_rx, None, Arc::clone(&error), move |b| {
-            let h = slot_half(b);
-            write_map(slots_second.as_fd(), map_names::SLOTS, &b.slots.0[h..], &b.slots.1[h..])?;
+            write_map(slots_second.as_fd(), map_names::SLOTS, &b.slots[1].0, &b.slots[1].1)?;
             write_map(services.as_fd(), map_names::SERVICES, &b.services.0, &b.services.1)
         })?;
         let first = stage("kpr-bulk-be", rx, Some(to_second), Arc::clone(&error), move |b| {
             write_map(backends.as_fd(), map_names::BACKENDS, &b.backends.0, &b.backends.1)?;
-            let h = slot_half(b);
-            write_map(slots.as_fd(), map_names::SLOTS, &b.slots.0[..h], &b.slots.1[..h])
+            write_map(slots.as_fd(), map_names::SLOTS, &b.slots[0].0, &b.slots[0].1)
         })?;
         Some(Bulk { current: Batch::default(), unfenced: 0, writer: Writer { tx, threads: [first, second], error }, failed: false })
     }
@@ -146,8 +143,9 @@ impl Bulk {
     }
 
     pub fn put_slot(&mut self, k: SlotKey, backend_id: u32) -> Result<(), MapError> {
-        self.current.slots.0.push(k);
-        self.current.slots.1.push(backend_id);
+        let part = &mut self.current.slots[(k.service_id & 1) as usize];
+        part.0.push(k);
+        part.1.push(backend_id);
         self.send_if_full()
     }
 
@@ -223,8 +221,8 @@ mod tests {
         let mut b = Batch::default();
         b.backends.0.push(id);
         b.backends.1.push(Backend::default());
-        b.slots.0.push(SlotKey { service_id: id, slot: 1 });
-        b.slots.1.push(id);
+        b.slots[1].0.push(SlotKey { service_id: id, slot: 1 });
+        b.slots[1].1.push(id);
         b
     }
 
@@ -236,7 +234,7 @@ mod tests {
         let (to_second, second_rx) = mpsc::sync_channel(1);
         let wrote = Arc::clone(&second_wrote);
         let second = stage("t-second", second_rx, None, Arc::clone(&error), move |b| {
-            wrote.lock().unwrap().push(b.slots.1[0]);
+            wrote.lock().unwrap().push(b.slots[1].1[0]);
             Ok(())
         })
         .unwrap();

@@ -164,8 +164,9 @@ impl EbpfPlane {
         let mut maps = KernelMaps::open(&pin_dir)?;
         // Before the programs attach: IPVS's connections must pass through from the first packet.
         let handover = previous(&mut maps);
-        // Nothing but the syncer writes what this reads (the handover above sets a config flag
-        // and conntrack entries): read now, while the API server lists, not after.
+        // Nothing but the syncer writes what this reads (the handover sets a config flag; the
+        // collector writes conntrack and per-backend counts): read now, while the API server
+        // lists, not after.
         let read_ahead = {
             let pin_dir = pin_dir.clone();
             std::thread::Builder::new().name("kpr-read".into()).spawn(move || KernelMaps::open(&pin_dir).and_then(|m| MapsRead::read(&m))).ok()

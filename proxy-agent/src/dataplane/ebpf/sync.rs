@@ -117,7 +117,8 @@ pub struct Syncer {
     read_ahead: Option<MapsRead>,
     /// Backend id -> frontends whose slots use it (a backend is deleted when unused).
     backend_refs: ById<u32>,
-    /// Backend ids are below this (the backend map's capacity).
+    /// Backend ids are below this (the smallest capacity of the maps indexed by them:
+    /// `kernel::backend_id_limit`).
     max_backends: u32,
     /// Frontends programmed as given here rather than as the desired state has them (outlier
     /// ejection leaves backends out of a few): set before each sync (`set_overrides`).
@@ -180,8 +181,8 @@ impl Syncer {
         }
     }
 
-    /// Full sync: lists what the maps hold now, then writes the difference. Repairs any drift
-    /// (an entry deleted or changed by hand).
+    /// Full sync: lists what the maps hold now (the first one: as read ahead), then writes the
+    /// difference. Repairs any drift (an entry deleted or changed by hand).
     pub fn sync(&mut self, maps: &mut dyn DatapathMaps, desired: &DesiredState, config: DatapathConfig) -> Result<SyncStats, SyncError> {
         self.mirror = None;
         let read = match self.read_ahead.take() {
