@@ -61,13 +61,19 @@ fn change(d: &mut DesiredState, i: u32, round: u32) {
 
 struct Cp {
     n: u32,
+    /// One request at a time, the VIPs bound first (kube-proxy's way).
     ipvs_one_at_a_time_s: f64,
+    /// Pipelined, kube-ipvs0's addresses bound first (the previous release).
+    ipvs_bind_first_s: f64,
+    /// Of it, the addresses.
+    ipvs_bind_first_bind_s: f64,
+    /// Pipelined, the addresses bound beside the IPVS writes (the agent's way).
     ipvs_program_s: f64,
-    /// Of ipvs_program_s, kube-ipvs0's addresses.
+    /// The binding's own time in it (overlapping).
     ipvs_bind_s: f64,
-    /// Pipelined, the IPv4 VIPs as local routes (`--ipvs-vip-binding route`).
+    /// The same with the IPv4 VIPs as local routes (`--ipvs-vip-binding route`).
     ipvs_routes_program_s: f64,
-    /// Of it, the routes.
+    /// The routes' own time in it (overlapping).
     ipvs_routes_bind_s: f64,
     ipvs_change_ms: f64,
     bpf_program_s: f64,
@@ -75,10 +81,20 @@ struct Cp {
     bpf_map_bytes: u64,
 }
 
+/// How a run binds the VIPs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Bind {
+    /// All of them before the first IPVS write (kpr before session 19, and kube-proxy).
+    First,
+    /// As the agent does: inside the sync, on a thread of its own beside the IPVS writes.
+    Beside,
+}
+
 /// Programs `n` services x 10 endpoints from nothing, in this process's network namespace:
-/// (seconds binding the VIPs `binding`'s way, seconds writing IPVS). `pipelined` false: one
-/// netlink request at a time (kpr before pipelining, and kube-proxy's way).
-fn ipvs_program(n: u32, pipelined: bool, binding: VipBinding) -> (f64, f64) {
+/// (seconds binding the VIPs `binding`'s way, seconds in all). `pipelined` false: one netlink
+/// request at a time (kpr before pipelining, and kube-proxy's way). With `Bind::Beside` the
+/// binding's seconds overlap the IPVS writes.
+fn ipvs_program(n: u32, pipelined: bool, binding: VipBinding, bind: Bind) -> (f64, f64) {
     let (mut ipvs, mut links) = (NetlinkIpvs::connect().expect("IPVS"), NetlinkLinks::connect().expect("rtnetlink"));
     if !pipelined {
         (ipvs, links) = (ipvs.one_at_a_time(), links.one_at_a_time());
@@ -86,30 +102,38 @@ fn ipvs_program(n: u32, pipelined: bool, binding: VipBinding) -> (f64, f64) {
     let settings = SyncSettings { vip_binding: binding, ..SyncSettings::default() };
     let vs = desired_virtual_servers(&desired(n, 10), &settings);
     let t = Instant::now();
-    let ifindex = links.ensure_dummy(IPVS_DUMMY).expect("kube-ipvs0");
-    let addrs: Vec<IpAddr> = bound_addresses(&vs).into_iter().collect();
-    let bound = match binding {
-        VipBinding::Address => links.change_addresses(ifindex, true, &addrs),
-        VipBinding::Route => links.change_local_routes(true, &addrs),
-    };
-    assert!(bound.iter().all(Result::is_ok), "binding the VIPs ({binding:?})");
-    let bind_s = t.elapsed().as_secs_f64();
-    let t = Instant::now();
+    let mut bind_s = 0.0;
+    if bind == Bind::First {
+        let ifindex = links.ensure_dummy(IPVS_DUMMY).expect("kube-ipvs0");
+        let addrs: Vec<IpAddr> = bound_addresses(&vs).into_iter().collect();
+        let bound = match binding {
+            VipBinding::Address => links.change_addresses(ifindex, true, &addrs),
+            VipBinding::Route => links.change_local_routes(true, &addrs),
+        };
+        assert!(bound.iter().all(Result::is_ok), "binding the VIPs ({binding:?})");
+        bind_s = t.elapsed().as_secs_f64();
+    }
     let st = IpvsSyncer::new(settings).sync(&mut ipvs, &mut links, &mut FakeConntrack::default(), &vs, None).expect("ipvs sync");
     assert!(st.errors.is_empty(), "{:?}", &st.errors[..st.errors.len().min(3)]);
-    assert_eq!(st.addresses_bound, 0, "every VIP was bound before");
+    match bind {
+        Bind::First => assert_eq!(st.addresses_bound, 0, "every VIP was bound before"),
+        Bind::Beside => {
+            assert_eq!(st.addresses_bound, n as usize, "the sync bound every VIP");
+            bind_s = st.bind_time.as_secs_f64();
+        }
+    }
     (bind_s, t.elapsed().as_secs_f64())
 }
 
 /// `ipvs_program` in a network namespace of its own (IPVS's tables, its trash of deleted
 /// destinations, which every add searches, and kube-ipvs0 are per namespace: one run never
 /// slows the next).
-/// Returns [bind s, IPVS s, one change ms (pipelined addresses only)].
-fn ipvs_program_isolated(n: u32, pipelined: bool, binding: VipBinding) -> [f64; 3] {
-    let ns = format!("kvb-{n}-{pipelined}-{binding:?}");
+/// Returns [bind s, total s, one change ms (pipelined addresses bound beside only)].
+fn ipvs_program_isolated(n: u32, pipelined: bool, binding: VipBinding, bind: Bind) -> [f64; 3] {
+    let ns = format!("kvb-{n}-{pipelined}-{binding:?}-{bind:?}");
     must(&format!("ip netns add {ns}"));
     let exe = std::env::current_exe().expect("own path");
-    let args = [n.to_string(), pipelined.to_string(), format!("{binding:?}")];
+    let args = [n.to_string(), pipelined.to_string(), format!("{binding:?}"), format!("{bind:?}")];
     let out = Command::new("ip").args(["netns", "exec", &ns]).arg(exe).arg("ipvs-program").args(args).output().expect("spawn");
     let _ = sh(&format!("ip netns del {ns}"));
     let text = String::from_utf8_lossy(&out.stdout);
@@ -143,10 +167,10 @@ fn ipvs_changes(n: u32) -> f64 {
 fn control_plane(n: u32) -> Cp {
     let changes = 5;
     let _ = Command::new("modprobe").arg("ip_vs").status();
-    let [bind_1, ipvs_1, _] = ipvs_program_isolated(n, false, VipBinding::Address);
-    let [bind_p, ipvs_p, ipvs_change_ms] = ipvs_program_isolated(n, true, VipBinding::Address);
-    let [bind_r, ipvs_r, _] = ipvs_program_isolated(n, true, VipBinding::Route);
-    let (ipvs_one_at_a_time_s, ipvs_program_s) = (bind_1 + ipvs_1, bind_p + ipvs_p);
+    let [_, ipvs_one_at_a_time_s, _] = ipvs_program_isolated(n, false, VipBinding::Address, Bind::First);
+    let [ipvs_bind_first_bind_s, ipvs_bind_first_s, _] = ipvs_program_isolated(n, true, VipBinding::Address, Bind::First);
+    let [ipvs_bind_s, ipvs_program_s, ipvs_change_ms] = ipvs_program_isolated(n, true, VipBinding::Address, Bind::Beside);
+    let [ipvs_routes_bind_s, ipvs_routes_program_s, _] = ipvs_program_isolated(n, true, VipBinding::Route, Bind::Beside);
 
     // The BPF maps, same services.
     let pins = PinDir::new("vmbench");
@@ -178,10 +202,12 @@ fn control_plane(n: u32) -> Cp {
     Cp {
         n,
         ipvs_one_at_a_time_s,
+        ipvs_bind_first_s,
+        ipvs_bind_first_bind_s,
         ipvs_program_s,
-        ipvs_bind_s: bind_p,
-        ipvs_routes_program_s: bind_r + ipvs_r,
-        ipvs_routes_bind_s: bind_r,
+        ipvs_bind_s,
+        ipvs_routes_program_s,
+        ipvs_routes_bind_s,
         ipvs_change_ms,
         bpf_program_s,
         bpf_change_ms: median(times),
@@ -393,9 +419,10 @@ fn main() {
     if args.get(1).map(String::as_str) == Some("ipvs-program") {
         let (n, pipelined) = (args[2].parse().expect("N"), args[3] == "true");
         let binding = if args[4] == "Route" { VipBinding::Route } else { VipBinding::Address };
-        let (bind, ipvs) = ipvs_program(n, pipelined, binding);
-        let change_ms = if pipelined && binding == VipBinding::Address { ipvs_changes(n) } else { 0.0 };
-        return println!("{bind} {ipvs} {change_ms}");
+        let bind = if args[5] == "Beside" { Bind::Beside } else { Bind::First };
+        let (bind_s, total_s) = ipvs_program(n, pipelined, binding, bind);
+        let change_ms = if pipelined && binding == VipBinding::Address && bind == Bind::Beside { ipvs_changes(n) } else { 0.0 };
+        return println!("{bind_s} {total_s} {change_ms}");
     }
     let opt = |n: &str| args.iter().position(|a| a == n).and_then(|i| args.get(i + 1)).cloned();
     let list =
@@ -409,18 +436,23 @@ fn main() {
     println!("machine: QEMU guest (TCG, emulated CPU: compare ratios only), Linux {} | {ncpu} CPUs", kernel.trim());
 
     println!("\ncontrol plane: N services x 10 endpoints from nothing; 1 change = one service's endpoints replaced (median of 5)");
-    println!("IPVS prog: kpr's pipelined netlink (up to 128 requests per sendmsg), of which binding kube-ipvs0's addresses; 1-by-1: one request at a time, as");
-    println!("before (and as kube-proxy); routes: pipelined, the VIPs as local routes (--ipvs-vip-binding route), of which binding them;");
-    println!("each in a fresh network namespace. Goal at 30,000: < 60 s");
+    println!("1-by-1: one netlink request at a time, kube-ipvs0's addresses bound first (kube-proxy's way, and kpr before pipelining).");
+    println!("bind first: pipelined (up to 128 requests per sendmsg), the addresses bound first (the previous release); of it bind: their time.");
+    println!("beside: pipelined, the addresses bound on a thread of their own beside the IPVS writes (the default); its bind: their own time,");
+    println!("overlapping. routes: the same with the VIPs as local routes (--ipvs-vip-binding route). Each run in a fresh network namespace.");
+    println!("Goal at 30,000: < 60 s");
     println!(
-        "{:>8} {:>14} {:>14} {:>10} {:>9} {:>12} {:>10} {:>14} {:>14} {:>14} {:>10} {:>12}",
+        "{:>8} {:>13} {:>14} {:>10} {:>11} {:>9} {:>11} {:>11} {:>10} {:>9} {:>13} {:>13} {:>13} {:>10} {:>11}",
         "services",
-        "IPVS 1-by-1 s",
-        "IPVS prog (s)",
+        "1-by-1 (s)",
+        "bind first(s)",
         "of it bind",
-        "speedup",
+        "beside (s)",
+        "its bind",
+        "vs 1-by-1",
+        "vs bind 1st",
         "routes (s)",
-        "of it bind",
+        "its bind",
         "IPVS 1 chg ms",
         "maps prog (s)",
         "maps 1 chg ms",
@@ -431,12 +463,15 @@ fn main() {
     for &n in &cp_sizes {
         let c = control_plane(n);
         println!(
-            "{:>8} {:>14.2} {:>14.2} {:>10.2} {:>8.1}x {:>12.2} {:>10.2} {:>14.2} {:>14.2} {:>14.2} {:>9.1}x {:>12.1}",
+            "{:>8} {:>13.2} {:>14.2} {:>10.2} {:>11.2} {:>9.2} {:>10.2}x {:>10.2}x {:>10.2} {:>9.2} {:>13.2} {:>13.2} {:>13.2} {:>9.1}x {:>11.1}",
             c.n,
             c.ipvs_one_at_a_time_s,
+            c.ipvs_bind_first_s,
+            c.ipvs_bind_first_bind_s,
             c.ipvs_program_s,
             c.ipvs_bind_s,
             c.ipvs_one_at_a_time_s / c.ipvs_program_s.max(1e-9),
+            c.ipvs_bind_first_s / c.ipvs_program_s.max(1e-9),
             c.ipvs_routes_program_s,
             c.ipvs_routes_bind_s,
             c.ipvs_change_ms,
@@ -495,7 +530,7 @@ fn main() {
         }
     }
     if let Some(path) = opt("--json") {
-        let cp: Vec<_> = cps.iter().map(|c| serde_json::json!({"services": c.n, "endpoints_per_service": 10, "ipvs_one_at_a_time_s": c.ipvs_one_at_a_time_s, "ipvs_program_s": c.ipvs_program_s, "ipvs_bind_s": c.ipvs_bind_s, "ipvs_routes_program_s": c.ipvs_routes_program_s, "ipvs_routes_bind_s": c.ipvs_routes_bind_s, "ipvs_one_change_ms": c.ipvs_change_ms, "bpf_program_s": c.bpf_program_s, "bpf_one_change_ms": c.bpf_change_ms, "bpf_map_memlock_bytes": c.bpf_map_bytes})).collect();
+        let cp: Vec<_> = cps.iter().map(|c| serde_json::json!({"services": c.n, "endpoints_per_service": 10, "ipvs_one_at_a_time_s": c.ipvs_one_at_a_time_s, "ipvs_bind_first_s": c.ipvs_bind_first_s, "ipvs_bind_first_bind_s": c.ipvs_bind_first_bind_s, "ipvs_program_s": c.ipvs_program_s, "ipvs_bind_s": c.ipvs_bind_s, "ipvs_routes_program_s": c.ipvs_routes_program_s, "ipvs_routes_bind_s": c.ipvs_routes_bind_s, "ipvs_one_change_ms": c.ipvs_change_ms, "bpf_program_s": c.bpf_program_s, "bpf_one_change_ms": c.bpf_change_ms, "bpf_map_memlock_bytes": c.bpf_map_bytes})).collect();
         let t: Vec<_> = tr
             .iter()
             .map(|t| serde_json::json!({"services": t.n, "mode": t.mode, "conn_per_s": t.rate, "p50_us": t.p50, "p99_us": t.p99, "errors": t.errors}))

@@ -51,7 +51,8 @@ impl LinkError {
     }
 }
 
-pub trait Links {
+/// Send: a sync binds on a thread of its own while it writes IPVS.
+pub trait Links: Send {
     /// Creates the dummy link if missing (left down, like kube-proxy's); returns its index.
     fn ensure_dummy(&mut self, name: &str) -> Result<u32, LinkError>;
     fn link_index(&mut self, name: &str) -> Result<Option<u32>, LinkError>;

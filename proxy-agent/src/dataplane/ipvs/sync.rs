@@ -6,6 +6,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::IpAddr,
+    time::{Duration, Instant},
 };
 
 use crate::dataplane::ipvs::desired::{bound_addresses, SyncSettings, VirtualServer};
@@ -34,6 +35,8 @@ pub struct IpvsSyncStats {
     pub terminating: usize,
     pub addresses_bound: usize,
     pub addresses_unbound: usize,
+    /// The binding's own time; it overlaps the IPVS writes when there are many.
+    pub bind_time: Duration,
     /// Per-object failures: logged, counted, the rest still programmed.
     pub errors: Vec<String>,
 }
@@ -72,6 +75,32 @@ impl Bindings {
 
     fn is_subset(&self, other: &Bindings) -> bool {
         self.addresses.is_subset(&other.addresses) && self.routes.is_subset(&other.routes)
+    }
+}
+
+/// Bindings at or above this many go on a thread of their own, beside the IPVS writes.
+const CONCURRENT_BINDS: usize = 64;
+
+/// The VIPs a sync binds, each way.
+struct Binds {
+    ifindex: u32,
+    routes: Vec<IpAddr>,
+    addresses: Vec<IpAddr>,
+}
+
+impl Binds {
+    fn len(&self) -> usize {
+        self.routes.len() + self.addresses.len()
+    }
+
+    /// Binds them all: returns `bound` with each success added, and the counts and failures.
+    fn apply(&self, links: &mut dyn Links, mut bound: Bindings) -> (Bindings, IpvsSyncStats) {
+        let mut st = IpvsSyncStats::default();
+        let t = Instant::now();
+        change_bindings(links, self.ifindex, true, true, &self.routes, &mut bound.routes, &mut st);
+        change_bindings(links, self.ifindex, true, false, &self.addresses, &mut bound.addresses, &mut st);
+        st.bind_time = t.elapsed();
+        (bound, st)
     }
 }
 
@@ -156,17 +185,67 @@ impl IpvsSyncer {
                 (i, Bindings::read(links, i)?)
             }
         };
-        let mut now = bound.clone();
-
-        // Bind first: IPVS only sees packets to local addresses.
+        // Bind (IPVS only sees packets to local addresses) while the virtual servers are
+        // written: the kernel takes RTNL for the one and IPVS's own lock for the other, and a
+        // node's first sync binds an address per Service, each a walk of kube-ipvs0's list.
         let want_all = bound_addresses(desired);
         let want = Bindings::wanted(&want_all, self.settings.vip_binding);
-        let to_route: Vec<IpAddr> = want.routes.difference(&bound.routes).copied().collect();
-        change_bindings(links, ifindex, true, true, &to_route, &mut now.routes, &mut st);
-        let to_address: Vec<IpAddr> = want.addresses.difference(&bound.addresses).copied().collect();
-        change_bindings(links, ifindex, true, false, &to_address, &mut now.addresses, &mut st);
+        let binds = Binds {
+            ifindex,
+            routes: want.routes.difference(&bound.routes).copied().collect(),
+            addresses: want.addresses.difference(&bound.addresses).copied().collect(),
+        };
         let bound_all = bound.all();
+        let (bind_result, ipvs_result) = if binds.len() >= CONCURRENT_BINDS {
+            std::thread::scope(|s| {
+                let binder = std::thread::Builder::new().name("kpr-bind".into()).spawn_scoped(s, || binds.apply(&mut *links, bound.clone()));
+                let ipvs_result = self.write_ipvs(ipvs, ct, desired, only, &bound_all, &want_all);
+                let bind_result = match binder {
+                    Ok(h) => h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
+                    // No thread to be had: nothing bound; every sync binds what is missing.
+                    Err(e) => (bound.clone(), IpvsSyncStats { errors: vec![format!("binding {} VIPs: no thread: {e}", binds.len())], ..Default::default() }),
+                };
+                (bind_result, ipvs_result)
+            })
+        } else {
+            (binds.apply(&mut *links, bound.clone()), self.write_ipvs(ipvs, ct, desired, only, &bound_all, &want_all))
+        };
+        let (mut now, bind_st) = bind_result;
+        let ipvs_st = ipvs_result?;
+        st.addresses_bound = bind_st.addresses_bound;
+        st.bind_time = bind_st.bind_time;
+        st.errors = bind_st.errors;
+        st.errors.extend(ipvs_st.errors);
+        st.writes = ipvs_st.writes;
+        st.deletes = ipvs_st.deletes;
+        st.terminating = ipvs_st.terminating;
 
+        // Unbind what no virtual server needs, or is bound the other way now (a full sync sees
+        // them all). After the binds: an address switched to a route is never unbound between.
+        if only.is_none() || !bound.is_subset(&want) {
+            let kept = |a: &&IpAddr| !self.settings.exclude_cidrs.iter().any(|c| c.contains(*a));
+            let stale_routes: Vec<IpAddr> = bound.routes.difference(&want.routes).filter(kept).copied().collect();
+            change_bindings(links, ifindex, false, true, &stale_routes, &mut now.routes, &mut st);
+            let stale_addresses: Vec<IpAddr> = bound.addresses.difference(&want.addresses).filter(kept).copied().collect();
+            change_bindings(links, ifindex, false, false, &stale_addresses, &mut now.addresses, &mut st);
+        }
+        self.link_cache = Some((ifindex, now));
+        Ok(st)
+    }
+
+    /// The virtual servers' part of `sync`: reads the kernel's, plans the writes and sends
+    /// them. `bound_all` and `want_all`: the VIPs bound before this sync, and wanted after it
+    /// (either makes a virtual server on it the agent's to delete).
+    fn write_ipvs(
+        &self,
+        ipvs: &mut dyn Ipvs,
+        ct: &mut dyn ConntrackFlusher,
+        desired: &BTreeMap<ServiceId, VirtualServer>,
+        only: Option<&BTreeSet<ServiceId>>,
+        bound_all: &BTreeSet<IpAddr>,
+        want_all: &BTreeSet<IpAddr>,
+    ) -> Result<IpvsSyncStats, IpvsError> {
+        let mut st = IpvsSyncStats::default();
         let actual: BTreeMap<ServiceId, ServiceConfig> = match only {
             None => ipvs.services()?.into_iter().map(|s| (s.config.id, s.config)).collect(),
             Some(ids) => {
@@ -189,7 +268,7 @@ impl IpvsSyncer {
         for id in scope {
             let r = match (desired.get(&id), actual.get(&id)) {
                 (Some(want), have) => self.plan_service(ipvs, want, have, &mut st, &mut plan),
-                (None, Some(_)) if self.owned(&id, &bound_all) || self.owned(&id, &want_all) => {
+                (None, Some(_)) if self.owned(&id, bound_all) || self.owned(&id, want_all) => {
                     plan.push(Write::DelService(id));
                     Ok(())
                 }
@@ -220,23 +299,13 @@ impl IpvsSyncer {
             }
         }
 
-        // Unbind what no virtual server needs, or is bound the other way now (a full sync sees
-        // them all). After the binds: an address switched to a route is never unbound between.
-        if only.is_none() || !bound.is_subset(&want) {
-            let kept = |a: &&IpAddr| !self.settings.exclude_cidrs.iter().any(|c| c.contains(*a));
-            let stale_routes: Vec<IpAddr> = bound.routes.difference(&want.routes).filter(kept).copied().collect();
-            change_bindings(links, ifindex, false, true, &stale_routes, &mut now.routes, &mut st);
-            let stale_addresses: Vec<IpAddr> = bound.addresses.difference(&want.addresses).filter(kept).copied().collect();
-            change_bindings(links, ifindex, false, false, &stale_addresses, &mut now.addresses, &mut st);
-        }
-        self.link_cache = Some((ifindex, now));
         Ok(st)
     }
 
     /// The writes that make the kernel's `have` (None: absent) into `want`, appended to `plan`.
     /// Only reads here (the service's destinations); an error is a failed read.
     fn plan_service(
-        &mut self,
+        &self,
         ipvs: &mut dyn Ipvs,
         want: &VirtualServer,
         have: Option<&ServiceConfig>,

@@ -221,3 +221,81 @@ fn annotations_and_affinity_reach_the_kernel() {
     w.sync(&state(vec![("192.0.2.50", 80, Protocol::Tcp, f)]));
     assert_eq!(w.ipvs.writes, vec!["update-service TCP 192.0.2.50:80"]);
 }
+
+/// FakeLinks that notes which thread bound each address, and refuses some.
+#[derive(Default)]
+struct WatchedLinks {
+    inner: FakeLinks,
+    binders: BTreeSet<String>,
+    refuse: BTreeSet<IpAddr>,
+}
+
+impl Links for WatchedLinks {
+    fn ensure_dummy(&mut self, name: &str) -> Result<u32, LinkError> {
+        self.inner.ensure_dummy(name)
+    }
+    fn link_index(&mut self, name: &str) -> Result<Option<u32>, LinkError> {
+        self.inner.link_index(name)
+    }
+    fn delete_link(&mut self, name: &str) -> Result<(), LinkError> {
+        self.inner.delete_link(name)
+    }
+    fn addresses(&mut self, ifindex: u32) -> Result<BTreeSet<IpAddr>, LinkError> {
+        self.inner.addresses(ifindex)
+    }
+    fn add_address(&mut self, ifindex: u32, addr: IpAddr) -> Result<(), LinkError> {
+        self.binders.insert(std::thread::current().name().unwrap_or("unnamed").to_string());
+        if self.refuse.contains(&addr) {
+            return Err(LinkError::Kernel { op: "add address", object: addr.to_string(), err: std::io::Error::from_raw_os_error(libc::ENOSPC) });
+        }
+        self.inner.add_address(ifindex, addr)
+    }
+    fn del_address(&mut self, ifindex: u32, addr: IpAddr) -> Result<(), LinkError> {
+        self.inner.del_address(ifindex, addr)
+    }
+    fn local_routes(&mut self) -> Result<BTreeSet<IpAddr>, LinkError> {
+        self.inner.local_routes()
+    }
+    fn change_local_routes(&mut self, add: bool, addrs: &[IpAddr]) -> Vec<Result<(), LinkError>> {
+        self.inner.change_local_routes(add, addrs)
+    }
+}
+
+fn many(n: u32) -> DesiredState {
+    let mut d = DesiredState::default();
+    for i in 0..n {
+        let ip = format!("10.96.{}.{}", i / 250, 1 + i % 250);
+        d.frontends.extend(state(vec![(ip.as_str(), 80, Protocol::Tcp, fe(FrontendKind::ClusterIp, &[("10.244.1.2", 80)], Protocol::Tcp))]).frontends);
+    }
+    d
+}
+
+#[test]
+fn a_large_bind_runs_beside_the_ipvs_writes_and_each_failure_is_reported_and_retried() {
+    let settings = SyncSettings::default();
+    let mut syncer = IpvsSyncer::new(settings.clone());
+    let (mut ipvs, mut ct) = (FakeIpvs::default(), FakeConntrack::default());
+    let refused: IpAddr = "10.96.0.7".parse().unwrap();
+    let mut links = WatchedLinks { refuse: [refused].into(), ..Default::default() };
+    let vs = desired_virtual_servers(&many(300), &settings);
+
+    let st = syncer.sync(&mut ipvs, &mut links, &mut ct, &vs, None).unwrap();
+    assert_eq!(links.binders, ["kpr-bind".to_string()].into(), "300 binds go on the binding thread");
+    assert_eq!(st.addresses_bound, 299);
+    assert_eq!(st.errors.len(), 1, "{:?}", st.errors);
+    assert!(st.errors[0].contains("10.96.0.7") && st.errors[0].starts_with("bind "), "{}", st.errors[0]);
+    assert_eq!(ipvs.services.len(), 300, "every virtual server is written, its VIP bound or not");
+    assert_eq!(links.inner.links[IPVS_DUMMY].1.len(), 299);
+
+    // The next sync, even an incremental one that trusts the cached bindings, binds only what
+    // is missing: on the caller's thread, as so few are.
+    links.refuse.clear();
+    links.binders.clear();
+    let only: BTreeSet<ServiceId> = [tcp("10.96.0.1", 80)].into();
+    let st = syncer.sync(&mut ipvs, &mut links, &mut ct, &vs, Some(&only)).unwrap();
+    assert_eq!((st.addresses_bound, st.errors.len()), (1, 0), "{:?}", st.errors);
+    assert!(!links.binders.contains("kpr-bind"), "{:?}", links.binders);
+    assert!(links.inner.links[IPVS_DUMMY].1.contains(&refused));
+    let st = syncer.sync(&mut ipvs, &mut links, &mut ct, &vs, None).unwrap();
+    assert_eq!((st.addresses_bound, st.writes, st.errors.len()), (0, 0, 0));
+}
