@@ -29,6 +29,9 @@ pub struct SyncSettings {
     pub node_port_range: RangeInclusive<u16>,
     /// IPv4 virtual IPs as kube-ipvs0's addresses or as local routes.
     pub vip_binding: VipBinding,
+    /// A sync with at least this many VIPs to bind binds them on a thread of its own beside
+    /// the IPVS writes; fewer are bound first, on the sync's thread.
+    pub concurrent_binds: usize,
 }
 
 impl Default for SyncSettings {
@@ -39,6 +42,8 @@ impl Default for SyncSettings {
             node_addresses: vec![],
             node_port_range: DEFAULT_NODE_PORT_RANGE,
             vip_binding: VipBinding::Address,
+            // A node's first sync binds one per Service; a change, a handful.
+            concurrent_binds: 64,
         }
     }
 }

@@ -78,9 +78,6 @@ impl Bindings {
     }
 }
 
-/// Bindings at or above this many go on a thread of their own, beside the IPVS writes.
-const CONCURRENT_BINDS: usize = 64;
-
 /// The VIPs a sync binds, each way.
 struct Binds {
     ifindex: u32,
@@ -185,9 +182,10 @@ impl IpvsSyncer {
                 (i, Bindings::read(links, i)?)
             }
         };
-        // Bind (IPVS only sees packets to local addresses) while the virtual servers are
-        // written: the kernel takes RTNL for the one and IPVS's own lock for the other, and a
-        // node's first sync binds an address per Service, each a walk of kube-ipvs0's list.
+        // Bind (IPVS only sees packets to local addresses): many (a node's first sync, one per
+        // Service, each address a walk of kube-ipvs0's list in the kernel) on a thread of their
+        // own while the virtual servers are written, as the kernel takes RTNL for the one and
+        // IPVS's own lock for the other; a few first, here.
         let want_all = bound_addresses(desired);
         let want = Bindings::wanted(&want_all, self.settings.vip_binding);
         let binds = Binds {
@@ -196,29 +194,26 @@ impl IpvsSyncer {
             addresses: want.addresses.difference(&bound.addresses).copied().collect(),
         };
         let bound_all = bound.all();
-        let (bind_result, ipvs_result) = if binds.len() >= CONCURRENT_BINDS {
-            std::thread::scope(|s| {
+        let (bind_result, ipvs_result) = if binds.len() >= self.settings.concurrent_binds {
+            let (bound_beside, ipvs_result) = std::thread::scope(|s| {
                 let binder = std::thread::Builder::new().name("kpr-bind".into()).spawn_scoped(s, || binds.apply(&mut *links, bound.clone()));
                 let ipvs_result = self.write_ipvs(ipvs, ct, desired, only, &bound_all, &want_all);
-                let bind_result = match binder {
-                    Ok(h) => h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
-                    // No thread to be had: nothing bound; every sync binds what is missing.
-                    Err(e) => (bound.clone(), IpvsSyncStats { errors: vec![format!("binding {} VIPs: no thread: {e}", binds.len())], ..Default::default() }),
-                };
-                (bind_result, ipvs_result)
-            })
+                let bound_beside = binder.map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
+                (bound_beside, ipvs_result)
+            });
+            // No thread to be had: bind after the writes instead.
+            let bind_result = bound_beside.unwrap_or_else(|e| {
+                tracing::warn!(error = %e, binds = binds.len(), "no thread to bind the VIPs beside the IPVS writes; binding them after");
+                binds.apply(&mut *links, bound.clone())
+            });
+            (bind_result, ipvs_result)
         } else {
             (binds.apply(&mut *links, bound.clone()), self.write_ipvs(ipvs, ct, desired, only, &bound_all, &want_all))
         };
         let (mut now, bind_st) = bind_result;
-        let ipvs_st = ipvs_result?;
-        st.addresses_bound = bind_st.addresses_bound;
-        st.bind_time = bind_st.bind_time;
-        st.errors = bind_st.errors;
-        st.errors.extend(ipvs_st.errors);
-        st.writes = ipvs_st.writes;
-        st.deletes = ipvs_st.deletes;
-        st.terminating = ipvs_st.terminating;
+        let IpvsSyncStats { addresses_bound, bind_time, errors: bind_errors, .. } = bind_st;
+        let IpvsSyncStats { writes, deletes, terminating, errors: ipvs_errors, .. } = ipvs_result?;
+        st = IpvsSyncStats { writes, deletes, terminating, addresses_bound, bind_time, errors: [bind_errors, ipvs_errors].concat(), ..st };
 
         // Unbind what no virtual server needs, or is bound the other way now (a full sync sees
         // them all). After the binds: an address switched to a route is never unbound between.

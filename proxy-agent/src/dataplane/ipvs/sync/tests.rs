@@ -127,7 +127,17 @@ fn incremental_syncs_touch_only_their_services_and_bind_new_vips() {
 
 #[test]
 fn route_binding_routes_ipv4_vips_and_takes_over_addresses_both_ways() {
+    route_binding_switches(usize::MAX);
+}
+
+#[test]
+fn route_binding_switches_alike_with_every_bind_on_the_binding_thread() {
+    route_binding_switches(1);
+}
+
+fn route_binding_switches(concurrent_binds: usize) {
     let mut w = World::new();
+    w.syncer.settings.concurrent_binds = concurrent_binds;
     let d = state(vec![
         ("10.96.0.1", 80, Protocol::Tcp, fe(FrontendKind::ClusterIp, &[("10.244.1.2", 80)], Protocol::Tcp)),
         ("fd00:96::1", 80, Protocol::Tcp, fe(FrontendKind::ClusterIp, &[("fd00:244::2", 80)], Protocol::Tcp)),
@@ -222,12 +232,91 @@ fn annotations_and_affinity_reach_the_kernel() {
     assert_eq!(w.ipvs.writes, vec!["update-service TCP 192.0.2.50:80"]);
 }
 
-/// FakeLinks that notes which thread bound each address, and refuses some.
+/// FakeLinks that notes which thread bound each VIP, refuses some, and at its first address
+/// may wait to meet an IPVS write.
 #[derive(Default)]
 struct WatchedLinks {
     inner: FakeLinks,
     binders: BTreeSet<String>,
     refuse: BTreeSet<IpAddr>,
+    meeting: Option<Meeting>,
+}
+
+fn thread_name() -> String {
+    std::thread::current().name().unwrap_or("unnamed").to_string()
+}
+
+/// Each side says it has started and waits (a while) for the other to have started: both
+/// meet only if they run at the same time.
+struct Meeting {
+    tell: std::sync::mpsc::Sender<()>,
+    hear: std::sync::mpsc::Receiver<()>,
+    met: Option<bool>,
+}
+
+impl Meeting {
+    fn pair() -> (Meeting, Meeting) {
+        let ((a_tell, b_hear), (b_tell, a_hear)) = (std::sync::mpsc::channel(), std::sync::mpsc::channel());
+        (Meeting { tell: a_tell, hear: a_hear, met: None }, Meeting { tell: b_tell, hear: b_hear, met: None })
+    }
+    fn meet(&mut self) {
+        if self.met.is_none() {
+            let _ = self.tell.send(());
+            self.met = Some(self.hear.recv_timeout(std::time::Duration::from_secs(5)).is_ok());
+        }
+    }
+}
+
+/// FakeIpvs whose first read of the virtual servers waits to meet the binding.
+struct MeetingIpvs {
+    inner: FakeIpvs,
+    meeting: Meeting,
+}
+
+impl Ipvs for MeetingIpvs {
+    fn info(&mut self) -> Result<crate::dataplane::ipvs::client::Info, IpvsError> {
+        self.inner.info()
+    }
+    fn services(&mut self) -> Result<Vec<crate::dataplane::ipvs::client::Service>, IpvsError> {
+        self.meeting.meet();
+        self.inner.services()
+    }
+    fn service(&mut self, id: &ServiceId) -> Result<Option<crate::dataplane::ipvs::client::Service>, IpvsError> {
+        self.inner.service(id)
+    }
+    fn add_service(&mut self, s: &ServiceConfig) -> Result<(), IpvsError> {
+        self.inner.add_service(s)
+    }
+    fn update_service(&mut self, s: &ServiceConfig) -> Result<(), IpvsError> {
+        self.inner.update_service(s)
+    }
+    fn del_service(&mut self, id: &ServiceId) -> Result<(), IpvsError> {
+        self.inner.del_service(id)
+    }
+    fn dests(&mut self, id: &ServiceId) -> Result<Vec<crate::dataplane::ipvs::client::Dest>, IpvsError> {
+        self.inner.dests(id)
+    }
+    fn add_dest(&mut self, id: &ServiceId, d: &DestConfig) -> Result<(), IpvsError> {
+        self.inner.add_dest(id, d)
+    }
+    fn update_dest(&mut self, id: &ServiceId, d: &DestConfig) -> Result<(), IpvsError> {
+        self.inner.update_dest(id, d)
+    }
+    fn del_dest(&mut self, id: &ServiceId, addr: IpAddr, port: u16) -> Result<(), IpvsError> {
+        self.inner.del_dest(id, addr, port)
+    }
+    fn flush(&mut self) -> Result<(), IpvsError> {
+        self.inner.flush()
+    }
+    fn zero(&mut self, id: Option<&ServiceId>) -> Result<(), IpvsError> {
+        self.inner.zero(id)
+    }
+    fn timeouts(&mut self) -> Result<crate::dataplane::ipvs::client::Timeouts, IpvsError> {
+        self.inner.timeouts()
+    }
+    fn set_timeouts(&mut self, t: &crate::dataplane::ipvs::client::Timeouts) -> Result<(), IpvsError> {
+        self.inner.set_timeouts(t)
+    }
 }
 
 impl Links for WatchedLinks {
@@ -244,7 +333,10 @@ impl Links for WatchedLinks {
         self.inner.addresses(ifindex)
     }
     fn add_address(&mut self, ifindex: u32, addr: IpAddr) -> Result<(), LinkError> {
-        self.binders.insert(std::thread::current().name().unwrap_or("unnamed").to_string());
+        self.binders.insert(thread_name());
+        if let Some(m) = &mut self.meeting {
+            m.meet();
+        }
         if self.refuse.contains(&addr) {
             return Err(LinkError::Kernel { op: "add address", object: addr.to_string(), err: std::io::Error::from_raw_os_error(libc::ENOSPC) });
         }
@@ -257,6 +349,7 @@ impl Links for WatchedLinks {
         self.inner.local_routes()
     }
     fn change_local_routes(&mut self, add: bool, addrs: &[IpAddr]) -> Vec<Result<(), LinkError>> {
+        self.binders.insert(thread_name());
         self.inner.change_local_routes(add, addrs)
     }
 }
@@ -298,4 +391,29 @@ fn a_large_bind_runs_beside_the_ipvs_writes_and_each_failure_is_reported_and_ret
     assert!(links.inner.links[IPVS_DUMMY].1.contains(&refused));
     let st = syncer.sync(&mut ipvs, &mut links, &mut ct, &vs, None).unwrap();
     assert_eq!((st.addresses_bound, st.writes, st.errors.len()), (0, 0, 0));
+}
+
+#[test]
+fn the_binding_and_the_ipvs_writes_run_at_the_same_time() {
+    let settings = SyncSettings::default();
+    let vs = desired_virtual_servers(&many(settings.concurrent_binds as u32), &settings);
+    let (for_links, for_ipvs) = Meeting::pair();
+    let mut links = WatchedLinks { meeting: Some(for_links), ..Default::default() };
+    let mut ipvs = MeetingIpvs { inner: FakeIpvs::default(), meeting: for_ipvs };
+    let st = IpvsSyncer::new(settings.clone()).sync(&mut ipvs, &mut links, &mut FakeConntrack::default(), &vs, None).unwrap();
+    assert!(st.errors.is_empty(), "{:?}", st.errors);
+    assert_eq!((links.meeting.unwrap().met, ipvs.meeting.met), (Some(true), Some(true)), "each side waited for the other while it ran");
+    assert_eq!((st.addresses_bound, ipvs.inner.services.len()), (vs.len(), vs.len()));
+}
+
+#[test]
+fn below_the_threshold_the_vips_are_bound_first_on_the_syncs_thread() {
+    let settings = SyncSettings { concurrent_binds: 4, ..SyncSettings::default() };
+    for (n, binder) in [(3, thread_name()), (4, "kpr-bind".to_string())] {
+        let mut links = WatchedLinks::default();
+        let vs = desired_virtual_servers(&many(n), &settings);
+        let st = IpvsSyncer::new(settings.clone()).sync(&mut FakeIpvs::default(), &mut links, &mut FakeConntrack::default(), &vs, None).unwrap();
+        assert_eq!(st.addresses_bound, n as usize);
+        assert_eq!(links.binders, [binder].into(), "{n} binds");
+    }
 }
