@@ -1,5 +1,5 @@
 //! The kernel write boundary for the fast path's maps: a small trait, a real implementation on
-//! aya (kernel.rs) and a fake on BTreeMaps for fast deterministic tests.
+//! aya (kernel_maps.rs) and a fake on BTreeMaps for fast deterministic tests.
 use std::collections::BTreeMap;
 
 use proxy_common::{AffinityKey, AffinityValue, Backend, DatapathConfig, IfaceInfo, ServiceKey, ServiceValue, SlotKey, SourceRangeKey};
@@ -256,9 +256,8 @@ impl Table {
     }
 }
 
-/// What the collector needs from the conntrack maps: a kernel implementation (kernel.rs) and
-/// a fake (below) for deterministic tests.
-/// KPR_BE_ACTIVE_V1: the active-flow counts least-connection and P2C compare.
+/// KPR_BE_ACTIVE_V1: the active-flow counts least-connection and P2C compare (kernel_maps.rs,
+/// and a fake below).
 pub trait BackendLoads {
     fn set(&mut self, backend_id: u32, active: u32) -> Result<(), MapError>;
 }
@@ -327,6 +326,8 @@ pub fn same_flow(a: &CtValue, b: &CtValue) -> bool {
     (a.service_id, a.backend_id) == (b.service_id, b.backend_id)
 }
 
+/// What the collector needs from the conntrack maps: a kernel implementation (kernel_maps.rs)
+/// and a fake (below) for deterministic tests.
 pub trait ConntrackTables {
     /// Up to `max` entries of `table` from `cursor` on (None: the start), and the cursor to go on
     /// from (None: that was the end).
