@@ -36,7 +36,7 @@ use proxy_agent::{
     dataplane::ipvs::sync::IpvsSyncer,
     model::{self, BackendKey, DesiredState, FrontendKey, NodeInfo, Protocol},
     netlink::ctnetlink::FakeConntrack,
-    netlink::rtnl::NetlinkLinks,
+    netlink::{rtnl::NetlinkLinks, socket::Acks},
     settings::VipBinding,
 };
 
@@ -63,10 +63,11 @@ struct Cp {
     n: u32,
     /// One request at a time, the VIPs bound first (kpr before pipelining).
     ipvs_one_at_a_time_s: f64,
-    /// Pipelined, kube-ipvs0's addresses bound first (the previous release).
-    ipvs_bind_first_s: f64,
-    /// Of it, the addresses.
-    ipvs_bind_first_bind_s: f64,
+    /// Pipelined, the addresses bound beside, every request asking for an ACK (the previous
+    /// release).
+    ipvs_every_ack_s: f64,
+    /// The binding's own time in it (overlapping).
+    ipvs_every_ack_bind_s: f64,
     /// Pipelined, the addresses bound beside the IPVS writes (the agent's way).
     ipvs_program_s: f64,
     /// The binding's own time in it (overlapping).
@@ -93,11 +94,15 @@ enum Bind {
 /// Programs `n` services x 10 endpoints from nothing, in this process's network namespace,
 /// through the agent's sync: (seconds binding the VIPs `binding`'s way, seconds in all).
 /// `pipelined` false: one netlink request at a time (kpr before pipelining). With
-/// `Bind::Beside` the binding's seconds overlap the IPVS writes.
-fn ipvs_program(n: u32, pipelined: bool, binding: VipBinding, bind: Bind) -> (f64, f64) {
+/// `Bind::Beside` the binding's seconds overlap the IPVS writes. `acks`: which pipelined
+/// requests ask for an ACK.
+fn ipvs_program(n: u32, pipelined: bool, binding: VipBinding, bind: Bind, acks: Acks) -> (f64, f64) {
     let (mut ipvs, mut links) = (NetlinkIpvs::connect().expect("IPVS"), NetlinkLinks::connect().expect("rtnetlink"));
     if !pipelined {
         (ipvs, links) = (ipvs.one_at_a_time(), links.one_at_a_time());
+    }
+    if acks == Acks::Every {
+        (ipvs, links) = (ipvs.ack_every_request(), links.ack_every_request());
     }
     let concurrent_binds = if bind == Bind::Beside { SyncSettings::default().concurrent_binds } else { usize::MAX };
     let settings = SyncSettings { vip_binding: binding, concurrent_binds, ..SyncSettings::default() };
@@ -114,11 +119,11 @@ fn ipvs_program(n: u32, pipelined: bool, binding: VipBinding, bind: Bind) -> (f6
 /// destinations, which every add searches, and kube-ipvs0 are per namespace: one run never
 /// slows the next).
 /// Returns [bind s, total s, one change ms (pipelined addresses bound beside only)].
-fn ipvs_program_isolated(n: u32, pipelined: bool, binding: VipBinding, bind: Bind) -> [f64; 3] {
-    let ns = format!("kvb-{n}-{pipelined}-{binding:?}-{bind:?}");
+fn ipvs_program_isolated(n: u32, pipelined: bool, binding: VipBinding, bind: Bind, acks: Acks) -> [f64; 3] {
+    let ns = format!("kvb-{n}-{pipelined}-{binding:?}-{bind:?}-{acks:?}");
     must(&format!("ip netns add {ns}"));
     let exe = std::env::current_exe().expect("own path");
-    let args = [n.to_string(), pipelined.to_string(), format!("{binding:?}"), format!("{bind:?}")];
+    let args = [n.to_string(), pipelined.to_string(), format!("{binding:?}"), format!("{bind:?}"), format!("{acks:?}")];
     let out = Command::new("ip").args(["netns", "exec", &ns]).arg(exe).arg("ipvs-program").args(args).output().expect("spawn");
     let _ = sh(&format!("ip netns del {ns}"));
     let text = String::from_utf8_lossy(&out.stdout);
@@ -152,10 +157,10 @@ fn ipvs_changes(n: u32) -> f64 {
 fn control_plane(n: u32) -> Cp {
     let changes = 5;
     let _ = Command::new("modprobe").arg("ip_vs").status();
-    let [_, ipvs_one_at_a_time_s, _] = ipvs_program_isolated(n, false, VipBinding::Address, Bind::First);
-    let [ipvs_bind_first_bind_s, ipvs_bind_first_s, _] = ipvs_program_isolated(n, true, VipBinding::Address, Bind::First);
-    let [ipvs_bind_s, ipvs_program_s, ipvs_change_ms] = ipvs_program_isolated(n, true, VipBinding::Address, Bind::Beside);
-    let [ipvs_routes_bind_s, ipvs_routes_program_s, _] = ipvs_program_isolated(n, true, VipBinding::Route, Bind::Beside);
+    let [_, ipvs_one_at_a_time_s, _] = ipvs_program_isolated(n, false, VipBinding::Address, Bind::First, Acks::Every);
+    let [ipvs_every_ack_bind_s, ipvs_every_ack_s, _] = ipvs_program_isolated(n, true, VipBinding::Address, Bind::Beside, Acks::Every);
+    let [ipvs_bind_s, ipvs_program_s, ipvs_change_ms] = ipvs_program_isolated(n, true, VipBinding::Address, Bind::Beside, Acks::Last);
+    let [ipvs_routes_bind_s, ipvs_routes_program_s, _] = ipvs_program_isolated(n, true, VipBinding::Route, Bind::Beside, Acks::Last);
 
     // The BPF maps, same services.
     let pins = PinDir::new("vmbench");
@@ -187,8 +192,8 @@ fn control_plane(n: u32) -> Cp {
     Cp {
         n,
         ipvs_one_at_a_time_s,
-        ipvs_bind_first_s,
-        ipvs_bind_first_bind_s,
+        ipvs_every_ack_s,
+        ipvs_every_ack_bind_s,
         ipvs_program_s,
         ipvs_bind_s,
         ipvs_routes_program_s,
@@ -405,8 +410,9 @@ fn main() {
         let (n, pipelined) = (args[2].parse().expect("N"), args[3] == "true");
         let binding = if args[4] == "Route" { VipBinding::Route } else { VipBinding::Address };
         let bind = if args[5] == "Beside" { Bind::Beside } else { Bind::First };
-        let (bind_s, total_s) = ipvs_program(n, pipelined, binding, bind);
-        let change_ms = if pipelined && binding == VipBinding::Address && bind == Bind::Beside { ipvs_changes(n) } else { 0.0 };
+        let acks = if args[6] == "Every" { Acks::Every } else { Acks::Last };
+        let (bind_s, total_s) = ipvs_program(n, pipelined, binding, bind, acks);
+        let change_ms = if pipelined && binding == VipBinding::Address && bind == Bind::Beside && acks == Acks::Last { ipvs_changes(n) } else { 0.0 };
         return println!("{bind_s} {total_s} {change_ms}");
     }
     let opt = |n: &str| args.iter().position(|a| a == n).and_then(|i| args.get(i + 1)).cloned();
@@ -422,20 +428,21 @@ fn main() {
 
     println!("\ncontrol plane: N services x 10 endpoints from nothing; 1 change = one service's endpoints replaced (median of 5)");
     println!("1-by-1: one netlink request at a time, kube-ipvs0's addresses bound first (kpr before pipelining; kube-proxy too goes one at a time).");
-    println!("bind first: pipelined (up to 128 requests per sendmsg), the addresses bound first (the previous release); of it bind: their time.");
-    println!("beside: pipelined, the addresses bound on a thread of their own beside the IPVS writes (the default); its bind: their own time,");
-    println!("overlapping. routes: the same with the VIPs as local routes (--ipvs-vip-binding route). Each run in a fresh network namespace.");
+    println!("every ack: pipelined (up to 128 requests per sendmsg), the addresses bound beside the IPVS writes on a thread of their own,");
+    println!("every request asking for an ACK (the previous release); its bind: the binding's own time, overlapping.");
+    println!("beside: the same, with only each datagram's last request asking for an ACK (failures are answered anyway; the default).");
+    println!("routes: the same with the VIPs as local routes (--ipvs-vip-binding route). Each run in a fresh network namespace.");
     println!("Goal at 30,000: < 60 s");
     println!(
-        "{:>8} {:>13} {:>14} {:>10} {:>11} {:>9} {:>11} {:>11} {:>10} {:>9} {:>13} {:>13} {:>13} {:>10} {:>11}",
+        "{:>8} {:>13} {:>14} {:>10} {:>11} {:>9} {:>11} {:>12} {:>10} {:>9} {:>13} {:>13} {:>13} {:>10} {:>11}",
         "services",
         "1-by-1 (s)",
-        "bind first(s)",
-        "of it bind",
+        "every ack (s)",
+        "its bind",
         "beside (s)",
         "its bind",
         "vs 1-by-1",
-        "vs bind 1st",
+        "vs every ack",
         "routes (s)",
         "its bind",
         "IPVS 1 chg ms",
@@ -448,15 +455,15 @@ fn main() {
     for &n in &cp_sizes {
         let c = control_plane(n);
         println!(
-            "{:>8} {:>13.2} {:>14.2} {:>10.2} {:>11.2} {:>9.2} {:>10.2}x {:>10.2}x {:>10.2} {:>9.2} {:>13.2} {:>13.2} {:>13.2} {:>9.1}x {:>11.1}",
+            "{:>8} {:>13.2} {:>14.2} {:>10.2} {:>11.2} {:>9.2} {:>10.2}x {:>11.2}x {:>10.2} {:>9.2} {:>13.2} {:>13.2} {:>13.2} {:>9.1}x {:>11.1}",
             c.n,
             c.ipvs_one_at_a_time_s,
-            c.ipvs_bind_first_s,
-            c.ipvs_bind_first_bind_s,
+            c.ipvs_every_ack_s,
+            c.ipvs_every_ack_bind_s,
             c.ipvs_program_s,
             c.ipvs_bind_s,
             c.ipvs_one_at_a_time_s / c.ipvs_program_s.max(1e-9),
-            c.ipvs_bind_first_s / c.ipvs_program_s.max(1e-9),
+            c.ipvs_every_ack_s / c.ipvs_program_s.max(1e-9),
             c.ipvs_routes_program_s,
             c.ipvs_routes_bind_s,
             c.ipvs_change_ms,
@@ -515,7 +522,7 @@ fn main() {
         }
     }
     if let Some(path) = opt("--json") {
-        let cp: Vec<_> = cps.iter().map(|c| serde_json::json!({"services": c.n, "endpoints_per_service": 10, "ipvs_one_at_a_time_s": c.ipvs_one_at_a_time_s, "ipvs_bind_first_s": c.ipvs_bind_first_s, "ipvs_bind_first_bind_s": c.ipvs_bind_first_bind_s, "ipvs_program_s": c.ipvs_program_s, "ipvs_bind_s": c.ipvs_bind_s, "ipvs_routes_program_s": c.ipvs_routes_program_s, "ipvs_routes_bind_s": c.ipvs_routes_bind_s, "ipvs_one_change_ms": c.ipvs_change_ms, "bpf_program_s": c.bpf_program_s, "bpf_one_change_ms": c.bpf_change_ms, "bpf_map_memlock_bytes": c.bpf_map_bytes})).collect();
+        let cp: Vec<_> = cps.iter().map(|c| serde_json::json!({"services": c.n, "endpoints_per_service": 10, "ipvs_one_at_a_time_s": c.ipvs_one_at_a_time_s, "ipvs_every_ack_s": c.ipvs_every_ack_s, "ipvs_every_ack_bind_s": c.ipvs_every_ack_bind_s, "ipvs_program_s": c.ipvs_program_s, "ipvs_bind_s": c.ipvs_bind_s, "ipvs_routes_program_s": c.ipvs_routes_program_s, "ipvs_routes_bind_s": c.ipvs_routes_bind_s, "ipvs_one_change_ms": c.ipvs_change_ms, "bpf_program_s": c.bpf_program_s, "bpf_one_change_ms": c.bpf_change_ms, "bpf_map_memlock_bytes": c.bpf_map_bytes})).collect();
         let t: Vec<_> = tr
             .iter()
             .map(|t| serde_json::json!({"services": t.n, "mode": t.mode, "conn_per_s": t.rate, "p50_us": t.p50, "p99_us": t.p99, "errors": t.errors}))

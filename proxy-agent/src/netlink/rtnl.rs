@@ -20,7 +20,7 @@ use neli::{
     FromBytesWithInput, Size, ToBytes,
 };
 
-use crate::netlink::socket::NlError;
+use crate::netlink::socket::{Acks, NlError};
 
 /// kube-proxy's name, so operators' habits (`ip addr show kube-ipvs0`) carry over.
 pub const IPVS_DUMMY: &str = "kube-ipvs0";
@@ -84,6 +84,8 @@ pub struct NetlinkLinks {
     seq: u32,
     /// Requests in flight per sendmsg (1: one at a time).
     depth: usize,
+    /// Which of them ask for an ACK.
+    acks: Acks,
 }
 
 fn sock_err(e: impl std::fmt::Display) -> LinkError {
@@ -93,13 +95,20 @@ fn sock_err(e: impl std::fmt::Display) -> LinkError {
 impl NetlinkLinks {
     pub fn connect() -> Result<Self, LinkError> {
         let sock = NlSocketHandle::connect(NlFamily::Route, None, Groups::empty()).map_err(sock_err)?;
-        Ok(NetlinkLinks { sock, seq: 0, depth: crate::netlink::socket::PIPELINE_DEPTH })
+        Ok(NetlinkLinks { sock, seq: 0, depth: crate::netlink::socket::PIPELINE_DEPTH, acks: Acks::Last })
     }
 
     /// Changes addresses one request at a time, each waiting for its answer (the benchmark's
     /// baseline).
     pub fn one_at_a_time(mut self) -> Self {
         self.depth = 1;
+        self
+    }
+
+    /// Asks for an ACK to every pipelined request (the previous release's way: the benchmark's
+    /// baseline).
+    pub fn ack_every_request(mut self) -> Self {
+        self.acks = Acks::Every;
         self
     }
 
@@ -189,7 +198,7 @@ impl NetlinkLinks {
                 Err(e) => return addrs.iter().map(|_| Err(LinkError::Socket(e.to_string()))).collect(),
             }
         }
-        match crate::netlink::socket::pipeline(&self.sock, &msgs, self.depth) {
+        match crate::netlink::socket::pipeline(&self.sock, &msgs, self.depth, self.acks) {
             Ok(answers) => addrs
                 .iter()
                 .zip(answers)

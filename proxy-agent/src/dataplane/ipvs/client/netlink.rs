@@ -14,7 +14,7 @@ use neli::{
     utils::Groups,
 };
 
-use crate::netlink::socket::NlError;
+use crate::netlink::socket::{Acks, NlError};
 
 use super::{
     kernel_err,
@@ -28,6 +28,8 @@ pub struct NetlinkIpvs {
     seq: u32,
     /// Requests in flight per sendmsg (1: one at a time).
     depth: usize,
+    /// Which of them ask for an ACK.
+    acks: Acks,
 }
 
 fn sock_err(e: impl std::fmt::Display) -> IpvsError {
@@ -41,7 +43,7 @@ impl NetlinkIpvs {
         // Large dumps (tens of thousands of services) arrive as many datagrams; a bigger buffer
         // keeps the kernel from dropping any while we decode.
         let _ = sock.set_recv_buffer_size(4 << 20);
-        let mut me = NetlinkIpvs { sock, family: 0, seq: 0, depth: crate::netlink::socket::PIPELINE_DEPTH };
+        let mut me = NetlinkIpvs { sock, family: 0, seq: 0, depth: crate::netlink::socket::PIPELINE_DEPTH, acks: Acks::Last };
         me.family = me.resolve_family()?;
         Ok(me)
     }
@@ -49,6 +51,13 @@ impl NetlinkIpvs {
     /// Writes one request at a time, each waiting for its answer (the benchmark's baseline).
     pub fn one_at_a_time(mut self) -> Self {
         self.depth = 1;
+        self
+    }
+
+    /// Asks for an ACK to every pipelined request (the previous release's way: the benchmark's
+    /// baseline).
+    pub fn ack_every_request(mut self) -> Self {
+        self.acks = Acks::Every;
         self
     }
 
@@ -145,7 +154,7 @@ impl Ipvs for NetlinkIpvs {
                 Err(e) => out.push(Some(Err(e))),
             }
         }
-        match crate::netlink::socket::pipeline(&self.sock, &msgs, self.depth) {
+        match crate::netlink::socket::pipeline(&self.sock, &msgs, self.depth, self.acks) {
             Ok(answers) => {
                 for (i, answer) in sent.into_iter().zip(answers) {
                     let w = &writes[i];
