@@ -116,8 +116,14 @@ pub struct Loaded {
 
 impl Loaded {
     pub fn new(name: &str, yaml: &str, node: &NodeInfo, cfg: DatapathConfig) -> Self {
+        Self::with_capacities(name, yaml, node, cfg, Self::CAPACITIES)
+    }
+
+    /// The fixtures' map sizes.
+    pub const CAPACITIES: Capacities = Capacities { services: 8192, backends: 8192, slots: 65536, conntrack: 65536, conntrack_new: 16384, affinity: 16384 };
+
+    pub fn with_capacities(name: &str, yaml: &str, node: &NodeInfo, cfg: DatapathConfig, caps: Capacities) -> Self {
         let pins = PinDir::new(name);
-        let caps = Capacities { services: 8192, backends: 8192, slots: 65536, conntrack: 65536, conntrack_new: 16384, affinity: 16384 };
         let dp = Datapath::load(pins.path(), caps).expect("load eBPF object");
         let mut maps = KernelMaps::open(pins.path()).expect("open maps");
         let mut syncer = Syncer::new(4096, caps.backends, 16);

@@ -33,7 +33,8 @@ macro_rules! map_name {
     (BACKENDS) => { "KPR_BE_V3" };
     // V3: the key carries the hook direction, one flow has up to four entries.
     (CONNTRACK) => { "KPR_CT_V3" };
-    (CONNTRACK_NEW) => { "KPR_CT_NEW_V1" };
+    // V2: a preallocated hash (an LRU before), its evictions by the per-CPU ring CT_NEW_RING.
+    (CONNTRACK_NEW) => { "KPR_CT_NEW_V2" };
     (CONNTRACK6) => { "KPR_CT6_V1" };
     (IFACES) => { "KPR_IFACE_V1" };
     (AFFINITY) => { "KPR_AFF_V1" };
@@ -61,6 +62,9 @@ macro_rules! map_name {
     (CT_SCRATCH6) => { "KPR_CT_SCRATCH6" };
     (FLOW_CACHE) => { "KPR_FLOW_CACHE" };
     (CLOCK) => { "KPR_CLOCK" };
+    (CT_NEW_RING) => { "KPR_CT_NEW_RING" };
+    (CT_NEW_RING_POS) => { "KPR_CT_NEW_RING_POS" };
+    (CT_FORGET_KEYS) => { "KPR_CT_FORGET_KEYS" };
 }
 
 /// The map names for user space (see `map_name!`).
@@ -97,7 +101,7 @@ pub mod map_names {
     pub const SETS: [&str; 5] = [SET_IP_PORT, SET_IP_PORT_IP, SET_IP_PORT_NET, SET_PORT, SET_IP];
     /// Pins of earlier layouts: removed at load, so an upgrade does not keep them (and their
     /// memory) alive next to their successors.
-    pub const RETIRED: [&str; 20] = [
+    pub const RETIRED: [&str; 21] = [
         "KPR_SVC_V1",
         "KPR_SLOT_V1",
         "KPR_BE_V1",
@@ -118,10 +122,16 @@ pub mod map_names {
         "KPR_RR_V1",
         "KPR_BE_NEW_V1",
         BACKENDS_V2,
+        CONNTRACK_NEW_V1,
     ];
     /// The backend map before it was an array (a hash map of the same entries): at load its
     /// entries are carried into KPR_BE_V3 with their ids, then its pin is removed.
     pub const BACKENDS_V2: &str = "KPR_BE_V2";
+    /// The embryonic table when it was an LRU: at load its entries are carried into
+    /// KPR_CT_NEW_V2, then its pin is removed.
+    pub const CONNTRACK_NEW_V1: &str = "KPR_CT_NEW_V1";
+    /// The retired maps whose entries a load carries over before it removes their pins.
+    pub const CARRIED: [&str; 2] = [BACKENDS_V2, CONNTRACK_NEW_V1];
     /// Every map the fast path pins.
     pub const ALL: [&str; 18] = [
         SERVICES,
@@ -301,7 +311,7 @@ pub mod limits {
     pub const MAX_BACKENDS: u32 = 262_144;
     pub const MAX_SLOTS: u32 = 1_048_576;
     pub const MAX_CONNTRACK: u32 = 524_288;
-    /// TCP flows between their first SYN and the end of the handshake (see KPR_CT_NEW_V1).
+    /// TCP flows between their first SYN and the end of the handshake (see KPR_CT_NEW_V2).
     pub const MAX_CONNTRACK_NEW: u32 = 131_072;
     /// IPv6 flows through the packet path (KPR_CT6_V1): two entries a flow.
     pub const MAX_CONNTRACK6: u32 = 65_536;
@@ -315,6 +325,9 @@ pub mod limits {
     pub const MAGLEV_TABLE_SIZE: u32 = 1021;
     /// Backends per service (slots) the data path accepts.
     pub const MAX_BACKENDS_PER_SERVICE: u32 = 65_535;
+    /// The forward keys of the last embryonic flows each CPU opened (a power of two): 128 KiB a
+    /// CPU. A full embryonic table evicts the oldest of them (see proxy-ebpf's conntrack.rs).
+    pub const CT_NEW_RING_SLOTS: u32 = 8192;
     /// Flow cache slots per CPU (a power of two): 96 KiB a CPU.
     pub const FLOW_CACHE_SLOTS: u32 = 2048;
     /// A flow cache entry is re-checked against conntrack (and refreshes its timestamp there)

@@ -5,25 +5,22 @@
 //!
 //! Two tables: TCP flows live in CONNTRACK_NEW until their handshake completes (a reply was seen
 //! and the client sent a packet after it), then move to CONNTRACK. A flood of SYNs (spoofed or
-//! not) can only evict other embryonic flows from their LRU, never an established one. UDP has no
-//! handshake and starts in CONNTRACK.
+//! not) can only evict other embryonic flows (the oldest each CPU opened, see `make_room`), never
+//! an established one. UDP has no handshake and starts in CONNTRACK.
 //!
 //! Flows keep their backend whatever happens to the service afterwards.
-use aya_ebpf::{
-    helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns},
-    maps::LruHashMap,
-};
+use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns};
 use proxy_common::{
     counter, Backend, CtKey, CtRole, CtScratch, CtValue, DatapathConfig, CT_DIR_EGRESS, CT_DIR_INGRESS,
     CT_F_CLOSING, CT_F_MAX_AGE, CT_F_REFUSED, CT_F_REPLY, CT_F_SEEN_REPLY, CT_F_SNAT, CT_F_SNAT_PENDING, PROTO_TCP, PROTO_UDP,
-    SNAT_PORT_MAX, SNAT_PORT_MIN,
+    SNAT_PORT_MAX, SNAT_PORT_MIN, limits::CT_NEW_RING_SLOTS,
 };
 
 use crate::{
     counters::{self, bump},
     flowcache,
     lb,
-    maps::{BPF_NOEXIST, EEXIST, CLOCK, CONNTRACK_NEW, CT_SCRATCH, CONNTRACK, IFACES},
+    maps::{BPF_NOEXIST, CLOCK, CONNTRACK, CONNTRACK_NEW, CT_FORGET_KEYS, CT_NEW_RING, CT_NEW_RING_POS, CT_SCRATCH, E2BIG, EEXIST, IFACES},
     parse::{Flow, TCP_RST},
     rewrite::Rewrite,
 };
@@ -55,10 +52,29 @@ pub enum Table {
 
 impl Table {
     #[inline(always)]
-    fn map(self) -> &'static LruHashMap<CtKey, CtValue> {
+    unsafe fn get(self, k: &CtKey) -> Option<&'static CtValue> {
         match self {
-            Table::Assured => &CONNTRACK,
-            Table::Embryonic => &CONNTRACK_NEW,
+            Table::Assured => CONNTRACK.get(k),
+            Table::Embryonic => CONNTRACK_NEW.get(k),
+        }
+    }
+    /// A full embryonic table makes room first (`make_room`): a SYN flood evicts the oldest
+    /// embryonic flows, as the LRU it was did, and never an assured one.
+    #[inline(always)]
+    fn insert(self, k: &CtKey, v: &CtValue, flags: u64) -> Result<(), i32> {
+        match self {
+            Table::Assured => CONNTRACK.insert(k, v, flags),
+            Table::Embryonic => match CONNTRACK_NEW.insert(k, v, flags) {
+                Err(e) if e == -E2BIG && make_room() => CONNTRACK_NEW.insert(k, v, flags),
+                r => r,
+            },
+        }
+    }
+    #[inline(always)]
+    fn remove(self, k: &CtKey) -> Result<(), i32> {
+        match self {
+            Table::Assured => CONNTRACK.remove(k),
+            Table::Embryonic => CONNTRACK_NEW.remove(k),
         }
     }
     /// Where a new flow of this protocol starts.
@@ -299,18 +315,30 @@ fn mark_forward(key: &CtKey, v: &CtValue, flag: u16) {
 /// stack.
 #[inline(never)]
 fn forget(table: Table, fwd_key: &CtKey, v: &CtValue) {
-    let map = table.map();
-    let _ = map.remove(&CtKey::reversed_of(v, fwd_key.proto, CT_DIR_EGRESS));
-    if v.flags & CT_F_SNAT != 0 {
-        let snat = CtKey::straight_of(v, fwd_key.proto, CT_DIR_EGRESS);
-        if let Some(sv) = unsafe { map.get(&snat) } {
+    if let Some(keys) = CT_FORGET_KEYS.get_ptr_mut(0) {
+        forget_with(table, fwd_key, v, unsafe { &mut *keys });
+    }
+}
+
+/// `forget`'s work, its keys built in per-CPU map memory, not on the stack: `make_room` runs it
+/// at the end of new_flow's call chain, which has 32 bytes of the 512 left.
+#[inline(always)]
+fn forget_with(table: Table, fwd_key: &CtKey, v: &CtValue, keys: &mut [CtKey; 2]) {
+    // Both keys from the value first, so that little stays live across the calls.
+    let snat = v.flags & CT_F_SNAT != 0;
+    keys[0] = CtKey::reversed_of(v, fwd_key.proto, CT_DIR_EGRESS);
+    keys[1] = CtKey::straight_of(v, fwd_key.proto, CT_DIR_EGRESS);
+    let _ = table.remove(&keys[0]);
+    if snat {
+        if let Some(sv) = unsafe { table.get(&keys[1]) } {
             if sv.flags & CT_F_SNAT_PENDING == 0 {
-                let _ = map.remove(&CtKey::reversed_of(sv, fwd_key.proto, CT_DIR_INGRESS));
+                keys[0] = CtKey::reversed_of(sv, fwd_key.proto, CT_DIR_INGRESS);
+                let _ = table.remove(&keys[0]);
             }
         }
-        let _ = map.remove(&snat);
+        let _ = table.remove(&keys[1]);
     }
-    let _ = map.remove(fwd_key);
+    let _ = table.remove(fwd_key);
 }
 
 /// Moves an embryonic flow's entries to the assured table: replies first, forward last, so a
@@ -357,6 +385,55 @@ pub fn random_port(cfg: &DatapathConfig) -> u16 {
     (p as u16).to_be()
 }
 
+/// Records a new embryonic flow's forward key in this CPU's ring, overwriting the oldest.
+#[inline(always)]
+fn remember_embryonic(k: &CtKey) {
+    let Some(pos) = CT_NEW_RING_POS.get_ptr_mut(0) else {
+        return;
+    };
+    let pos = unsafe { &mut *pos };
+    if let Some(slot) = CT_NEW_RING.get_ptr_mut(pos.head & (CT_NEW_RING_SLOTS - 1)) {
+        unsafe { *slot = *k };
+    }
+    pos.head = pos.head.wrapping_add(1);
+    if pos.head.wrapping_sub(pos.tail) > CT_NEW_RING_SLOTS {
+        pos.tail = pos.head.wrapping_sub(CT_NEW_RING_SLOTS);
+    }
+}
+
+/// The embryonic table is full: forgets the oldest flow of this CPU's ring that is still
+/// embryonic. The ring is read from its tail, the oldest key not yet taken; keys whose flow
+/// completed its handshake or expired are skipped, up to a few. A flood fills the ring with
+/// its own flows, so it evicts those, as an LRU would. False: nothing found (the table is full
+/// of flows this CPU does not remember, which the collector times out). Rare: a subprogram.
+#[inline(never)]
+fn make_room() -> bool {
+    let Some(pos) = CT_NEW_RING_POS.get_ptr_mut(0) else {
+        return false;
+    };
+    // Few values live across the calls: the frame has 32 bytes (see forget_with).
+    let pos = unsafe { &mut *pos };
+    let mut tries = 0;
+    while tries < 8 && pos.tail != pos.head {
+        tries += 1;
+        let Some(slot) = CT_NEW_RING.get_ptr_mut(pos.tail & (CT_NEW_RING_SLOTS - 1)) else {
+            return false;
+        };
+        pos.tail = pos.tail.wrapping_add(1);
+        let k = unsafe { &*slot };
+        if let Some(v) = unsafe { CONNTRACK_NEW.get(k) } {
+            if k.role(v) == CtRole::Forward {
+                let Some(keys) = CT_FORGET_KEYS.get_ptr_mut(0) else {
+                    return false;
+                };
+                forget_with(Table::Embryonic, k, v, unsafe { &mut *keys });
+                return true;
+            }
+        }
+    }
+    false
+}
+
 /// Claims a new flow's reply tuple (B:b -> C:p at egress) by inserting its reverse-DNAT entry
 /// (the scratch's second, its value filled in and its key's port left to this) with
 /// BPF_NOEXIST, and returns p: the client's own port unless the tuple is taken (one client port
@@ -366,8 +443,9 @@ pub fn random_port(cfg: &DatapathConfig) -> u16 {
 /// flow probes the other (assured) table. A hairpin flow's port must differ from the
 /// backend's, or its SNAT and reverse-DNAT keys meet. Everything is read back from the scratch
 /// entry, so little stays live across the calls (new_flow's frame counts against 512 bytes).
-/// On a full table the kernel takes a free entry (evicting the least recently used) before it
-/// finds the key taken: a clash costs an eviction, as every insert into a full LRU does.
+/// On a full assured table (UDP) the kernel takes a free entry (evicting the least recently
+/// used) before it finds the key taken: a clash costs an eviction, as every insert into a full
+/// LRU does. The embryonic table (TCP) finds the clash first, and makes room only for an insert.
 #[inline(always)]
 fn claim_reply(f: &Flow, be: &Backend, cfg: &DatapathConfig, s: &mut CtScratch) -> Option<u16> {
     s.keys[1] = CtKey { saddr: be.addr[0], daddr: f.saddr, sport: be.port, dport: f.sport, proto: f.proto, dir: CT_DIR_EGRESS, _pad: 0 };
@@ -376,7 +454,7 @@ fn claim_reply(f: &Flow, be: &Backend, cfg: &DatapathConfig, s: &mut CtScratch) 
         let k = &s.keys[1];
         let hairpin_clash = k.saddr == k.daddr && k.dport == k.sport;
         if !hairpin_clash && !(k.proto == PROTO_TCP && unsafe { CONNTRACK.get(k) }.is_some()) {
-            match Table::for_new(k.proto).map().insert(k, &s.values[1], BPF_NOEXIST) {
+            match Table::for_new(k.proto).insert(k, &s.values[1], BPF_NOEXIST) {
                 Ok(()) => return Some(s.keys[1].dport),
                 Err(e) if e != -EEXIST => {
                     bump(counter::CT_INSERT_FAILED);
@@ -435,7 +513,7 @@ fn finish_snat(table: Table, key: &CtKey, v: &mut CtValue, cfg: &DatapathConfig,
         if !taken(&s.keys[0]) {
             // BPF_NOEXIST: another CPU may have taken the same port since the probe; its
             // entry must not be overwritten (as `claim_reply` claims a new flow's tuple).
-            match table.map().insert(&s.keys[0], &s.values[0], BPF_NOEXIST) {
+            match table.insert(&s.keys[0], &s.values[0], BPF_NOEXIST) {
                 Ok(()) => {
                     v.new_saddr = addr;
                     v.new_sport = s.keys[0].dport;
@@ -471,7 +549,7 @@ pub fn create(f: &Flow, now: u64, backend_id: u32, service_id: u32, be: &Backend
     // claim's calls.
     let blank = CtValue { last_seen_ns: s.values[1].last_seen_ns, backend_id: s.values[1].backend_id, service_id: s.values[1].service_id, ..CtValue::default() };
     let snat = s.values[1].flags & CT_F_SNAT;
-    let table = Table::for_new(f.proto).map();
+    let table = Table::for_new(f.proto);
     // Forward: (C:c -> V:v) becomes (C:p -> B:b). A flow picked up mid-stream (not by a SYN)
     // has no handshake left to wait for: its next packet makes it assured.
     let picked_up = if f.proto == PROTO_TCP && !f.is_new_tcp_syn() { CT_F_SEEN_REPLY } else { 0 };
@@ -489,6 +567,9 @@ pub fn create(f: &Flow, now: u64, backend_id: u32, service_id: u32, be: &Backend
     if table.insert(&s.keys[0], &s.values[0], 0).is_err() {
         bump(counter::CT_INSERT_FAILED);
         return None;
+    }
+    if table == Table::Embryonic {
+        remember_embryonic(&s.keys[0]);
     }
     Some(Rewrite::of(&s.values[0]))
 }

@@ -24,6 +24,8 @@ macro_rules! map {
 pub const BPF_NOEXIST: u64 = aya_ebpf::bindings::BPF_NOEXIST as u64;
 /// The errno, negated, that an update with BPF_NOEXIST returns for a key that is there.
 pub const EEXIST: i32 = 17;
+/// The errno, negated, that an insert into a full preallocated hash returns.
+pub const E2BIG: i32 = 7;
 
 /// The control plane's hash maps allocate per entry (V2 map names: this flag changed).
 const NO_PREALLOC: u32 = proxy_common::BPF_F_NO_PREALLOC;
@@ -57,8 +59,38 @@ map! {
 }
 
 map! {
-    /// Embryonic TCP flows, same layout: their own LRU, so a SYN flood evicts only its kind.
-    CONNTRACK_NEW: LruHashMap<CtKey, CtValue> = LruHashMap::pinned(MAX_CONNTRACK_NEW, 0)
+    /// Embryonic TCP flows, same layout, in a table of their own so a SYN flood evicts only its
+    /// kind. A preallocated hash, not an LRU: an insert takes an entry off a per-CPU free list
+    /// instead of the LRU's list upkeep (a new flow's largest cost). A full table evicts the
+    /// oldest flows of CT_NEW_RING (conntrack::make_room).
+    CONNTRACK_NEW: HashMap<CtKey, CtValue> = HashMap::pinned(MAX_CONNTRACK_NEW, 0)
+}
+
+map! {
+    /// per CPU: slot -> the forward key of an embryonic flow this CPU opened, the last
+    /// CT_NEW_RING_SLOTS of them (see RingPos). Never pinned: an upgrade starts an empty ring,
+    /// and the flows it does not know expire by the collector's timeout.
+    CT_NEW_RING: PerCpuArray<CtKey> = PerCpuArray::with_max_entries(CT_NEW_RING_SLOTS, 0)
+}
+
+map! {
+    /// index 0 -> this CPU's CT_NEW_RING positions.
+    CT_NEW_RING_POS: PerCpuArray<RingPos> = PerCpuArray::with_max_entries(1, 0)
+}
+
+/// CT_NEW_RING's positions, counting keys ever written (wrapping; a slot is the count modulo
+/// CT_NEW_RING_SLOTS). Kernel-only.
+#[repr(C)]
+pub struct RingPos {
+    /// Where the next key goes.
+    pub head: u32,
+    /// The oldest key not yet taken for an eviction (at most CT_NEW_RING_SLOTS behind `head`).
+    pub tail: u32,
+}
+
+map! {
+    /// index 0 -> this CPU's space for the keys of a flow being forgotten (conntrack::forget).
+    CT_FORGET_KEYS: PerCpuArray<[CtKey; 2]> = PerCpuArray::with_max_entries(1, 0)
 }
 
 map! {

@@ -715,7 +715,12 @@ fn icmp_errors_about_translated_flows_are_translated_back() {
 
 #[test]
 fn a_syn_flood_evicts_only_embryonic_flows() {
-    let mut l = load("flood");
+    // An embryonic table of 1,024 entries (512 flows): full long before any CPU's ring of
+    // recent flows (CT_NEW_RING_SLOTS) wraps.
+    let embryonic_capacity = 1024;
+    let node = NodeInfo { name: "node-a".into(), nodeport_addresses: vec![ip(NODE_IP)], ..Default::default() };
+    let caps = proxy_agent::settings::Capacities { conntrack_new: embryonic_capacity, ..Loaded::CAPACITIES };
+    let mut l = Loaded::with_capacities("flood", &manifests(), &node, datapath_config(NODE_IP, Some(("10.244.0.0", 16))), caps);
     // Two assured flows, one of them masqueraded (four entries).
     let a = handshake(&mut l, "10.244.0.60", 54000, "10.96.0.10", 80);
     let (_, o) = run(&mut l.dp, true, &Frame::tcp("198.18.0.60", 54001, NODE_IP, 30080, SYN).bytes());
@@ -726,15 +731,24 @@ fn a_syn_flood_evicts_only_embryonic_flows() {
     run(&mut l.dp, true, &Frame::tcp("198.18.0.60", 54001, NODE_IP, 30080, ACK).bytes());
     let assured = l.conntrack(Table::Assured);
     assert_eq!(assured.len(), 6);
-    // Spoofed SYNs, more than the embryonic table holds (16,384 in the fixtures), each from
-    // another source: none completes a handshake.
-    for i in 0..20_000u32 {
+    // Spoofed SYNs, several times what the embryonic table holds, each from another source:
+    // none completes a handshake.
+    for i in 0..4_000u32 {
         let src = std::net::Ipv4Addr::from(0x0af4_8000u32 + i);
         let syn = Frame { src, ..Frame::tcp("0.0.0.0", 10_000 + (i % 50_000) as u16, "10.96.0.10", 80, SYN) };
         run(&mut l.dp, false, &syn.bytes());
     }
-    assert!(counter_of(&l, counter::NEW_FLOW) >= 20_000);
+    assert!(counter_of(&l, counter::NEW_FLOW) >= 4_000);
+    assert_eq!(counter_of(&l, counter::CT_INSERT_FAILED), 0, "a full embryonic table must make room");
     assert_eq!(l.conntrack(Table::Assured), assured, "the flood touched the assured table");
+    // The table is full of the flood (two entries a flow), and the flood's latest flows are in it.
+    let embryonic = l.conntrack(Table::Embryonic);
+    assert!(embryonic.len() >= embryonic_capacity as usize - 2, "{} embryonic entries", embryonic.len());
+    let last = std::net::Ipv4Addr::from(0x0af4_8000u32 + 3_999);
+    assert!(embryonic.iter().any(|(k, _)| proxy_common::user::v4_addr(k.saddr) == last), "the flood's last SYN was not tracked");
+    // A new client still opens a connection during the flood, and it becomes assured.
+    handshake(&mut l, "10.244.0.61", 54002, "10.96.0.10", 80);
+    assert!(assured_has(&l, "10.244.0.61", 54002), "a handshake completed during the flood is not assured");
     // The held flows still answer, forward and reply.
     let (_, o) = tc(&mut l.dp, &Frame::tcp("10.244.0.60", 54000, "10.96.0.10", 80, ACK));
     assert_eq!(parse(&o).dst, a.dst);

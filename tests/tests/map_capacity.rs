@@ -56,22 +56,29 @@ fn bpf(cmd: libc::c_long, attr: &[u64]) -> i64 {
 }
 
 /// Pins a hash map of backends by id, as releases before KPR_BE_V3 did (KPR_BE_V2).
-fn pin_backend_hash(path: &std::path::Path, entries: &[(u32, Backend)]) {
+/// Creates and pins a map as an earlier release did: `map_type`, `flags`, these entries.
+fn pin_map<K: Copy, V: Copy>(path: &std::path::Path, map_type: u64, flags: u64, max_entries: u64, entries: &[(K, V)]) {
     const MAP_CREATE: libc::c_long = 0;
     const MAP_UPDATE_ELEM: libc::c_long = 2;
     const OBJ_PIN: libc::c_long = 6;
-    const HASH: u64 = 1;
-    const NO_PREALLOC: u64 = 1;
+    let (k, v) = (std::mem::size_of::<K>() as u64, std::mem::size_of::<V>() as u64);
     // map_type, key_size | value_size << 32, max_entries | map_flags << 32.
-    let fd = bpf(MAP_CREATE, &[HASH | (4 << 32), 20 | (64 << 32), NO_PREALLOC]);
-    assert!(fd >= 0, "create a hash map: {}", std::io::Error::last_os_error());
-    for (id, b) in entries {
-        let r = bpf(MAP_UPDATE_ELEM, &[fd as u64, id as *const u32 as u64, b as *const Backend as u64, 0]);
-        assert_eq!(r, 0, "insert backend {id}: {}", std::io::Error::last_os_error());
+    let fd = bpf(MAP_CREATE, &[map_type | (k << 32), v | (max_entries << 32), flags]);
+    assert!(fd >= 0, "create a map of type {map_type}: {}", std::io::Error::last_os_error());
+    for (key, value) in entries {
+        let r = bpf(MAP_UPDATE_ELEM, &[fd as u64, key as *const K as u64, value as *const V as u64, 0]);
+        assert_eq!(r, 0, "insert into {path:?}: {}", std::io::Error::last_os_error());
     }
     let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
     assert_eq!(bpf(OBJ_PIN, &[c.as_ptr() as u64, fd as u64]), 0, "pin {path:?}: {}", std::io::Error::last_os_error());
     unsafe { libc::close(fd as i32) };
+}
+
+/// KPR_BE_V2: a hash map that allocates per entry.
+fn pin_backend_hash(path: &std::path::Path, entries: &[(u32, Backend)]) {
+    const HASH: u64 = 1;
+    const NO_PREALLOC: u64 = 1;
+    pin_map(path, HASH, NO_PREALLOC, 64, entries);
 }
 
 #[test]
@@ -109,4 +116,60 @@ fn an_earlier_backend_hash_map_moves_into_the_array_with_its_ids() {
     let _dp = Datapath::load_object(pins.path(), caps(64)).expect("load after a rollback");
     assert!(!v2.exists());
     assert_eq!(KernelMaps::open(pins.path()).unwrap().backends().unwrap(), vec![(5, web)], "the rollback's ids, none of the stale array's");
+}
+
+#[test]
+fn an_earlier_embryonic_lru_moves_into_the_new_table() {
+    use proxy_agent::dataplane::ebpf::{
+        kernel_maps::KernelConntrack,
+        maps::{ConntrackTables, Table},
+    };
+    use proxy_common::{CtKey, CtValue, CT_DIR_EGRESS, CT_DIR_INGRESS, CT_F_REPLY, PROTO_TCP};
+    const LRU_HASH: u64 = 9;
+    let pins = PinDir::new("ct-new-v1");
+    std::fs::create_dir_all(pins.path()).unwrap();
+    // A handshake under way at the upgrade: its forward and reverse-DNAT entries.
+    let (client, vip, backend) = ([10, 244, 0, 5], [10, 96, 0, 10], [10, 244, 1, 7]);
+    let fwd = CtKey {
+        saddr: u32::from_ne_bytes(client),
+        daddr: u32::from_ne_bytes(vip),
+        sport: 40000u16.to_be(),
+        dport: 80u16.to_be(),
+        proto: PROTO_TCP,
+        dir: CT_DIR_INGRESS,
+        _pad: 0,
+    };
+    let fwd_v = CtValue {
+        new_saddr: fwd.saddr,
+        new_daddr: u32::from_ne_bytes(backend),
+        new_sport: fwd.sport,
+        new_dport: 8080u16.to_be(),
+        backend_id: 3,
+        ..CtValue::default()
+    };
+    let reply = CtKey::reversed_of(&fwd_v, PROTO_TCP, CT_DIR_EGRESS);
+    let reply_v = CtValue {
+        new_saddr: fwd.daddr,
+        new_daddr: fwd.saddr,
+        new_sport: fwd.dport,
+        new_dport: fwd.sport,
+        backend_id: 3,
+        flags: CT_F_REPLY,
+        ..CtValue::default()
+    };
+    let v1 = pins.path().join(map_names::CONNTRACK_NEW_V1);
+    pin_map(&v1, LRU_HASH, 0, 64, &[(fwd, fwd_v), (reply, reply_v)]);
+
+    let dp = Datapath::load_object(pins.path(), caps(64)).expect("load the object");
+    assert!(!v1.exists(), "the earlier table's pin is removed");
+    let ct = KernelConntrack::open(pins.path()).unwrap();
+    let (mut held, _) = ct.read_batch(Table::Embryonic, None, 1024).unwrap();
+    held.sort_by_key(|(k, _)| *k);
+    let mut want = vec![(fwd, fwd_v), (reply, reply_v)];
+    want.sort_by_key(|(k, _)| *k);
+    assert_eq!(held, want, "the handshake's entries are in the new embryonic table");
+    // A restart finds no earlier table: nothing is carried again, and the entries stay.
+    drop((dp, ct));
+    let _dp = Datapath::load_object(pins.path(), caps(64)).expect("load again");
+    assert_eq!(KernelConntrack::open(pins.path()).unwrap().read_batch(Table::Embryonic, None, 1024).unwrap().0.len(), 2);
 }
