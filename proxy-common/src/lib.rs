@@ -33,7 +33,7 @@ macro_rules! map_name {
     (BACKENDS) => { "KPR_BE_V3" };
     // V3: the key carries the hook direction, one flow has up to four entries.
     (CONNTRACK) => { "KPR_CT_V3" };
-    // V2: a preallocated hash (an LRU before), its evictions by the per-CPU ring CT_NEW_RING.
+    // V2: a preallocated hash (an LRU before), its evictions from the ring CT_NEW_RING.
     (CONNTRACK_NEW) => { "KPR_CT_NEW_V2" };
     (CONNTRACK6) => { "KPR_CT6_V1" };
     (IFACES) => { "KPR_IFACE_V1" };
@@ -57,18 +57,22 @@ macro_rules! map_name {
     (SET_IP_PORT_NET) => { "KPR_SET_IPPN_V2" };
     (SET_PORT) => { "KPR_SET_PORT_V2" };
     (SET_IP) => { "KPR_SET_IP_V2" };
-    // Per-CPU scratch space, never pinned.
+    // Per-CPU scratch space and the embryonic flows' ring, never pinned.
     (CT_SCRATCH) => { "KPR_CT_SCRATCH" };
     (CT_SCRATCH6) => { "KPR_CT_SCRATCH6" };
     (FLOW_CACHE) => { "KPR_FLOW_CACHE" };
     (CLOCK) => { "KPR_CLOCK" };
-    (CT_NEW_RING) => { "KPR_CT_NEW_RING" };
-    (CT_NEW_RING_POS) => { "KPR_CT_NEW_RING_POS" };
-    (CT_FORGET_KEYS) => { "KPR_CT_FORGET_KEYS" };
+    (CT_NEW_RING) => { "KPR_CTN_RING" };
+    (CT_NEW_RING_POS) => { "KPR_CTN_RING_POS" };
+    (CT_NEW_RING_BUSY) => { "KPR_CTN_BUSY" };
+    (CT_FORGET_KEYS) => { "KPR_CT_FORGET" };
 }
 
 /// The map names for user space (see `map_name!`).
 pub mod map_names {
+    /// The embryonic flows' ring and its positions: the agent sizes both by the possible CPUs.
+    pub const CT_NEW_RING: &str = map_name!(CT_NEW_RING);
+    pub const CT_NEW_RING_POS: &str = map_name!(CT_NEW_RING_POS);
     pub const SERVICES: &str = map_name!(SERVICES);
     pub const SLOTS: &str = map_name!(SLOTS);
     pub const MAGLEV: &str = map_name!(MAGLEV);
@@ -326,7 +330,8 @@ pub mod limits {
     /// Backends per service (slots) the data path accepts.
     pub const MAX_BACKENDS_PER_SERVICE: u32 = 65_535;
     /// The forward keys of the last embryonic flows each CPU opened (a power of two): 128 KiB a
-    /// CPU. A full embryonic table evicts the oldest of them (see proxy-ebpf's conntrack.rs).
+    /// possible CPU. A full embryonic table evicts the oldest of them (see proxy-ebpf's
+    /// conntrack.rs).
     pub const CT_NEW_RING_SLOTS: u32 = 8192;
     /// Flow cache slots per CPU (a power of two): 96 KiB a CPU.
     pub const FLOW_CACHE_SLOTS: u32 = 2048;

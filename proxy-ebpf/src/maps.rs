@@ -67,19 +67,29 @@ map! {
 }
 
 map! {
-    /// per CPU: slot -> the forward key of an embryonic flow this CPU opened, the last
-    /// CT_NEW_RING_SLOTS of them (see RingPos). Never pinned: an upgrade starts an empty ring,
-    /// and the flows it does not know expire by the collector's timeout.
-    CT_NEW_RING: PerCpuArray<CtKey> = PerCpuArray::with_max_entries(CT_NEW_RING_SLOTS, 0)
+    /// CPU c's part (CT_NEW_RING_SLOTS from c x CT_NEW_RING_SLOTS): the forward keys of the
+    /// last embryonic flows that CPU opened (see RingPos). One array, not a per-CPU one, so that
+    /// a CPU whose own part holds nothing to evict takes from a flooded CPU's (before Linux 5.19
+    /// a program cannot read another CPU's per-CPU value). The agent sizes it by the number of
+    /// possible CPUs. Never pinned: an upgrade starts empty, and the flows it does not know
+    /// expire by the collector's timeout.
+    CT_NEW_RING: Array<CtKey> = Array::with_max_entries(CT_NEW_RING_SLOTS, 0)
 }
 
 map! {
-    /// index 0 -> this CPU's CT_NEW_RING positions.
-    CT_NEW_RING_POS: PerCpuArray<RingPos> = PerCpuArray::with_max_entries(1, 0)
+    /// CPU -> its CT_NEW_RING part's positions. Sized like CT_NEW_RING by the agent.
+    CT_NEW_RING_POS: Array<RingPos> = Array::with_max_entries(1, 0)
 }
 
-/// CT_NEW_RING's positions, counting keys ever written (wrapping; a slot is the count modulo
-/// CT_NEW_RING_SLOTS). Kernel-only.
+map! {
+    /// index 0 -> the CPU that last had many embryonic flows to remember: where a CPU with
+    /// none of its own to evict takes one (conntrack::make_room).
+    CT_NEW_RING_BUSY: Array<u32> = Array::with_max_entries(1, 0)
+}
+
+/// A CT_NEW_RING part's positions, counting keys ever written (wrapping; a key's slot is the
+/// count modulo CT_NEW_RING_SLOTS). Written by its CPU; another CPU taking from the part moves
+/// `tail` too, and a race between them at worst tries one key twice or skips one. Kernel-only.
 #[repr(C)]
 pub struct RingPos {
     /// Where the next key goes.

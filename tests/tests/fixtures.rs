@@ -713,6 +713,20 @@ fn icmp_errors_about_translated_flows_are_translated_back() {
     }
 }
 
+/// The CPUs this thread may run on.
+fn allowed_cpus() -> Vec<usize> {
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) }, 0);
+    (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect()
+}
+
+/// Moves this thread to `cpu` (BPF_PROG_TEST_RUN runs the program there).
+fn pin_to_cpu(cpu: usize) {
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    assert_eq!(unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) }, 0, "pin to CPU {cpu}");
+}
+
 #[test]
 fn a_syn_flood_evicts_only_embryonic_flows() {
     // An embryonic table of 1,024 entries (512 flows): full long before any CPU's ring of
@@ -721,6 +735,11 @@ fn a_syn_flood_evicts_only_embryonic_flows() {
     let node = NodeInfo { name: "node-a".into(), nodeport_addresses: vec![ip(NODE_IP)], ..Default::default() };
     let caps = proxy_agent::settings::Capacities { conntrack_new: embryonic_capacity, ..Loaded::CAPACITIES };
     let mut l = Loaded::with_capacities("flood", &manifests(), &node, datapath_config(NODE_IP, Some(("10.244.0.0", 16))), caps);
+    // Everything on the first CPU, the last handshake on another one (test runs run on the
+    // caller's CPU): its own part of the ring has nothing to evict, so it takes from the
+    // flooded CPU's.
+    let cpus: Vec<usize> = allowed_cpus().into_iter().take(2).collect();
+    pin_to_cpu(cpus[0]);
     // Two assured flows, one of them masqueraded (four entries).
     let a = handshake(&mut l, "10.244.0.60", 54000, "10.96.0.10", 80);
     let (_, o) = run(&mut l.dp, true, &Frame::tcp("198.18.0.60", 54001, NODE_IP, 30080, SYN).bytes());
@@ -746,9 +765,25 @@ fn a_syn_flood_evicts_only_embryonic_flows() {
     assert!(embryonic.len() >= embryonic_capacity as usize - 2, "{} embryonic entries", embryonic.len());
     let last = std::net::Ipv4Addr::from(0x0af4_8000u32 + 3_999);
     assert!(embryonic.iter().any(|(k, _)| proxy_common::user::v4_addr(k.saddr) == last), "the flood's last SYN was not tracked");
-    // A new client still opens a connection during the flood, and it becomes assured.
+    // A new client still opens a connection during the flood, and it becomes assured: on the
+    // flooded CPU, and on another one.
     handshake(&mut l, "10.244.0.61", 54002, "10.96.0.10", 80);
     assert!(assured_has(&l, "10.244.0.61", 54002), "a handshake completed during the flood is not assured");
+    if let Some(&other) = cpus.get(1) {
+        // The flood goes on (the handshake's promotion freed its entries), then a client on
+        // another CPU.
+        for i in 4_000..4_100u32 {
+            let src = std::net::Ipv4Addr::from(0x0af4_8000u32 + i);
+            run(&mut l.dp, false, &Frame { src, ..Frame::tcp("0.0.0.0", 10_000 + i as u16, "10.96.0.10", 80, SYN) }.bytes());
+        }
+        assert!(l.conntrack(Table::Embryonic).len() >= embryonic_capacity as usize - 2, "the flood refills the table");
+        pin_to_cpu(other);
+        handshake(&mut l, "10.244.0.62", 54003, "10.96.0.10", 80);
+        assert!(assured_has(&l, "10.244.0.62", 54003), "a handshake on another CPU than the flood's is not assured");
+        assert_eq!(counter_of(&l, counter::CT_INSERT_FAILED), 0, "the other CPU must make room too");
+    } else {
+        eprintln!("one CPU only: the handshake on another CPU than the flood's is not tried");
+    }
     // The held flows still answer, forward and reply.
     let (_, o) = tc(&mut l.dp, &Frame::tcp("10.244.0.60", 54000, "10.96.0.10", 80, ACK));
     assert_eq!(parse(&o).dst, a.dst);

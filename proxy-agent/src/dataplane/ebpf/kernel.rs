@@ -134,6 +134,17 @@ fn earlier_embryonic(pin_dir: &Path, capacity: u32) -> Option<Carry<proxy_common
     Some(carry)
 }
 
+/// The possible CPUs: the embryonic flows' ring has a part for each (CPU ids stay below it).
+fn possible_cpus() -> u32 {
+    match aya::util::nr_cpus() {
+        Ok(n) => n as u32,
+        Err((path, err)) => {
+            tracing::warn!(path, error = %err, "cannot read the possible CPUs: only CPU 0 remembers its embryonic flows for evictions");
+            1
+        }
+    }
+}
+
 /// The descriptor side of the kinds the carry-over touches.
 fn map_data(m: &aya::maps::Map) -> Option<&aya::maps::MapData> {
     match m {
@@ -177,6 +188,9 @@ impl Datapath {
         for (name, n) in sized_maps(&caps) {
             loader.map_max_entries(name, n);
         }
+        let cpus = possible_cpus();
+        loader.map_max_entries(map_names::CT_NEW_RING, cpus * proxy_common::limits::CT_NEW_RING_SLOTS);
+        loader.map_max_entries(map_names::CT_NEW_RING_POS, cpus);
         let ebpf = loader.load(EBPF_OBJECT).map_err(KernelError::Load)?;
         if let Some(c) = backends {
             c.write(&ebpf, pin_dir);
