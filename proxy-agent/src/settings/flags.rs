@@ -179,7 +179,7 @@ pub struct Flags {
     /// Flow entries of the fast path's conntrack (LRU; up to four a flow) [default: 524288].
     #[arg(long, env = "KPR_MAX_CONNTRACK")]
     pub max_conntrack: Option<u32>,
-    /// TCP flows before their handshake completes (their own LRU) [default: 131072].
+    /// TCP flows before their handshake completes (their own table) [default: 131072].
     #[arg(long, env = "KPR_MAX_CONNTRACK_EMBRYONIC")]
     pub max_conntrack_embryonic: Option<u32>,
     /// sessionAffinity ClientIP entries (LRU) [default: 65536].

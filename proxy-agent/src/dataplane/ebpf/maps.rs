@@ -236,7 +236,7 @@ impl DatapathMaps for FakeMaps {
 pub enum Table {
     /// UDP flows and TCP flows past their handshake (KPR_CT_V3).
     Assured,
-    /// TCP flows before their handshake completed (KPR_CT_NEW_V1).
+    /// TCP flows before their handshake completed (KPR_CT_NEW_V2).
     Embryonic,
 }
 
