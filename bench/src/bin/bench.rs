@@ -20,7 +20,7 @@ use proxy_agent::{
     dataplane::ebpf::kernel::{Capacities, Datapath},
     dataplane::ebpf::kernel_maps::KernelMaps,
     dataplane::ebpf::sync::Syncer,
-    model::{BackendKey, DesiredState, Protocol},
+    model::{BackendKey, DesiredState, Frontend, FrontendKey, Protocol},
 };
 use proxy_common::{counter, map_names, prog_names, CtKey, CtKey6, CtValue, CtValue6, DatapathConfig, CFG_F_NO_FLOW_CACHE, CT_DIR_EGRESS, CT_DIR_INGRESS};
 
@@ -36,12 +36,15 @@ const BACKENDS6: [&str; 3] = ["fd00:244::2", "fd00:244::3", "fd00:244::4"];
 /// A client outside the node.
 const CLIENT6: &str = "2001:db8:c::1";
 
-/// N services on 3 endpoints each, spread over 60,000 addresses of 10.244.0.0/16, and the IPv6
-/// one.
+/// N services on 3 endpoints each, spread over 60,000 addresses of 10.244.0.0/16, the IPv6
+/// one, and UDP on the last one's address and port (a new UDP flow starts in the assured table).
 fn desired(n: u32) -> DesiredState {
     let mut d = kpr_bench::clusterips(n, 3, vip, 0x0af4_0002, 60_000);
     let backends = BACKENDS6.iter().map(|b| BackendKey { ip: b.parse().unwrap(), port: 8080, proto: Protocol::Tcp }).collect();
     kpr_bench::set_clusterip(&mut d, n, VIP6.parse().unwrap(), backends);
+    let (key, fe) = d.frontends.iter().find(|(k, _)| k.ip == vip(n - 1)).map(|(k, f)| (*k, f.clone())).expect("the last service");
+    let udp = Frontend { backends: fe.backends.iter().map(|b| BackendKey { proto: Protocol::Udp, ..b.clone() }).collect(), ..fe };
+    d.frontends.insert(FrontendKey { proto: Protocol::Udp, ..key }, udp);
     d
 }
 
@@ -347,6 +350,7 @@ fn main() {
         "services", "program", "forward ns", "x floor", "reply ns", "x floor", "other ns", "x floor", "new ns", "x floor"
     );
     let mut flow_port = 1024u16;
+    let mut new_udp = Vec::new();
     for &n in &sizes {
         let t = Instant::now();
         let d = desired(n);
@@ -509,8 +513,24 @@ fn main() {
             }
             results.push(row);
         }
-        // Flows of this size must not help the next one.
+        // A new UDP flow: its first datagram; it starts in the assured table (an LRU), where a
+        // TCP flow arrives only at its handshake's end.
         proxy_agent::dataplane::ebpf::maps::DatapathMaps::set_config(&mut maps, cfg).expect("config");
+        let mut udp = Vec::new();
+        for p in [Prog::Tc, Prog::Xdp] {
+            let before = counters(&maps)[counter::NEW_FLOW as usize];
+            let mut total = 0.0;
+            for _ in 0..new_flows {
+                flow_port = if flow_port == u16::MAX { 1024 } else { flow_port + 1 };
+                total += run(&mut dp, p, &Frame::udp("10.244.200.3", flow_port, &target.to_string(), 80, b"q").bytes(), 1).0;
+            }
+            check(&format!("{} new UDP flows", p.name()), counters(&maps)[counter::NEW_FLOW as usize] - before, u64::from(new_flows));
+            let ns = total / f64::from(new_flows);
+            udp.push(format!("{} {ns:.1} ns", p.name()));
+            new_udp.push(serde_json::json!({"services": n, "program": p.name(), "new_udp_flow_ns": ns}));
+        }
+        println!("{n:>9} new UDP flow (first datagram, mean of {new_flows}): {}", udp.join(", "));
+        // Flows of this size must not help the next one.
         clear_conntrack(&mut maps);
     }
     // Flatness: each program's established-flow cost at the largest size vs the smallest.
@@ -524,7 +544,7 @@ fn main() {
     let collector = collector_round(&pins, &mut ct, runs);
     let read = map_read(&pins, &maps, runs);
     if let Some(path) = json_out {
-        let doc = serde_json::json!({"kernel": kernel.trim(), "cpu": cpu, "cpus": ncpu, "repeat": repeat, "new_flows": new_flows, "runs": runs, "results": results, "collector": collector, "map_read": read});
+        let doc = serde_json::json!({"kernel": kernel.trim(), "cpu": cpu, "cpus": ncpu, "repeat": repeat, "new_flows": new_flows, "runs": runs, "results": results, "new_udp_flow": new_udp, "collector": collector, "map_read": read});
         std::fs::write(&path, serde_json::to_string_pretty(&doc).unwrap()).unwrap();
         println!("wrote {path}");
     }
