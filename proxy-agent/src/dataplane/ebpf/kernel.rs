@@ -1,6 +1,7 @@
 //! The real kernel side: loading the embedded object with pinned maps, the maps' capacities,
-//! and removing the pins. Attaching the programs with pinned links is kernel/links.rs; the
-//! maps' aya implementations, opened from their pins, are kernel_maps.rs.
+//! and removing the pins. Attaching the programs with pinned links is kernel/links.rs; earlier
+//! releases' maps at load (removed, or carried over) kernel/retired.rs; the maps' aya
+//! implementations, opened from their pins, are kernel_maps.rs.
 use std::{
     io,
     path::{Path, PathBuf},
@@ -15,6 +16,7 @@ use proxy_common::{map_names, prog_names};
 use crate::dataplane::ebpf::maps::MapError;
 
 mod links;
+mod retired;
 use links::TC_PROGRAMS;
 pub use links::{attached_links, detach, detach_fast_path, detach_tc_filters, keep_tc_ingress_for_drain, link_path, Hook};
 
@@ -61,79 +63,6 @@ pub struct Datapath {
     after_fast_path: bool,
 }
 
-/// An earlier release's map whose entries move into its successor at load, so an upgrade keeps
-/// them: read before the object loads, written once it has, and only then unpinned (a load that
-/// failed leaves it for the next one). Best effort: a failure is logged, and the sync (or, for
-/// flows, the clients) make up for what is lost.
-struct Carry<K, V> {
-    from: &'static str,
-    to: &'static str,
-    entries: Vec<(K, V)>,
-}
-
-impl<K: bytemuck::Pod, V: bytemuck::Pod> Carry<K, V> {
-    /// The entries of `from`'s pin that `keep` keeps, if it is pinned.
-    fn read(pin_dir: &Path, from: &'static str, to: &'static str, keep: impl Fn(&(K, V)) -> bool) -> Option<Self> {
-        if !pin_dir.join(from).exists() {
-            return None;
-        }
-        let read = crate::dataplane::ebpf::kernel_maps::open(pin_dir, from).and_then(|m| match map_data(&m) {
-            Some(d) => crate::dataplane::ebpf::kernel_maps::read_all(from, d, keep),
-            None => Ok(Vec::new()),
-        });
-        let entries = read.unwrap_or_else(|err| {
-            tracing::warn!(map = from, error = %err, "cannot read an earlier release's map: its entries are not carried over");
-            Vec::new()
-        });
-        Some(Self { from, to, entries })
-    }
-
-    fn write(self, ebpf: &Ebpf, pin_dir: &Path) {
-        if !self.entries.is_empty() {
-            if let Some(map) = ebpf.map(self.to).and_then(map_data) {
-                let (keys, values): (Vec<K>, Vec<V>) = self.entries.into_iter().unzip();
-                match crate::dataplane::ebpf::bpf_batch::update_batch(map.fd(), &keys, &values) {
-                    Ok(()) => tracing::info!(entries = keys.len(), from = self.from, to = self.to, "carried an earlier release's entries over"),
-                    Err((i, err)) => {
-                        tracing::warn!(written = i, of = keys.len(), from = self.from, to = self.to, error = %err, "carrying an earlier release's entries over failed")
-                    }
-                }
-            }
-        }
-        unpin(pin_dir, self.from);
-    }
-}
-
-fn unpin(pin_dir: &Path, name: &'static str) {
-    if std::fs::remove_file(pin_dir.join(name)).is_ok() {
-        tracing::info!(map = name, "removed the pin of a map an earlier version used");
-    }
-}
-
-/// The backends of an earlier release's hash map (KPR_BE_V2), if it is pinned: they move into
-/// the array with their ids, so the next sync takes the ids over (the flows in conntrack and the
-/// per-backend counters name them). Ids past the new capacity stay behind: the sync gives their
-/// backends new ones. A pinned KPR_BE_V2 is always the newer data (this release unpins it once
-/// carried over), so a KPR_BE_V3 beside it is a leftover of an upgrade that a rollback undid:
-/// it is unpinned, to be made anew. Without the entries the sync re-ids every backend, as it
-/// does after `kpr cleanup`.
-fn earlier_backends(pin_dir: &Path, capacity: u32) -> Option<Carry<u32, proxy_common::Backend>> {
-    let v2 = map_names::BACKENDS_V2;
-    if pin_dir.join(v2).exists() && std::fs::remove_file(pin_dir.join(map_names::BACKENDS)).is_ok() {
-        tracing::warn!(stale = map_names::BACKENDS, newer = v2, "an older release ran after this one: its backend map replaces the one this release left");
-    }
-    Carry::read(pin_dir, v2, map_names::BACKENDS, |(id, b): &(u32, proxy_common::Backend)| *id < capacity && b.is_present())
-}
-
-/// The embryonic flows of an earlier release's LRU (KPR_CT_NEW_V1): handshakes under way at the
-/// upgrade, whose next packet would otherwise be picked up as a new flow and maybe meet another
-/// backend. Up to the new table's capacity; the collector times them out as any.
-fn earlier_embryonic(pin_dir: &Path, capacity: u32) -> Option<Carry<proxy_common::CtKey, proxy_common::CtValue>> {
-    let mut carry = Carry::read(pin_dir, map_names::CONNTRACK_NEW_V1, map_names::CONNTRACK_NEW, |_| true)?;
-    carry.entries.truncate(capacity as usize);
-    Some(carry)
-}
-
 /// The possible CPUs: the embryonic flows' ring has a part for each (CPU ids stay below it).
 fn possible_cpus() -> u32 {
     match aya::util::nr_cpus() {
@@ -142,14 +71,6 @@ fn possible_cpus() -> u32 {
             tracing::warn!(path, error = %err, "cannot read the possible CPUs: only CPU 0 remembers its embryonic flows for evictions");
             1
         }
-    }
-}
-
-/// The descriptor side of the kinds the carry-over touches.
-fn map_data(m: &aya::maps::Map) -> Option<&aya::maps::MapData> {
-    match m {
-        aya::maps::Map::Array(d) | aya::maps::Map::HashMap(d) | aya::maps::Map::LruHashMap(d) => Some(d),
-        _ => None,
     }
 }
 
@@ -180,9 +101,7 @@ impl Datapath {
                 "a pinned map keeps its capacity: run `kpr cleanup` on this node (forwarding stops until the agent is back) for the new one to apply"
             );
         }
-        let backends = earlier_backends(pin_dir, caps.backends);
-        let embryonic = earlier_embryonic(pin_dir, caps.conntrack_new);
-        map_names::RETIRED.into_iter().filter(|n| !map_names::CARRIED.contains(n)).for_each(|n| unpin(pin_dir, n));
+        let retired = retired::Retired::take(pin_dir, &caps);
         let mut loader = EbpfLoader::new();
         loader.default_map_pin_directory(pin_dir);
         for (name, n) in sized_maps(&caps) {
@@ -192,12 +111,7 @@ impl Datapath {
         loader.map_max_entries(map_names::CT_NEW_RING, cpus * proxy_common::limits::CT_NEW_RING_SLOTS);
         loader.map_max_entries(map_names::CT_NEW_RING_POS, cpus);
         let ebpf = loader.load(EBPF_OBJECT).map_err(KernelError::Load)?;
-        if let Some(c) = backends {
-            c.write(&ebpf, pin_dir);
-        }
-        if let Some(c) = embryonic {
-            c.write(&ebpf, pin_dir);
-        }
+        retired.carry_into(&ebpf, pin_dir);
         Ok(Self { ebpf, pin_dir: pin_dir.into(), tc_program: prog_names::TC_INGRESS, after_fast_path: false })
     }
 
