@@ -752,11 +752,13 @@ fn a_syn_flood_evicts_only_embryonic_flows() {
     assert_eq!(assured.len(), 6);
     // Spoofed SYNs, several times what the embryonic table holds, each from another source:
     // none completes a handshake.
-    for i in 0..4_000u32 {
-        let src = std::net::Ipv4Addr::from(0x0af4_8000u32 + i);
-        let syn = Frame { src, ..Frame::tcp("0.0.0.0", 10_000 + (i % 50_000) as u16, "10.96.0.10", 80, SYN) };
-        run(&mut l.dp, false, &syn.bytes());
-    }
+    let flood = |l: &mut Loaded, spoofed: std::ops::Range<u32>| {
+        for i in spoofed {
+            let src = std::net::Ipv4Addr::from(0x0af4_8000u32 + i);
+            run(&mut l.dp, false, &Frame { src, ..Frame::tcp("0.0.0.0", 10_000 + (i % 50_000) as u16, "10.96.0.10", 80, SYN) }.bytes());
+        }
+    };
+    flood(&mut l, 0..4_000);
     assert!(counter_of(&l, counter::NEW_FLOW) >= 4_000);
     assert_eq!(counter_of(&l, counter::CT_INSERT_FAILED), 0, "a full embryonic table must make room");
     assert_eq!(l.conntrack(Table::Assured), assured, "the flood touched the assured table");
@@ -772,10 +774,7 @@ fn a_syn_flood_evicts_only_embryonic_flows() {
     if let Some(&other) = cpus.get(1) {
         // The flood goes on (the handshake's promotion freed its entries), then a client on
         // another CPU.
-        for i in 4_000..4_100u32 {
-            let src = std::net::Ipv4Addr::from(0x0af4_8000u32 + i);
-            run(&mut l.dp, false, &Frame { src, ..Frame::tcp("0.0.0.0", 10_000 + i as u16, "10.96.0.10", 80, SYN) }.bytes());
-        }
+        flood(&mut l, 4_000..4_100);
         assert!(l.conntrack(Table::Embryonic).len() >= embryonic_capacity as usize - 2, "the flood refills the table");
         pin_to_cpu(other);
         handshake(&mut l, "10.244.0.62", 54003, "10.96.0.10", 80);

@@ -55,7 +55,6 @@ fn bpf(cmd: libc::c_long, attr: &[u64]) -> i64 {
     unsafe { libc::syscall(libc::SYS_bpf, cmd, buf.as_mut_ptr(), std::mem::size_of_val(&buf)) }
 }
 
-/// Pins a hash map of backends by id, as releases before KPR_BE_V3 did (KPR_BE_V2).
 /// Creates and pins a map as an earlier release did: `map_type`, `flags`, these entries.
 fn pin_map<K: Copy, V: Copy>(path: &std::path::Path, map_type: u64, flags: u64, max_entries: u64, entries: &[(K, V)]) {
     const MAP_CREATE: libc::c_long = 0;
@@ -74,7 +73,8 @@ fn pin_map<K: Copy, V: Copy>(path: &std::path::Path, map_type: u64, flags: u64, 
     unsafe { libc::close(fd as i32) };
 }
 
-/// KPR_BE_V2: a hash map that allocates per entry.
+/// Pins a hash map of backends by id, as releases before KPR_BE_V3 did (KPR_BE_V2): it
+/// allocates per entry.
 fn pin_backend_hash(path: &std::path::Path, entries: &[(u32, Backend)]) {
     const HASH: u64 = 1;
     const NO_PREALLOC: u64 = 1;

@@ -96,6 +96,17 @@ impl Prog {
     }
 }
 
+/// The mean cost of `n` new flows' first packets through `p`, each from the next client port
+/// (`port`, wrapping to 1024): `frame` builds the packet for a port.
+fn mean_first_packets(dp: &mut Datapath, p: Prog, n: u32, port: &mut u16, frame: impl Fn(u16) -> Vec<u8>) -> f64 {
+    let mut total = 0.0;
+    for _ in 0..n {
+        *port = if *port == u16::MAX { 1024 } else { *port + 1 };
+        total += run(dp, p, &frame(*port), 1).0;
+    }
+    total / f64::from(n)
+}
+
 /// One BPF_PROG_TEST_RUN: the kernel's mean time per repetition, and the packet after the last.
 fn run(dp: &mut Datapath, p: Prog, frame: &[u8], repeat: u32) -> (f64, Vec<u8>) {
     let mut out = vec![0u8; 256];
@@ -481,19 +492,15 @@ fn main() {
             let newf = if p.egress() {
                 f64::NAN
             } else {
-                let mut total = 0.0;
-                for _ in 0..new_flows {
-                    flow_port = if flow_port == u16::MAX { 1024 } else { flow_port + 1 };
-                    let frame = if p == Prog::Tc6 {
-                        let src = if flow_port == 1024 { "2001:db8:c::3" } else { "2001:db8:c::2" };
-                        frame6(src, VIP6, TCP, flow_port, 80, SYN, &[])
+                mean_first_packets(&mut dp, p, new_flows, &mut flow_port, |port| {
+                    if p == Prog::Tc6 {
+                        let src = if port == 1024 { "2001:db8:c::3" } else { "2001:db8:c::2" };
+                        frame6(src, VIP6, TCP, port, 80, SYN, &[])
                     } else {
-                        let src = if flow_port == 1024 { "10.244.201.1" } else { "10.244.200.2" };
-                        Frame::tcp(src, flow_port, &target.to_string(), 80, SYN).bytes()
-                    };
-                    total += run(&mut dp, p, &frame, 1).0;
-                }
-                total / f64::from(new_flows)
+                        let src = if port == 1024 { "10.244.201.1" } else { "10.244.200.2" };
+                        Frame::tcp(src, port, &target.to_string(), 80, SYN).bytes()
+                    }
+                })
             };
             let fig = [fwd, rev, oth, newf];
             if matches!(p, Prog::TcPass | Prog::XdpPass) {
@@ -519,13 +526,8 @@ fn main() {
         let mut udp = Vec::new();
         for p in [Prog::Tc, Prog::Xdp] {
             let before = counters(&maps)[counter::NEW_FLOW as usize];
-            let mut total = 0.0;
-            for _ in 0..new_flows {
-                flow_port = if flow_port == u16::MAX { 1024 } else { flow_port + 1 };
-                total += run(&mut dp, p, &Frame::udp("10.244.200.3", flow_port, &target.to_string(), 80, b"q").bytes(), 1).0;
-            }
+            let ns = mean_first_packets(&mut dp, p, new_flows, &mut flow_port, |port| Frame::udp("10.244.200.3", port, &target.to_string(), 80, b"q").bytes());
             check(&format!("{} new UDP flows", p.name()), counters(&maps)[counter::NEW_FLOW as usize] - before, u64::from(new_flows));
-            let ns = total / f64::from(new_flows);
             udp.push(format!("{} {ns:.1} ns", p.name()));
             new_udp.push(serde_json::json!({"services": n, "program": p.name(), "new_udp_flow_ns": ns}));
         }
