@@ -43,8 +43,9 @@ macro_rules! map_name {
     (RR_STATE) => { "KPR_RR_V2" };
     // V3: the IPv6 cluster CIDR.
     (CONFIG) => { "KPR_CFG_V3" };
-    // V6: handover_pass.
-    (COUNTERS) => { "KPR_CNT_V6" };
+    // V7: counter::SLOTS entries, room for counters to come (adding one no longer needs a new
+    // map); V6's counts are carried over.
+    (COUNTERS) => { "KPR_CNT_V7" };
     (SOCK_REV) => { "KPR_SOCK_REV_V1" };
     // V2: one counter per backend for all CPUs (an array, not a per-CPU array).
     (BACKEND_NEW) => { "KPR_BE_NEW_V2" };
@@ -105,7 +106,7 @@ pub mod map_names {
     pub const SETS: [&str; 5] = [SET_IP_PORT, SET_IP_PORT_IP, SET_IP_PORT_NET, SET_PORT, SET_IP];
     /// Pins of earlier layouts: removed at load, so an upgrade does not keep them (and their
     /// memory) alive next to their successors.
-    pub const RETIRED: [&str; 21] = [
+    pub const RETIRED: [&str; 22] = [
         "KPR_SVC_V1",
         "KPR_SLOT_V1",
         "KPR_BE_V1",
@@ -127,6 +128,7 @@ pub mod map_names {
         "KPR_BE_NEW_V1",
         BACKENDS_V2,
         CONNTRACK_NEW_V1,
+        COUNTERS_V6,
     ];
     /// The backend map before it was an array (a hash map of the same entries): at load its
     /// entries are carried into KPR_BE_V3 with their ids, then its pin is removed.
@@ -134,8 +136,11 @@ pub mod map_names {
     /// The embryonic table when it was an LRU: at load its entries are carried into
     /// KPR_CT_NEW_V2, then its pin is removed.
     pub const CONNTRACK_NEW_V1: &str = "KPR_CT_NEW_V1";
+    /// The counters when the map held exactly the counters of its day: at load its counts are
+    /// added into KPR_CNT_V7's, then its pin is removed.
+    pub const COUNTERS_V6: &str = "KPR_CNT_V6";
     /// The retired maps whose entries a load carries over before it removes their pins.
-    pub const CARRIED: [&str; 2] = [BACKENDS_V2, CONNTRACK_NEW_V1];
+    pub const CARRIED: [&str; 3] = [BACKENDS_V2, CONNTRACK_NEW_V1, COUNTERS_V6];
     /// Every map the fast path pins.
     pub const ALL: [&str; 18] = [
         SERVICES,
@@ -901,7 +906,7 @@ macro_rules! counters {
     };
 }
 
-/// Indices of the per-CPU counters in KPR_CNT_V6.
+/// Indices of the per-CPU counters in KPR_CNT_V7.
 pub mod counter {
     counters! {
         NEW_FLOW = 0, "new_flow";
@@ -942,7 +947,15 @@ pub mod counter {
         /// After a switch from IPVS mode: TCP packets of connections IPVS still serves, passed
         /// to it (CFG_F_HANDOVER).
         HANDOVER_PASS = 22, "handover_pass";
+        /// Embryonic flows forgotten to make room in a full embryonic table (a SYN flood, or
+        /// handshakes that never complete): see conntrack::make_room in proxy-ebpf.
+        CT_EMBRYONIC_EVICTED = 23, "ct_embryonic_evicted";
     }
+
+    /// The counters map's capacity: more than COUNT, so that a counter added later fits the map a
+    /// node has pinned (a new map would mean a new name, and counts carried over).
+    pub const SLOTS: u32 = 64;
+    const _: () = assert!(COUNT <= SLOTS);
 }
 
 #[cfg(feature = "user")]

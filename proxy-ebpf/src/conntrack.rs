@@ -420,8 +420,8 @@ fn remember_embryonic(k: &CtKey) {
 /// from opening flows). A part is read from its tail, the oldest key not yet taken; keys whose
 /// flow completed its handshake or expired are skipped, up to a few. A flood fills its CPU's
 /// part with its own flows, so it evicts those, as an LRU would. False: nothing found (the
-/// table is full of flows no part remembers, which the collector times out). Rare: a
-/// subprogram.
+/// table is full of flows no part remembers, which the collector times out). Each eviction is
+/// counted (ct_embryonic_evicted). Rare: a subprogram.
 #[inline(never)]
 fn make_room() -> bool {
     let cpu = unsafe { bpf_get_smp_processor_id() };
@@ -449,6 +449,7 @@ fn make_room() -> bool {
                     return false;
                 };
                 forget_with(Table::Embryonic, k, v, unsafe { &mut *keys });
+                bump(counter::CT_EMBRYONIC_EVICTED);
                 return true;
             }
         }

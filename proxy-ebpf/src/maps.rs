@@ -138,8 +138,9 @@ map! {
 }
 
 map! {
-    /// counter index (proxy_common::counter) -> packets, per CPU.
-    COUNTERS: PerCpuArray<u64> = PerCpuArray::pinned(proxy_common::counter::COUNT, 0)
+    /// counter index (proxy_common::counter) -> packets, per CPU. Slots past counter::COUNT are
+    /// for counters to come.
+    COUNTERS: PerCpuArray<u64> = PerCpuArray::pinned(proxy_common::counter::SLOTS, 0)
 }
 
 map! {

@@ -767,6 +767,10 @@ fn a_syn_flood_evicts_only_embryonic_flows() {
     assert!(embryonic.len() >= embryonic_capacity as usize - 2, "{} embryonic entries", embryonic.len());
     let last = std::net::Ipv4Addr::from(0x0af4_8000u32 + 3_999);
     assert!(embryonic.iter().any(|(k, _)| proxy_common::user::v4_addr(k.saddr) == last), "the flood's last SYN was not tracked");
+    // Nothing completed or expired: each flood flow the table no longer holds (two entries a
+    // flow) was evicted, and counted once.
+    let evicted = counter_of(&l, counter::CT_EMBRYONIC_EVICTED);
+    assert_eq!(evicted, 4_000 - embryonic.len() as u64 / 2, "evictions counted");
     // A new client still opens a connection during the flood, and it becomes assured: on the
     // flooded CPU, and on another one.
     handshake(&mut l, "10.244.0.61", 54002, "10.96.0.10", 80);

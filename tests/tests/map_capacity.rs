@@ -173,3 +173,44 @@ fn an_earlier_embryonic_lru_moves_into_the_new_table() {
     let _dp = Datapath::load_object(pins.path(), caps(64)).expect("load again");
     assert_eq!(KernelConntrack::open(pins.path()).unwrap().read_batch(Table::Embryonic, None, 1024).unwrap().0.len(), 2);
 }
+
+#[test]
+fn an_earlier_counters_map_adds_its_counts_into_the_new_one() {
+    use aya::maps::{Map, MapData, PerCpuArray, PerCpuValues};
+    use proxy_common::counter;
+    const PERCPU_ARRAY: u64 = 6;
+    let pins = PinDir::new("cnt-v6");
+    std::fs::create_dir_all(pins.path()).unwrap();
+    let cpus = aya::util::nr_cpus().unwrap();
+    let v6 = pins.path().join(map_names::COUNTERS_V6);
+    // KPR_CNT_V6 held exactly the counters of its day: those before the eviction counter.
+    let pin_v6 = |counts: &[(u32, Vec<u64>)]| {
+        pin_map::<u32, u64>(&v6, PERCPU_ARRAY, 0, u64::from(counter::CT_EMBRYONIC_EVICTED), &[]);
+        let mut m = PerCpuArray::<MapData, u64>::try_from(Map::PerCpuArray(MapData::from_pin(&v6).unwrap())).unwrap();
+        for (i, per_cpu) in counts {
+            m.set(*i, PerCpuValues::try_from(per_cpu.clone()).unwrap(), 0).unwrap();
+        }
+    };
+    let new_flows: Vec<u64> = (0..cpus as u64).map(|c| 10 + c).collect();
+    pin_v6(&[(counter::NEW_FLOW, new_flows.clone()), (counter::HANDOVER_PASS, vec![7; cpus])]);
+
+    let dp = Datapath::load_object(pins.path(), caps(64)).expect("load the object");
+    assert!(!v6.exists(), "the earlier map's pin is removed");
+    let info = aya::maps::MapInfo::from_pin(pins.path().join(map_names::COUNTERS)).unwrap();
+    assert_eq!(info.max_entries(), counter::SLOTS, "room for counters to come");
+    let counts = KernelMaps::open(pins.path()).unwrap().counters().unwrap();
+    assert_eq!(counts.len(), counter::COUNT as usize);
+    let before_rollback: u64 = new_flows.iter().sum();
+    assert_eq!(counts[counter::NEW_FLOW as usize], before_rollback, "every CPU's count is carried");
+    assert_eq!(counts[counter::HANDOVER_PASS as usize], 7 * cpus as u64);
+    assert_eq!(counts.iter().sum::<u64>(), before_rollback + 7 * cpus as u64, "nothing else counted");
+
+    // A rollback: the older release made KPR_CNT_V6 anew and counted from zero. The next
+    // upgrade adds its counts to those kept from before the rollback.
+    drop(dp);
+    pin_v6(&[(counter::NEW_FLOW, vec![5; cpus])]);
+    let _dp = Datapath::load_object(pins.path(), caps(64)).expect("load after a rollback");
+    assert!(!v6.exists());
+    let counts = KernelMaps::open(pins.path()).unwrap().counters().unwrap();
+    assert_eq!(counts[counter::NEW_FLOW as usize], before_rollback + 5 * cpus as u64, "the counts from before and since the rollback");
+}

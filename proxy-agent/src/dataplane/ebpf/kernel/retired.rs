@@ -1,10 +1,18 @@
 //! Earlier releases' maps at load: a retired pin is removed, and where its entries must keep
 //! their meaning they move into the successor first (the backend ids, the handshakes under
-//! way).
+//! way, the data path's counts).
 use std::path::Path;
 
-use aya::Ebpf;
+use aya::{
+    maps::{MapData, PerCpuArray, PerCpuValues},
+    Ebpf,
+};
 use proxy_common::map_names;
+
+use crate::dataplane::ebpf::{
+    kernel_maps::{op, open_typed},
+    maps::MapError,
+};
 
 use super::Capacities;
 
@@ -13,12 +21,17 @@ use super::Capacities;
 pub(super) struct Retired {
     backends: Option<Carry<u32, proxy_common::Backend>>,
     embryonic: Option<Carry<proxy_common::CtKey, proxy_common::CtValue>>,
+    counters: Option<CarryCounts>,
 }
 
 impl Retired {
     /// Reads the entries to carry over, and removes the pins of the other retired maps.
     pub(super) fn take(pin_dir: &Path, caps: &Capacities) -> Self {
-        let retired = Self { backends: earlier_backends(pin_dir, caps.backends), embryonic: earlier_embryonic(pin_dir, caps.conntrack_new) };
+        let retired = Self {
+            backends: earlier_backends(pin_dir, caps.backends),
+            embryonic: earlier_embryonic(pin_dir, caps.conntrack_new),
+            counters: CarryCounts::read(pin_dir),
+        };
         map_names::RETIRED.into_iter().filter(|n| !map_names::CARRIED.contains(n)).for_each(|n| unpin(pin_dir, n));
         retired
     }
@@ -31,6 +44,49 @@ impl Retired {
         if let Some(c) = self.embryonic {
             c.write(ebpf, pin_dir);
         }
+        if let Some(c) = self.counters {
+            c.add_into(pin_dir);
+        }
+    }
+}
+
+/// The data path's counts of an earlier release's counters map (KPR_CNT_V6), each CPU's by
+/// index: they are added into the new map's, so an upgrade resets no counter. Added, not
+/// written: after a rollback and a second upgrade, the new map holds the counts from before the
+/// rollback and the old one those since. What the old programs count between this read and
+/// their replacement is lost.
+struct CarryCounts(Vec<(u32, PerCpuValues<u64>)>);
+
+impl CarryCounts {
+    fn read(pin_dir: &Path) -> Option<Self> {
+        let from = map_names::COUNTERS_V6;
+        if !pin_dir.join(from).exists() {
+            return None;
+        }
+        let read = open_typed::<PerCpuArray<MapData, u64>>(pin_dir, from)
+            .and_then(|m| (0..m.len()).map(|i| m.get(&i, 0).map(|v| (i, v)).map_err(|e| op(from, "lookup", e))).collect::<Result<Vec<_>, _>>());
+        Some(Self(read.unwrap_or_else(|err| {
+            tracing::warn!(map = from, error = %err, "cannot read an earlier release's counters: they start again from zero");
+            Vec::new()
+        })))
+    }
+
+    fn add_into(self, pin_dir: &Path) {
+        let (from, to) = (map_names::COUNTERS_V6, map_names::COUNTERS);
+        let added = open_typed::<PerCpuArray<MapData, u64>>(pin_dir, to).and_then(|mut m| {
+            for (i, old) in &self.0 {
+                let now = m.get(i, 0).map_err(|e| op(to, "lookup", e))?;
+                let sum: Vec<u64> = now.iter().zip(old.iter()).map(|(a, b)| a.wrapping_add(*b)).collect();
+                let sum = PerCpuValues::try_from(sum).map_err(|e| MapError::Other { map: to, message: e.to_string() })?;
+                m.set(*i, sum, 0).map_err(|e| op(to, "update", e))?;
+            }
+            Ok(())
+        });
+        match added {
+            Ok(()) => tracing::info!(counters = self.0.len(), from, to, "carried an earlier release's counts over"),
+            Err(err) => tracing::warn!(from, to, error = %err, "carrying an earlier release's counts over failed: they start again from zero"),
+        }
+        unpin(pin_dir, from);
     }
 }
 
