@@ -212,6 +212,12 @@ impl IpvsSyncer {
         };
         let (mut now, bind_st) = bind_result;
         let IpvsSyncStats { addresses_bound, bind_time, errors: bind_errors, .. } = bind_st;
+        let ipvs_result = ipvs_result.inspect_err(|_| {
+            // The failed sync is retried (its binds read anew), but these would not be reported.
+            for error in &bind_errors {
+                tracing::warn!(%error, "a VIP binding failed in a sync whose IPVS writes failed");
+            }
+        });
         let IpvsSyncStats { writes, deletes, terminating, errors: ipvs_errors, .. } = ipvs_result?;
         st = IpvsSyncStats { writes, deletes, terminating, addresses_bound, bind_time, errors: [bind_errors, ipvs_errors].concat(), ..st };
 
