@@ -324,7 +324,7 @@ pub mod limits {
     pub const MAX_CONNTRACK_NEW: u32 = 131_072;
     /// IPv6 flows through the packet path (KPR_CT6_V1): two entries a flow.
     pub const MAX_CONNTRACK6: u32 = 65_536;
-    /// Interfaces with their own masquerade address (KPR_IFADDR_V1).
+    /// Interfaces with their own masquerade address (KPR_IFACE_V1).
     pub const MAX_IFACES: u32 = 4096;
     pub const MAX_AFFINITY: u32 = 131_072;
     pub const MAX_SOURCE_RANGES: u32 = 16_384;

@@ -182,10 +182,10 @@ pub struct Flags {
     /// TCP flows before their handshake completes (their own table) [default: 131072].
     #[arg(long, env = "KPR_MAX_CONNTRACK_EMBRYONIC")]
     pub max_conntrack_embryonic: Option<u32>,
-    /// sessionAffinity ClientIP entries (LRU) [default: 65536].
+    /// sessionAffinity ClientIP entries (LRU) [default: 131072].
     #[arg(long, env = "KPR_MAX_AFFINITY")]
     pub max_affinity: Option<u32>,
-    /// Log verbosity as kube-proxy's -v: 0-3 info, 4-5 debug, 6+ trace (KPR_LOG, a tracing
+    /// Log verbosity as kube-proxy's -v: 0-2 info, 3-4 debug, 5+ trace (KPR_LOG, a tracing
     /// filter, wins) [file: logging.verbosity].
     #[arg(short = 'v', long = "v")]
     pub verbosity: Option<u32>,
