@@ -108,13 +108,24 @@ pub(crate) fn outlier_ejection(annotations: Option<&BTreeMap<String, String>>, s
 /// seconds.
 pub fn parse_duration(s: &str) -> Result<kube::core::Duration, String> {
     let d = match s.parse::<f64>() {
-        Ok(secs) if secs >= 0.0 => kube::core::Duration::from(std::time::Duration::from_secs_f64(secs)),
+        // Checked: "inf" and "1e20" parse as numbers, and from_secs_f64 panics on them.
+        Ok(secs) if secs >= 0.0 => {
+            kube::core::Duration::from(std::time::Duration::try_from_secs_f64(secs).map_err(|_| format!("{s:?} is out of range for a duration"))?)
+        }
+        _ if too_long_for_kube(s) => return Err(format!("{s:?} is out of range for a duration")),
         _ => s.parse::<kube::core::Duration>().map_err(|e| format!("{s:?} is not a duration (e.g. 30s, 1m0s, 250ms): {e}"))?,
     };
     if d.is_negative() {
         return Err(format!("{s:?} is negative"));
     }
     Ok(d)
+}
+
+/// kube-core's Go-duration parser panics when the sum overflows std's Duration (its mul_f64 and
+/// +=): at most 64 characters and 12 digits a number keep any sum far below (5 parts of 10^12
+/// hours are 2 x 10^16 s of the 1.8 x 10^19 s a Duration holds).
+fn too_long_for_kube(s: &str) -> bool {
+    s.len() > 64 || s.split(|c: char| c.is_alphabetic()).any(|number| number.trim_start_matches(['+', '-']).len() > 12)
 }
 
 /// kpr.io/max-connection-age in whole seconds (0: none). A bad value is reported and ignored;
@@ -149,5 +160,39 @@ pub(crate) fn scheduler(annotations: Option<&BTreeMap<String, String>>, default:
             err(errors, object, format!("metadata.annotations[{SCHEDULER_ANNOTATION}]"), format!("{e}; using {}", default.name()));
             default
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn age(v: &str) -> (u32, Vec<ObjectError>) {
+        let a = BTreeMap::from([(MAX_CONNECTION_AGE_ANNOTATION.to_string(), v.to_string())]);
+        let mut errors = Vec::new();
+        (max_connection_age(Some(&a), true, "default/web", &mut errors), errors)
+    }
+
+    #[test]
+    fn durations_out_of_range_are_errors_not_panics() {
+        for v in ["inf", "1e20", "1e300", "NaN", "-inf", "-5", "9999999999999999999999h", &"1h".repeat(40)] {
+            assert!(parse_duration(v).is_err(), "{v}");
+        }
+        // The longest accepted: parsed, no overflow.
+        assert!(parse_duration("999999999999h999999999999h999999999999h").is_ok());
+        assert_eq!(std::time::Duration::from(parse_duration("1.5").unwrap()), std::time::Duration::from_millis(1500));
+        assert_eq!(std::time::Duration::from(parse_duration("1m30s").unwrap()), std::time::Duration::from_secs(90));
+    }
+
+    #[test]
+    fn a_bad_maximum_age_is_reported_on_its_field_and_ignored() {
+        assert_eq!(age("90s"), (90, vec![]));
+        assert_eq!(age("3600").0, 3600);
+        for v in ["inf", "1e20", "0.5", "soon"] {
+            let (secs, errors) = age(v);
+            assert_eq!(secs, 0, "{v}");
+            assert_eq!(errors.len(), 1, "{v}: {errors:?}");
+            assert_eq!((errors[0].object.as_str(), errors[0].field.as_str()), ("default/web", "metadata.annotations[kpr.io/max-connection-age]"), "{v}");
+        }
     }
 }
