@@ -291,7 +291,9 @@ impl Ids {
 
     /// Recovers the ids a previous agent gave out, from its maps. A backend id at or above the
     /// limit (an agent before ids were bounded) is not taken over: the full sync gives that
-    /// backend a new id and deletes the old entry once no slot points to it.
+    /// backend a new id and deletes the old entry once no slot points to it. Nor is a service id
+    /// at or above `max_services` (a larger capacity before, or a damaged entry): the full sync
+    /// gives the frontend a new id, and the free ids stay bounded by the capacity.
     pub fn seed(&mut self, services: &[(ServiceKey, ServiceValue)], backends: &[(u32, Backend)]) {
         let limit = self.backends.limit;
         for (id, b) in backends.iter().filter(|(id, _)| (1..limit).contains(id)) {
@@ -309,7 +311,8 @@ impl Ids {
         let free = (1..b.next).filter(|id| !b.in_use(*id) && !b.orphans.contains(*id)).map(|id| (id, long_ago)).collect();
         self.backends.free = free;
         let mut used = BTreeSet::new();
-        for (k, v) in services {
+        let ids = 1..self.max_services;
+        for (k, v) in services.iter().filter(|(_, v)| ids.contains(&v.service_id)) {
             self.services.insert(*k, v.service_id);
             self.generations.insert(v.service_id, v.generation);
             self.note_generation(v.generation);
@@ -545,6 +548,13 @@ mod tests {
         assert_eq!(again, a);
         assert!(after.generation(again).wrapping_sub(before.generation(b)) < u16::MAX / 2 && after.generation(again) != before.generation(b));
         assert_eq!(after.maglev_rows_total(), 4);
+        // A service id past the capacity (a damaged map, or a larger capacity before) is not
+        // taken over: the frontend gets a new one, below it.
+        let mut bounded = Ids::new(8, 16, 4);
+        bounded.seed(&[(key(4), value(u32::MAX - 1, &before, false)), (key(2), value(b, &before, true))], &[]);
+        assert_eq!(bounded.service_of(&key(4)), None);
+        assert_eq!(bounded.service_of(&key(2)), Some(b));
+        assert!(bounded.service(key(4)).is_some_and(|id| id < 8));
         // Out of ids: None, and a release makes one free.
         let mut small = Ids::new(2, 16, 0);
         assert!(small.service(key(1)).is_some() && small.service(key(2)).is_none());
