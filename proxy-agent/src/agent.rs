@@ -331,6 +331,7 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
         for e in &st.errors {
             warn!(error = %e, "frontend not programmed");
         }
+        stats.m.write_errors_total.inc_by(st.errors.len() as u64);
         // A full map: an Event on the Service (once while it lasts) and a metric per frontend.
         // Backends left out for now (outlier ejection): the same, with their own reason.
         let full: Vec<ObjectError> = st.full.iter().map(|(map, service)| map_full_error(map, service)).chain(st.ejected.iter().cloned()).collect();

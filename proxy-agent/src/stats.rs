@@ -54,6 +54,8 @@ pub struct Metrics {
     pub outlier_ejections_total: IntCounter,
     /// Frontends that did not fit in a full map, by map.
     pub map_full_total: IntCounterVec,
+    /// Kernel writes for one frontend that failed in a sync that went on (each also logged).
+    pub write_errors_total: IntCounter,
     pub info: IntGaugeVec,
 }
 
@@ -127,6 +129,10 @@ impl Metrics {
                 "Flows ended for outliving their Service's kpr.io/max-connection-age (TCP reset at the next packet, UDP re-balanced)",
             ),
             map_full_total: counter_vec("kpr_map_full_total", "Frontends or backends not programmed because a map was full", &["map"]),
+            write_errors_total: counter(
+                "kpr_sync_write_errors_total",
+                "Kernel writes for one frontend or endpoint (IPVS virtual servers and destinations, VIP bindings, a removed endpoint's flows, sockets and conntrack entries) that failed in a sync that went on; each is logged and retried",
+            ),
             info: reg(&registry, IntGaugeVec::new(Opts::new("kpr_info", "The agent's version and data plane mode"), &["version", "mode"]).unwrap()),
             registry,
         };

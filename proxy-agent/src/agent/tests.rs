@@ -164,6 +164,18 @@ fn limiter_allows_a_burst_then_one_per_interval() {
 }
 
 #[test]
+fn failed_writes_are_counted_and_the_sync_goes_on() {
+    let mut a = agent(1);
+    a.dataplane.errors = vec!["10.96.0.1:80/6: add destination 10.244.1.5:8080: EINVAL".into(), "bind 10.96.0.1 (address): EBUSY".into()];
+    let t0 = Instant::now();
+    assert_eq!(a.step(t0, W), Step::Synced { full: true });
+    a.source.pending = changed(&["s0"]);
+    assert_eq!(a.step(t0 + Duration::from_secs(2), W), Step::Synced { full: false });
+    let m = &a.stats.lock().unwrap().m;
+    assert_eq!((m.write_errors_total.get(), m.sync_failures_total.get(), m.syncs_total.get()), (4, 0, 2));
+}
+
+#[test]
 fn a_full_map_is_an_event_once_and_a_metric_each_time() {
     let mut a = agent(1);
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();

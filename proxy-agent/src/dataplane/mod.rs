@@ -228,6 +228,8 @@ pub struct FakeDataplane {
     pub full_within: Option<Duration>,
     /// Reported by every sync as not fitting in a full map.
     pub full: Vec<(&'static str, String)>,
+    /// Reported by every sync as failed writes.
+    pub errors: Vec<String>,
 }
 
 impl Dataplane for FakeDataplane {
@@ -243,7 +245,7 @@ impl Dataplane for FakeDataplane {
             self.fail -= 1;
             return Err(DataplaneError::NoNodeAddress);
         }
-        Ok(SyncStats { frontends: desired.frontends.len(), full: self.full.clone(), ..Default::default() })
+        Ok(SyncStats { frontends: desired.frontends.len(), full: self.full.clone(), errors: self.errors.clone(), ..Default::default() })
     }
     fn full_sync_within(&self) -> Option<Duration> {
         self.full_within
