@@ -350,9 +350,11 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
             self.reported_full.extend(now_full);
         }
         if let Some(hc) = &mut self.health_checks {
-            for e in hc.update(&desired.health_checks) {
+            let failed = hc.update(&desired.health_checks);
+            for e in &failed {
                 warn!(error = %e, "health check server");
             }
+            stats.m.write_errors_total.inc_by(failed.len() as u64);
         }
         let secs = elapsed.as_secs_f64();
         stats.m.sync_duration.observe(secs);
@@ -409,8 +411,16 @@ fn unix_seconds(t: SystemTime) -> f64 {
 fn node_addresses(cfg: &LoopSettings, node: Option<&Node>) -> Vec<IpAddr> {
     let mut out: Vec<IpAddr> = Vec::new();
     let from_node = node.and_then(|n| n.status.as_ref()).and_then(|s| s.addresses.as_ref());
-    let typed =
-        |ty: &'static str| -> Vec<IpAddr> { from_node.into_iter().flatten().filter(|a| a.type_ == ty).filter_map(|a| a.address.parse().ok()).collect() };
+    let typed = |ty: &'static str| -> Vec<IpAddr> {
+        let parsed = |a: &k8s_openapi::api::core::v1::NodeAddress| match a.address.parse() {
+            Ok(ip) => Some(ip),
+            Err(e) => {
+                warn!(field = "status.addresses", kind = ty, address = %a.address, error = %e, "Node address is not an IP address: left out");
+                None
+            }
+        };
+        from_node.into_iter().flatten().filter(|a| a.type_ == ty).filter_map(parsed).collect()
+    };
     let uplinks: Vec<IpAddr> = cfg.uplinks.iter().flat_map(|u| netif::addresses(u)).collect();
     for a in cfg.primary_ip.into_iter().chain(typed("InternalIP")).chain(typed("ExternalIP")).chain(uplinks) {
         if !out.contains(&a) {
@@ -430,7 +440,16 @@ fn node_info(cfg: &LoopSettings, node: Option<&Node>, addresses: &[IpAddr]) -> N
 fn pod_cidrs(node: Option<&Node>) -> Vec<IpNet> {
     node.and_then(|n| n.spec.as_ref())
         .and_then(|s| s.pod_cidrs.clone().or_else(|| s.pod_cidr.clone().map(|c| vec![c])))
-        .map(|cidrs| cidrs.iter().filter_map(|c| c.parse::<IpNet>().ok()).collect())
+        .map(|cidrs| {
+            let parsed = |c: &String| match c.parse::<IpNet>() {
+                Ok(net) => Some(net),
+                Err(e) => {
+                    warn!(field = "spec.podCIDRs", cidr = %c, error = %e, "Node pod CIDR is not a CIDR: left out (detectLocalMode NodeCIDR)");
+                    None
+                }
+            };
+            cidrs.iter().filter_map(parsed).collect()
+        })
         .unwrap_or_default()
 }
 

@@ -122,7 +122,9 @@ impl ConntrackHandover {
             warn!(error = %e, "switch from another proxy: cannot set the handover flag");
         }
         if n == 0 {
-            let _ = unpin_conntrack(nf.as_mut());
+            if let Err(e) = unpin_conntrack(nf.as_mut()) {
+                warn!(error = %e, "removing the conntrack pin (`kpr cleanup` removes it too)");
+            }
             return None;
         }
         if let Err(e) = pin_conntrack(nf.as_mut()) {
@@ -215,7 +217,9 @@ impl IpvsHandover {
         match self.established() {
             Ok(0) => {
                 self.finish();
-                let _ = set_config_flag(maps, CFG_F_HANDOVER, false);
+                if let Err(e) = set_config_flag(maps, CFG_F_HANDOVER, false) {
+                    warn!(error = %e, "clearing the handover flag (the next sync retries)");
+                }
                 None
             }
             Ok(n) => {
@@ -249,18 +253,28 @@ impl IpvsHandover {
         if !self.kernel_programs {
             return;
         }
+        let detach = |iface: &str, hook: Hook| {
+            if let Err(e) = kernel::detach(&self.pin_dir, iface, hook) {
+                warn!(iface, hook = hook.tag(), error = %e, "detaching IPVS mode's program (`kpr cleanup` removes it)");
+            }
+        };
         for name in prog_names::SOCK_IPVS {
-            let _ = kernel::detach(&self.pin_dir, name, Hook::Cgroup);
+            detach(name, Hook::Cgroup);
         }
         // Pod interfaces' TC ingress runs the fast path now; the uplinks' still ran the set
         // matching (the fast path has XDP there).
         for (iface, hook) in kernel::attached_links(&self.pin_dir) {
             if hook == Hook::TcIngress && self.uplinks.contains(&iface) {
-                let _ = kernel::detach(&self.pin_dir, &iface, hook);
+                detach(&iface, hook);
             }
         }
         kernel::detach_tc_filters(aya::programs::tc::TcAttachType::Ingress, prog_names::TC_IPSET);
-        let _ = std::fs::remove_file(self.pin_dir.join(prog_names::LOOPBACK));
+        match std::fs::remove_file(self.pin_dir.join(prog_names::LOOPBACK)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                warn!(error = %e, "removing IPVS mode's KUBE-LOOP-BACK pin: the next start would take IPVS mode for still here")
+            }
+            _ => {}
+        }
     }
 
     fn established(&mut self) -> Result<u64, ipvs_sync::IpvsSyncError> {

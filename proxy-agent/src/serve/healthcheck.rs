@@ -69,13 +69,20 @@ impl HealthChecks {
             };
             let app = Router::new().fallback(get(answer)).with_state((self.table.clone(), self.healthy.clone(), *port));
             let _guard = self.handle.enter();
-            let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
-                continue;
+            let listener = match tokio::net::TcpListener::from_std(listener) {
+                Ok(l) => l,
+                Err(e) => {
+                    errors.push(format!("Service {ns}/{name}: spec.healthCheckNodePort {port}: cannot serve: {e}"));
+                    continue;
+                }
             };
+            let port = *port;
             self.servers.insert(
-                *port,
+                port,
                 self.handle.spawn(async move {
-                    let _ = axum::serve(listener, app).await;
+                    if let Err(e) = axum::serve(listener, app).await {
+                        tracing::warn!(port, error = %e, "health check server stopped");
+                    }
                 }),
             );
         }

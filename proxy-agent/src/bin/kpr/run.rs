@@ -157,7 +157,9 @@ fn host_setup(s: &settings::Settings) {
     if let Some((_, max)) = list.iter().find(|(k, _)| *k == "net.netfilter.nf_conntrack_max") {
         // kube-proxy sizes the hash table a quarter of the maximum.
         if let Ok(max) = max.parse::<u64>() {
-            let _ = std::fs::write("/sys/module/nf_conntrack/parameters/hashsize", (max / 4).to_string());
+            if let Err(e) = std::fs::write("/sys/module/nf_conntrack/parameters/hashsize", (max / 4).to_string()) {
+                tracing::warn!(error = %e, "cannot size netfilter's conntrack hash table (nf_conntrack loaded?)");
+            }
         }
     }
     sysctl::apply(&mut ProcSysctls, &list);

@@ -108,7 +108,10 @@ impl Interfaces {
         }
         for (iface, hook) in kernel::attached_links(&self.pin_dir) {
             if hook != Hook::Cgroup && !present.contains(&iface) {
-                let _ = kernel::detach(&self.pin_dir, &iface, hook);
+                // The interface is gone, and its link with it; the pin is what is left.
+                if let Err(e) = kernel::detach(&self.pin_dir, &iface, hook) {
+                    warn!(iface = %iface, hook = hook.tag(), error = %e, "removing a gone interface's link pin");
+                }
                 self.attached.retain(|(i, _)| i != &iface);
             }
         }

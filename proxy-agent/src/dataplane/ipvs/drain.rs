@@ -62,7 +62,9 @@ impl FastPathDrain {
             set_config_flag(maps, CFG_F_NO_NEW_FLOWS, true)?;
         }
         for name in [prog_names::CONNECT4, prog_names::SENDMSG4] {
-            let _ = kernel::detach(pin_dir, name, Hook::Cgroup);
+            if let Err(e) = kernel::detach(pin_dir, name, Hook::Cgroup) {
+                warn!(program = name, error = %e, "detaching the fast path's connect-time program: the node's own connections stay balanced by it");
+            }
         }
         dp.set_after_fast_path(true);
         info!(flows, limit_s = limit.as_secs(), "switch from the eBPF fast path: it keeps serving its flows; IPVS takes every new connection");
