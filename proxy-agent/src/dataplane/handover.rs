@@ -70,11 +70,11 @@ pub fn previous_proxy(pin_dir: &Path, uplinks: &[String], maps: &mut dyn Datapat
 
 /// Established TCP connections netfilter translated (see NetlinkConntrack::translated_tcp).
 pub trait TranslatedConnections {
-    fn translated_tcp(&mut self) -> Result<Vec<(IpAddr, u16)>, String>;
+    fn translated_tcp(&mut self) -> Result<Vec<(IpAddr, u16)>, crate::netlink::socket::NlError>;
 }
 
 impl TranslatedConnections for NetlinkConntrack {
-    fn translated_tcp(&mut self) -> Result<Vec<(IpAddr, u16)>, String> {
+    fn translated_tcp(&mut self) -> Result<Vec<(IpAddr, u16)>, crate::netlink::socket::NlError> {
         NetlinkConntrack::translated_tcp(self)
     }
 }

@@ -20,9 +20,9 @@ pub type NatTuple = (u8, IpAddr, u16, IpAddr, u16);
 pub trait ConntrackFlusher {
     /// Entries whose original destination is `vip:port` and whose reply source is
     /// `backend:backend_port`; returns how many went.
-    fn flush(&mut self, proto: u8, vip: IpAddr, port: u16, backend: IpAddr, backend_port: u16) -> Result<usize, String>;
+    fn flush(&mut self, proto: u8, vip: IpAddr, port: u16, backend: IpAddr, backend_port: u16) -> Result<usize, NlError>;
     /// The same for several; implementations may read the table once.
-    fn flush_all(&mut self, tuples: &[NatTuple]) -> Result<usize, String> {
+    fn flush_all(&mut self, tuples: &[NatTuple]) -> Result<usize, NlError> {
         let mut n = 0;
         for (proto, vip, port, backend, backend_port) in tuples {
             n += self.flush(*proto, *vip, *port, *backend, *backend_port)?;
@@ -37,7 +37,7 @@ pub struct FakeConntrack {
 }
 
 impl ConntrackFlusher for FakeConntrack {
-    fn flush(&mut self, proto: u8, vip: IpAddr, port: u16, backend: IpAddr, backend_port: u16) -> Result<usize, String> {
+    fn flush(&mut self, proto: u8, vip: IpAddr, port: u16, backend: IpAddr, backend_port: u16) -> Result<usize, NlError> {
         self.flushed.push((proto, vip, port, backend, backend_port));
         Ok(0)
     }
@@ -130,7 +130,7 @@ pub struct NetlinkConntrack {
 }
 
 impl NetlinkConntrack {
-    pub fn connect() -> Result<Self, String> {
+    pub fn connect() -> Result<Self, NlError> {
         Ok(NetlinkConntrack { sock: RawSocket::connect(NlFamily::Netfilter)? })
     }
 
@@ -141,10 +141,10 @@ impl NetlinkConntrack {
 
     /// Every entry of either family: its family and original-direction attribute (raw, for a
     /// delete), both tuples, and a TCP entry's state.
-    fn dump(&mut self) -> Result<Vec<(Raw, Tuple, Tuple, Option<u8>)>, String> {
+    fn dump(&mut self) -> Result<Vec<(Raw, Tuple, Tuple, Option<u8>)>, NlError> {
         let mut out = Vec::new();
         // AF_UNSPEC: the kernel filters a dump by family only when one is given.
-        for b in self.request(IPCTNL_MSG_CT_GET, NlmF::DUMP, nfgenmsg(libc::AF_UNSPEC as u8)).map_err(describe)? {
+        for b in self.request(IPCTNL_MSG_CT_GET, NlmF::DUMP, nfgenmsg(libc::AF_UNSPEC as u8))? {
             let family = b.as_ref().first().copied().unwrap_or(libc::AF_INET as u8);
             let body = b.as_ref().get(4..).unwrap_or(&[]);
             let (mut orig_raw, mut orig, mut reply, mut tcp_state) = (None, None, None, None);
@@ -170,21 +170,14 @@ impl NetlinkConntrack {
         Ok(out)
     }
 
-    fn delete(&mut self, (family, orig_raw): &Raw) -> Result<(), String> {
+    fn delete(&mut self, (family, orig_raw): &Raw) -> Result<(), NlError> {
         let mut body = nfgenmsg(*family);
         body.extend_from_slice(orig_raw);
         match self.request(IPCTNL_MSG_CT_DELETE, NlmF::ACK, body) {
             // Gone meanwhile (expired): what we wanted.
             Ok(_) | Err(NlError::Errno(libc::ENOENT)) => Ok(()),
-            Err(e) => Err(describe(e)),
+            Err(e) => Err(e),
         }
-    }
-}
-
-fn describe(e: NlError) -> String {
-    match e {
-        NlError::Errno(errno) => std::io::Error::from_raw_os_error(errno).to_string(),
-        NlError::Socket(s) => s,
     }
 }
 
@@ -198,12 +191,12 @@ fn nfgenmsg(family: u8) -> Vec<u8> {
 
 impl NetlinkConntrack {
     /// Entries from a client to `vip:port` that `backend:backend_port` answers.
-    pub fn count(&mut self, proto: u8, vip: IpAddr, port: u16, backend: IpAddr, backend_port: u16) -> Result<usize, String> {
+    pub fn count(&mut self, proto: u8, vip: IpAddr, port: u16, backend: IpAddr, backend_port: u16) -> Result<usize, NlError> {
         Ok(self.matching(&[(proto, vip, port, backend, backend_port)])?.len())
     }
 
     /// The raw original tuples of the entries any of `tuples` names.
-    fn matching(&mut self, tuples: &[NatTuple]) -> Result<Vec<Raw>, String> {
+    fn matching(&mut self, tuples: &[NatTuple]) -> Result<Vec<Raw>, NlError> {
         let named = |o: &Tuple, r: &Tuple| {
             tuples.iter().any(|(proto, vip, port, be, be_port)| {
                 o.proto == *proto && o.dst == Some(*vip) && o.dport == *port && r.src == Some(*be) && r.sport == *be_port
@@ -216,7 +209,7 @@ impl NetlinkConntrack {
     /// translated to another destination: connections a proxy before kpr (kube-proxy's DNAT,
     /// IPVS with conntrack) carries. The fast path's own flows are never among them: netfilter
     /// sees those already translated.
-    pub fn translated_tcp(&mut self) -> Result<Vec<(IpAddr, u16)>, String> {
+    pub fn translated_tcp(&mut self) -> Result<Vec<(IpAddr, u16)>, NlError> {
         Ok(self
             .dump()?
             .into_iter()
@@ -227,10 +220,10 @@ impl NetlinkConntrack {
 }
 
 impl ConntrackFlusher for NetlinkConntrack {
-    fn flush(&mut self, proto: u8, vip: IpAddr, port: u16, backend: IpAddr, backend_port: u16) -> Result<usize, String> {
+    fn flush(&mut self, proto: u8, vip: IpAddr, port: u16, backend: IpAddr, backend_port: u16) -> Result<usize, NlError> {
         self.flush_all(&[(proto, vip, port, backend, backend_port)])
     }
-    fn flush_all(&mut self, tuples: &[NatTuple]) -> Result<usize, String> {
+    fn flush_all(&mut self, tuples: &[NatTuple]) -> Result<usize, NlError> {
         if tuples.is_empty() {
             return Ok(0);
         }

@@ -31,14 +31,14 @@ pub struct UdpSocket {
 /// What the cleanup needs from the kernel's socket table (a fake records, for tests).
 pub trait Sockets {
     /// UDP sockets of `dst`'s family connected to `dst:dport` (an IPv6 one for ::ffff:a.b.c.d).
-    fn udp_connected_to(&mut self, dst: IpAddr, dport: u16) -> Result<Vec<UdpSocket>, String>;
+    fn udp_connected_to(&mut self, dst: IpAddr, dport: u16) -> Result<Vec<UdpSocket>, SockDiagError>;
     /// Idempotent: a socket already gone is not an error.
-    fn destroy(&mut self, s: &UdpSocket) -> Result<(), String>;
+    fn destroy(&mut self, s: &UdpSocket) -> Result<(), SockDiagError>;
 }
 
 /// Destroys the sockets connected to `dst:dport` whose cookie is one of `cookies`: for an IPv4
 /// `dst`, IPv6 sockets connected to its IPv4-mapped form too.
-pub fn end_balanced(sockets: &mut dyn Sockets, dst: IpAddr, dport: u16, cookies: &BTreeSet<u64>) -> Result<usize, String> {
+pub fn end_balanced(sockets: &mut dyn Sockets, dst: IpAddr, dport: u16, cookies: &BTreeSet<u64>) -> Result<usize, SockDiagError> {
     let forms: &[IpAddr] = match dst {
         IpAddr::V4(a) => &[dst, IpAddr::V6(a.to_ipv6_mapped())],
         IpAddr::V6(_) => &[dst],
@@ -119,28 +119,36 @@ fn decode(msg: &[u8]) -> Option<UdpSocket> {
 }
 
 impl NetlinkSockets {
-    pub fn connect() -> Result<Self, String> {
+    pub fn connect() -> Result<Self, SockDiagError> {
         Ok(Self { sock: RawSocket::connect(NlFamily::SockOrInetDiag)? })
     }
 }
 
-fn describe(e: NlError) -> String {
+#[derive(Debug, thiserror::Error)]
+pub enum SockDiagError {
+    /// EOPNOTSUPP from SOCK_DESTROY.
+    #[error("the kernel cannot destroy sockets (CONFIG_INET_DIAG_DESTROY is off)")]
+    NoDestroy,
+    #[error("sock_diag: {0}")]
+    Netlink(#[from] NlError),
+}
+
+fn destroy_error(e: NlError) -> SockDiagError {
     match e {
-        NlError::Errno(libc::EOPNOTSUPP) => "the kernel cannot destroy sockets (CONFIG_INET_DIAG_DESTROY is off)".into(),
-        NlError::Errno(errno) => std::io::Error::from_raw_os_error(errno).to_string(),
-        NlError::Socket(s) => s,
+        NlError::Errno(libc::EOPNOTSUPP) => SockDiagError::NoDestroy,
+        e => SockDiagError::Netlink(e),
     }
 }
 
 impl Sockets for NetlinkSockets {
-    fn udp_connected_to(&mut self, dst: IpAddr, dport: u16) -> Result<Vec<UdpSocket>, String> {
-        let answers = self.sock.request(SOCK_DIAG_BY_FAMILY, NlmF::DUMP, request(dst, None)).map_err(describe)?;
+    fn udp_connected_to(&mut self, dst: IpAddr, dport: u16) -> Result<Vec<UdpSocket>, SockDiagError> {
+        let answers = self.sock.request(SOCK_DIAG_BY_FAMILY, NlmF::DUMP, request(dst, None))?;
         Ok(answers.iter().filter_map(|b| decode(b.as_ref())).filter(|s| s.dst == dst && s.dport == dport).collect())
     }
-    fn destroy(&mut self, s: &UdpSocket) -> Result<(), String> {
+    fn destroy(&mut self, s: &UdpSocket) -> Result<(), SockDiagError> {
         match self.sock.request(SOCK_DESTROY, NlmF::ACK, request(s.dst, Some(s))) {
             Ok(_) | Err(NlError::Errno(libc::ENOENT)) => Ok(()),
-            Err(e) => Err(describe(e)),
+            Err(e) => Err(destroy_error(e)),
         }
     }
 }
@@ -152,10 +160,10 @@ pub struct FakeSockets {
 }
 
 impl Sockets for FakeSockets {
-    fn udp_connected_to(&mut self, dst: IpAddr, dport: u16) -> Result<Vec<UdpSocket>, String> {
+    fn udp_connected_to(&mut self, dst: IpAddr, dport: u16) -> Result<Vec<UdpSocket>, SockDiagError> {
         Ok(self.open.iter().filter(|s| s.dst == dst && s.dport == dport).copied().collect())
     }
-    fn destroy(&mut self, s: &UdpSocket) -> Result<(), String> {
+    fn destroy(&mut self, s: &UdpSocket) -> Result<(), SockDiagError> {
         self.open.retain(|o| o != s);
         self.destroyed.push(*s);
         Ok(())

@@ -16,11 +16,13 @@ use neli::{
     FromBytesWithInput, Size, ToBytes,
 };
 
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum NlError {
     /// The socket, or a message neli could not build or parse.
+    #[error("netlink socket: {0}")]
     Socket(String),
     /// The kernel's answer: a positive errno.
+    #[error("{}", std::io::Error::from_raw_os_error(*.0))]
     Errno(i32),
 }
 
@@ -161,8 +163,8 @@ pub struct RawSocket {
 }
 
 impl RawSocket {
-    pub fn connect(family: NlFamily) -> Result<Self, String> {
-        let sock = NlSocketHandle::connect(family, None, Groups::empty()).map_err(|e| e.to_string())?;
+    pub fn connect(family: NlFamily) -> Result<Self, NlError> {
+        let sock = NlSocketHandle::connect(family, None, Groups::empty()).map_err(|e| NlError::Socket(e.to_string()))?;
         Ok(Self { sock, seq: 0 })
     }
 

@@ -85,7 +85,7 @@ fn without_connections_ipvs_modes_state_goes_at_once() {
 /// conntrack as a list the test edits.
 struct Translated(std::rc::Rc<std::cell::RefCell<Vec<(IpAddr, u16)>>>);
 impl TranslatedConnections for Translated {
-    fn translated_tcp(&mut self) -> Result<Vec<(IpAddr, u16)>, String> {
+    fn translated_tcp(&mut self) -> Result<Vec<(IpAddr, u16)>, crate::netlink::socket::NlError> {
         Ok(self.0.borrow().clone())
     }
 }
