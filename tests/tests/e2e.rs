@@ -30,10 +30,18 @@ fn assert_even(v: &serde_json::Value, total: u64, what: &str) {
     let pb = per_backend(v);
     assert_eq!(errors(v), 0, "{what}: {v}");
     assert_eq!(pb.len(), 3, "{what}: every backend must be reached: {v}");
+    // Random choices are binomial: 4.5 standard deviations (26% of even at 600) fail a fair
+    // scheduler about once in 100,000 checks, and still catch a backend left out or favoured.
     let expected = total as f64 / 3.0;
+    let allowed = 4.5 * (total as f64 * (1.0 / 3.0) * (2.0 / 3.0)).sqrt();
     for (b, n) in &pb {
-        let dev = (*n as f64 - expected).abs() / expected;
-        assert!(dev <= 0.20, "{what}: backend {b} got {n} of {total} ({:.0}% off even): {v}", dev * 100.0);
+        let dev = (*n as f64 - expected).abs();
+        assert!(
+            dev <= allowed,
+            "{what}: backend {b} got {n} of {total} ({:.0}% off even, {:.0}% allowed): {v}",
+            100.0 * dev / expected,
+            100.0 * allowed / expected
+        );
     }
     println!("{what}: {pb:?}");
 }
@@ -127,7 +135,7 @@ fn clusterip_nodeport_udp_lb_and_reject_on_real_traffic() {
     // An IPv6 socket of the node reaching an IPv4 Service through its IPv4-mapped address
     // (Java's default); a pod's goes out as IPv4, through TC (the pod in the cgroup: connect6
     // runs, and leaves it alone).
-    assert_even(&lab.peer("host", &["burst", "[::ffff:10.96.0.10]:80", "tcp", "300"]), 300, "node IPv6 socket -> IPv4-mapped ClusterIP");
+    assert_even(&lab.peer("host", &["burst", "[::ffff:10.96.0.10]:80", "tcp", "600"]), 600, "node IPv6 socket -> IPv4-mapped ClusterIP");
     let v = lab.peer("host", &["burst", "[::ffff:10.96.0.53]:53", "udp", "20"]);
     assert_eq!(errors(&v), 0, "the answer shows the IPv4-mapped service address: {v}");
     let v = lab.peer_in_cgroup("pod", &["burst", "[::ffff:10.96.0.10]:80", "tcp", "30"]);
