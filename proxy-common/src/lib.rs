@@ -36,6 +36,7 @@ macro_rules! map_name {
     // V2: a preallocated hash (an LRU before), its evictions from the ring CT_NEW_RING.
     (CONNTRACK_NEW) => { "KPR_CT_NEW_V2" };
     (CONNTRACK6) => { "KPR_CT6_V1" };
+    (CONNTRACK6_NEW) => { "KPR_CT6_NEW_V1" };
     (IFACES) => { "KPR_IFACE_V1" };
     (AFFINITY) => { "KPR_AFF_V1" };
     (SOURCE_RANGES) => { "KPR_SRCRNG_V1" };
@@ -84,6 +85,8 @@ pub mod map_names {
     pub const CONNTRACK_NEW: &str = map_name!(CONNTRACK_NEW);
     /// IPv6 flows through the packet path (NodePorts, externalIPs, LB IPs; see CtKey6).
     pub const CONNTRACK6: &str = map_name!(CONNTRACK6);
+    /// IPv6 TCP flows whose handshake has not completed yet (as CONNTRACK_NEW for IPv4).
+    pub const CONNTRACK6_NEW: &str = map_name!(CONNTRACK6_NEW);
     /// Interface index -> what the data path needs to know of it (IfaceInfo).
     pub const IFACES: &str = map_name!(IFACES);
     pub const AFFINITY: &str = map_name!(AFFINITY);
@@ -142,7 +145,7 @@ pub mod map_names {
     /// The retired maps whose entries a load carries over before it removes their pins.
     pub const CARRIED: [&str; 3] = [BACKENDS_V2, CONNTRACK_NEW_V1, COUNTERS_V6];
     /// Every map the fast path pins.
-    pub const ALL: [&str; 18] = [
+    pub const ALL: [&str; 19] = [
         SERVICES,
         SLOTS,
         MAGLEV,
@@ -150,6 +153,7 @@ pub mod map_names {
         CONNTRACK,
         CONNTRACK_NEW,
         CONNTRACK6,
+        CONNTRACK6_NEW,
         IFACES,
         AFFINITY,
         SOURCE_RANGES,
@@ -324,6 +328,8 @@ pub mod limits {
     pub const MAX_CONNTRACK_NEW: u32 = 131_072;
     /// IPv6 flows through the packet path (KPR_CT6_V1): two entries a flow.
     pub const MAX_CONNTRACK6: u32 = 65_536;
+    /// IPv6 TCP flows before their handshake completed (KPR_CT6_NEW_V1): two entries a flow.
+    pub const MAX_CONNTRACK6_NEW: u32 = 32_768;
     /// Interfaces with their own masquerade address (KPR_IFACE_V1).
     pub const MAX_IFACES: u32 = 4096;
     pub const MAX_AFFINITY: u32 = 131_072;

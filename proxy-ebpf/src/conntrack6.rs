@@ -3,22 +3,80 @@
 //! masquerade between them is netfilter's, so there is no SNAT entry and no port to choose for
 //! it.
 //!
-//! One LRU table for every state (IPv4 keeps embryonic TCP flows apart, see conntrack.rs).
+//! Two tables, as IPv4's (conntrack.rs): a TCP flow lives in CONNTRACK6_NEW until its
+//! handshake completes (the backend's reply was seen and the client sent a packet after it),
+//! then moves to CONNTRACK6, so a SYN flood from outside evicts only embryonic flows. UDP
+//! starts in CONNTRACK6.
 use proxy_common::{
     counter, Backend, CtKey6, CtValue6, DatapathConfig, CT_DIR_EGRESS, CT_DIR_INGRESS, CT_F_CLOSING, CT_F_REPLY,
-    CT_F_SNAT, PROTO_UDP,
+    CT_F_SEEN_REPLY, CT_F_SNAT, PROTO_TCP, PROTO_UDP,
 };
 
 use crate::{
     conntrack::{self, random_port},
     counters::bump,
-    maps::{BPF_NOEXIST, EEXIST, CONNTRACK6, CT_SCRATCH6},
+    maps::{BPF_NOEXIST, EEXIST, CONNTRACK6, CONNTRACK6_NEW, CT_SCRATCH6},
     parse6::Flow6,
 };
 
 /// A closing flow (FIN or RST seen) idle this long is over: a new SYN on its tuple before then
 /// is still a new flow (the forward entry checks for it), this only bounds what a lost FIN costs.
 const CLOSING_TIMEOUT_NS: u64 = 10_000_000_000;
+
+/// An embryonic flow idle this long is over (the IPv4 collector's embryonic timeout): a SYN on
+/// its tuple then starts a new flow, on a backend chosen anew.
+const EMBRYONIC_TIMEOUT_NS: u64 = 60_000_000_000;
+
+/// Where an IPv6 entry lives.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Table6 {
+    /// CONNTRACK6: UDP flows and TCP flows past their handshake.
+    Assured,
+    /// CONNTRACK6_NEW: TCP flows before their handshake completed.
+    Embryonic,
+}
+
+impl Table6 {
+    #[inline(always)]
+    fn get(self, k: &CtKey6) -> Option<&'static CtValue6> {
+        unsafe {
+            match self {
+                Table6::Assured => CONNTRACK6.get(k),
+                Table6::Embryonic => CONNTRACK6_NEW.get(k),
+            }
+        }
+    }
+    #[inline(always)]
+    fn get_ptr_mut(self, k: &CtKey6) -> Option<*mut CtValue6> {
+        match self {
+            Table6::Assured => CONNTRACK6.get_ptr_mut(k),
+            Table6::Embryonic => CONNTRACK6_NEW.get_ptr_mut(k),
+        }
+    }
+    #[inline(always)]
+    fn insert(self, k: &CtKey6, v: &CtValue6, flags: u64) -> Result<(), i32> {
+        match self {
+            Table6::Assured => CONNTRACK6.insert(k, v, flags),
+            Table6::Embryonic => CONNTRACK6_NEW.insert(k, v, flags),
+        }
+    }
+    #[inline(always)]
+    fn remove(self, k: &CtKey6) {
+        let _ = match self {
+            Table6::Assured => CONNTRACK6.remove(k),
+            Table6::Embryonic => CONNTRACK6_NEW.remove(k),
+        };
+    }
+    /// Where a new flow of this protocol starts.
+    #[inline(always)]
+    fn for_new(proto: u8) -> Self {
+        if proto == PROTO_TCP {
+            Table6::Embryonic
+        } else {
+            Table6::Assured
+        }
+    }
+}
 
 /// The 4-tuple a packet is rewritten to (network order), with its entry's flags.
 #[derive(Clone, Copy, Default)]
@@ -48,7 +106,10 @@ pub fn key(f: &Flow6, dir: u8) -> CtKey6 {
 }
 
 #[inline(always)]
-fn timeout_ns(cfg: &DatapathConfig, v: &CtValue6, proto: u8) -> u64 {
+fn timeout_ns(cfg: &DatapathConfig, v: &CtValue6, proto: u8, table: Table6) -> u64 {
+    if table == Table6::Embryonic {
+        return EMBRYONIC_TIMEOUT_NS;
+    }
     if v.flags & CT_F_CLOSING != 0 {
         return CLOSING_TIMEOUT_NS;
     }
@@ -58,38 +119,101 @@ fn timeout_ns(cfg: &DatapathConfig, v: &CtValue6, proto: u8) -> u64 {
 /// The packet's entry at this hook, its timestamp refreshed. None: no flow (any more). A
 /// forward entry ends when idle, when a new SYN finds it closing, and, for UDP, when its backend
 /// is gone (kube-proxy deletes a removed endpoint's UDP conntrack entries).
+///
+/// The assured table first; for a packet that opens or closes a flow (the only ones an
+/// embryonic flow sees at its entries, but for the client's last handshake packet, which
+/// `embryonic_forward` finds once the frontend lookup said it is a frontend's), the embryonic
+/// one.
 #[inline(always)]
 pub fn track(f: &Flow6, key: &CtKey6, cfg: &DatapathConfig, now: u64) -> Option<Rewrite6> {
-    let v = unsafe { &mut *CONNTRACK6.get_ptr_mut(key)? };
+    let (v, table) = match CONNTRACK6.get_ptr_mut(key) {
+        Some(v) => (v, Table6::Assured),
+        None if f.is_tcp_control() => (CONNTRACK6_NEW.get_ptr_mut(key)?, Table6::Embryonic),
+        None => return None,
+    };
+    entry(f, key, unsafe { &mut *v }, table, cfg, now)
+}
+
+/// A TCP packet to a frontend that no assured flow knows: its embryonic flow, if it has one.
+/// The first such packet after the backend's reply completes the handshake: the flow moves to
+/// the assured table. Inlined into pipeline6's own subprogram for it: one frame fewer in a
+/// call chain that counts against 512 bytes.
+#[inline(always)]
+pub fn embryonic_forward(f: &Flow6, key: &CtKey6, cfg: &DatapathConfig, now: u64) -> Option<Rewrite6> {
+    let v = unsafe { &mut *CONNTRACK6_NEW.get_ptr_mut(key)? };
+    let rw = entry(f, key, v, Table6::Embryonic, cfg, now)?;
+    if rw.flags & CT_F_SEEN_REPLY != 0 && !f.is_tcp_control() {
+        promote(key, v);
+    }
+    Some(rw)
+}
+
+/// One entry's packet: freshness, the handshake's reply, the timestamp, a close. None: not (any
+/// more) this flow's.
+#[inline(always)]
+fn entry(f: &Flow6, key: &CtKey6, v: &mut CtValue6, table: Table6, cfg: &DatapathConfig, now: u64) -> Option<Rewrite6> {
     // Forward entries live at ingress only (the check is constant where the hook is).
     if key.dir == CT_DIR_INGRESS && v.flags & CT_F_REPLY == 0 {
         // Saturating: another CPU may have stamped the entry with a newer clock reading.
-        let idle = now.saturating_sub(v.last_seen_ns) > timeout_ns(cfg, v, f.proto);
+        let idle = now.saturating_sub(v.last_seen_ns) > timeout_ns(cfg, v, f.proto, table);
         let reopened = f.is_new_tcp_syn() && v.flags & CT_F_CLOSING != 0;
         let gone = (f.proto == PROTO_UDP || f.is_new_tcp_syn()) && crate::lb::backend(v.backend_id).is_none();
         if idle || reopened || gone {
-            forget(key, v);
+            forget(table, key, v);
             return None;
         }
+    } else if table == Table6::Embryonic && v.flags & CT_F_SEEN_REPLY == 0 && !f.is_tcp_close() {
+        // The handshake's reply (a SYN-ACK): the forward entry learns it, once.
+        seen_reply(key, v);
     }
     if now > v.last_seen_ns {
         v.last_seen_ns = now;
     }
     if f.is_tcp_close() && v.flags & CT_F_CLOSING == 0 {
-        closing(key, v);
+        closing(key, v, table);
     }
     let rw = Rewrite6::of(v);
     bump(if rw.flags & CT_F_REPLY != 0 { counter::REVERSE_NAT } else { counter::ESTABLISHED });
     Some(rw)
 }
 
+/// The backend answered the handshake (`key`, `v`: the embryonic reply entry): it and its
+/// forward entry say so, so the client's next packet completes the flow. A subprogram: rare.
+#[inline(never)]
+fn seen_reply(key: &CtKey6, v: &mut CtValue6) {
+    v.flags |= CT_F_SEEN_REPLY;
+    if let Some(fwd) = CONNTRACK6_NEW.get_ptr_mut(&CtKey6::reversed_of(v, key.proto, CT_DIR_INGRESS)) {
+        unsafe { (*fwd).flags |= CT_F_SEEN_REPLY };
+    }
+}
+
+/// Moves an embryonic flow's entries to the assured table: the reply first, the forward last, so
+/// a packet never finds the forward entry assured and its reply's missing. Once per flow.
+#[inline(never)]
+fn promote(fwd_key: &CtKey6, v: &CtValue6) {
+    move_assured(&CtKey6::reversed_of(v, fwd_key.proto, CT_DIR_EGRESS));
+    move_assured(fwd_key);
+    bump(counter::FLOW_ASSURED);
+}
+
+#[inline(always)]
+fn move_assured(k: &CtKey6) {
+    if let Some(v) = unsafe { CONNTRACK6_NEW.get(k) } {
+        if CONNTRACK6.insert(k, v, 0).is_ok() {
+            let _ = CONNTRACK6_NEW.remove(k);
+        } else {
+            bump(counter::CT_INSERT_FAILED);
+        }
+    }
+}
+
 /// The first FIN or RST an entry sees: it is closing, and so is its flow's forward entry when
 /// the backend's side closed (the forward entry is what ages a flow). Rare: a subprogram.
 #[inline(never)]
-fn closing(key: &CtKey6, v: &mut CtValue6) {
+fn closing(key: &CtKey6, v: &mut CtValue6, table: Table6) {
     v.flags |= CT_F_CLOSING;
     if v.flags & CT_F_REPLY != 0 {
-        if let Some(fwd) = CONNTRACK6.get_ptr_mut(&CtKey6::reversed_of(v, key.proto, CT_DIR_INGRESS)) {
+        if let Some(fwd) = table.get_ptr_mut(&CtKey6::reversed_of(v, key.proto, CT_DIR_INGRESS)) {
             unsafe { (*fwd).flags |= CT_F_CLOSING };
         }
     }
@@ -98,15 +222,15 @@ fn closing(key: &CtKey6, v: &mut CtValue6) {
 /// Deletes a flow's two entries (`v`: the forward one); the reply's only while it is still
 /// this flow's (after an LRU eviction its key may belong to a newer flow). Rare: a subprogram.
 #[inline(never)]
-fn forget(fwd_key: &CtKey6, v: &CtValue6) {
+fn forget(table: Table6, fwd_key: &CtKey6, v: &CtValue6) {
     let rev_key = CtKey6::reversed_of(v, fwd_key.proto, CT_DIR_EGRESS);
-    if let Some(r) = unsafe { CONNTRACK6.get(&rev_key) } {
+    if let Some(r) = table.get(&rev_key) {
         let ours = r.new_saddr == fwd_key.daddr && r.new_daddr == fwd_key.saddr && r.new_sport == fwd_key.dport && r.new_dport == fwd_key.sport;
         if ours {
-            let _ = CONNTRACK6.remove(&rev_key);
+            table.remove(&rev_key);
         }
     }
-    let _ = CONNTRACK6.remove(fwd_key);
+    table.remove(fwd_key);
 }
 
 /// Records a new flow: the reply's entry first, so a forward entry never exists without it.
@@ -118,6 +242,7 @@ fn forget(fwd_key: &CtKey6, v: &CtValue6) {
 #[inline(always)]
 pub fn create(f: &Flow6, now: u64, backend_id: u32, service_id: u32, be: &Backend, masq: bool, cfg: &DatapathConfig) -> Option<Rewrite6> {
     let snat = if masq { CT_F_SNAT } else { 0 };
+    let table = Table6::for_new(f.proto);
     let s = unsafe { &mut *CT_SCRATCH6.get_ptr_mut(0)? };
     let blank = CtValue6 { last_seen_ns: now, backend_id, service_id, ..CtValue6::default() };
     // Reverse DNAT: (B:b -> C:p) becomes (V:v -> C:c).
@@ -125,7 +250,9 @@ pub fn create(f: &Flow6, now: u64, backend_id: u32, service_id: u32, be: &Backen
     s.values[0] = CtValue6 { new_saddr: f.daddr, new_daddr: f.saddr, new_sport: f.dport, new_dport: f.sport, flags: snat | CT_F_REPLY, ..blank };
     let mut tries = 0;
     loop {
-        match CONNTRACK6.insert(&s.keys[0], &s.values[0], BPF_NOEXIST) {
+        // A TCP flow's reply tuple must be free in the assured table too.
+        let taken = table == Table6::Embryonic && unsafe { CONNTRACK6.get(&s.keys[0]) }.is_some();
+        match if taken { Err(-EEXIST) } else { table.insert(&s.keys[0], &s.values[0], BPF_NOEXIST) } {
             Ok(()) => break,
             Err(e) if e != -EEXIST => {
                 bump(counter::CT_INSERT_FAILED);
@@ -142,10 +269,12 @@ pub fn create(f: &Flow6, now: u64, backend_id: u32, service_id: u32, be: &Backen
         s.keys[0].dport = random_port(cfg);
     }
     let port = s.keys[0].dport;
-    // Forward: (C:c -> V:v) becomes (C:p -> B:b).
+    // Forward: (C:c -> V:v) becomes (C:p -> B:b). A TCP flow picked up mid-stream (not by a
+    // SYN) has no handshake left to wait for: its next packet makes it assured.
+    let picked_up = if f.proto == PROTO_TCP && !f.is_new_tcp_syn() { CT_F_SEEN_REPLY } else { 0 };
     s.keys[1] = key(f, CT_DIR_INGRESS);
-    s.values[1] = CtValue6 { new_saddr: f.saddr, new_daddr: be.addr, new_sport: port, new_dport: be.port, flags: snat, ..blank };
-    if CONNTRACK6.insert(&s.keys[1], &s.values[1], 0).is_err() {
+    s.values[1] = CtValue6 { new_saddr: f.saddr, new_daddr: be.addr, new_sport: port, new_dport: be.port, flags: snat | picked_up, ..blank };
+    if table.insert(&s.keys[1], &s.values[1], 0).is_err() {
         bump(counter::CT_INSERT_FAILED);
         return None;
     }

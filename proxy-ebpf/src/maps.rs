@@ -105,8 +105,16 @@ map! {
 
 map! {
     /// IPv6 flows from outside to the node's IPv6 NodePorts, externalIPs and LB IPs: (5-tuple,
-    /// hook) -> the 4-tuple to rewrite to (see proxy_common::CtKey6). One LRU for every state.
+    /// hook) -> the 4-tuple to rewrite to (see proxy_common::CtKey6). UDP flows, and TCP flows
+    /// past their handshake.
     CONNTRACK6: LruHashMap<CtKey6, CtValue6> = LruHashMap::pinned(MAX_CONNTRACK6, 0)
+}
+
+map! {
+    /// IPv6 TCP flows before their handshake completed, same layout, in a table of their own so
+    /// that a SYN flood from outside evicts only its kind. An LRU: the IPv6 path has no new-flow
+    /// cost goal, and the LRU's eviction is the flood eviction.
+    CONNTRACK6_NEW: LruHashMap<CtKey6, CtValue6> = LruHashMap::pinned(MAX_CONNTRACK6_NEW, 0)
 }
 
 map! {

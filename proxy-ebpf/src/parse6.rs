@@ -37,6 +37,11 @@ impl Flow6 {
     pub fn is_new_tcp_syn(&self) -> bool {
         self.proto == PROTO_TCP && self.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
     }
+    /// SYN, FIN or RST: packets that open or close a flow, which conntrack must see.
+    #[inline(always)]
+    pub fn is_tcp_control(&self) -> bool {
+        self.proto == PROTO_TCP && self.tcp_flags & (TCP_SYN | TCP_FIN | TCP_RST) != 0
+    }
     #[inline(always)]
     pub fn is_tcp_close(&self) -> bool {
         self.proto == PROTO_TCP && self.tcp_flags & (TCP_FIN | TCP_RST) != 0

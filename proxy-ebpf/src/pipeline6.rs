@@ -72,11 +72,21 @@ pub fn ingress<P: Pkt>(p: &mut P) -> Verdict {
     if let Some(v) = tracked(p, &f, cfg, now) {
         return v;
     }
+    // Draining after a switch to IPVS mode: no new flow; IPVS mode's program after this one
+    // serves what no flow of ours knows.
+    let draining = cfg.flags & CFG_F_NO_NEW_FLOWS != 0;
+    // The handshake's last ACK (or data) of a flow still in the embryonic table, to a frontend
+    // (the frontend's value is not held across the call: the frame counts against 512 bytes
+    // with new_flow's; a flow picked up mid-stream looks it up twice).
+    if f.proto == PROTO_TCP && !f.is_tcp_control() && (draining || lb::lookup(f.daddr, f.dport, f.proto, SCOPE_EXTERNAL).is_some()) {
+        if let Some(v) = embryonic(p, &f, cfg, now) {
+            return v;
+        }
+    }
     let Some(svc) = lb::lookup(f.daddr, f.dport, f.proto, SCOPE_EXTERNAL) else {
         return Verdict::Next;
     };
-    // Draining after a switch to IPVS mode: IPVS mode's program after this one serves it.
-    if cfg.flags & CFG_F_NO_NEW_FLOWS != 0 {
+    if draining {
         return Verdict::Next;
     }
     // After a switch from IPVS mode: a connection IPVS still serves (its set matching, after
@@ -122,6 +132,13 @@ fn egress_flow<P: Pkt>(p: &mut P, f: &Flow6) -> Verdict {
 #[inline(never)]
 fn tracked<P: Pkt>(p: &mut P, f: &Flow6, cfg: &DatapathConfig, now: u64) -> Option<Verdict> {
     let rw = conntrack6::track(f, &conntrack6::key(f, INGRESS), cfg, now)?;
+    Some(rewrite(p, f, &rw))
+}
+
+/// `conntrack6::embryonic_forward` and the rewrite, in a frame of their own (as `tracked`).
+#[inline(never)]
+fn embryonic<P: Pkt>(p: &mut P, f: &Flow6, cfg: &DatapathConfig, now: u64) -> Option<Verdict> {
+    let rw = conntrack6::embryonic_forward(f, &conntrack6::key(f, INGRESS), cfg, now)?;
     Some(rewrite(p, f, &rw))
 }
 

@@ -8,7 +8,11 @@ use kpr_lab::{
     packet::{check_icmp6_port_unreachable, frame6, icmp6_error, parse6, parse_icmp6_error, Frame, ACK, FIN, RST, SYN, TCP, UDP},
     Loaded,
 };
-use proxy_agent::{dataplane::ebpf::kernel::Datapath, dataplane::ebpf::maps::DatapathMaps, model::NodeInfo};
+use proxy_agent::{
+    dataplane::ebpf::kernel::Datapath,
+    dataplane::ebpf::maps::{DatapathMaps, Table},
+    model::NodeInfo,
+};
 use proxy_common::{counter, prog_names};
 
 const TC_ACT_OK: u32 = 0;
@@ -275,4 +279,47 @@ fn ipv6_icmp_errors_about_a_flow_are_translated_at_both_hooks() {
         assert_eq!(ingress(&mut l, &f), (TC_ACT_NEXT, f.clone()));
     }
     assert_eq!(counter_of(&l, counter::ICMP_ERROR_NAT) - translated, 2);
+}
+
+#[test]
+fn an_ipv6_syn_flood_evicts_only_embryonic_flows() {
+    let mut l = load("fx6-flood");
+    handshake(&mut l, 40060, NODE_IP6, 30080, BACKEND, &[]);
+    let assured = |l: &Loaded| {
+        let mut flows = l.maps.ipv6_flows(Table::Assured).unwrap();
+        flows.sort_by_key(|(k, _)| *k);
+        flows
+    };
+    let before = assured(&l);
+    assert_eq!(before.len(), 2, "the handshake's two entries are assured");
+    // Spoofed SYNs from outside, each from another source, none completing: more flows than
+    // the assured table holds (65,536 entries, two a flow) and than the embryonic one (32,768).
+    let new_flows = counter_of(&l, counter::NEW_FLOW);
+    for i in 0..40_000u32 {
+        let src = format!("2001:db8:f::{:x}:{:x}", i >> 16, i & 0xffff);
+        ingress(&mut l, &frame6(&src, NODE_IP6, TCP, 10_000 + (i % 50_000) as u16, 30080, SYN, &[]));
+    }
+    assert_eq!(counter_of(&l, counter::NEW_FLOW) - new_flows, 40_000);
+    let embryonic = l.maps.ipv6_flows(Table::Embryonic).unwrap().len();
+    assert!((30_000..=proxy_common::limits::MAX_CONNTRACK6_NEW as usize).contains(&embryonic), "the flood fills the embryonic table: {embryonic}");
+    let after = assured(&l);
+    assert!(
+        after == before,
+        "the flood touched the assured table: {} entries, the held flow's {}",
+        after.len(),
+        if before.iter().all(|e| after.contains(e)) { "kept" } else { "evicted" }
+    );
+    // The held flow still answers both ways.
+    let (_, o) = ingress(&mut l, &frame6(OUTSIDE, NODE_IP6, TCP, 40060, 30080, ACK, &[]));
+    assert_eq!(parse6(&o).dst, BACKEND.parse::<std::net::Ipv6Addr>().unwrap());
+    let (_, o) = egress(&mut l, &frame6(BACKEND, OUTSIDE, TCP, 8080, 40060, ACK, &[]));
+    assert_eq!(parse6(&o).src, NODE_IP6.parse::<std::net::Ipv6Addr>().unwrap());
+    // A handshake during the flood completes, and only then is assured.
+    let (_, o) = ingress(&mut l, &frame6(OUTSIDE, NODE_IP6, TCP, 40061, 30080, SYN, &[]));
+    assert_eq!(parse6(&o).dst, BACKEND.parse::<std::net::Ipv6Addr>().unwrap());
+    assert_eq!(assured(&l).len(), 2, "embryonic: not in the assured table yet");
+    let assured_flows = counter_of(&l, counter::FLOW_ASSURED);
+    handshake(&mut l, 40061, NODE_IP6, 30080, BACKEND, &[]);
+    assert_eq!(assured(&l).len(), 4);
+    assert_eq!(counter_of(&l, counter::FLOW_ASSURED) - assured_flows, 1);
 }

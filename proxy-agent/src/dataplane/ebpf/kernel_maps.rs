@@ -42,6 +42,7 @@ pub struct KernelMaps {
     config: Array<MapData, DatapathConfig>,
     conntrack: KernelConntrack,
     conntrack6: HashMap<MapData, CtKey6, CtValue6>,
+    conntrack6_new: HashMap<MapData, CtKey6, CtValue6>,
     ifaces: HashMap<MapData, u32, proxy_common::IfaceInfo>,
     affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     counters: PerCpuArray<MapData, u64>,
@@ -225,6 +226,7 @@ impl KernelMaps {
             config: open_typed(pin_dir, map_names::CONFIG)?,
             conntrack: KernelConntrack::open(pin_dir)?,
             conntrack6: open_typed(pin_dir, map_names::CONNTRACK6)?,
+            conntrack6_new: open_typed(pin_dir, map_names::CONNTRACK6_NEW)?,
             ifaces: open_typed(pin_dir, map_names::IFACES)?,
             affinity: open_typed(pin_dir, map_names::AFFINITY)?,
             counters: open_typed(pin_dir, map_names::COUNTERS)?,
@@ -432,8 +434,11 @@ impl DatapathMaps for KernelMaps {
     fn backend_new_connections(&self, id: u32) -> Result<u64, MapError> {
         self.backend_new.get(&id, 0).map_err(|e| op(map_names::BACKEND_NEW, "lookup", e))
     }
-    fn ipv6_flows(&self) -> Result<Vec<(CtKey6, CtValue6)>, MapError> {
-        read_all(map_names::CONNTRACK6, aya::maps::IterableMap::map(&self.conntrack6), all)
+    fn ipv6_flows(&self, table: Table) -> Result<Vec<(CtKey6, CtValue6)>, MapError> {
+        match table {
+            Table::Assured => read_all(map_names::CONNTRACK6, aya::maps::IterableMap::map(&self.conntrack6), all),
+            Table::Embryonic => read_all(map_names::CONNTRACK6_NEW, aya::maps::IterableMap::map(&self.conntrack6_new), all),
+        }
     }
     fn counters(&self) -> Result<Vec<u64>, MapError> {
         (0..proxy_common::counter::COUNT).map(|i| self.counters.get(&i, 0).map(|v| v.iter().sum()).map_err(|e| op(map_names::COUNTERS, "lookup", e))).collect()

@@ -86,8 +86,9 @@ pub trait DatapathMaps {
     fn affinity(&self) -> Result<Vec<(AffinityKey, AffinityValue)>, MapError>;
     fn del_affinity(&mut self, k: AffinityKey) -> Result<(), MapError>;
 
-    /// The IPv6 packet path's flows (KPR_CT6_V1): read by the views; the data path ages them.
-    fn ipv6_flows(&self) -> Result<Vec<(CtKey6, CtValue6)>, MapError>;
+    /// The IPv6 packet path's flows in `table` (KPR_CT6_V1, KPR_CT6_NEW_V1): read by the views;
+    /// the data path ages them.
+    fn ipv6_flows(&self, table: Table) -> Result<Vec<(CtKey6, CtValue6)>, MapError>;
 
     /// Sum over CPUs of each counter.
     fn counters(&self) -> Result<Vec<u64>, MapError>;
@@ -108,6 +109,7 @@ pub struct FakeMaps {
     pub ifaces: BTreeMap<u32, IfaceInfo>,
     pub affinity: BTreeMap<AffinityKey, AffinityValue>,
     pub ipv6_flows: BTreeMap<CtKey6, CtValue6>,
+    pub ipv6_embryonic: BTreeMap<CtKey6, CtValue6>,
     pub writes: usize,
     /// Syncs that held their puts back (`begin_bulk`).
     pub bulks: usize,
@@ -220,8 +222,9 @@ impl DatapathMaps for FakeMaps {
         self.affinity.remove(&k);
         Ok(())
     }
-    fn ipv6_flows(&self) -> Result<Vec<(CtKey6, CtValue6)>, MapError> {
-        Ok(self.ipv6_flows.iter().map(|(k, v)| (*k, *v)).collect())
+    fn ipv6_flows(&self, table: Table) -> Result<Vec<(CtKey6, CtValue6)>, MapError> {
+        let flows = if table == Table::Assured { &self.ipv6_flows } else { &self.ipv6_embryonic };
+        Ok(flows.iter().map(|(k, v)| (*k, *v)).collect())
     }
     fn counters(&self) -> Result<Vec<u64>, MapError> {
         Ok(vec![0; proxy_common::counter::COUNT as usize])

@@ -125,20 +125,29 @@ pub fn conntrack(maps: &dyn DatapathMaps, now_ns: u64) -> Result<Vec<FlowRow>, M
     }
     // IPv6 flows: each forward entry (its masquerade is netfilter's: `conntrack -L -f ipv6`).
     let addr6 = |a: [u32; 4], p: u16| std::net::SocketAddr::new(words_addr(a), port_host(p)).to_string();
-    for (k, v) in maps.ipv6_flows()? {
-        if v.flags & CT_F_REPLY != 0 {
-            continue;
+    for table in Table::ALL {
+        for (k, v) in maps.ipv6_flows(table)? {
+            if v.flags & CT_F_REPLY != 0 {
+                continue;
+            }
+            let state = if table == Table::Embryonic {
+                "embryonic"
+            } else if v.flags & CT_F_CLOSING != 0 {
+                "closing"
+            } else {
+                "established"
+            };
+            rows.push(FlowRow {
+                proto: proto_name(k.proto).into(),
+                client: addr6(k.saddr, k.sport),
+                frontend: addr6(k.daddr, k.dport),
+                backend: addr6(v.new_daddr, v.new_dport),
+                snat: (v.flags & CT_F_SNAT != 0).then(|| "netfilter".into()),
+                backend_id: v.backend_id,
+                state: state.into(),
+                idle_s: now_ns.saturating_sub(v.last_seen_ns) as f64 / 1e9,
+            });
         }
-        rows.push(FlowRow {
-            proto: proto_name(k.proto).into(),
-            client: addr6(k.saddr, k.sport),
-            frontend: addr6(k.daddr, k.dport),
-            backend: addr6(v.new_daddr, v.new_dport),
-            snat: (v.flags & CT_F_SNAT != 0).then(|| "netfilter".into()),
-            backend_id: v.backend_id,
-            state: if v.flags & CT_F_CLOSING != 0 { "closing" } else { "established" }.into(),
-            idle_s: now_ns.saturating_sub(v.last_seen_ns) as f64 / 1e9,
-        });
     }
     rows.sort_by(|a, b| (&a.frontend, &a.client).cmp(&(&b.frontend, &b.client)));
     Ok(rows)
