@@ -165,7 +165,8 @@ fn ping_pong6(ct: &mut AyaHashMap<MapData, CtKey6, CtValue6>, key: CtKey6) -> Ve
 }
 
 /// The IPv6 rows' frames: a flow from outside through kpr_tc_ingress6 (its SYN, the backend's
-/// SYN-ACK at egress), its two entries given mirrors. Returns (forward, reply) frames.
+/// SYN-ACK at egress, the client's ACK, which makes it assured), its two entries given mirrors.
+/// Returns (forward, reply) frames.
 fn ipv6_flow(dp: &mut Datapath, ct6: &mut AyaHashMap<MapData, CtKey6, CtValue6>) -> (Vec<u8>, Vec<u8>) {
     for (k, _) in ct6.iter().filter_map(Result::ok).collect::<Vec<_>>() {
         let _ = ct6.remove(&k);
@@ -173,6 +174,7 @@ fn ipv6_flow(dp: &mut Datapath, ct6: &mut AyaHashMap<MapData, CtKey6, CtValue6>)
     let (_, fwd) = run(dp, Prog::Tc6, &frame6(CLIENT6, VIP6, TCP, 999, 80, SYN, &[]), 1);
     let f = kpr_lab::packet::parse6(&fwd);
     run(dp, Prog::TcEgress6, &frame6(&f.dst.to_string(), CLIENT6, TCP, f.dport, f.sport, SYN | ACK, &[]), 1);
+    run(dp, Prog::Tc6, &frame6(CLIENT6, VIP6, TCP, 999, 80, ACK, &[]), 1);
     let entries: Vec<(CtKey6, CtValue6)> = ct6.iter().filter_map(Result::ok).collect();
     let of = |dir: u8| entries.iter().find(|(k, _)| k.dir == dir).expect("the primed IPv6 flow").0;
     (ping_pong6(ct6, of(CT_DIR_INGRESS)), ping_pong6(ct6, of(CT_DIR_EGRESS)))
