@@ -77,9 +77,9 @@ impl Table {
             Table::Embryonic => CONNTRACK_NEW.remove(k),
         }
     }
-    /// Where a new flow of this protocol starts.
+    /// Where a new flow of this protocol starts (IPv6's too, conntrack6.rs).
     #[inline(always)]
-    fn for_new(proto: u8) -> Self {
+    pub(crate) fn for_new(proto: u8) -> Self {
         if proto == PROTO_TCP {
             Table::Embryonic
         } else {

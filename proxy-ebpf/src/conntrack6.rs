@@ -13,7 +13,7 @@ use proxy_common::{
 };
 
 use crate::{
-    conntrack::{self, random_port},
+    conntrack::{self, random_port, Table},
     counters::bump,
     maps::{BPF_NOEXIST, EEXIST, CONNTRACK6, CONNTRACK6_NEW, CT_SCRATCH6},
     parse6::Flow6,
@@ -27,54 +27,37 @@ const CLOSING_TIMEOUT_NS: u64 = 10_000_000_000;
 /// its tuple then starts a new flow, on a backend chosen anew.
 const EMBRYONIC_TIMEOUT_NS: u64 = 60_000_000_000;
 
-/// Where an IPv6 entry lives.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Table6 {
-    /// CONNTRACK6: UDP flows and TCP flows past their handshake.
-    Assured,
-    /// CONNTRACK6_NEW: TCP flows before their handshake completed.
-    Embryonic,
-}
-
-impl Table6 {
+/// IPv6's side of conntrack::Table (the same two tables, for IPv6 keys).
+impl Table {
     #[inline(always)]
-    fn get(self, k: &CtKey6) -> Option<&'static CtValue6> {
+    fn get6(self, k: &CtKey6) -> Option<&'static CtValue6> {
         unsafe {
             match self {
-                Table6::Assured => CONNTRACK6.get(k),
-                Table6::Embryonic => CONNTRACK6_NEW.get(k),
+                Table::Assured => CONNTRACK6.get(k),
+                Table::Embryonic => CONNTRACK6_NEW.get(k),
             }
         }
     }
     #[inline(always)]
-    fn get_ptr_mut(self, k: &CtKey6) -> Option<*mut CtValue6> {
+    fn get_ptr_mut6(self, k: &CtKey6) -> Option<*mut CtValue6> {
         match self {
-            Table6::Assured => CONNTRACK6.get_ptr_mut(k),
-            Table6::Embryonic => CONNTRACK6_NEW.get_ptr_mut(k),
+            Table::Assured => CONNTRACK6.get_ptr_mut(k),
+            Table::Embryonic => CONNTRACK6_NEW.get_ptr_mut(k),
         }
     }
     #[inline(always)]
-    fn insert(self, k: &CtKey6, v: &CtValue6, flags: u64) -> Result<(), i32> {
+    fn insert6(self, k: &CtKey6, v: &CtValue6, flags: u64) -> Result<(), i32> {
         match self {
-            Table6::Assured => CONNTRACK6.insert(k, v, flags),
-            Table6::Embryonic => CONNTRACK6_NEW.insert(k, v, flags),
+            Table::Assured => CONNTRACK6.insert(k, v, flags),
+            Table::Embryonic => CONNTRACK6_NEW.insert(k, v, flags),
         }
     }
     #[inline(always)]
-    fn remove(self, k: &CtKey6) {
+    fn remove6(self, k: &CtKey6) {
         let _ = match self {
-            Table6::Assured => CONNTRACK6.remove(k),
-            Table6::Embryonic => CONNTRACK6_NEW.remove(k),
+            Table::Assured => CONNTRACK6.remove(k),
+            Table::Embryonic => CONNTRACK6_NEW.remove(k),
         };
-    }
-    /// Where a new flow of this protocol starts.
-    #[inline(always)]
-    fn for_new(proto: u8) -> Self {
-        if proto == PROTO_TCP {
-            Table6::Embryonic
-        } else {
-            Table6::Assured
-        }
     }
 }
 
@@ -106,8 +89,8 @@ pub fn key(f: &Flow6, dir: u8) -> CtKey6 {
 }
 
 #[inline(always)]
-fn timeout_ns(cfg: &DatapathConfig, v: &CtValue6, proto: u8, table: Table6) -> u64 {
-    if table == Table6::Embryonic {
+fn timeout_ns(cfg: &DatapathConfig, v: &CtValue6, proto: u8, table: Table) -> u64 {
+    if table == Table::Embryonic {
         return EMBRYONIC_TIMEOUT_NS;
     }
     if v.flags & CT_F_CLOSING != 0 {
@@ -127,8 +110,8 @@ fn timeout_ns(cfg: &DatapathConfig, v: &CtValue6, proto: u8, table: Table6) -> u
 #[inline(always)]
 pub fn track(f: &Flow6, key: &CtKey6, cfg: &DatapathConfig, now: u64) -> Option<Rewrite6> {
     let (v, table) = match CONNTRACK6.get_ptr_mut(key) {
-        Some(v) => (v, Table6::Assured),
-        None if f.is_tcp_control() => (CONNTRACK6_NEW.get_ptr_mut(key)?, Table6::Embryonic),
+        Some(v) => (v, Table::Assured),
+        None if f.is_tcp_control() => (CONNTRACK6_NEW.get_ptr_mut(key)?, Table::Embryonic),
         None => return None,
     };
     entry(f, key, unsafe { &mut *v }, table, cfg, now)
@@ -141,7 +124,7 @@ pub fn track(f: &Flow6, key: &CtKey6, cfg: &DatapathConfig, now: u64) -> Option<
 #[inline(always)]
 pub fn embryonic_forward(f: &Flow6, key: &CtKey6, cfg: &DatapathConfig, now: u64) -> Option<Rewrite6> {
     let v = unsafe { &mut *CONNTRACK6_NEW.get_ptr_mut(key)? };
-    let rw = entry(f, key, v, Table6::Embryonic, cfg, now)?;
+    let rw = entry(f, key, v, Table::Embryonic, cfg, now)?;
     if rw.flags & CT_F_SEEN_REPLY != 0 && !f.is_tcp_control() {
         promote(key, v);
     }
@@ -151,7 +134,7 @@ pub fn embryonic_forward(f: &Flow6, key: &CtKey6, cfg: &DatapathConfig, now: u64
 /// One entry's packet: freshness, the handshake's reply, the timestamp, a close. None: not (any
 /// more) this flow's.
 #[inline(always)]
-fn entry(f: &Flow6, key: &CtKey6, v: &mut CtValue6, table: Table6, cfg: &DatapathConfig, now: u64) -> Option<Rewrite6> {
+fn entry(f: &Flow6, key: &CtKey6, v: &mut CtValue6, table: Table, cfg: &DatapathConfig, now: u64) -> Option<Rewrite6> {
     // Forward entries live at ingress only (the check is constant where the hook is).
     if key.dir == CT_DIR_INGRESS && v.flags & CT_F_REPLY == 0 {
         // Saturating: another CPU may have stamped the entry with a newer clock reading.
@@ -162,7 +145,7 @@ fn entry(f: &Flow6, key: &CtKey6, v: &mut CtValue6, table: Table6, cfg: &Datapat
             forget(table, key, v);
             return None;
         }
-    } else if table == Table6::Embryonic && v.flags & CT_F_SEEN_REPLY == 0 && !f.is_tcp_close() {
+    } else if table == Table::Embryonic && v.flags & CT_F_SEEN_REPLY == 0 && !f.is_tcp_close() {
         // The handshake's reply (a SYN-ACK): the forward entry learns it, once.
         seen_reply(key, v);
     }
@@ -210,10 +193,10 @@ fn move_assured(k: &CtKey6) {
 /// The first FIN or RST an entry sees: it is closing, and so is its flow's forward entry when
 /// the backend's side closed (the forward entry is what ages a flow). Rare: a subprogram.
 #[inline(never)]
-fn closing(key: &CtKey6, v: &mut CtValue6, table: Table6) {
+fn closing(key: &CtKey6, v: &mut CtValue6, table: Table) {
     v.flags |= CT_F_CLOSING;
     if v.flags & CT_F_REPLY != 0 {
-        if let Some(fwd) = table.get_ptr_mut(&CtKey6::reversed_of(v, key.proto, CT_DIR_INGRESS)) {
+        if let Some(fwd) = table.get_ptr_mut6(&CtKey6::reversed_of(v, key.proto, CT_DIR_INGRESS)) {
             unsafe { (*fwd).flags |= CT_F_CLOSING };
         }
     }
@@ -222,15 +205,15 @@ fn closing(key: &CtKey6, v: &mut CtValue6, table: Table6) {
 /// Deletes a flow's two entries (`v`: the forward one); the reply's only while it is still
 /// this flow's (after an LRU eviction its key may belong to a newer flow). Rare: a subprogram.
 #[inline(never)]
-fn forget(table: Table6, fwd_key: &CtKey6, v: &CtValue6) {
+fn forget(table: Table, fwd_key: &CtKey6, v: &CtValue6) {
     let rev_key = CtKey6::reversed_of(v, fwd_key.proto, CT_DIR_EGRESS);
-    if let Some(r) = table.get(&rev_key) {
+    if let Some(r) = table.get6(&rev_key) {
         let ours = r.new_saddr == fwd_key.daddr && r.new_daddr == fwd_key.saddr && r.new_sport == fwd_key.dport && r.new_dport == fwd_key.sport;
         if ours {
-            table.remove(&rev_key);
+            table.remove6(&rev_key);
         }
     }
-    table.remove(fwd_key);
+    table.remove6(fwd_key);
 }
 
 /// Records a new flow: the reply's entry first, so a forward entry never exists without it.
@@ -242,7 +225,7 @@ fn forget(table: Table6, fwd_key: &CtKey6, v: &CtValue6) {
 #[inline(always)]
 pub fn create(f: &Flow6, now: u64, backend_id: u32, service_id: u32, be: &Backend, masq: bool, cfg: &DatapathConfig) -> Option<Rewrite6> {
     let snat = if masq { CT_F_SNAT } else { 0 };
-    let table = Table6::for_new(f.proto);
+    let table = Table::for_new(f.proto);
     let s = unsafe { &mut *CT_SCRATCH6.get_ptr_mut(0)? };
     let blank = CtValue6 { last_seen_ns: now, backend_id, service_id, ..CtValue6::default() };
     // Reverse DNAT: (B:b -> C:p) becomes (V:v -> C:c).
@@ -251,8 +234,8 @@ pub fn create(f: &Flow6, now: u64, backend_id: u32, service_id: u32, be: &Backen
     let mut tries = 0;
     loop {
         // A TCP flow's reply tuple must be free in the assured table too.
-        let taken = table == Table6::Embryonic && unsafe { CONNTRACK6.get(&s.keys[0]) }.is_some();
-        match if taken { Err(-EEXIST) } else { table.insert(&s.keys[0], &s.values[0], BPF_NOEXIST) } {
+        let taken = table == Table::Embryonic && unsafe { CONNTRACK6.get(&s.keys[0]) }.is_some();
+        match if taken { Err(-EEXIST) } else { table.insert6(&s.keys[0], &s.values[0], BPF_NOEXIST) } {
             Ok(()) => break,
             Err(e) if e != -EEXIST => {
                 bump(counter::CT_INSERT_FAILED);
@@ -274,7 +257,7 @@ pub fn create(f: &Flow6, now: u64, backend_id: u32, service_id: u32, be: &Backen
     let picked_up = if f.proto == PROTO_TCP && !f.is_new_tcp_syn() { CT_F_SEEN_REPLY } else { 0 };
     s.keys[1] = key(f, CT_DIR_INGRESS);
     s.values[1] = CtValue6 { new_saddr: f.saddr, new_daddr: be.addr, new_sport: port, new_dport: be.port, flags: snat | picked_up, ..blank };
-    if table.insert(&s.keys[1], &s.values[1], 0).is_err() {
+    if table.insert6(&s.keys[1], &s.values[1], 0).is_err() {
         bump(counter::CT_INSERT_FAILED);
         return None;
     }
