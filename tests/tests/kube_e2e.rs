@@ -162,6 +162,23 @@ fn agent_on_the_kubernetes_api_forwards_serves_health_and_metrics_and_survives_a
     let v = lab.peer("pod", &["burst", "10.96.0.10:80", "tcp", "20"]);
     assert_eq!(errors(&v), 0, "{v}");
 
+    // A Service whose JSON does not fit its type (a port that is a string) fails no list or
+    // watch: an Event names the field, and the other objects go on (a later change and the
+    // restart's list below).
+    api.apply_yaml("apiVersion: v1\nkind: Service\nmetadata: {name: undecodable, namespace: demo}\nspec: {clusterIP: 10.96.0.250, ports: [{port: eighty}]}\n");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let event = loop {
+        if let Some(e) = api.events().into_iter().find(|e| e["regarding"]["name"] == "undecodable") {
+            break e;
+        }
+        assert!(std::time::Instant::now() < deadline, "no event for Service demo/undecodable");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let note = event["note"].as_str().unwrap();
+    assert!(note.starts_with("field spec.ports[0].port: cannot decode") && note.contains("eighty"), "{event}");
+    let (_, m) = get(&lab, "127.0.0.1:10249", "/metrics");
+    assert!(metric(&m, "kpr_objects_not_programmed{reason=\"FieldNotProgrammed\"}") >= 2.0, "{m}");
+
     // Drift: an entry deleted by hand is repaired by the next full sync (syncPeriod 2 s here).
     {
         use proxy_agent::dataplane::ebpf::maps::DatapathMaps;

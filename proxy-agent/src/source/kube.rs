@@ -16,8 +16,12 @@ use kube::{
 };
 use tracing::{info, warn};
 
-use super::relist::{Relist, SliceConversion};
+use super::{
+    decoded::{Decoded, Undecodable},
+    relist::{Relist, SliceConversion},
+};
 use crate::model::{
+    errors::{ObjectError, FIELD_NOT_PROGRAMMED},
     objects::{ObjectName, Objects, ServiceObject, Slices},
     slice_object::SliceObject,
     slice_wire::SliceWire,
@@ -96,6 +100,8 @@ pub struct KubeState {
     /// When the oldest change not yet synced arrived (health: kube-proxy's QueuedUpdate).
     pub oldest_pending: Option<std::time::Instant>,
     pub generation: u64,
+    /// Objects that did not decode (by kind and name), reported at every sync while they last.
+    pub undecodable: BTreeMap<(&'static str, ObjectName), ObjectError>,
 }
 
 impl KubeState {
@@ -226,9 +232,54 @@ fn name_of<K: Resource>(o: &K) -> ObjectName {
 }
 
 enum Kind {
-    Service(watcher::Event<Service>),
-    Slice(watcher::Event<SliceWire>),
+    Service(watcher::Event<Decoded<Service>>),
+    Slice(watcher::Event<Decoded<SliceWire>>),
     Node(watcher::Event<Node>),
+}
+
+const SERVICE_KIND: &str = <Service as k8s_openapi::Resource>::KIND;
+const SLICE_KIND: &str = <k8s_openapi::api::discovery::v1::EndpointSlice as k8s_openapi::Resource>::KIND;
+
+/// An object that did not decode, as the sync reports it (an Event, kpr_objects_not_programmed).
+/// Its last decoded version, if the cache holds one, stays: a bad update loses nothing that
+/// was programmed.
+fn note_undecodable<K, S: Store<K>>(errors: &mut BTreeMap<(&'static str, ObjectName), ObjectError>, cache: &S, kind: &'static str, name: ObjectName, u: &Undecodable) {
+    let consequence = if cache.lookup(&name).is_some() { "its last version that decoded stays programmed" } else { "not programmed" };
+    let e = ObjectError {
+        source: "kubernetes".into(),
+        object: format!("{kind} {}/{}", name.0, name.1),
+        field: u.field.clone(),
+        message: format!("cannot decode: {}; {consequence}", u.message),
+        reason: FIELD_NOT_PROGRAMMED,
+    };
+    warn!(object = %e.object, field = %e.field, error = %u.message, "object does not decode");
+    errors.insert((kind, name), e);
+}
+
+/// A re-list's object that did not decode, held with the re-list.
+fn buffer_undecodable<K: Resource<DynamicType = ()>>(relist: &mut Relist, d: Decoded<K>) {
+    let name = name_of(&d);
+    if let Decoded::Undecodable(u) = d {
+        relist.undecodable.push((name, u));
+    }
+}
+
+/// A re-list's objects that did not decode: each keeps its last decoded version from `cache`
+/// in `fresh`; their errors replace the kind's earlier ones.
+fn relisted_undecodable<K: Clone, S: Store<K>>(
+    errors: &mut BTreeMap<(&'static str, ObjectName), ObjectError>,
+    cache: &S,
+    fresh: &mut S,
+    kind: &'static str,
+    undecodable: Vec<(ObjectName, Undecodable)>,
+) {
+    errors.retain(|(k, _), _| *k != kind);
+    for (name, u) in undecodable {
+        note_undecodable(errors, cache, kind, name.clone(), &u);
+        if let Some(o) = cache.lookup(&name) {
+            fresh.put(name, o.clone());
+        }
+    }
 }
 
 /// Replaces `cache` with a re-listed set, recording every difference; `changed` sees each
@@ -270,8 +321,8 @@ fn remove<R: Resource, K: Cached, S: Store<K>>(cache: &mut S, tracker: &mut Trac
 
 /// A watch event once its re-list buffer has had its part: what changes the shared state.
 enum Change {
-    Services(BTreeMap<ObjectName, ServiceObject>),
-    Slices(Slices),
+    Services(BTreeMap<ObjectName, ServiceObject>, Vec<(ObjectName, Undecodable)>),
+    Slices(Slices, Vec<(ObjectName, Undecodable)>),
     Node(Option<Node>),
     Event(Kind),
 }
@@ -281,13 +332,26 @@ fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
     // without the lock: the sync and the other watches go on meanwhile (a slice may wait for
     // the converter). Nothing changes until InitDone swaps the cache in.
     let change = match ev {
-        Kind::Service(watcher::Event::Init) => return relist.services = Some(Vec::new()),
-        Kind::Service(watcher::Event::InitApply(o)) => return relist.services.get_or_insert_with(Vec::new).push((name_of(&o), o.into())),
+        Kind::Service(watcher::Event::Init) | Kind::Slice(watcher::Event::Init) => {
+            relist.undecodable.clear();
+            match ev {
+                Kind::Service(_) => relist.services = Some(Vec::new()),
+                _ => relist.slices = Some(SliceConversion::start()),
+            }
+            return;
+        }
+        Kind::Service(watcher::Event::InitApply(Decoded::Object(o))) => return relist.services.get_or_insert_with(Vec::new).push((name_of(&o), o.into())),
         // In full nodes (`packed`); a name listed twice keeps its last object.
-        Kind::Service(watcher::Event::InitDone) => Change::Services(relist.services.take().unwrap_or_default().into_iter().collect()),
-        Kind::Slice(watcher::Event::Init) => return relist.slices = Some(SliceConversion::start()),
-        Kind::Slice(watcher::Event::InitApply(o)) => return relist.slices.get_or_insert_with(SliceConversion::start).push(o),
-        Kind::Slice(watcher::Event::InitDone) => Change::Slices(Slices::from_list(relist.slices.take().map(SliceConversion::finish).unwrap_or_default())),
+        Kind::Service(watcher::Event::InitDone) => {
+            Change::Services(relist.services.take().unwrap_or_default().into_iter().collect(), std::mem::take(&mut relist.undecodable))
+        }
+        Kind::Slice(watcher::Event::InitApply(Decoded::Object(o))) => return relist.slices.get_or_insert_with(SliceConversion::start).push(o),
+        Kind::Service(watcher::Event::InitApply(d)) => return buffer_undecodable(relist, d),
+        Kind::Slice(watcher::Event::InitApply(d)) => return buffer_undecodable(relist, d),
+        Kind::Slice(watcher::Event::InitDone) => Change::Slices(
+            Slices::from_list(relist.slices.take().map(SliceConversion::finish).unwrap_or_default()),
+            std::mem::take(&mut relist.undecodable),
+        ),
         Kind::Node(watcher::Event::Init) => return relist.node = Some(None),
         Kind::Node(watcher::Event::InitApply(o)) => return relist.node = Some(Some(slim_node(o))),
         Kind::Node(watcher::Event::InitDone) => Change::Node(relist.node.take().flatten()),
@@ -296,14 +360,16 @@ fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
     let mut guard = shared.state.lock().unwrap();
     let st = &mut *guard;
     match change {
-        Change::Services(fresh) => {
+        Change::Services(mut fresh, undecodable) => {
+            relisted_undecodable(&mut st.undecodable, &st.objects.services, &mut fresh, SERVICE_KIND, undecodable);
             replace_all(&mut st.objects.services, fresh, &mut st.service_changes, |_| {});
             if !st.services_synced {
                 info!(services = st.objects.services.len(), "services listed");
             }
             st.services_synced = true;
         }
-        Change::Slices(fresh) => {
+        Change::Slices(mut fresh, undecodable) => {
+            relisted_undecodable(&mut st.undecodable, &st.objects.slices, &mut fresh, SLICE_KIND, undecodable);
             let triggers = &mut st.trigger_times;
             replace_all(&mut st.objects.slices, fresh, &mut st.slice_changes, |o| triggers.extend(o.trigger_time));
             if !st.slices_synced {
@@ -315,15 +381,35 @@ fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
             st.node = node;
             st.node_synced = true;
         }
-        Change::Event(Kind::Service(watcher::Event::Apply(o))) => {
-            upsert(&mut st.objects.services, &mut st.service_changes, o);
+        Change::Event(Kind::Service(watcher::Event::Apply(d))) => {
+            let name = name_of(&d);
+            match d {
+                Decoded::Object(o) => {
+                    st.undecodable.remove(&(SERVICE_KIND, name));
+                    upsert(&mut st.objects.services, &mut st.service_changes, o);
+                }
+                Decoded::Undecodable(u) => note_undecodable(&mut st.undecodable, &st.objects.services, SERVICE_KIND, name, &u),
+            }
         }
-        Change::Event(Kind::Service(watcher::Event::Delete(o))) => remove(&mut st.objects.services, &mut st.service_changes, &o),
-        Change::Event(Kind::Slice(watcher::Event::Apply(o))) => {
-            let slice = upsert(&mut st.objects.slices, &mut st.slice_changes, o);
-            st.trigger_times.extend(slice.trigger_time);
+        Change::Event(Kind::Service(watcher::Event::Delete(o))) => {
+            st.undecodable.remove(&(SERVICE_KIND, name_of(&o)));
+            remove(&mut st.objects.services, &mut st.service_changes, &o)
         }
-        Change::Event(Kind::Slice(watcher::Event::Delete(o))) => remove(&mut st.objects.slices, &mut st.slice_changes, &o),
+        Change::Event(Kind::Slice(watcher::Event::Apply(d))) => {
+            let name = name_of(&d);
+            match d {
+                Decoded::Object(o) => {
+                    st.undecodable.remove(&(SLICE_KIND, name));
+                    let slice = upsert(&mut st.objects.slices, &mut st.slice_changes, o);
+                    st.trigger_times.extend(slice.trigger_time);
+                }
+                Decoded::Undecodable(u) => note_undecodable(&mut st.undecodable, &st.objects.slices, SLICE_KIND, name, &u),
+            }
+        }
+        Change::Event(Kind::Slice(watcher::Event::Delete(o))) => {
+            st.undecodable.remove(&(SLICE_KIND, name_of(&o)));
+            remove(&mut st.objects.slices, &mut st.slice_changes, &o)
+        }
         Change::Event(Kind::Node(watcher::Event::Apply(o))) => st.node = Some(slim_node(o)),
         Change::Event(Kind::Node(watcher::Event::Delete(_))) => st.node = None,
         // Taken by the first match.
@@ -338,9 +424,9 @@ fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
 /// the initial lists of Services and EndpointSlices decode on two threads.
 pub async fn run(client: Client, node_name: String, shared: Arc<Shared>) {
     let services =
-        watcher(Api::<Service>::all(client.clone()), watcher::Config::default().labels(SERVICE_SELECTOR)).default_backoff().map(|r| r.map(Kind::Service));
+        watcher(Api::<Decoded<Service>>::all(client.clone()), watcher::Config::default().labels(SERVICE_SELECTOR)).default_backoff().map(|r| r.map(Kind::Service));
     let slices =
-        watcher(Api::<SliceWire>::all(client.clone()), watcher::Config::default().labels(SLICE_SELECTOR)).default_backoff().map(|r| r.map(Kind::Slice));
+        watcher(Api::<Decoded<SliceWire>>::all(client.clone()), watcher::Config::default().labels(SLICE_SELECTOR)).default_backoff().map(|r| r.map(Kind::Slice));
     let node_cfg = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
     let nodes = watcher(Api::<Node>::all(client), node_cfg).default_backoff().map(|r| r.map(Kind::Node));
     let tasks = [tokio::spawn(follow(services, shared.clone())), tokio::spawn(follow(slices, shared.clone())), tokio::spawn(follow(nodes, shared))];
@@ -419,6 +505,59 @@ mod tests {
         node.spec = None;
         node.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Default::default()));
         assert!(!node_eligible(Some(&node)));
+    }
+
+    #[test]
+    fn an_object_that_does_not_decode_is_reported_and_keeps_its_last_decoded_version() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+        let shared = Arc::new(Shared::default());
+        let mut relist = Relist::default();
+        let meta = |name: &str, rv: &str| ObjectMeta { name: Some(name.into()), namespace: Some("demo".into()), resource_version: Some(rv.into()), ..Default::default() };
+        let good = |name: &str, rv: &str| Decoded::Object(Service { metadata: meta(name, rv), ..Default::default() });
+        let bad = |name: &str, rv: &str| Decoded::Undecodable(Undecodable { metadata: meta(name, rv), field: "spec.ports[0].port".into(), message: "invalid type".into() });
+        let list = |relist: &mut Relist, items: Vec<Decoded<Service>>| {
+            apply(&shared, relist, Kind::Service(watcher::Event::Init));
+            for o in items {
+                apply(&shared, relist, Kind::Service(watcher::Event::InitApply(o)));
+            }
+            apply(&shared, relist, Kind::Service(watcher::Event::InitDone));
+        };
+        let state = |shared: &Shared| {
+            let st = shared.state.lock().unwrap();
+            let services: Vec<(String, String)> =
+                st.objects.services.iter().map(|((_, n), o)| (n.clone(), o.resource_version.as_deref().unwrap_or_default().to_string())).collect();
+            let errors: Vec<String> = st.undecodable.values().map(|e| e.to_string()).collect();
+            (services, errors)
+        };
+        let pair = |n: &str, rv: &str| (n.to_string(), rv.to_string());
+
+        list(&mut relist, vec![good("a", "1"), bad("b", "2")]);
+        let (services, errors) = state(&shared);
+        assert_eq!(services, vec![pair("a", "1")], "the rest of the list is programmed");
+        assert_eq!(errors, vec!["kubernetes: Service demo/b: field spec.ports[0].port: cannot decode: invalid type; not programmed"]);
+
+        // A bad update keeps the version programmed.
+        apply(&shared, &mut relist, Kind::Service(watcher::Event::Apply(bad("a", "3"))));
+        let (services, errors) = state(&shared);
+        assert_eq!(services, vec![pair("a", "1")]);
+        assert!(errors[0].starts_with("kubernetes: Service demo/a: ") && errors[0].ends_with("its last version that decoded stays programmed"), "{errors:?}");
+        // What the sync reads: the errors with the objects.
+        use crate::source::Source;
+        let mut source = crate::source::KubeSource::new(shared.clone());
+        assert_eq!(source.with_input(|i| i.errors.len()), 2);
+
+        // A re-list: a still bad (kept), b fixed (its error gone).
+        list(&mut relist, vec![bad("a", "3"), good("b", "4")]);
+        let (services, errors) = state(&shared);
+        assert_eq!(services, vec![pair("a", "1"), pair("b", "4")]);
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(errors[0].contains("Service demo/a"), "{errors:?}");
+
+        // Fixed by an update; an undecodable object deleted.
+        apply(&shared, &mut relist, Kind::Service(watcher::Event::Apply(good("a", "5"))));
+        apply(&shared, &mut relist, Kind::Service(watcher::Event::Apply(bad("b", "6"))));
+        apply(&shared, &mut relist, Kind::Service(watcher::Event::Delete(bad("b", "7"))));
+        assert_eq!(state(&shared), (vec![pair("a", "5")], vec![]));
     }
 
     #[test]

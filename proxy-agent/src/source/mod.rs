@@ -1,6 +1,7 @@
 //! Where Services, EndpointSlices and the Node come from, behind one interface: the Kubernetes
 //! API through kube-rs watchers (`kube`), or a directory of manifests (`manifests`; the lab and
 //! tests).
+pub mod decoded;
 pub mod kube;
 pub mod manifests;
 mod relist;
@@ -29,7 +30,8 @@ pub struct SyncInput<'a> {
     /// The services that may have changed since the last input (their own changes and their
     /// slices'); None: unknown, compute everything.
     pub changed: Option<BTreeSet<ObjectName>>,
-    /// Problems the source found in its input (a manifest that does not parse).
+    /// Problems the source found in its input (a manifest that does not parse, an object
+    /// that does not decode).
     pub errors: Vec<ObjectError>,
     /// The changed slices' last-change-trigger-times (network programming latency).
     pub trigger_times: Vec<SystemTime>,
@@ -132,7 +134,8 @@ impl Source for KubeSource {
         let trigger_times = std::mem::take(&mut st.trigger_times);
         st.oldest_pending = None;
         let st = &*st;
-        f(SyncInput { objects: &st.objects, node: st.node.as_ref(), changed: Some(changed), errors: Vec::new(), trigger_times, unavailable: None })
+        let errors = st.undecodable.values().cloned().collect();
+        f(SyncInput { objects: &st.objects, node: st.node.as_ref(), changed: Some(changed), errors, trigger_times, unavailable: None })
     }
 
     fn observe(&self, stats: &mut Stats) {

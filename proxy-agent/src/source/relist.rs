@@ -10,6 +10,7 @@ use std::{
 use k8s_openapi::api::core::v1::Node;
 use kube::ResourceExt;
 
+use super::decoded::Undecodable;
 use crate::model::{
     objects::{ObjectName, ServiceObject},
     slice_object::SliceObject,
@@ -26,6 +27,8 @@ pub(super) struct Relist {
     pub services: Option<Vec<(ObjectName, ServiceObject)>>,
     pub slices: Option<SliceConversion>,
     pub node: Option<Option<Node>>,
+    /// The re-list's objects that did not decode (see `super::decoded`).
+    pub undecodable: Vec<(ObjectName, Undecodable)>,
 }
 
 /// The slices of one re-list, converted on the converter thread (inline if it cannot start).
