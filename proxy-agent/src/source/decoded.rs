@@ -115,16 +115,8 @@ fn from_value<K: DeserializeOwned>(v: Value) -> Decoded<K> {
 /// The metadata's fields the source names and tracks an object by, each where it is a string.
 fn salvage(m: &Value) -> ObjectMeta {
     let text = |field: &str| m[field].as_str().map(str::to_string);
-    let strings = |field: &str| {
-        m[field].as_object().map(|o| o.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string()))).collect())
-    };
-    ObjectMeta {
-        name: text("name"),
-        namespace: text("namespace"),
-        resource_version: text("resourceVersion"),
-        labels: strings("labels"),
-        ..Default::default()
-    }
+    let strings = |field: &str| m[field].as_object().map(|o| o.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string()))).collect());
+    ObjectMeta { name: text("name"), namespace: text("namespace"), resource_version: text("resourceVersion"), labels: strings("labels"), ..Default::default() }
 }
 
 /// The API's names are the decoded type's.

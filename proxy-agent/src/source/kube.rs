@@ -243,7 +243,13 @@ const SLICE_KIND: &str = <k8s_openapi::api::discovery::v1::EndpointSlice as k8s_
 /// An object that did not decode, as the sync reports it (an Event, kpr_objects_not_programmed).
 /// Its last decoded version, if the cache holds one, stays: a bad update loses nothing that
 /// was programmed.
-fn note_undecodable<K, S: Store<K>>(errors: &mut BTreeMap<(&'static str, ObjectName), ObjectError>, cache: &S, kind: &'static str, name: ObjectName, u: &Undecodable) {
+fn note_undecodable<K, S: Store<K>>(
+    errors: &mut BTreeMap<(&'static str, ObjectName), ObjectError>,
+    cache: &S,
+    kind: &'static str,
+    name: ObjectName,
+    u: &Undecodable,
+) {
     let consequence = if cache.lookup(&name).is_some() { "its last version that decoded stays programmed" } else { "not programmed" };
     let e = ObjectError {
         source: "kubernetes".into(),
@@ -348,10 +354,9 @@ fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
         Kind::Slice(watcher::Event::InitApply(Decoded::Object(o))) => return relist.slices.get_or_insert_with(SliceConversion::start).push(o),
         Kind::Service(watcher::Event::InitApply(d)) => return buffer_undecodable(relist, d),
         Kind::Slice(watcher::Event::InitApply(d)) => return buffer_undecodable(relist, d),
-        Kind::Slice(watcher::Event::InitDone) => Change::Slices(
-            Slices::from_list(relist.slices.take().map(SliceConversion::finish).unwrap_or_default()),
-            std::mem::take(&mut relist.undecodable),
-        ),
+        Kind::Slice(watcher::Event::InitDone) => {
+            Change::Slices(Slices::from_list(relist.slices.take().map(SliceConversion::finish).unwrap_or_default()), std::mem::take(&mut relist.undecodable))
+        }
         Kind::Node(watcher::Event::Init) => return relist.node = Some(None),
         Kind::Node(watcher::Event::InitApply(o)) => return relist.node = Some(Some(slim_node(o))),
         Kind::Node(watcher::Event::InitDone) => Change::Node(relist.node.take().flatten()),
@@ -423,10 +428,12 @@ fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
 /// (410 Gone leads to a re-list, inside kube-rs's watcher). Each watch is a task of its own, so
 /// the initial lists of Services and EndpointSlices decode on two threads.
 pub async fn run(client: Client, node_name: String, shared: Arc<Shared>) {
-    let services =
-        watcher(Api::<Decoded<Service>>::all(client.clone()), watcher::Config::default().labels(SERVICE_SELECTOR)).default_backoff().map(|r| r.map(Kind::Service));
-    let slices =
-        watcher(Api::<Decoded<SliceWire>>::all(client.clone()), watcher::Config::default().labels(SLICE_SELECTOR)).default_backoff().map(|r| r.map(Kind::Slice));
+    let services = watcher(Api::<Decoded<Service>>::all(client.clone()), watcher::Config::default().labels(SERVICE_SELECTOR))
+        .default_backoff()
+        .map(|r| r.map(Kind::Service));
+    let slices = watcher(Api::<Decoded<SliceWire>>::all(client.clone()), watcher::Config::default().labels(SLICE_SELECTOR))
+        .default_backoff()
+        .map(|r| r.map(Kind::Slice));
     let node_cfg = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
     let nodes = watcher(Api::<Node>::all(client), node_cfg).default_backoff().map(|r| r.map(Kind::Node));
     let tasks = [tokio::spawn(follow(services, shared.clone())), tokio::spawn(follow(slices, shared.clone())), tokio::spawn(follow(nodes, shared))];
@@ -512,9 +519,16 @@ mod tests {
         use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
         let shared = Arc::new(Shared::default());
         let mut relist = Relist::default();
-        let meta = |name: &str, rv: &str| ObjectMeta { name: Some(name.into()), namespace: Some("demo".into()), resource_version: Some(rv.into()), ..Default::default() };
+        let meta = |name: &str, rv: &str| ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some("demo".into()),
+            resource_version: Some(rv.into()),
+            ..Default::default()
+        };
         let good = |name: &str, rv: &str| Decoded::Object(Service { metadata: meta(name, rv), ..Default::default() });
-        let bad = |name: &str, rv: &str| Decoded::Undecodable(Undecodable { metadata: meta(name, rv), field: "spec.ports[0].port".into(), message: "invalid type".into() });
+        let bad = |name: &str, rv: &str| {
+            Decoded::Undecodable(Undecodable { metadata: meta(name, rv), field: "spec.ports[0].port".into(), message: "invalid type".into() })
+        };
         let list = |relist: &mut Relist, items: Vec<Decoded<Service>>| {
             apply(&shared, relist, Kind::Service(watcher::Event::Init));
             for o in items {
