@@ -333,8 +333,10 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
         }
         stats.m.write_errors_total.inc_by(st.errors.len() as u64);
         // A full map: an Event on the Service (once while it lasts) and a metric per frontend.
-        // Backends left out for now (outlier ejection): the same, with their own reason.
-        let full: Vec<ObjectError> = st.full.iter().map(|(map, service)| map_full_error(map, service)).chain(st.ejected.iter().cloned()).collect();
+        // Backends left out for now (outlier ejection) and a Service's failed writes: the
+        // same, with their own reasons.
+        let full: Vec<ObjectError> =
+            st.full.iter().map(|(map, service)| map_full_error(map, service)).chain(st.ejected.iter().cloned()).chain(st.failed.iter().cloned()).collect();
         for (map, _) in &st.full {
             stats.m.map_full_total.with_label_values(&[map]).inc();
         }
@@ -392,14 +394,11 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
 
 /// A frontend ("namespace/name:port") that did not fit in `map`, as an Event's content.
 fn map_full_error(map: &'static str, service: &str) -> ObjectError {
-    let (name, port) = service.rsplit_once(':').unwrap_or((service, ""));
-    ObjectError {
-        source: "kpr".into(),
-        object: format!("Service {name}"),
-        field: format!("spec.ports[{port}]"),
-        message: format!("not programmed on this node: map {map} is full (raise its capacity: docs/configuration.md); every other service is"),
-        reason: crate::model::errors::MAP_FULL,
-    }
+    model::errors::service_port_error(
+        service,
+        format!("not programmed on this node: map {map} is full (raise its capacity: docs/configuration.md); every other service is"),
+        model::errors::MAP_FULL,
+    )
 }
 
 fn unix_seconds(t: SystemTime) -> f64 {

@@ -176,6 +176,27 @@ fn failed_writes_are_counted_and_the_sync_goes_on() {
 }
 
 #[test]
+fn a_services_failed_write_is_an_event_once_and_a_metric() {
+    let mut a = agent(1);
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    a.events = Some(tx);
+    let failure = crate::model::errors::service_port_error("demo/s0:http", "IPVS: add service: EINVAL", crate::model::errors::WRITE_FAILED);
+    a.dataplane.errors = vec!["add service TCP 10.96.0.1:80: EINVAL".into()];
+    a.dataplane.failed = vec![failure.clone()];
+    let t0 = Instant::now();
+    assert_eq!(a.step(t0, W), Step::Synced { full: true });
+    assert_eq!(rx.try_recv().expect("an Event"), failure);
+    assert_eq!((failure.object.as_str(), failure.field.as_str()), ("Service demo/s0", "spec.ports[http]"));
+    a.source.pending = changed(&["s0"]);
+    assert_eq!(a.step(t0 + Duration::from_secs(2), W), Step::Synced { full: false });
+    assert!(rx.try_recv().is_err(), "once while it lasts");
+    let stats = a.stats.lock().unwrap();
+    assert_eq!(stats.m.not_programmed.with_label_values(&[crate::model::errors::WRITE_FAILED]).get(), 1);
+    assert_eq!(stats.m.write_errors_total.get(), 2, "counted at each sync");
+    assert!(stats.not_programmed.contains(&failure), "listed at /notProgrammed");
+}
+
+#[test]
 fn a_full_map_is_an_event_once_and_a_metric_each_time() {
     let mut a = agent(1);
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();

@@ -44,8 +44,10 @@ pub struct SyncStats {
     pub backends: usize,
     pub writes: usize,
     pub deletes: usize,
-    /// Per-frontend failures; the other frontends were still programmed.
+    /// Every failure (logged and counted); the other frontends were still programmed.
     pub errors: Vec<String>,
+    /// The failures that are one Service's (each also in `errors`), as Events' content.
+    pub failed: Vec<crate::model::errors::ObjectError>,
     /// (map, "namespace/name:port") of each frontend that did not fit in a full map.
     pub full: Vec<(&'static str, String)>,
     /// Backends left out of Services for now (outlier ejection), as Events' content.
@@ -230,6 +232,8 @@ pub struct FakeDataplane {
     pub full: Vec<(&'static str, String)>,
     /// Reported by every sync as failed writes.
     pub errors: Vec<String>,
+    /// Reported by every sync as one Service's failures.
+    pub failed: Vec<crate::model::errors::ObjectError>,
 }
 
 impl Dataplane for FakeDataplane {
@@ -245,7 +249,13 @@ impl Dataplane for FakeDataplane {
             self.fail -= 1;
             return Err(DataplaneError::NoNodeAddress);
         }
-        Ok(SyncStats { frontends: desired.frontends.len(), full: self.full.clone(), errors: self.errors.clone(), ..Default::default() })
+        Ok(SyncStats {
+            frontends: desired.frontends.len(),
+            full: self.full.clone(),
+            errors: self.errors.clone(),
+            failed: self.failed.clone(),
+            ..Default::default()
+        })
     }
     fn full_sync_within(&self) -> Option<Duration> {
         self.full_within

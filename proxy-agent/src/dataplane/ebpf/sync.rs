@@ -449,7 +449,9 @@ impl Syncer {
                     maglev_row = row;
                 }
                 None => {
-                    st.errors.push(format!("{}: all {} Maglev rows in use; using random", f.service, self.ids.maglev_rows_total()));
+                    let message = format!("all {} Maglev rows in use: balanced at random instead", self.ids.maglev_rows_total());
+                    st.errors.push(format!("{}: {message}", f.service));
+                    st.failed.push(crate::model::errors::service_port_error(&f.service, message, crate::model::errors::MAP_FULL));
                     scheduler = SCHED_RANDOM;
                 }
             }

@@ -197,6 +197,7 @@ impl Dataplane for IpvsPlane {
             writes: st.writes + st.addresses_bound + set_writes,
             deletes: st.deletes + st.addresses_unbound + set_deletes,
             errors: st.errors,
+            failed: st.failed,
             full: Vec::new(),
             ejected: Vec::new(),
         })

@@ -12,6 +12,7 @@ use std::{
 use crate::dataplane::ipvs::desired::{bound_addresses, SyncSettings, VirtualServer};
 use crate::{
     dataplane::ipvs::client::{flags, DestConfig, FwdMethod, Ipvs, IpvsError, ServiceConfig, ServiceId, Write},
+    model::errors::{service_port_error, ObjectError, WRITE_FAILED},
     netlink::ctnetlink::ConntrackFlusher,
     netlink::rtnl::{LinkError, Links, IPVS_DUMMY},
     settings::VipBinding,
@@ -39,6 +40,8 @@ pub struct IpvsSyncStats {
     pub bind_time: Duration,
     /// Per-object failures: logged, counted, the rest still programmed.
     pub errors: Vec<String>,
+    /// The failures that are one Service's (each also in `errors`), as Events' content.
+    pub failed: Vec<ObjectError>,
 }
 
 pub struct IpvsSyncer {
@@ -218,8 +221,8 @@ impl IpvsSyncer {
                 tracing::warn!(%error, "a VIP binding failed in a sync whose IPVS writes failed");
             }
         });
-        let IpvsSyncStats { writes, deletes, terminating, errors: ipvs_errors, .. } = ipvs_result?;
-        st = IpvsSyncStats { writes, deletes, terminating, addresses_bound, bind_time, errors: [bind_errors, ipvs_errors].concat(), ..st };
+        let IpvsSyncStats { writes, deletes, terminating, errors: ipvs_errors, failed, .. } = ipvs_result?;
+        st = IpvsSyncStats { writes, deletes, terminating, addresses_bound, bind_time, errors: [bind_errors, ipvs_errors].concat(), failed, ..st };
 
         // Unbind what no virtual server needs, or is bound the other way now (a full sync sees
         // them all). After the binds: an address switched to a route is never unbound between.
@@ -277,11 +280,17 @@ impl IpvsSyncer {
             };
             if let Err(e) = r {
                 st.errors.push(format!("{id}: {e}"));
+                if let Some(want) = desired.get(&id) {
+                    st.failed.push(service_port_error(&want.service, format!("IPVS virtual server {id}: {e}"), WRITE_FAILED));
+                }
             }
         }
         for (w, r) in plan.iter().zip(ipvs.apply(&plan)) {
             if let Err(e) = r {
                 st.errors.push(e.to_string());
+                if let Some(want) = desired.get(&w.service_id()) {
+                    st.failed.push(service_port_error(&want.service, format!("IPVS: {e}"), WRITE_FAILED));
+                }
                 continue;
             }
             if !w.is_delete() {

@@ -410,6 +410,8 @@ fn maglev_row_is_written_once_and_freed() {
     // Two rows only: the third frontend falls back to random and says so.
     assert_eq!(maps.maglev.len(), 2);
     assert_eq!(st.errors.len(), 1);
+    assert_eq!((st.failed.len(), st.failed[0].reason), (1, crate::model::errors::MAP_FULL), "an Event on the Service: {:?}", st.failed);
+    assert!(st.failed[0].message.contains("Maglev rows"), "{}", st.failed[0]);
     let v = maps.services.values().filter(|v| v.scheduler == SCHED_RANDOM).count();
     assert_eq!(v, 1);
     let st = s.sync(&mut maps, &d, DatapathConfig::default()).unwrap();

@@ -210,6 +210,13 @@ pub enum Write {
 }
 
 impl Write {
+    /// The virtual server it writes.
+    pub fn service_id(&self) -> ServiceId {
+        match self {
+            Write::AddService(s) | Write::UpdateService(s) => s.id,
+            Write::DelService(id) | Write::AddDest(id, _) | Write::UpdateDest(id, _) | Write::DelDest(id, ..) => *id,
+        }
+    }
     pub fn is_delete(&self) -> bool {
         matches!(self, Write::DelService(_) | Write::DelDest(..))
     }

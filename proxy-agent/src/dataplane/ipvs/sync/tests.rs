@@ -417,3 +417,26 @@ fn below_the_threshold_the_vips_are_bound_first_on_the_syncs_thread() {
         assert_eq!(links.binders, [binder].into(), "{n} binds");
     }
 }
+
+#[test]
+fn a_failed_write_names_its_service_and_the_others_are_programmed() {
+    let mut w = World::new();
+    let d = state(vec![
+        ("10.96.0.1", 80, Protocol::Tcp, fe(FrontendKind::ClusterIp, &[("10.244.1.2", 8080)], Protocol::Tcp)),
+        ("10.96.0.2", 80, Protocol::Tcp, fe(FrontendKind::ClusterIp, &[("10.244.1.3", 8080)], Protocol::Tcp)),
+    ]);
+    let mut vs = desired_virtual_servers(&d, &w.syncer.settings);
+    // A scheduler the kernel does not have: the kernel refuses the virtual server.
+    let bad = vs.get_mut(&tcp("10.96.0.2", 80)).unwrap();
+    bad.config.scheduler = "no-such-scheduler".into();
+    let service = bad.service.clone();
+    let st = w.syncer.sync(&mut w.ipvs, &mut w.links, &mut w.ct, &vs, None).unwrap();
+    assert!(w.ipvs.services.contains_key(&tcp("10.96.0.1", 80)) && !w.ipvs.services.contains_key(&tcp("10.96.0.2", 80)));
+    // The virtual server's add and its destination's: each counted, each an Event on the Service.
+    assert_eq!((st.errors.len(), st.failed.len()), (2, 2), "{:?}", st.errors);
+    let object = format!("Service {}", service.rsplit_once(':').unwrap().0);
+    for e in &st.failed {
+        assert_eq!((e.reason, &e.object), (WRITE_FAILED, &object), "{e}");
+    }
+    assert!(st.failed[0].message.contains("add service"), "{}", st.failed[0]);
+}
