@@ -234,23 +234,18 @@ fn name_of<K: Resource>(o: &K) -> ObjectName {
 enum Kind {
     Service(watcher::Event<Decoded<Service>>),
     Slice(watcher::Event<Decoded<SliceWire>>),
-    Node(watcher::Event<Node>),
+    Node(watcher::Event<Decoded<Node>>),
 }
 
 const SERVICE_KIND: &str = <Service as k8s_openapi::Resource>::KIND;
 const SLICE_KIND: &str = <k8s_openapi::api::discovery::v1::EndpointSlice as k8s_openapi::Resource>::KIND;
+const NODE_KIND: &str = <Node as k8s_openapi::Resource>::KIND;
 
 /// An object that did not decode, as the sync reports it (an Event, kpr_objects_not_programmed).
-/// Its last decoded version, if the cache holds one, stays: a bad update loses nothing that
-/// was programmed.
-fn note_undecodable<K, S: Store<K>>(
-    errors: &mut BTreeMap<(&'static str, ObjectName), ObjectError>,
-    cache: &S,
-    kind: &'static str,
-    name: ObjectName,
-    u: &Undecodable,
-) {
-    let consequence = if cache.lookup(&name).is_some() { "its last version that decoded stays programmed" } else { "not programmed" };
+/// Its last decoded version, if the source holds one (`kept`), stays: a bad update loses
+/// nothing that was programmed.
+fn note_undecodable(errors: &mut BTreeMap<(&'static str, ObjectName), ObjectError>, kept: bool, kind: &'static str, name: ObjectName, u: &Undecodable) {
+    let consequence = if kept { "kpr uses its last version that decoded" } else { "kpr ignores it until it decodes" };
     let e = ObjectError {
         source: "kubernetes".into(),
         object: format!("{kind} {}/{}", name.0, name.1),
@@ -281,7 +276,7 @@ fn relisted_undecodable<K: Clone, S: Store<K>>(
 ) {
     errors.retain(|(k, _), _| *k != kind);
     for (name, u) in undecodable {
-        note_undecodable(errors, cache, kind, name.clone(), &u);
+        note_undecodable(errors, cache.lookup(&name).is_some(), kind, name.clone(), &u);
         if let Some(o) = cache.lookup(&name) {
             fresh.put(name, o.clone());
         }
@@ -329,7 +324,7 @@ fn remove<R: Resource, K: Cached, S: Store<K>>(cache: &mut S, tracker: &mut Trac
 enum Change {
     Services(BTreeMap<ObjectName, ServiceObject>, Vec<(ObjectName, Undecodable)>),
     Slices(Slices, Vec<(ObjectName, Undecodable)>),
-    Node(Option<Node>),
+    Node(Option<Node>, Vec<(ObjectName, Undecodable)>),
     Event(Kind),
 }
 
@@ -357,9 +352,13 @@ fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
         Kind::Slice(watcher::Event::InitDone) => {
             Change::Slices(Slices::from_list(relist.slices.take().map(SliceConversion::finish).unwrap_or_default()), std::mem::take(&mut relist.undecodable))
         }
-        Kind::Node(watcher::Event::Init) => return relist.node = Some(None),
-        Kind::Node(watcher::Event::InitApply(o)) => return relist.node = Some(Some(slim_node(o))),
-        Kind::Node(watcher::Event::InitDone) => Change::Node(relist.node.take().flatten()),
+        Kind::Node(watcher::Event::Init) => {
+            relist.undecodable.clear();
+            return relist.node = Some(None);
+        }
+        Kind::Node(watcher::Event::InitApply(Decoded::Object(o))) => return relist.node = Some(Some(slim_node(o))),
+        Kind::Node(watcher::Event::InitApply(d)) => return buffer_undecodable(relist, d),
+        Kind::Node(watcher::Event::InitDone) => Change::Node(relist.node.take().flatten(), std::mem::take(&mut relist.undecodable)),
         ev => Change::Event(ev),
     };
     let mut guard = shared.state.lock().unwrap();
@@ -382,7 +381,13 @@ fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
             }
             st.slices_synced = true;
         }
-        Change::Node(node) => {
+        Change::Node(node, undecodable) => {
+            st.undecodable.retain(|(k, _), _| *k != NODE_KIND);
+            for (name, u) in &undecodable {
+                note_undecodable(&mut st.undecodable, st.node.is_some(), NODE_KIND, name.clone(), u);
+            }
+            // The Node did not decode: its last decoded version stays.
+            let node = if node.is_none() && !undecodable.is_empty() { st.node.take() } else { node };
             st.node = node;
             st.node_synced = true;
         }
@@ -393,7 +398,10 @@ fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
                     st.undecodable.remove(&(SERVICE_KIND, name));
                     upsert(&mut st.objects.services, &mut st.service_changes, o);
                 }
-                Decoded::Undecodable(u) => note_undecodable(&mut st.undecodable, &st.objects.services, SERVICE_KIND, name, &u),
+                Decoded::Undecodable(u) => {
+                    let kept = st.objects.services.contains_key(&name);
+                    note_undecodable(&mut st.undecodable, kept, SERVICE_KIND, name, &u)
+                }
             }
         }
         Change::Event(Kind::Service(watcher::Event::Delete(o))) => {
@@ -408,15 +416,30 @@ fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
                     let slice = upsert(&mut st.objects.slices, &mut st.slice_changes, o);
                     st.trigger_times.extend(slice.trigger_time);
                 }
-                Decoded::Undecodable(u) => note_undecodable(&mut st.undecodable, &st.objects.slices, SLICE_KIND, name, &u),
+                Decoded::Undecodable(u) => {
+                    let kept = st.objects.slices.get(&name).is_some();
+                    note_undecodable(&mut st.undecodable, kept, SLICE_KIND, name, &u)
+                }
             }
         }
         Change::Event(Kind::Slice(watcher::Event::Delete(o))) => {
             st.undecodable.remove(&(SLICE_KIND, name_of(&o)));
             remove(&mut st.objects.slices, &mut st.slice_changes, &o)
         }
-        Change::Event(Kind::Node(watcher::Event::Apply(o))) => st.node = Some(slim_node(o)),
-        Change::Event(Kind::Node(watcher::Event::Delete(_))) => st.node = None,
+        Change::Event(Kind::Node(watcher::Event::Apply(d))) => {
+            let name = name_of(&d);
+            match d {
+                Decoded::Object(o) => {
+                    st.undecodable.remove(&(NODE_KIND, name));
+                    st.node = Some(slim_node(o));
+                }
+                Decoded::Undecodable(u) => note_undecodable(&mut st.undecodable, st.node.is_some(), NODE_KIND, name, &u),
+            }
+        }
+        Change::Event(Kind::Node(watcher::Event::Delete(d))) => {
+            st.undecodable.remove(&(NODE_KIND, name_of(&d)));
+            st.node = None;
+        }
         // Taken by the first match.
         Change::Event(_) => return,
     }
@@ -435,7 +458,7 @@ pub async fn run(client: Client, node_name: String, shared: Arc<Shared>) {
         .default_backoff()
         .map(|r| r.map(Kind::Slice));
     let node_cfg = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
-    let nodes = watcher(Api::<Node>::all(client), node_cfg).default_backoff().map(|r| r.map(Kind::Node));
+    let nodes = watcher(Api::<Decoded<Node>>::all(client), node_cfg).default_backoff().map(|r| r.map(Kind::Node));
     let tasks = [tokio::spawn(follow(services, shared.clone())), tokio::spawn(follow(slices, shared.clone())), tokio::spawn(follow(nodes, shared))];
     for t in tasks {
         if let Err(e) = t.await {
@@ -548,13 +571,13 @@ mod tests {
         list(&mut relist, vec![good("a", "1"), bad("b", "2")]);
         let (services, errors) = state(&shared);
         assert_eq!(services, vec![pair("a", "1")], "the rest of the list is programmed");
-        assert_eq!(errors, vec!["kubernetes: Service demo/b: field spec.ports[0].port: cannot decode: invalid type; not programmed"]);
+        assert_eq!(errors, vec!["kubernetes: Service demo/b: field spec.ports[0].port: cannot decode: invalid type; kpr ignores it until it decodes"]);
 
         // A bad update keeps the version programmed.
         apply(&shared, &mut relist, Kind::Service(watcher::Event::Apply(bad("a", "3"))));
         let (services, errors) = state(&shared);
         assert_eq!(services, vec![pair("a", "1")]);
-        assert!(errors[0].starts_with("kubernetes: Service demo/a: ") && errors[0].ends_with("its last version that decoded stays programmed"), "{errors:?}");
+        assert!(errors[0].starts_with("kubernetes: Service demo/a: ") && errors[0].ends_with("kpr uses its last version that decoded"), "{errors:?}");
         // What the sync reads: the errors with the objects.
         use crate::source::Source;
         let mut source = crate::source::KubeSource::new(shared.clone());
@@ -572,6 +595,36 @@ mod tests {
         apply(&shared, &mut relist, Kind::Service(watcher::Event::Apply(bad("b", "6"))));
         apply(&shared, &mut relist, Kind::Service(watcher::Event::Delete(bad("b", "7"))));
         assert_eq!(state(&shared), (vec![pair("a", "5")], vec![]));
+    }
+
+    #[test]
+    fn a_node_that_does_not_decode_keeps_its_last_decoded_version_and_counts_as_listed() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+        let shared = Shared::default();
+        let mut relist = Relist::default();
+        let meta = |rv: &str| ObjectMeta { name: Some("n1".into()), resource_version: Some(rv.into()), ..Default::default() };
+        let bad = |rv: &str| Decoded::Undecodable(Undecodable { metadata: meta(rv), field: "spec.podCIDRs".into(), message: "invalid type".into() });
+        let list = |relist: &mut Relist, o: Decoded<Node>| {
+            for ev in [watcher::Event::Init, watcher::Event::InitApply(o), watcher::Event::InitDone] {
+                apply(&shared, relist, Kind::Node(ev));
+            }
+        };
+        let node_rv = |shared: &Shared| shared.state.lock().unwrap().node.as_ref().and_then(|n| n.metadata.resource_version.clone());
+        list(&mut relist, bad("1"));
+        {
+            let st = shared.state.lock().unwrap();
+            assert!(st.node_synced && st.node.is_none(), "listed: the sync is not held back");
+            assert_eq!(
+                st.undecodable.values().map(|e| e.to_string()).collect::<Vec<_>>(),
+                vec!["kubernetes: Node /n1: field spec.podCIDRs: cannot decode: invalid type; kpr ignores it until it decodes"]
+            );
+        }
+        apply(&shared, &mut relist, Kind::Node(watcher::Event::Apply(Decoded::Object(Node { metadata: meta("2"), ..Default::default() }))));
+        assert_eq!((node_rv(&shared).as_deref(), shared.state.lock().unwrap().undecodable.len()), (Some("2"), 0));
+        apply(&shared, &mut relist, Kind::Node(watcher::Event::Apply(bad("3"))));
+        list(&mut relist, bad("3"));
+        assert_eq!(node_rv(&shared).as_deref(), Some("2"), "the last version that decoded");
+        assert_eq!(shared.state.lock().unwrap().undecodable.len(), 1);
     }
 
     #[test]
@@ -601,14 +654,15 @@ pub async fn publish_events(client: Client, node_name: String, mut rx: tokio::sy
             continue;
         };
         let api_version = match kind {
-            "Service" => "v1",
+            "Service" | "Node" => "v1",
             "EndpointSlice" => "discovery.k8s.io/v1",
             _ => continue,
         };
         let reference = ObjectReference {
             api_version: Some(api_version.into()),
             kind: Some(kind.into()),
-            namespace: Some(ns.into()),
+            // A Node has none ("Node /name").
+            namespace: (!ns.is_empty()).then(|| ns.into()),
             name: Some(name.into()),
             ..Default::default()
         };
