@@ -120,7 +120,16 @@ impl Loaded {
     }
 
     /// The fixtures' map sizes.
-    pub const CAPACITIES: Capacities = Capacities { services: 8192, backends: 8192, slots: 65536, conntrack: 65536, conntrack_new: 16384, affinity: 16384 };
+    pub const CAPACITIES: Capacities = Capacities {
+        services: 8192,
+        backends: 8192,
+        slots: 65536,
+        conntrack: 65536,
+        conntrack_new: 16384,
+        conntrack6: proxy_common::limits::MAX_CONNTRACK6,
+        conntrack6_new: proxy_common::limits::MAX_CONNTRACK6_NEW,
+        affinity: 16384,
+    };
 
     pub fn with_capacities(name: &str, yaml: &str, node: &NodeInfo, cfg: DatapathConfig, caps: Capacities) -> Self {
         let pins = PinDir::new(name);
@@ -157,7 +166,7 @@ pub fn xdp_pass_on(ns: &str, ifaces: &[&str], pin_dir: &Path) {
     let (ns, ifaces, pin_dir) = (ns.to_string(), ifaces.iter().map(|s| s.to_string()).collect::<Vec<_>>(), pin_dir.to_path_buf());
     std::thread::spawn(move || {
         proxy_agent::host::netif::enter_netns(&ns).expect("enter the namespace");
-        let small = Capacities { services: 16, backends: 16, slots: 16, conntrack: 16, conntrack_new: 16, affinity: 16 };
+        let small = Capacities { services: 16, backends: 16, slots: 16, conntrack: 16, conntrack_new: 16, conntrack6: 16, conntrack6_new: 16, affinity: 16 };
         let mut dp = Datapath::load_object(&pin_dir, small).expect("load the object");
         let prog: &mut Xdp = dp.ebpf().program_mut(proxy_common::prog_names::XDP_PASS).unwrap().try_into().unwrap();
         prog.load().expect("load the pass program");

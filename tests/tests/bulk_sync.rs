@@ -48,7 +48,16 @@ fn contents(m: &dyn DatapathMaps) -> Contents {
 #[test]
 fn held_puts_write_what_entry_by_entry_puts_write() {
     let pins = PinDir::new("bulksync");
-    let caps = Capacities { services: 65_536, backends: 131_072, slots: 262_144, conntrack: 1024, conntrack_new: 1024, affinity: 1024 };
+    let caps = Capacities {
+        services: 65_536,
+        backends: 131_072,
+        slots: 262_144,
+        conntrack: 1024,
+        conntrack_new: 1024,
+        conntrack6: 1024,
+        conntrack6_new: 1024,
+        affinity: 1024,
+    };
     let _dp = Datapath::load(pins.path(), caps).expect("load");
     let mut kernel = KernelMaps::open(pins.path()).unwrap();
     let mut fake = FakeMaps::default();

@@ -26,7 +26,7 @@ fn drain_runs_the_fast_path_before_the_set_matching_then_detaches_it() {
     let result = std::thread::spawn(move || {
         proxy_agent::host::netif::enter_netns(&ns2).expect("enter the test namespace");
         let pins = PinDir::new("tcxdrain");
-        let caps = Capacities { services: 16, backends: 16, slots: 16, conntrack: 16, conntrack_new: 16, affinity: 16 };
+        let caps = Capacities { services: 16, backends: 16, slots: 16, conntrack: 16, conntrack_new: 16, conntrack6: 16, conntrack6_new: 16, affinity: 16 };
         let mut dp = Datapath::load(pins.path(), caps).expect("load");
         // eBPF mode was here.
         dp.attach("d0", Hook::TcIngress, XdpMode::Skb).expect("fast path");

@@ -65,7 +65,16 @@ struct SetLab {
 
 fn load(name: &str) -> SetLab {
     let pins = PinDir::new(name);
-    let caps = proxy_agent::settings::Capacities { services: 256, backends: 256, slots: 256, conntrack: 256, conntrack_new: 256, affinity: 256 };
+    let caps = proxy_agent::settings::Capacities {
+        services: 256,
+        backends: 256,
+        slots: 256,
+        conntrack: 256,
+        conntrack_new: 256,
+        conntrack6: 256,
+        conntrack6_new: 256,
+        affinity: 256,
+    };
     let mut dp = Datapath::load_object(pins.path(), caps).expect("load the object");
     dp.load_ipset().expect("the set program and KUBE-LOOP-BACK match pass the verifier");
     let node_addrs: Vec<IpAddr> = [NODE_IP, NODE_IP6].iter().map(|a| a.parse().unwrap()).collect();

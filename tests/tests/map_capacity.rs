@@ -15,7 +15,7 @@ use proxy_agent::{
 use proxy_common::{map_names, Backend};
 
 fn caps(services: u32) -> Capacities {
-    Capacities { services, backends: 64, slots: 64, conntrack: 64, conntrack_new: 64, affinity: 64 }
+    Capacities { services, backends: 64, slots: 64, conntrack: 64, conntrack_new: 64, conntrack6: 64, conntrack6_new: 64, affinity: 64 }
 }
 
 #[test]
@@ -30,6 +30,19 @@ fn a_larger_per_entry_map_is_no_mismatch_a_smaller_or_preallocated_one_is() {
     assert_eq!(names(caps(32)), [map_names::RR_STATE]);
     // More asked: neither can grow in place.
     assert_eq!(names(caps(128)), [map_names::SERVICES, map_names::RR_STATE]);
+}
+
+#[test]
+fn the_ipv6_conntrack_tables_take_their_capacities_from_the_settings() {
+    let pins = PinDir::new("ct6cap");
+    let sized = Capacities { conntrack6: 256, conntrack6_new: 128, ..caps(64) };
+    drop(Datapath::load_object(pins.path(), sized).expect("load the object"));
+    for (name, want) in [(map_names::CONNTRACK6, 256), (map_names::CONNTRACK6_NEW, 128)] {
+        assert_eq!(aya::maps::MapInfo::from_pin(pins.path().join(name)).unwrap().max_entries(), want, "{name}");
+    }
+    // Preallocated (LRU): a pinned table keeps its size, and says so.
+    let names = capacity_mismatches(pins.path(), &Capacities { conntrack6: 512, ..sized }).into_iter().map(|(name, _, _)| name).collect::<Vec<_>>();
+    assert_eq!(names, [map_names::CONNTRACK6]);
 }
 
 #[test]

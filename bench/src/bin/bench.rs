@@ -334,6 +334,8 @@ fn main() {
         conntrack: 1_048_576,
         conntrack_new: 262_144,
         affinity: 65_536,
+        // IPv6's tables at their defaults.
+        ..Capacities::default()
     };
     let mut dp = Datapath::load(pins.path(), caps).expect("load");
     dp.load_ipset().expect("load the IPVS-mode set matching");

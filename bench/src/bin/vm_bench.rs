@@ -171,6 +171,7 @@ fn control_plane(n: u32) -> Cp {
         conntrack: 65_536,
         conntrack_new: 16_384,
         affinity: 16_384,
+        ..Capacities::default()
     };
     let _dp = Datapath::load(pins.path(), caps).expect("load");
     let mut maps = KernelMaps::open(pins.path()).expect("maps");

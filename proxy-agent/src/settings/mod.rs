@@ -347,6 +347,8 @@ pub fn resolve(f: &Flags, file: Option<(&str, KubeProxyConfiguration)>) -> Resul
         slots: f.max_backends.map_or(dc.slots, |b| b.saturating_mul(4)),
         conntrack: pick(f.max_conntrack, None, dc.conntrack),
         conntrack_new: pick(f.max_conntrack_embryonic, None, dc.conntrack_new),
+        conntrack6: pick(f.max_conntrack6, None, dc.conntrack6),
+        conntrack6_new: pick(f.max_conntrack6_embryonic, None, dc.conntrack6_new),
         affinity: pick(f.max_affinity, None, dc.affinity),
     };
     for (flag, v) in [
@@ -354,6 +356,8 @@ pub fn resolve(f: &Flags, file: Option<(&str, KubeProxyConfiguration)>) -> Resul
         ("max-backends", capacities.backends),
         ("max-conntrack", capacities.conntrack),
         ("max-conntrack-embryonic", capacities.conntrack_new),
+        ("max-conntrack6", capacities.conntrack6),
+        ("max-conntrack6-embryonic", capacities.conntrack6_new),
         ("max-affinity", capacities.affinity),
     ] {
         if v == 0 {

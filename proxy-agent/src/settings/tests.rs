@@ -118,6 +118,10 @@ fn flag_only_settings_take_the_flag_else_the_default() {
             "99",
             "--max-affinity",
             "7",
+            "--max-conntrack6",
+            "98",
+            "--max-conntrack6-embryonic",
+            "97",
             "--conntrack-tcp-timeout-closing",
             "3s",
             "--k8s-api-server",
@@ -127,6 +131,7 @@ fn flag_only_settings_take_the_flag_else_the_default() {
     );
     assert_eq!((s.capacities.services, s.capacities.backends, s.capacities.slots), (1000, 4000, 16_000));
     assert_eq!((s.capacities.conntrack, s.capacities.affinity, s.conntrack.tcp_closing), (99, 7, secs(3)));
+    assert_eq!((s.capacities.conntrack6, s.capacities.conntrack6_new), (98, 97));
     assert_eq!(s.k8s_api_server.as_deref(), Some("https://192.0.2.1:6443"));
     assert_eq!((d.capacities, d.conntrack.tcp_closing, d.k8s_api_server.clone()), (Capacities::default(), secs(10), None));
 }

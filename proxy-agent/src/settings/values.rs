@@ -234,6 +234,9 @@ pub struct Capacities {
     pub slots: u32,
     pub conntrack: u32,
     pub conntrack_new: u32,
+    /// IPv6 flow entries (LRU), and IPv6 TCP flows before their handshake completes.
+    pub conntrack6: u32,
+    pub conntrack6_new: u32,
     pub affinity: u32,
 }
 
@@ -246,6 +249,8 @@ impl Default for Capacities {
             slots: MAX_SLOTS,
             conntrack: MAX_CONNTRACK,
             conntrack_new: MAX_CONNTRACK_NEW,
+            conntrack6: MAX_CONNTRACK6,
+            conntrack6_new: MAX_CONNTRACK6_NEW,
             affinity: MAX_AFFINITY,
         }
     }

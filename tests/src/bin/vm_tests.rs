@@ -158,7 +158,16 @@ fn client_api() -> Result<()> {
 /// IPVS mode's set programs.
 fn programs_load() -> Result<()> {
     let pins = kpr_lab::PinDir::new("vmload");
-    let small = proxy_agent::settings::Capacities { services: 128, backends: 128, slots: 512, conntrack: 1024, conntrack_new: 256, affinity: 256 };
+    let small = proxy_agent::settings::Capacities {
+        services: 128,
+        backends: 128,
+        slots: 512,
+        conntrack: 1024,
+        conntrack_new: 256,
+        conntrack6: 1024,
+        conntrack6_new: 256,
+        affinity: 256,
+    };
     let mut dp = proxy_agent::dataplane::ebpf::kernel::Datapath::load_object(pins.path(), small)?;
     dp.load_fast_path()?;
     dp.load_ipset()?;

@@ -244,7 +244,7 @@ pub fn cleanup(pin_dir: &Path) -> io::Result<Vec<PathBuf>> {
 }
 
 /// The maps whose capacity the settings give, with it.
-fn sized_maps(caps: &Capacities) -> [(&'static str, u32); 9] {
+fn sized_maps(caps: &Capacities) -> [(&'static str, u32); 11] {
     [
         (map_names::SERVICES, caps.services),
         (map_names::RR_STATE, caps.services),
@@ -254,6 +254,8 @@ fn sized_maps(caps: &Capacities) -> [(&'static str, u32); 9] {
         (map_names::SLOTS, caps.slots),
         (map_names::CONNTRACK, caps.conntrack),
         (map_names::CONNTRACK_NEW, caps.conntrack_new),
+        (map_names::CONNTRACK6, caps.conntrack6),
+        (map_names::CONNTRACK6_NEW, caps.conntrack6_new),
         (map_names::AFFINITY, caps.affinity),
     ]
 }
