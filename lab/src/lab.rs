@@ -164,6 +164,8 @@ impl Lab {
     }
 
     /// Builds the topology and starts the backend servers.
+    // The backends' servers live as long as their namespaces, which end them.
+    #[allow(clippy::zombie_processes)]
     pub fn build_with(prefix: &str, manifests: &Path, spec: LabSpec) -> Self {
         assert!((1..=2).contains(&spec.nodes), "one or two nodes");
         let mut pods = vec![
@@ -309,6 +311,8 @@ impl Lab {
     }
 
     /// Starts another server in a backend pod, answering with the pod's name, and waits for it.
+    /// It lives as long as the pod's namespace, which ends it.
+    #[allow(clippy::zombie_processes)]
     pub fn serve(&self, role: &str, tcp: u16, udp: u16) {
         Command::new("ip")
             .args(["netns", "exec", &self.ns(role)])

@@ -223,7 +223,7 @@ fn netfilter_matrix_kube_proxy_rules_still_loaded_no_double_masquerade() {
     let lab = matrix_cell("kpm5", LabSpec::default(), |lab| {
         // kube-proxy's whole nat table, as during a migration before its cleanup; its
         // KUBE-MARK-MASQ marks and KUBE-POSTROUTING would masquerade again what kpr did.
-        let nat = rules.replace("*nat\n", "*nat\n").to_string();
+        let nat = rules.clone();
         lab.iptables_restore(&lab.ns("node"), &nat);
     });
     let who = lab.peer("cl", &["who", "198.18.0.1:30080"]);

@@ -261,7 +261,7 @@ fn ipv6_icmp_errors_about_a_flow_are_translated_at_both_hooks() {
     // from the frontend, quoting client -> frontend.
     let (_, fwd) = ingress(&mut l, &frame6(OUTSIDE, NODE_IP6, UDP, 40051, 30053, 0, &[]));
     let fwd = parse6(&fwd);
-    let sent = frame6(&OUTSIDE.to_string(), BACKEND, UDP, fwd.sport, 5353, 0, &[]);
+    let sent = frame6(OUTSIDE, BACKEND, UDP, fwd.sport, 5353, 0, &[]);
     let unreach = icmp6_error(BACKEND, OUTSIDE, 1, 4, 0, &sent, 48);
     let (v, o) = egress(&mut l, &unreach);
     assert_eq!(v, TC_ACT_OK);

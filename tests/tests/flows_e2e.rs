@@ -12,6 +12,7 @@ use std::{
 
 use kpr_lab::lab::{errors, per_backend, pod_ip6, Lab, CLIENT_IP};
 
+#[allow(clippy::too_many_arguments)] // a manifest's fields, each a test's knob
 fn service(name: &str, vip: &str, port: u16, target: u16, proto: &str, eps: &[(&str, &str)], extra_spec: &str, annotations: &str) -> String {
     let eps: String = eps.iter().map(|(a, n)| format!("- {{addresses: [\"{a}\"], conditions: {{ready: true}}, nodeName: {n}}}\n")).collect();
     let eps = if eps.is_empty() { " []\n".to_string() } else { format!("\n{eps}") };

@@ -158,7 +158,7 @@ fn main() {
         let rules = render(&services(n), "10.244.0.0/16");
         let program_s = restore(&lab, &rules);
         let changed = render(&services(n)[..], "10.244.0.0/16").replacen(
-            &format!("-m statistic --mode random --probability 0.33333333333 -j"),
+            &"-m statistic --mode random --probability 0.33333333333 -j".to_string(),
             "-m statistic --mode random --probability 0.33333333334 -j",
             1,
         );

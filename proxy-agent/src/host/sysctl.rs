@@ -100,7 +100,7 @@ pub fn snat_port_range(local: &str) -> Option<(u16, u16)> {
     let above = (hi.max(u32::from(proxy_common::NODE_PORT_MAX)) + 1, 65_535);
     let size = |(a, b): (u32, u32)| if b >= a { b - a + 1 } else { 0 };
     let best = if size(below) >= size(above) { below } else { above };
-    (size(best) >= 4096).then(|| (best.0 as u16, best.1 as u16))
+    (size(best) >= 4096).then_some((best.0 as u16, best.1 as u16))
 }
 
 /// (major, minor) of a kernel release string ("6.1.0-57-amd64" -> (6, 1)).
@@ -123,7 +123,7 @@ pub fn ipvs_sysctls(kernel: (u32, u32), strict_arp: bool) -> Vec<(&'static str, 
         ("net.ipv4.vs.expire_quiescent_template", "1"),
         ("net.ipv4.ip_forward", "1"),
     ];
-    if kernel >= (4, 1) && kernel < (5, 9) {
+    if ((4, 1)..(5, 9)).contains(&kernel) {
         v.push(("net.ipv4.vs.conn_reuse_mode", "0"));
     }
     if strict_arp {

@@ -143,7 +143,7 @@ pub(super) fn service_frontends(
             FamilyBackends { cluster, local, internal }
         });
         let of = |ip: &IpAddr| &per_family[usize::from(!ip.is_ipv4())];
-        let served = addrs.cluster.iter().map(|ip| of(ip));
+        let served = addrs.cluster.iter().map(&of);
         if (itp_local || etp_local) && served.clone().any(|b| b.local.is_empty()) {
             let e = out.no_local_endpoints.entry((ns.to_string(), name.to_string())).or_default();
             e[0] |= itp_local;

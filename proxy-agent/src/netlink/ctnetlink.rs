@@ -141,7 +141,7 @@ impl NetlinkConntrack {
 
     /// Every entry of either family: its family and original-direction attribute (raw, for a
     /// delete), both tuples, and a TCP entry's state.
-    fn dump(&mut self) -> Result<Vec<(Raw, Tuple, Tuple, Option<u8>)>, NlError> {
+    fn dump(&mut self) -> Result<Vec<Dumped>, NlError> {
         let mut out = Vec::new();
         // AF_UNSPEC: the kernel filters a dump by family only when one is given.
         for b in self.request(IPCTNL_MSG_CT_GET, NlmF::DUMP, nfgenmsg(libc::AF_UNSPEC as u8))? {
@@ -183,6 +183,9 @@ impl NetlinkConntrack {
 
 /// An entry as a delete names it: its family and raw original tuple.
 type Raw = (u8, Vec<u8>);
+
+/// One dumped entry: its raw original tuple, both tuples, a TCP entry's state.
+type Dumped = (Raw, Tuple, Tuple, Option<u8>);
 
 /// struct nfgenmsg: family, version 0, resource id 0.
 fn nfgenmsg(family: u8) -> Vec<u8> {

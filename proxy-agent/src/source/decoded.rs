@@ -13,6 +13,8 @@ use serde::{
 use serde_json::Value;
 
 /// One object of a list or a watch event.
+// The object is the common case: boxing it would cost an allocation per object of a list.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq)]
 pub enum Decoded<K> {
     Object(K),

@@ -231,6 +231,8 @@ fn name_of<K: Resource>(o: &K) -> ObjectName {
     (o.namespace().unwrap_or_default(), o.name_any())
 }
 
+// Moved once per event: boxing the larger would cost an allocation per object of a list.
+#[allow(clippy::large_enum_variant)]
 enum Kind {
     Service(watcher::Event<Decoded<Service>>),
     Slice(watcher::Event<Decoded<SliceWire>>),
@@ -479,6 +481,45 @@ async fn follow(events: impl futures::Stream<Item = Result<Kind, watcher::Error>
     }
 }
 
+/// Publishes Kubernetes Events (events.k8s.io/v1, type Warning) for objects kpr could not
+/// program, so `kubectl describe service` shows why.
+pub async fn publish_events(client: Client, node_name: String, mut rx: tokio::sync::mpsc::UnboundedReceiver<crate::model::errors::ObjectError>) {
+    use k8s_openapi::api::core::v1::ObjectReference;
+    use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+    let recorder = Recorder::new(client, Reporter { controller: "kpr".into(), instance: Some(node_name) });
+    while let Some(e) = rx.recv().await {
+        let Some((kind, rest)) = e.object.split_once(' ') else {
+            continue;
+        };
+        let Some((ns, name)) = rest.split_once('/') else {
+            continue;
+        };
+        let api_version = match kind {
+            "Service" | "Node" => "v1",
+            "EndpointSlice" => "discovery.k8s.io/v1",
+            _ => continue,
+        };
+        let reference = ObjectReference {
+            api_version: Some(api_version.into()),
+            kind: Some(kind.into()),
+            // A Node has none ("Node /name").
+            namespace: (!ns.is_empty()).then(|| ns.into()),
+            name: Some(name.into()),
+            ..Default::default()
+        };
+        let ev = Event {
+            type_: EventType::Warning,
+            reason: e.reason.into(),
+            note: Some(format!("field {}: {}", e.field, e.message)),
+            action: "Programming".into(),
+            secondary: None,
+        };
+        if let Err(err) = recorder.publish(&ev, &reference).await {
+            warn!(error = %err, object = %e.object, "cannot publish event");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -637,44 +678,5 @@ mod tests {
         assert_eq!(at("2024-02-29T12:34:56Z"), Some(1_709_210_096_000));
         assert_eq!(at("1970-01-01T00:00:01.5Z"), Some(1500));
         assert_eq!(at("yesterday"), None);
-    }
-}
-
-/// Publishes Kubernetes Events (events.k8s.io/v1, type Warning) for objects kpr could not
-/// program, so `kubectl describe service` shows why.
-pub async fn publish_events(client: Client, node_name: String, mut rx: tokio::sync::mpsc::UnboundedReceiver<crate::model::errors::ObjectError>) {
-    use k8s_openapi::api::core::v1::ObjectReference;
-    use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-    let recorder = Recorder::new(client, Reporter { controller: "kpr".into(), instance: Some(node_name) });
-    while let Some(e) = rx.recv().await {
-        let Some((kind, rest)) = e.object.split_once(' ') else {
-            continue;
-        };
-        let Some((ns, name)) = rest.split_once('/') else {
-            continue;
-        };
-        let api_version = match kind {
-            "Service" | "Node" => "v1",
-            "EndpointSlice" => "discovery.k8s.io/v1",
-            _ => continue,
-        };
-        let reference = ObjectReference {
-            api_version: Some(api_version.into()),
-            kind: Some(kind.into()),
-            // A Node has none ("Node /name").
-            namespace: (!ns.is_empty()).then(|| ns.into()),
-            name: Some(name.into()),
-            ..Default::default()
-        };
-        let ev = Event {
-            type_: EventType::Warning,
-            reason: e.reason.into(),
-            note: Some(format!("field {}: {}", e.field, e.message)),
-            action: "Programming".into(),
-            secondary: None,
-        };
-        if let Err(err) = recorder.publish(&ev, &reference).await {
-            warn!(error = %err, object = %e.object, "cannot publish event");
-        }
     }
 }

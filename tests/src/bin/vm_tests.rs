@@ -393,6 +393,8 @@ fn scheduler_change(lab: &Lab) -> Result<()> {
 }
 
 /// Endpoint churn: UDP goes at once; TCP drains at weight 0 while a connection lives.
+// A failed check leaves the held connection's client to end by itself (it holds for seconds).
+#[allow(clippy::zombie_processes)]
 fn graceful_termination(lab: &Lab) -> Result<std::process::Child> {
     // Conntrack entries answered by the backend about to go: there are some now...
     let ct = |lab: &Lab| -> Result<usize> {
@@ -821,6 +823,8 @@ fn cleanup_leaves_nothing(lab: &mut Lab) -> Result<()> {
 }
 
 /// A held TCP connection, once it is established.
+// A failed check leaves the held connection's client to end by itself (it holds for seconds).
+#[allow(clippy::zombie_processes)]
 fn held(lab: &Lab, role: &str, target: &str, secs: &str) -> Result<std::process::Child> {
     let mut hold = lab.peer_bg(role, &["hold", target, secs]);
     let mut line = String::new();

@@ -6,11 +6,11 @@ use anyhow::{Context, Result};
 use proxy_agent::{dataplane::ebpf::kernel, dataplane::ebpf::kernel_maps::KernelMaps, dataplane::ebpf::view};
 
 pub fn status(pin_dir: &Path, json: bool, healthz: &str) -> Result<()> {
-    let maps = KernelMaps::open(&pin_dir)?;
-    let links = kernel::attached_links(&pin_dir);
+    let maps = KernelMaps::open(pin_dir)?;
+    let links = kernel::attached_links(pin_dir);
     let counters = view::counters(&maps)?;
     let services = maps_len(&maps)?;
-    let health = agent_health(&healthz);
+    let health = agent_health(healthz);
     let last_sync = health.as_ref().map(|h| h["lastUpdated"].as_str().unwrap_or("").to_string());
     // The agent says its mode; without it, IPVS mode shows as a pinned loop-back match.
     let mode = health.as_ref().and_then(|h| h["mode"].as_str().map(str::to_string)).unwrap_or_else(|| {
@@ -65,7 +65,7 @@ pub fn status(pin_dir: &Path, json: bool, healthz: &str) -> Result<()> {
 
 pub fn services(pin_dir: &Path, json: bool, skipped: bool, healthz: &str) -> Result<()> {
     let not_programmed = || -> Result<serde_json::Value> {
-        agent_get(&healthz, proxy_agent::serve::metrics::NOT_PROGRAMMED_PATH)
+        agent_get(healthz, proxy_agent::serve::metrics::NOT_PROGRAMMED_PATH)
             .map(|(_, v)| v)
             .with_context(|| format!("no agent answers at {healthz} (--healthz): what it could not program is known to it alone"))
     };
@@ -78,7 +78,7 @@ pub fn services(pin_dir: &Path, json: bool, skipped: bool, healthz: &str) -> Res
         }
         return Ok(());
     }
-    let maps = KernelMaps::open(&pin_dir)?;
+    let maps = KernelMaps::open(pin_dir)?;
     let rows = view::services(&maps)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
@@ -95,7 +95,7 @@ pub fn services(pin_dir: &Path, json: bool, skipped: bool, healthz: &str) -> Res
 
 pub fn ipset(pin_dir: &Path, json: bool, name: Option<&str>) -> Result<()> {
     use proxy_agent::dataplane::ipvs::sets::SetMaps as _;
-    let maps = proxy_agent::dataplane::ipvs::sets::KernelSetMaps::open(&pin_dir)?;
+    let maps = proxy_agent::dataplane::ipvs::sets::KernelSetMaps::open(pin_dir)?;
     let mut list = proxy_agent::dataplane::ipvs::sets::listing(&maps.read()?);
     if let Some(n) = &name {
         list.retain(|s| &s.name == n);
@@ -124,7 +124,7 @@ pub fn ipvs(json: bool, stats: bool) -> Result<()> {
 }
 
 pub fn conntrack(pin_dir: &Path, json: bool) -> Result<()> {
-    let maps = KernelMaps::open(&pin_dir)?;
+    let maps = KernelMaps::open(pin_dir)?;
     let rows = view::conntrack(&maps, kernel::monotonic_ns())?;
     if json {
         println!("{}", serde_json::to_string_pretty(&rows)?);

@@ -13,9 +13,12 @@ use crate::{
     dataplane::ebpf::maps::MapError,
 };
 
+/// The maps the collector reads, opened from their pins.
+type Maps = (AyaHashMap<MapData, ServiceKey, ServiceValue>, AyaHashMap<MapData, AffinityKey, AffinityValue>);
+
 pub struct AffinityGc {
     pin_dir: PathBuf,
-    maps: Option<(AyaHashMap<MapData, ServiceKey, ServiceValue>, AyaHashMap<MapData, AffinityKey, AffinityValue>)>,
+    maps: Option<Maps>,
 }
 
 impl AffinityGc {
@@ -23,7 +26,7 @@ impl AffinityGc {
         Self { pin_dir: pin_dir.into(), maps: None }
     }
 
-    fn maps(&mut self) -> Result<&mut (AyaHashMap<MapData, ServiceKey, ServiceValue>, AyaHashMap<MapData, AffinityKey, AffinityValue>), MapError> {
+    fn maps(&mut self) -> Result<&mut Maps, MapError> {
         if self.maps.is_none() {
             self.maps = Some((open_typed(&self.pin_dir, map_names::SERVICES)?, open_typed(&self.pin_dir, map_names::AFFINITY)?));
         }

@@ -52,12 +52,15 @@ fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<()> {
     }
 }
 
+/// Entries read in one batch, and the cursor to go on from (None: that was the end).
+pub type Batch<K, V> = (Vec<(K, V)>, Option<u32>);
+
 /// One batch of a hash map or an array: entries from the bucket `cursor` on (array: after the
 /// index `cursor`; None: from the first), at most `max`. `K` and `V` must be the map's key and
 /// value sizes (the kernel writes that much an entry). Returns them and the cursor to go on from, None when the map has no more. Entries
 /// change while we read (the data path writes all the time): each is read atomically, the batch
 /// as a whole is not a snapshot.
-pub fn lookup_batch<K: Pod, V: Pod>(fd: impl AsFd, cursor: Option<u32>, max: usize) -> io::Result<(Vec<(K, V)>, Option<u32>)> {
+pub fn lookup_batch<K: Pod, V: Pod>(fd: impl AsFd, cursor: Option<u32>, max: usize) -> io::Result<Batch<K, V>> {
     let mut keys: Vec<K> = vec![K::zeroed(); max];
     let mut values: Vec<V> = vec![V::zeroed(); max];
     let in_batch = cursor.unwrap_or(0);

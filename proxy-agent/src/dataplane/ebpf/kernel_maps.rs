@@ -169,7 +169,7 @@ impl KernelConntrack {
 }
 
 impl ConntrackTables for KernelConntrack {
-    fn read_batch(&self, table: Table, cursor: Option<u32>, max: usize) -> Result<(Vec<(CtKey, CtValue)>, Option<u32>), MapError> {
+    fn read_batch(&self, table: Table, cursor: Option<u32>, max: usize) -> Result<crate::dataplane::ebpf::bpf_batch::Batch<CtKey, CtValue>, MapError> {
         let fd = aya::maps::IterableMap::map(self.map(table)).fd();
         crate::dataplane::ebpf::bpf_batch::lookup_batch(fd, cursor, max).map_err(|source| MapError::Op { map: table.map_name(), op: "lookup batch", source })
     }

@@ -334,7 +334,7 @@ pub fn same_flow(a: &CtValue, b: &CtValue) -> bool {
 pub trait ConntrackTables {
     /// Up to `max` entries of `table` from `cursor` on (None: the start), and the cursor to go on
     /// from (None: that was the end).
-    fn read_batch(&self, table: Table, cursor: Option<u32>, max: usize) -> Result<(Vec<(CtKey, CtValue)>, Option<u32>), MapError>;
+    fn read_batch(&self, table: Table, cursor: Option<u32>, max: usize) -> Result<crate::dataplane::ebpf::bpf_batch::Batch<CtKey, CtValue>, MapError>;
     fn get(&self, table: Table, key: &CtKey) -> Result<Option<CtValue>, MapError>;
     /// Deletes `key` if it still holds `expected`. An entry that changed meanwhile is kept (put
     /// back if it was taken out). Returns whether it was deleted.
@@ -408,7 +408,7 @@ impl FakeTables {
 }
 
 impl ConntrackTables for FakeTables {
-    fn read_batch(&self, table: Table, cursor: Option<u32>, max: usize) -> Result<(Vec<(CtKey, CtValue)>, Option<u32>), MapError> {
+    fn read_batch(&self, table: Table, cursor: Option<u32>, max: usize) -> Result<crate::dataplane::ebpf::bpf_batch::Batch<CtKey, CtValue>, MapError> {
         let start = cursor.unwrap_or(0) as usize;
         let all: Vec<(CtKey, CtValue)> = self.table(table).iter().map(|(k, v)| (*k, *v)).collect();
         let end = (start + max).min(all.len());

@@ -125,12 +125,10 @@ impl Datapath {
                 }
                 .map_err(|e| fail(what, e.to_string()))?;
                 let link = prog.take_link(id).map_err(|e| fail("take tc link", e.to_string()))?;
-                match FdLink::try_from(link) {
-                    Ok(fd) => {
-                        fd.pin(&path).map_err(|e| fail("pin tc link", e.to_string()))?;
-                    }
-                    // Netlink-attached filters (kernels < 6.6) outlive the process by themselves.
-                    Err(_) => {}
+                // Netlink-attached filters (kernels < 6.6) are no FdLink: they outlive the process
+                // by themselves.
+                if let Ok(fd) = FdLink::try_from(link) {
+                    fd.pin(&path).map_err(|e| fail("pin tc link", e.to_string()))?;
                 }
             }
             Hook::Cgroup | Hook::TcDrain => {

@@ -291,9 +291,12 @@ fn kernel_err(op: &'static str, object: impl ToString, errno: i32) -> IpvsError 
 
 /// The kernel's IPVS as a map, with the same errnos, for deterministic tests. Destinations carry
 /// connection counts that tests set to drive graceful termination.
+/// A fake virtual server: its configuration and destinations.
+type FakeService = (ServiceConfig, BTreeMap<(IpAddr, u16), Dest>);
+
 #[derive(Default, Debug)]
 pub struct FakeIpvs {
-    pub services: BTreeMap<ServiceId, (ServiceConfig, BTreeMap<(IpAddr, u16), Dest>)>,
+    pub services: BTreeMap<ServiceId, FakeService>,
     pub timeouts: Timeouts,
     /// Every write, in order ("add-service TCP 10.0.0.1:80", ...): what a sync touched.
     pub writes: Vec<String>,
