@@ -332,11 +332,15 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
             warn!(error = %e, "frontend not programmed");
         }
         stats.m.write_errors_total.inc_by(st.errors.len() as u64);
-        // A full map: an Event on the Service (once while it lasts) and a metric per frontend.
-        // Backends left out for now (outlier ejection) and a Service's failed writes: the
-        // same, with their own reasons.
+        // A full map: an Event on the Service port (once while it lasts, however many of its
+        // frontends met it) and a metric per frontend. A Service port's failed writes: the
+        // same, with their own reason. Each backend left out for now (outlier ejection): an
+        // Event of its own.
         let full: Vec<ObjectError> =
-            st.full.iter().map(|(map, service)| map_full_error(map, service)).chain(st.ejected.iter().cloned()).chain(st.failed.iter().cloned()).collect();
+            model::errors::one_per_field(st.full.iter().map(|(map, service)| map_full_error(map, service)).chain(st.failed.iter().cloned()))
+                .into_iter()
+                .chain(st.ejected.iter().cloned())
+                .collect();
         for (map, _) in &st.full {
             stats.m.map_full_total.with_label_values(&[map]).inc();
         }

@@ -180,19 +180,22 @@ fn a_services_failed_write_is_an_event_once_and_a_metric() {
     let mut a = agent(1);
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     a.events = Some(tx);
-    let failure = crate::model::errors::service_port_error("demo/s0:http", "IPVS: add service: EINVAL", crate::model::errors::WRITE_FAILED);
-    a.dataplane.errors = vec!["add service TCP 10.96.0.1:80: EINVAL".into()];
-    a.dataplane.failed = vec![failure.clone()];
+    let failed = |message: &str| crate::model::errors::service_port_error("demo/s0:http", message, crate::model::errors::WRITE_FAILED);
+    a.dataplane.errors = vec!["add service TCP 10.96.0.1:80: EINVAL".into(), "add destination TCP 10.96.0.1:80 -> 10.244.1.5:8080: ESRCH".into()];
+    // The virtual server and its destination: one Event for the port.
+    a.dataplane.failed = vec![failed("IPVS: add service: EINVAL"), failed("IPVS: add destination: ESRCH")];
+    let failure = failed("IPVS: add service: EINVAL (and 1 more failures of this field)");
     let t0 = Instant::now();
     assert_eq!(a.step(t0, W), Step::Synced { full: true });
     assert_eq!(rx.try_recv().expect("an Event"), failure);
+    assert!(rx.try_recv().is_err(), "one Event for the port");
     assert_eq!((failure.object.as_str(), failure.field.as_str()), ("Service demo/s0", "spec.ports[http]"));
     a.source.pending = changed(&["s0"]);
     assert_eq!(a.step(t0 + Duration::from_secs(2), W), Step::Synced { full: false });
     assert!(rx.try_recv().is_err(), "once while it lasts");
     let stats = a.stats.lock().unwrap();
     assert_eq!(stats.m.not_programmed.with_label_values(&[crate::model::errors::WRITE_FAILED]).get(), 1);
-    assert_eq!(stats.m.write_errors_total.get(), 2, "counted at each sync");
+    assert_eq!(stats.m.write_errors_total.get(), 4, "each write counted at each sync");
     assert!(stats.not_programmed.contains(&failure), "listed at /notProgrammed");
 }
 

@@ -39,6 +39,38 @@ pub fn service_port_error(service_port: &str, message: impl Into<String>, reason
     ObjectError { source: "kpr".into(), object: format!("Service {name}"), field: format!("spec.ports[{port}]"), message: message.into(), reason }
 }
 
+/// One error per object, field and reason, in the order first met: a Service port's frontends
+/// (ClusterIP, NodePorts, each family) and writes (a virtual server and each of its
+/// destinations) fail alike, and their Service gets one Event. Other messages than the
+/// first are counted in it. Not for errors that each name a part of the field (an ejected
+/// endpoint of a port).
+pub fn one_per_field(errors: impl IntoIterator<Item = ObjectError>) -> Vec<ObjectError> {
+    let mut out: Vec<(ObjectError, usize)> = Vec::new();
+    let mut at = std::collections::HashMap::new();
+    for e in errors {
+        match at.get(&(e.object.clone(), e.field.clone(), e.reason)) {
+            Some(&i) => {
+                let (first, more): &mut (ObjectError, usize) = &mut out[i];
+                if first.message != e.message {
+                    *more += 1;
+                }
+            }
+            None => {
+                at.insert((e.object.clone(), e.field.clone(), e.reason), out.len());
+                out.push((e, 0));
+            }
+        }
+    }
+    out.into_iter()
+        .map(|(mut e, more)| {
+            if more > 0 {
+                e.message = format!("{} (and {more} more failures of this field)", e.message);
+            }
+            e
+        })
+        .collect()
+}
+
 /// A valid part of an object that kpr does not program yet (reported, never skipped in silence).
 pub(crate) fn unsupported(errors: &mut Vec<ObjectError>, object: &str, field: impl Into<String>, message: impl Into<String>) {
     errors.push(ObjectError { source: "model".into(), object: object.into(), field: field.into(), message: message.into(), reason: NOT_SUPPORTED });
@@ -46,4 +78,32 @@ pub(crate) fn unsupported(errors: &mut Vec<ObjectError>, object: &str, field: im
 
 pub(crate) fn err(errors: &mut Vec<ObjectError>, object: &str, field: impl Into<String>, message: impl Into<String>) {
     errors.push(ObjectError { source: "model".into(), object: object.into(), field: field.into(), message: message.into(), reason: FIELD_NOT_PROGRAMMED });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fields_failures_are_one_error_counting_the_other_messages() {
+        let e = |service: &str, message: &str, reason| service_port_error(service, message, reason);
+        let merged = one_per_field([
+            e("demo/web:http", "add service: EINVAL", WRITE_FAILED),
+            e("demo/web:http", "add destination 10.244.1.2:80: ESRCH", WRITE_FAILED),
+            e("demo/web:http", "add destination 10.244.1.3:80: ESRCH", WRITE_FAILED),
+            e("demo/web:http", "add service: EINVAL", WRITE_FAILED),
+            e("demo/web:http", "map full", MAP_FULL),
+            e("demo/web:dns", "map full", MAP_FULL),
+            e("demo/web:http", "map full", MAP_FULL),
+        ]);
+        let shown: Vec<(&str, &str, &str)> = merged.iter().map(|e| (e.field.as_str(), e.reason, e.message.as_str())).collect();
+        assert_eq!(
+            shown,
+            [
+                ("spec.ports[http]", WRITE_FAILED, "add service: EINVAL (and 2 more failures of this field)"),
+                ("spec.ports[http]", MAP_FULL, "map full"),
+                ("spec.ports[dns]", MAP_FULL, "map full"),
+            ]
+        );
+    }
 }

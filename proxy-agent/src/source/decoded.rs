@@ -33,10 +33,12 @@ pub struct Undecodable {
 
 /// serde_json's name for its raw value. Asked for it, serde_json hands over the object's JSON
 /// text as it is (a map of one entry, whose value is the text): the object then decodes from
-/// text at full speed, and is read a second time only when it does not fit. Any other
-/// deserializer sees a plain newtype struct, and the object goes through serde_json::Value:
+/// text at full speed, and is read a second time only when it does not fit. Other
+/// deserializers see a plain newtype struct, and the object goes through serde_json::Value:
 /// serde's buffer does so when a watch event's "object" comes before its "type", and so would
-/// serde_json, should the name ever change.
+/// serde_json, should the name ever change. (A deserializer that ignored the newtype and
+/// handed over the object's fields as a map would be refused: kube-rs decodes with
+/// serde_json only.)
 const RAW_VALUE_TOKEN: &str = "$serde_json::private::RawValue";
 
 impl<'de, K: DeserializeOwned> Deserialize<'de> for Decoded<K> {

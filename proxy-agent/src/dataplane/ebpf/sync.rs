@@ -448,14 +448,12 @@ impl Syncer {
                     self.maglev_written.insert(row, table);
                     maglev_row = row;
                 }
-                None => {
-                    let message = format!("all {} Maglev rows in use: balanced at random instead", self.ids.maglev_rows_total());
-                    st.errors.push(format!("{}: {message}", f.service));
-                    st.failed.push(crate::model::errors::service_port_error(&f.service, message, crate::model::errors::MAP_FULL));
-                    scheduler = SCHED_RANDOM;
-                }
+                None => scheduler = SCHED_RANDOM,
             }
         }
+        // Reported once the frontend is programmed (below): a try that meets a full map is
+        // tried again, and may get a row then.
+        let maglev_fallback = wire::scheduler(f.scheduler) == SCHED_MAGLEV && scheduler == SCHED_RANDOM;
         let old = current_ids(m, &key);
         note_removed(st, &self.ids, m, &key, service_id, &old, &ids);
         // Make before break: new slots, then the count, then the slots past the count.
@@ -492,6 +490,11 @@ impl Syncer {
             desired_ranges.insert(range_key(service_id, net));
         }
         st.frontends += 1;
+        if maglev_fallback {
+            let message = format!("all {} Maglev rows in use: balanced at random instead", self.ids.maglev_rows_total());
+            st.errors.push(format!("{}: {message}", f.service));
+            st.failed.push(crate::model::errors::service_port_error(&f.service, message, crate::model::errors::MAP_FULL));
+        }
         Ok(Some((service_id, ids)))
     }
 
