@@ -5,7 +5,7 @@
 //! runner decides when. A failed sync is logged, counted and retried with a back-off; the loop
 //! goes on.
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     net::IpAddr,
     sync::atomic::Ordering,
     time::{Duration, Instant, SystemTime},
@@ -135,6 +135,10 @@ pub struct Agent<S: Source, D: Dataplane> {
     reported: BTreeSet<String>,
     /// The same for frontends that did not fit in a full map.
     reported_full: BTreeSet<String>,
+    /// The Service ports that met a full map or a failed write, by object, field and reason:
+    /// an incremental sync tries only what changed, so what it does not touch is still failing
+    /// until the next full sync tries it again.
+    failing: BTreeMap<(String, String, &'static str), ObjectError>,
     /// The desired state last programmed, updated per changed service between full syncs.
     last_desired: Option<DesiredState>,
     last_node_version: Option<String>,
@@ -166,6 +170,7 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
             events: None,
             reported: BTreeSet::new(),
             reported_full: BTreeSet::new(),
+            failing: BTreeMap::new(),
             last_desired: None,
             last_node_version: None,
             timing,
@@ -336,11 +341,12 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
         // frontends met it) and a metric per frontend. A Service port's failed writes: the
         // same, with their own reason. Each backend left out for now (outlier ejection): an
         // Event of its own.
-        let full: Vec<ObjectError> =
-            model::errors::one_per_field(st.full.iter().map(|(map, service)| map_full_error(map, service)).chain(st.failed.iter().cloned()))
-                .into_iter()
-                .chain(st.ejected.iter().cloned())
-                .collect();
+        if touched.is_none() {
+            self.failing.clear();
+        }
+        let failing = model::errors::one_per_field(st.full.iter().map(|(map, service)| map_full_error(map, service)).chain(st.failed.iter().cloned()));
+        self.failing.extend(failing.into_iter().map(|e| ((e.object.clone(), e.field.clone(), e.reason), e)));
+        let full: Vec<ObjectError> = self.failing.values().cloned().chain(st.ejected.iter().cloned()).collect();
         for (map, _) in &st.full {
             stats.m.map_full_total.with_label_values(&[map]).inc();
         }

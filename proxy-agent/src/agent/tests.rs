@@ -193,10 +193,24 @@ fn a_services_failed_write_is_an_event_once_and_a_metric() {
     a.source.pending = changed(&["s0"]);
     assert_eq!(a.step(t0 + Duration::from_secs(2), W), Step::Synced { full: false });
     assert!(rx.try_recv().is_err(), "once while it lasts");
+    {
+        let stats = a.stats.lock().unwrap();
+        assert_eq!(stats.m.not_programmed.with_label_values(&[crate::model::errors::WRITE_FAILED]).get(), 1);
+        assert_eq!(stats.m.write_errors_total.get(), 4, "each write counted at each sync");
+        assert!(stats.not_programmed.contains(&failure), "listed at /notProgrammed");
+    }
+    // An incremental sync that does not touch the port does not try it again: still listed.
+    (a.dataplane.errors, a.dataplane.failed) = (Vec::new(), Vec::new());
+    a.source.pending = changed(&["s0"]);
+    assert_eq!(a.step(t0 + Duration::from_secs(4), W), Step::Synced { full: false });
+    assert!(a.stats.lock().unwrap().not_programmed.contains(&failure), "until the next full sync");
+    // The next full sync tries everything: gone.
+    a.dataplane.full_within = Some(Duration::ZERO);
+    a.source.pending = changed(&["s0"]);
+    assert_eq!(a.step(t0 + Duration::from_secs(6), W), Step::Synced { full: true });
     let stats = a.stats.lock().unwrap();
-    assert_eq!(stats.m.not_programmed.with_label_values(&[crate::model::errors::WRITE_FAILED]).get(), 1);
-    assert_eq!(stats.m.write_errors_total.get(), 4, "each write counted at each sync");
-    assert!(stats.not_programmed.contains(&failure), "listed at /notProgrammed");
+    assert!(!stats.not_programmed.contains(&failure));
+    assert_eq!(stats.m.not_programmed.with_label_values(&[crate::model::errors::WRITE_FAILED]).get(), 0);
 }
 
 #[test]
