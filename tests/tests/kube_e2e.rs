@@ -33,6 +33,18 @@ fn metric(text: &str, name: &str) -> f64 {
         .unwrap_or_else(|| panic!("metric {name} missing in:\n{text}"))
 }
 
+/// The first Event about the object `name`, waited for.
+fn event_about(api: &kpr_lab::fake_api::FakeApi, name: &str) -> serde_json::Value {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(e) = api.events().into_iter().find(|e| e["regarding"]["name"] == name) {
+            return e;
+        }
+        assert!(std::time::Instant::now() < deadline, "no event about {name}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 #[test]
 fn agent_on_the_kubernetes_api_forwards_serves_health_and_metrics_and_survives_an_outage() {
     let empty = std::env::temp_dir().join(format!("kpr-kube-e2e-{}", std::process::id()));
@@ -149,14 +161,7 @@ fn agent_on_the_kubernetes_api_forwards_serves_health_and_metrics_and_survives_a
 
     // A Service that cannot be programmed: reported as a Kubernetes Event, the rest unaffected.
     api.apply_yaml("apiVersion: v1\nkind: Service\nmetadata: {name: broken, namespace: demo}\nspec: {clusterIP: 10.96.0.300, ports: [{port: 80}]}\n");
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    let event = loop {
-        if let Some(e) = api.events().into_iter().find(|e| e["regarding"]["name"] == "broken") {
-            break e;
-        }
-        assert!(std::time::Instant::now() < deadline, "no event for Service demo/broken");
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let event = event_about(&api, "broken");
     assert_eq!(event["type"], "Warning", "{event}");
     assert!(event["note"].as_str().unwrap().contains("spec.clusterIP"), "{event}");
     let v = lab.peer("pod", &["burst", "10.96.0.10:80", "tcp", "20"]);
@@ -166,14 +171,7 @@ fn agent_on_the_kubernetes_api_forwards_serves_health_and_metrics_and_survives_a
     // watch: an Event names the field, and the other objects go on (a later change and the
     // restart's list below).
     api.apply_yaml("apiVersion: v1\nkind: Service\nmetadata: {name: undecodable, namespace: demo}\nspec: {clusterIP: 10.96.0.250, ports: [{port: eighty}]}\n");
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    let event = loop {
-        if let Some(e) = api.events().into_iter().find(|e| e["regarding"]["name"] == "undecodable") {
-            break e;
-        }
-        assert!(std::time::Instant::now() < deadline, "no event for Service demo/undecodable");
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let event = event_about(&api, "undecodable");
     let note = event["note"].as_str().unwrap();
     assert!(note.starts_with("field spec.ports[0].port: cannot decode") && note.contains("eighty"), "{event}");
     // The Event leaves before the sync's writes, the gauge is set after them.

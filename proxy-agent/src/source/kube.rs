@@ -316,6 +316,28 @@ fn upsert<'a, R: Resource, K: Cached + From<R>, S: Store<K>>(cache: &'a mut S, t
     cache.lookup(&n).expect("just stored")
 }
 
+/// `upsert` for an object that may not have decoded: one that did clears its error; one that
+/// did not is reported, and its last decoded version stays (None then).
+fn upsert_decoded<'a, R: Resource<DynamicType = ()>, K: Cached + From<R>, S: Store<K>>(
+    cache: &'a mut S,
+    tracker: &mut Tracker<Version>,
+    errors: &mut BTreeMap<(&'static str, ObjectName), ObjectError>,
+    kind: &'static str,
+    d: Decoded<R>,
+) -> Option<&'a K> {
+    let name = name_of(&d);
+    match d {
+        Decoded::Object(o) => {
+            errors.remove(&(kind, name));
+            Some(upsert(cache, tracker, o))
+        }
+        Decoded::Undecodable(u) => {
+            note_undecodable(errors, cache.lookup(&name).is_some(), kind, name, &u);
+            None
+        }
+    }
+}
+
 fn remove<R: Resource, K: Cached, S: Store<K>>(cache: &mut S, tracker: &mut Tracker<Version>, o: &R) {
     let n = name_of(o);
     let prev = cache.take(&n);
@@ -394,34 +416,15 @@ fn apply(shared: &Shared, relist: &mut Relist, ev: Kind) {
             st.node_synced = true;
         }
         Change::Event(Kind::Service(watcher::Event::Apply(d))) => {
-            let name = name_of(&d);
-            match d {
-                Decoded::Object(o) => {
-                    st.undecodable.remove(&(SERVICE_KIND, name));
-                    upsert(&mut st.objects.services, &mut st.service_changes, o);
-                }
-                Decoded::Undecodable(u) => {
-                    let kept = st.objects.services.contains_key(&name);
-                    note_undecodable(&mut st.undecodable, kept, SERVICE_KIND, name, &u)
-                }
-            }
+            upsert_decoded(&mut st.objects.services, &mut st.service_changes, &mut st.undecodable, SERVICE_KIND, d);
         }
         Change::Event(Kind::Service(watcher::Event::Delete(o))) => {
             st.undecodable.remove(&(SERVICE_KIND, name_of(&o)));
             remove(&mut st.objects.services, &mut st.service_changes, &o)
         }
         Change::Event(Kind::Slice(watcher::Event::Apply(d))) => {
-            let name = name_of(&d);
-            match d {
-                Decoded::Object(o) => {
-                    st.undecodable.remove(&(SLICE_KIND, name));
-                    let slice = upsert(&mut st.objects.slices, &mut st.slice_changes, o);
-                    st.trigger_times.extend(slice.trigger_time);
-                }
-                Decoded::Undecodable(u) => {
-                    let kept = st.objects.slices.get(&name).is_some();
-                    note_undecodable(&mut st.undecodable, kept, SLICE_KIND, name, &u)
-                }
+            if let Some(slice) = upsert_decoded(&mut st.objects.slices, &mut st.slice_changes, &mut st.undecodable, SLICE_KIND, d) {
+                st.trigger_times.extend(slice.trigger_time);
             }
         }
         Change::Event(Kind::Slice(watcher::Event::Delete(o))) => {
