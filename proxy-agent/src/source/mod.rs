@@ -2,9 +2,11 @@
 //! API through kube-rs watchers (`kube`), or a directory of manifests (`manifests`; the lab and
 //! tests).
 pub mod decoded;
+pub mod events;
 pub mod kube;
 pub mod manifests;
 mod relist;
+pub mod tracker;
 
 use std::{
     collections::BTreeSet,
