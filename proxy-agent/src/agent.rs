@@ -421,14 +421,7 @@ fn node_addresses(cfg: &LoopSettings, node: Option<&Node>) -> Vec<IpAddr> {
     let mut out: Vec<IpAddr> = Vec::new();
     let from_node = node.and_then(|n| n.status.as_ref()).and_then(|s| s.addresses.as_ref());
     let typed = |ty: &'static str| -> Vec<IpAddr> {
-        let parsed = |a: &k8s_openapi::api::core::v1::NodeAddress| match a.address.parse() {
-            Ok(ip) => Some(ip),
-            Err(e) => {
-                warn!(field = "status.addresses", kind = ty, address = %a.address, error = %e, "Node address is not an IP address: left out");
-                None
-            }
-        };
-        from_node.into_iter().flatten().filter(|a| a.type_ == ty).filter_map(parsed).collect()
+        from_node.into_iter().flatten().filter(|a| a.type_ == ty).filter_map(|a| node_field(&a.address, "status.addresses", "left out")).collect()
     };
     let uplinks: Vec<IpAddr> = cfg.uplinks.iter().flat_map(|u| netif::addresses(u)).collect();
     for a in cfg.primary_ip.into_iter().chain(typed("InternalIP")).chain(typed("ExternalIP")).chain(uplinks) {
@@ -449,17 +442,17 @@ fn node_info(cfg: &LoopSettings, node: Option<&Node>, addresses: &[IpAddr]) -> N
 fn pod_cidrs(node: Option<&Node>) -> Vec<IpNet> {
     node.and_then(|n| n.spec.as_ref())
         .and_then(|s| s.pod_cidrs.clone().or_else(|| s.pod_cidr.clone().map(|c| vec![c])))
-        .map(|cidrs| {
-            let parsed = |c: &String| match c.parse::<IpNet>() {
-                Ok(net) => Some(net),
-                Err(e) => {
-                    warn!(field = "spec.podCIDRs", cidr = %c, error = %e, "Node pod CIDR is not a CIDR: left out (detectLocalMode NodeCIDR)");
-                    None
-                }
-            };
-            cidrs.iter().filter_map(parsed).collect()
-        })
+        .map(|cidrs| cidrs.iter().filter_map(|c| node_field(c, "spec.podCIDRs", "left out (detectLocalMode NodeCIDR)")).collect())
         .unwrap_or_default()
+}
+
+/// A value of the Node's `field`, parsed; one that does not parse is logged with what
+/// becomes of it, and left out.
+fn node_field<T: std::str::FromStr>(text: &str, field: &'static str, consequence: &str) -> Option<T>
+where
+    T::Err: std::fmt::Display,
+{
+    text.parse().inspect_err(|e| warn!(field, value = %text, error = %e, "a Node field does not parse: {consequence}")).ok()
 }
 
 #[cfg(test)]

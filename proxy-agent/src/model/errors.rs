@@ -45,18 +45,19 @@ pub fn service_port_error(service_port: &str, message: impl Into<String>, reason
 /// first are counted in it. Not for errors that each name a part of the field (an ejected
 /// endpoint of a port).
 pub fn one_per_field(errors: impl IntoIterator<Item = ObjectError>) -> Vec<ObjectError> {
+    use std::collections::hash_map::Entry;
     let mut out: Vec<(ObjectError, usize)> = Vec::new();
-    let mut at = std::collections::HashMap::new();
+    let mut at: std::collections::HashMap<(String, String, &str), usize> = std::collections::HashMap::new();
     for e in errors {
-        match at.get(&(e.object.clone(), e.field.clone(), e.reason)) {
-            Some(&i) => {
-                let (first, more): &mut (ObjectError, usize) = &mut out[i];
+        match at.entry((e.object.clone(), e.field.clone(), e.reason)) {
+            Entry::Occupied(i) => {
+                let (first, more) = &mut out[*i.get()];
                 if first.message != e.message {
                     *more += 1;
                 }
             }
-            None => {
-                at.insert((e.object.clone(), e.field.clone(), e.reason), out.len());
+            Entry::Vacant(slot) => {
+                slot.insert(out.len());
                 out.push((e, 0));
             }
         }
