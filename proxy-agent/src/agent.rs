@@ -347,7 +347,7 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
         let failing = model::errors::one_per_field(st.full.iter().map(|(map, service)| map_full_error(map, service)).chain(st.failed.iter().cloned()));
         self.failing.extend(failing.into_iter().map(|e| ((e.object.clone(), e.field.clone(), e.reason), e)));
         let full: Vec<ObjectError> = self.failing.values().cloned().chain(st.ejected.iter().cloned()).collect();
-        for (map, _) in &st.full {
+        for (map, _) in st.full.iter().chain(&st.fallback) {
             stats.m.map_full_total.with_label_values(&[map]).inc();
         }
         if let Some(tx) = &self.events {

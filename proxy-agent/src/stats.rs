@@ -128,7 +128,7 @@ impl Metrics {
                 "kpr_max_connection_age_flows_total",
                 "Flows ended for outliving their Service's kpr.io/max-connection-age (TCP reset at the next packet, UDP re-balanced)",
             ),
-            map_full_total: counter_vec("kpr_map_full_total", "Frontends or backends not programmed because a map was full", &["map"]),
+            map_full_total: counter_vec("kpr_map_full_total", "Frontends or backends not programmed because a map was full, or programmed in a lesser way (a Maglev Service balanced at random)", &["map"]),
             write_errors_total: counter(
                 "kpr_sync_write_errors_total",
                 "Kernel writes for one frontend or endpoint (IPVS virtual servers and destinations, VIP bindings, a removed endpoint's flows, sockets and conntrack entries) that failed in a sync that went on; each is logged and retried",

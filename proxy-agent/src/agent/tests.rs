@@ -230,6 +230,18 @@ fn a_full_map_is_an_event_once_and_a_metric_each_time() {
 }
 
 #[test]
+fn a_maglev_fallback_counts_as_its_full_map() {
+    let mut a = agent(1);
+    a.dataplane.fallback = vec![(proxy_common::map_names::MAGLEV, "demo/s0:http".into())];
+    a.dataplane.failed =
+        vec![crate::model::errors::service_port_error("demo/s0:http", "all 2 Maglev rows in use: balanced at random instead", crate::model::errors::MAP_FULL)];
+    assert_eq!(a.step(Instant::now(), W), Step::Synced { full: true });
+    let stats = a.stats.lock().unwrap();
+    assert_eq!(stats.m.map_full_total.with_label_values(&[proxy_common::map_names::MAGLEV]).get(), 1);
+    assert_eq!(stats.m.not_programmed.with_label_values(&[crate::model::errors::MAP_FULL]).get(), 1, "one entry, not two");
+}
+
+#[test]
 fn what_is_not_programmed_stays_known_across_incremental_syncs() {
     let mut a = agent(2);
     // s0 asks for a scheduler kpr does not have: programmed with the default, and reported.

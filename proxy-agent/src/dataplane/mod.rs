@@ -50,6 +50,9 @@ pub struct SyncStats {
     pub failed: Vec<crate::model::errors::ObjectError>,
     /// (map, "namespace/name:port") of each frontend that did not fit in a full map.
     pub full: Vec<(&'static str, String)>,
+    /// (map, "namespace/name:port") of each frontend programmed in a lesser way because `map`
+    /// was full (a Maglev Service balanced at random for want of a row); each also in `failed`.
+    pub fallback: Vec<(&'static str, String)>,
     /// Backends left out of Services for now (outlier ejection), as Events' content.
     pub ejected: Vec<crate::model::errors::ObjectError>,
 }
@@ -230,6 +233,8 @@ pub struct FakeDataplane {
     pub full_within: Option<Duration>,
     /// Reported by every sync as not fitting in a full map.
     pub full: Vec<(&'static str, String)>,
+    /// Reported by every sync as programmed in a lesser way for a full map.
+    pub fallback: Vec<(&'static str, String)>,
     /// Reported by every sync as failed writes.
     pub errors: Vec<String>,
     /// Reported by every sync as one Service's failures.
@@ -252,6 +257,7 @@ impl Dataplane for FakeDataplane {
         Ok(SyncStats {
             frontends: desired.frontends.len(),
             full: self.full.clone(),
+            fallback: self.fallback.clone(),
             errors: self.errors.clone(),
             failed: self.failed.clone(),
             ..Default::default()

@@ -494,6 +494,7 @@ impl Syncer {
             let message = format!("all {} Maglev rows in use: balanced at random instead", self.ids.maglev_rows_total());
             st.errors.push(format!("{}: {message}", f.service));
             st.failed.push(crate::model::errors::service_port_error(&f.service, message, crate::model::errors::MAP_FULL));
+            st.fallback.push((map_names::MAGLEV, f.service.to_string()));
         }
         Ok(Some((service_id, ids)))
     }

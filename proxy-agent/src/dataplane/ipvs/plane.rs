@@ -198,8 +198,7 @@ impl Dataplane for IpvsPlane {
             deletes: st.deletes + st.addresses_unbound + set_deletes,
             errors: st.errors,
             failed: st.failed,
-            full: Vec::new(),
-            ejected: Vec::new(),
+            ..SyncStats::default()
         })
     }
 

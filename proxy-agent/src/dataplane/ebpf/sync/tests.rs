@@ -412,6 +412,7 @@ fn maglev_row_is_written_once_and_freed() {
     assert_eq!(st.errors.len(), 1);
     assert_eq!((st.failed.len(), st.failed[0].reason), (1, crate::model::errors::MAP_FULL), "an Event on the Service: {:?}", st.failed);
     assert!(st.failed[0].message.contains("Maglev rows"), "{}", st.failed[0]);
+    assert_eq!(st.fallback, [(proxy_common::map_names::MAGLEV, "ns/web:http".to_string())], "counted in kpr_map_full_total");
     let v = maps.services.values().filter(|v| v.scheduler == SCHED_RANDOM).count();
     assert_eq!(v, 1);
     let st = s.sync(&mut maps, &d, DatapathConfig::default()).unwrap();
