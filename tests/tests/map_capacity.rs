@@ -6,7 +6,7 @@
 use kpr_lab::PinDir;
 use proxy_agent::{
     dataplane::ebpf::{
-        kernel::{backend_id_limit, capacity_mismatches, Datapath},
+        kernel::{backend_id_limit, capacity_mismatches, small_lru_maps, Datapath},
         kernel_maps::KernelMaps,
         maps::DatapathMaps,
     },
@@ -30,6 +30,21 @@ fn a_larger_per_entry_map_is_no_mismatch_a_smaller_or_preallocated_one_is() {
     assert_eq!(names(caps(32)), [map_names::RR_STATE]);
     // More asked: neither can grow in place.
     assert_eq!(names(caps(128)), [map_names::SERVICES, map_names::RR_STATE]);
+}
+
+/// The warning for LRU maps too small for the CPUs reads the kernel's map types: the LRU tables
+/// are named, the hashes and arrays are not, whatever their size.
+#[test]
+fn small_lru_maps_are_the_lru_tables_too_small_for_the_cpus() {
+    let pins = PinDir::new("smalllru");
+    drop(Datapath::load_object(pins.path(), caps(64)).expect("load the object"));
+    let small = small_lru_maps(pins.path(), 2);
+    assert_eq!(
+        small,
+        [(map_names::CONNTRACK, 64, 0), (map_names::CONNTRACK6, 64, 0), (map_names::CONNTRACK6_NEW, 64, 0), (map_names::AFFINITY, 64, 0)],
+        "the LRU hashes among the sized maps"
+    );
+    assert!(small_lru_maps(pins.path(), 0).is_empty(), "no CPU holds anything");
 }
 
 #[test]

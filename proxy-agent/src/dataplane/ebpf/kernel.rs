@@ -111,6 +111,16 @@ impl Datapath {
         loader.map_max_entries(map_names::CT_NEW_RING, cpus * proxy_common::limits::CT_NEW_RING_SLOTS);
         loader.map_max_entries(map_names::CT_NEW_RING_POS, cpus);
         let ebpf = loader.load(EBPF_OBJECT).map_err(KernelError::Load)?;
+        for (map, capacity, evicts_from) in small_lru_maps(pin_dir, cpus) {
+            tracing::warn!(
+                map,
+                capacity,
+                cpus,
+                evicts_from,
+                "an LRU map this small for this many CPUs evicts live entries before it is full (each CPU keeps up to {LRU_CPU_FREE} free entries of its own): raise its capacity to at least {}",
+                LRU_CPU_FREE * cpus * 4
+            );
+        }
         retired.carry_into(&ebpf, pin_dir);
         Ok(Self { ebpf, pin_dir: pin_dir.into(), tc_program: prog_names::TC_INGRESS, after_fast_path: false })
     }
@@ -296,6 +306,33 @@ pub fn capacity_mismatches(pin_dir: &Path, caps: &Capacities) -> Vec<(&'static s
         .collect()
 }
 
+/// How many free entries the kernel's LRU hash keeps on each CPU's own list, out of the other
+/// CPUs' reach (`LOCAL_FREE_TARGET` in kernel/bpf/bpf_lru_list.c).
+pub const LRU_CPU_FREE: u32 = 128;
+
+/// The fill at which an LRU map of `max_entries` may start evicting on a node of `cpus`
+/// possible CPUs, where the CPUs' own free lists can hold a quarter of it or more (None: they
+/// cannot, and the map fills before it evicts). A CPU whose list runs dry evicts rather than
+/// take another CPU's free entries.
+pub fn lru_evicts_early(max_entries: u32, cpus: u32) -> Option<u32> {
+    let held = LRU_CPU_FREE.saturating_mul(cpus);
+    (held.saturating_mul(4) >= max_entries).then(|| max_entries.saturating_sub(held))
+}
+
+/// The sized maps under `pin_dir` that are LRU hashes too small for `cpus` CPUs: (map, its
+/// capacity, the fill at which it may evict).
+pub fn small_lru_maps(pin_dir: &Path, cpus: u32) -> Vec<(&'static str, u32, u32)> {
+    sized_maps(&Capacities::default())
+        .into_iter()
+        .filter_map(|(name, _)| {
+            let info = aya::maps::MapInfo::from_pin(pin_dir.join(name)).ok()?;
+            let lru = matches!(info.map_type(), Ok(aya::maps::MapType::LruHash));
+            let max = info.max_entries();
+            lru.then(|| lru_evicts_early(max, cpus)).flatten().map(|from| (name, max, from))
+        })
+        .collect()
+}
+
 /// Detaches and unpins every link, and unpins every map, under `pin_dir` (interfaces
 /// untouched). Idempotent.
 pub fn unpin_all(pin_dir: &Path) -> io::Result<Vec<PathBuf>> {
@@ -357,5 +394,16 @@ mod tests {
             assert!(!in_use.contains(&name), "{name} is retired and in use");
             assert!(!EBPF_OBJECT.windows(name.len()).any(|w| w == name.as_bytes()), "{name} is retired but in the eBPF object");
         }
+    }
+
+    #[test]
+    fn an_lru_map_evicts_early_where_the_cpus_free_lists_hold_a_quarter_of_it() {
+        // The defaults on a 256-CPU node: 32,768 held, fills before it evicts.
+        assert_eq!(lru_evicts_early(524_288, 256), None);
+        // IPv6's embryonic default there: a quarter and more is on the CPUs' lists.
+        assert_eq!(lru_evicts_early(32_768, 256), Some(0));
+        assert_eq!(lru_evicts_early(32_768, 64), Some(32_768 - 8_192));
+        assert_eq!(lru_evicts_early(32_768, 63), None);
+        assert_eq!(lru_evicts_early(64, 2), Some(0));
     }
 }
