@@ -44,6 +44,12 @@ pub fn clusterip_manifests(n: u32, namespace: &str, vip: impl Fn(u32) -> String)
     y
 }
 
+/// One of issue 16's goals against this run's figure, printed beside the figures it reads. A
+/// benchmark reports a goal; it never fails on one.
+pub fn print_goal(goal: &str, figure: &str, met: bool) {
+    println!("goal: {goal}: {figure}: {}", if met { "met" } else { "NOT met" });
+}
+
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[v.len() / 2]
