@@ -62,6 +62,16 @@ pub struct RemovedBackend {
     pub backend: Backend,
 }
 
+/// The data path's configuration, written when it changed (both sync paths start with it).
+fn write_config(maps: &mut dyn DatapathMaps, m: &mut Mirror, config: DatapathConfig, st: &mut SyncStats) -> Result<(), SyncError> {
+    if m.config != config {
+        maps.set_config(config)?;
+        m.config = config;
+        st.writes += 1;
+    }
+    Ok(())
+}
+
 /// Deletes the slots of services no frontend holds (nor `keep_services`), then the backends no
 /// slot points to and no frontend wants: the deletes that cannot break a flow. Returns the
 /// backend ids the remaining slots point to.
@@ -208,11 +218,7 @@ impl Syncer {
         full: bool,
     ) -> Result<SyncStats, SyncError> {
         let mut st = SyncStats::default();
-        if m.config != config {
-            maps.set_config(config)?;
-            m.config = config;
-            st.writes += 1;
-        }
+        write_config(maps, &mut m, config, &mut st)?;
 
         // What stays: every backend and frontend the desired state names.
         let overrides = std::sync::Arc::clone(&self.overrides);
@@ -529,11 +535,7 @@ impl Syncer {
         mut m: Mirror,
     ) -> Result<SyncStats, SyncError> {
         let mut st = SyncStats::default();
-        if m.config != config {
-            maps.set_config(config)?;
-            m.config = config;
-            st.writes += 1;
-        }
+        write_config(maps, &mut m, config, &mut st)?;
         // Backends first; their ids, by frontend, for the programming below.
         let overrides = std::sync::Arc::clone(&self.overrides);
         let mut backend_ids: HashMap<&FrontendKey, Vec<u32>> = HashMap::new();
