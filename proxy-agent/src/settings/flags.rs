@@ -166,6 +166,14 @@ pub struct Flags {
     /// The fast path forgets idle flows that saw a FIN or RST after this [default: 10s].
     #[arg(long, env = "KPR_CONNTRACK_TCP_TIMEOUT_CLOSING", value_parser = parse_duration)]
     pub conntrack_tcp_timeout_closing: Option<Duration>,
+    /// The agent's writes to the API (its Events) a second, at most [file: clientConnection.qps;
+    /// default: 5].
+    #[arg(long)]
+    pub kube_api_qps: Option<f64>,
+    /// How many of those writes may go at once before `--kube-api-qps` paces them [file:
+    /// clientConnection.burst; default: 10].
+    #[arg(long)]
+    pub kube_api_burst: Option<u32>,
     /// oom_score_adj of the agent [file: oomScoreAdj; default: -999].
     #[arg(long, allow_hyphen_values = true)]
     pub oom_score_adj: Option<i32>,

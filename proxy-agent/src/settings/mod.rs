@@ -81,6 +81,10 @@ pub struct Settings {
     /// burst before that applies.
     pub min_sync_period: Duration,
     pub burst_syncs: u32,
+    /// The agent's writes to the API (Events: its only ones; its reads are watches) a second,
+    /// and how many may go at once (kube-proxy's clientConnection.qps and burst).
+    pub api_qps: f64,
+    pub api_burst: u32,
     pub healthz_bind_address: Option<SocketAddr>,
     pub metrics_bind_address: Option<SocketAddr>,
     pub bind_address_hard_fail: bool,
@@ -181,9 +185,15 @@ pub fn resolve(f: &Flags, file: Option<(&str, KubeProxyConfiguration)>) -> Resul
 
     let cc = client_connection.unwrap_or_default();
     notes.extend(kube_proxy::unknown_fields(&name, "clientConnection.", &cc.unknown));
+    if let Some(q) = f.kube_api_qps.filter(|q| !(q.is_finite() && *q > 0.0)) {
+        return Err(flag_err("kube-api-qps", format!("{q} is not a rate: must be above zero")));
+    }
+    if f.kube_api_burst == Some(0) {
+        return Err(flag_err("kube-api-burst", "must be above zero".into()));
+    }
+    // client-go's reading: zero or less is its default.
+    let (file_qps, file_burst) = (cc.qps.filter(|q| q.is_finite() && *q > 0.0), cc.burst.filter(|b| *b > 0).map(|b| u32::try_from(b).unwrap_or(u32::MAX)));
     for (field, set) in [
-        ("clientConnection.qps", cc.qps.is_some_and(|q| q != 0.0)),
-        ("clientConnection.burst", cc.burst.is_some_and(|b| b != 0)),
         ("clientConnection.contentType", set_str(&cc.content_type).is_some()),
         ("clientConnection.acceptContentTypes", set_str(&cc.accept_content_types).is_some()),
     ] {
@@ -408,6 +418,8 @@ pub fn resolve(f: &Flags, file: Option<(&str, KubeProxyConfiguration)>) -> Resul
         sync_period: pick(f.sync_period.map(Duration::from).filter(|d| !d.is_zero()), file_sync, Duration::from_secs(30)),
         min_sync_period: pick(f.min_sync_period.map(Duration::from), file_min_sync, Duration::from_secs(1)),
         burst_syncs: 2,
+        api_qps: pick(f.kube_api_qps, file_qps, 5.0),
+        api_burst: pick(f.kube_api_burst, file_burst, 10),
         healthz_bind_address: healthz,
         metrics_bind_address: metrics,
         bind_address_hard_fail: pick(f.bind_address_hard_fail, bind_address_hard_fail, false),

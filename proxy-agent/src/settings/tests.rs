@@ -52,6 +52,13 @@ fn every_layered_field_takes_the_flag_then_the_file_then_the_default() {
     layered!("mode", flag ["--mode", "ebpf"], file "mode: ipvs\n", |s| s.mode, flag = Mode::Ebpf, file = Mode::Ipvs, default = Mode::Ebpf);
     layered!("kubeconfig", flag ["--kubeconfig", "/a"], file "clientConnection: {kubeconfig: /b}\n", |s| s.kubeconfig.clone(),
         flag = Some(PathBuf::from("/a")), file = Some(PathBuf::from("/b")), default = None);
+    layered!("clientConnection.qps", flag ["--kube-api-qps", "20"], file "clientConnection: {qps: 50}\n", |s| s.api_qps, flag = 20.0, file = 50.0, default = 5.0);
+    layered!("clientConnection.burst", flag ["--kube-api-burst", "30"], file "clientConnection: {burst: 100}\n", |s| s.api_burst, flag = 30, file = 100, default = 10);
+    // client-go's reading of a file's zero: its default.
+    assert_eq!(
+        (settings(&[], Some("clientConnection: {qps: 0, burst: 0}\n")).api_qps, settings(&[], Some("clientConnection: {burst: 0}\n")).api_burst),
+        (5.0, 10)
+    );
     layered!("node name", flag ["--node-name", "a"], file "hostnameOverride: b\n", |s| s.node_name.clone(),
         flag = Some("a".to_string()), file = Some("b".to_string()), default = None);
     layered!("primary IP", flag ["--bind-address", "192.0.2.1"], file "bindAddress: 192.0.2.2\n", |s| s.primary_ip,
@@ -159,7 +166,7 @@ fn fields_kpr_does_not_use_are_named() {
         &[],
         Some(
             "featureGates: {Foo: true}\nenableProfiling: true\nshowHiddenMetricsForVersion: '1.30'\nwinkernel: {enableDSR: true}\nwindowsRunAsService: true\n\
-             portRange: 30000-32767\nconfigSyncPeriod: 15m\nclientConnection: {qps: 50}\nlogging: {format: json, flushFrequency: 5s}\n\
+             portRange: 30000-32767\nconfigSyncPeriod: 15m\nclientConnection: {qps: 50, contentType: application/vnd.kubernetes.protobuf}\nlogging: {format: json, flushFrequency: 5s}\n\
              iptables: {localhostNodePorts: true, masqueradeBit: 12}\nipvs: {syncPeriod: 5s}\nnodePortAddresses: [localhost]\nfrobnicate: 1\nconntrack: {shiny: 2}\n",
         ),
     );
@@ -171,7 +178,7 @@ fn fields_kpr_does_not_use_are_named() {
         "windowsRunAsService",
         "portRange",
         "configSyncPeriod",
-        "clientConnection.qps",
+        "clientConnection.contentType",
         "logging.format",
         "logging.flushFrequency",
         "iptables.localhostNodePorts",
@@ -202,6 +209,9 @@ fn bad_values_name_their_origin() {
     assert_eq!(err(&["--mode", "fast"], None), "--mode");
     assert_eq!(err(&["--scheduler", "fastest"], None), "--scheduler");
     assert_eq!(err(&["--max-backends", "0"], None), "--max-backends");
+    assert_eq!(err(&["--kube-api-qps", "0"], None), "--kube-api-qps");
+    assert_eq!(err(&["--kube-api-qps", "NaN"], None), "--kube-api-qps");
+    assert_eq!(err(&["--kube-api-burst", "0"], None), "--kube-api-burst");
 }
 
 #[test]

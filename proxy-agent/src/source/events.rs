@@ -3,12 +3,23 @@ use kube::Client;
 use tracing::warn;
 
 /// Publishes Kubernetes Events (events.k8s.io/v1, type Warning) for objects kpr could not
-/// program, so `kubectl describe service` shows why.
-pub async fn publish_events(client: Client, node_name: String, mut rx: tokio::sync::mpsc::UnboundedReceiver<crate::model::errors::ObjectError>) {
+/// program, so `kubectl describe service` shows why: `qps` a second at most, `burst` at once
+/// (a bad rollout of many Services must not become a burst of writes from every node). What
+/// waits stays queued, in order.
+pub async fn publish_events(
+    client: Client,
+    node_name: String,
+    (qps, burst): (f64, u32),
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<crate::model::errors::ObjectError>,
+) {
     use k8s_openapi::api::core::v1::ObjectReference;
     use kube::runtime::events::{Event, EventType, Recorder, Reporter};
     let recorder = Recorder::new(client, Reporter { controller: "kpr".into(), instance: Some(node_name) });
+    let mut pace = crate::agent::Limiter::per_second(qps, burst, std::time::Instant::now());
     while let Some(e) = rx.recv().await {
+        while !pace.try_take(std::time::Instant::now()) {
+            tokio::time::sleep(pace.wait(std::time::Instant::now())).await;
+        }
         let Some((kind, rest)) = e.object.split_once(' ') else {
             continue;
         };

@@ -80,7 +80,7 @@ pub fn run(pin_dir: PathBuf, log_format: LogFormat, flags: &settings::Flags) -> 
         }
         Input::Kube(client, shared) => {
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-            rt.spawn(proxy_agent::source::events::publish_events(client, node_name, rx));
+            rt.spawn(proxy_agent::source::events::publish_events(client, node_name, (s.api_qps, s.api_burst), rx));
             let mut agent = Agent::new(cfg, KubeSource::new(shared), plane, stats);
             agent.health_checks = Some(health_checks);
             agent.events = Some(tx);
