@@ -39,55 +39,7 @@ const RETRY_MIN: Duration = Duration::from_secs(1);
 /// Interfaces are re-checked this often.
 const RECONCILE_EVERY: Duration = Duration::from_secs(1);
 
-/// kube-proxy's bounded-frequency runner: at most `burst` syncs at once, then one per
-/// `min_interval`. It paces the agent's Events too (clientConnection.qps and burst).
-#[derive(Debug)]
-pub struct Limiter {
-    min_interval: Duration,
-    burst: f64,
-    tokens: f64,
-    last: Instant,
-}
-
-impl Limiter {
-    pub fn new(min_interval: Duration, burst: u32, now: Instant) -> Self {
-        let burst = f64::from(burst.max(1));
-        Self { min_interval, burst, tokens: burst, last: now }
-    }
-    /// `rate` a second, `burst` at once.
-    pub fn per_second(rate: f64, burst: u32, now: Instant) -> Self {
-        Self::new(Duration::try_from_secs_f64(1.0 / rate).unwrap_or(Duration::ZERO), burst, now)
-    }
-    pub fn try_take(&mut self, now: Instant) -> bool {
-        if self.min_interval.is_zero() {
-            return true;
-        }
-        self.refill(now);
-        // Refills that add up to a whole token in steps may fall short of 1.0 in floating point.
-        if self.tokens >= 1.0 - 1e-9 {
-            self.tokens = (self.tokens - 1.0).max(0.0);
-            true
-        } else {
-            false
-        }
-    }
-    /// How long from `now` until `try_take` succeeds (zero: at once).
-    pub fn wait(&mut self, now: Instant) -> Duration {
-        if self.min_interval.is_zero() {
-            return Duration::ZERO;
-        }
-        self.refill(now);
-        if self.tokens >= 1.0 - 1e-9 {
-            return Duration::ZERO;
-        }
-        self.min_interval.mul_f64(1.0 - self.tokens)
-    }
-    fn refill(&mut self, now: Instant) {
-        let refill = now.saturating_duration_since(self.last).as_secs_f64() / self.min_interval.as_secs_f64();
-        self.tokens = (self.tokens + refill).min(self.burst);
-        self.last = now;
-    }
-}
+pub use crate::limiter::Limiter;
 
 /// What the loop needs of the settings.
 #[derive(Clone, Debug)]

@@ -10,10 +10,12 @@
 //! - `serve/`: what the agent serves (metrics, health, healthCheckNodePorts);
 //! - `settings/`: flags, kube-proxy's configuration file and their precedence;
 //! - `stats.rs`: the figures the loop and the data planes keep for metrics and health;
-//! - `agent.rs`: the loop that ties a source to a data plane.
+//! - `agent.rs`: the loop that ties a source to a data plane;
+//! - `limiter.rs`: the token bucket that paces its syncs and its writes to the API.
 pub mod agent;
 pub mod dataplane;
 pub mod host;
+pub mod limiter;
 pub mod migration;
 pub mod model;
 pub mod netlink;

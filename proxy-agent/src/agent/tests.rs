@@ -153,32 +153,6 @@ fn interfaces_are_reconciled_every_second() {
 }
 
 #[test]
-fn limiter_allows_a_burst_then_one_per_interval() {
-    let t0 = Instant::now();
-    let mut l = Limiter::new(Duration::from_secs(1), 2, t0);
-    assert!(l.try_take(t0));
-    assert!(l.try_take(t0));
-    assert!(!l.try_take(t0 + Duration::from_millis(100)));
-    assert!(l.try_take(t0 + Duration::from_millis(1200)));
-    assert!(!l.try_take(t0 + Duration::from_millis(1300)));
-}
-
-/// The Events' pacing (clientConnection.qps and burst): a burst at once, then one each 1/qps,
-/// and `wait` says when the next may go.
-#[test]
-fn limiter_paces_at_a_rate_and_says_how_long_to_wait() {
-    let t0 = Instant::now();
-    let mut l = Limiter::per_second(5.0, 3, t0);
-    assert!((0..3).all(|_| l.try_take(t0)), "the burst at once");
-    assert!(!l.try_take(t0));
-    assert_eq!(l.wait(t0), Duration::from_millis(200));
-    assert_eq!(l.wait(t0 + Duration::from_millis(150)), Duration::from_millis(50));
-    assert!(l.try_take(t0 + Duration::from_millis(200)));
-    assert_eq!(l.wait(t0 + Duration::from_millis(200)), Duration::from_millis(200));
-    assert_eq!(Limiter::per_second(5.0, 3, t0).wait(t0), Duration::ZERO, "a token is there");
-}
-
-#[test]
 fn failed_writes_are_counted_and_the_sync_goes_on() {
     let mut a = agent(1);
     a.dataplane.errors = vec!["10.96.0.1:80/6: add destination 10.244.1.5:8080: EINVAL".into(), "bind 10.96.0.1 (address): EBUSY".into()];

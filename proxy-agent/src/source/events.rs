@@ -15,7 +15,7 @@ pub async fn publish_events(
     use k8s_openapi::api::core::v1::ObjectReference;
     use kube::runtime::events::{Event, EventType, Recorder, Reporter};
     let recorder = Recorder::new(client, Reporter { controller: "kpr".into(), instance: Some(node_name) });
-    let mut pace = crate::agent::Limiter::per_second(qps, burst, std::time::Instant::now());
+    let mut pace = crate::limiter::Limiter::per_second(qps, burst, std::time::Instant::now());
     while let Some(e) = rx.recv().await {
         while !pace.try_take(std::time::Instant::now()) {
             tokio::time::sleep(pace.wait(std::time::Instant::now())).await;
