@@ -500,7 +500,10 @@ fn main() {
             );
             if n == 100 || n == 10_000 {
                 let x = get("ebpf") / base;
-                kpr_bench::print_goal(&format!("eBPF fast path >= 1.3x kube-proxy's IPVS mode at {n} services (guest)"), &format!("{x:.2}x"), x >= 1.3);
+                // The emulated guest's rates move by tens of percent between short runs.
+                let short =
+                    if secs * (runs as f64) < 9.0 { format!(" (only {runs} run(s) of {secs} s: a smoke figure, not a measure)") } else { String::new() };
+                kpr_bench::print_goal(&format!("eBPF fast path >= 1.3x kube-proxy's IPVS mode at {n} services (guest)"), &format!("{x:.2}x{short}"), x >= 1.3);
             }
         }
         if tr.iter().any(|t| t.profile.is_some()) {
