@@ -26,8 +26,7 @@ impl Limiter {
             return true;
         }
         self.refill(now);
-        // Refills that add up to a whole token in steps may fall short of 1.0 in floating point.
-        if self.tokens >= 1.0 - 1e-9 {
+        if self.has_token() {
             self.tokens = (self.tokens - 1.0).max(0.0);
             true
         } else {
@@ -40,10 +39,14 @@ impl Limiter {
             return Duration::ZERO;
         }
         self.refill(now);
-        if self.tokens >= 1.0 - 1e-9 {
+        if self.has_token() {
             return Duration::ZERO;
         }
         self.min_interval.mul_f64(1.0 - self.tokens)
+    }
+    /// Refills that add up to a whole token in steps may fall short of 1.0 in floating point.
+    fn has_token(&self) -> bool {
+        self.tokens >= 1.0 - 1e-9
     }
     fn refill(&mut self, now: Instant) {
         let refill = now.saturating_duration_since(self.last).as_secs_f64() / self.min_interval.as_secs_f64();
