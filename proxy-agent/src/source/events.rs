@@ -17,9 +17,6 @@ pub async fn publish_events(
     let recorder = Recorder::new(client, Reporter { controller: "kpr".into(), instance: Some(node_name) });
     let mut pace = crate::limiter::Limiter::per_second(qps, burst, std::time::Instant::now());
     while let Some(e) = rx.recv().await {
-        while !pace.try_take(std::time::Instant::now()) {
-            tokio::time::sleep(pace.wait(std::time::Instant::now())).await;
-        }
         let Some((kind, rest)) = e.object.split_once(' ') else {
             continue;
         };
@@ -46,6 +43,15 @@ pub async fn publish_events(
             action: "Programming".into(),
             secondary: None,
         };
+        // Paced here, at the write: an error that names no object it could publish on takes no
+        // turn.
+        loop {
+            let now = std::time::Instant::now();
+            if pace.try_take(now) {
+                break;
+            }
+            tokio::time::sleep(pace.wait(now)).await;
+        }
         if let Err(err) = recorder.publish(&ev, &reference).await {
             warn!(error = %err, object = %e.object, "cannot publish event");
         }
