@@ -185,14 +185,15 @@ pub fn resolve(f: &Flags, file: Option<(&str, KubeProxyConfiguration)>) -> Resul
 
     let cc = client_connection.unwrap_or_default();
     notes.extend(kube_proxy::unknown_fields(&name, "clientConnection.", &cc.unknown));
-    if let Some(q) = f.kube_api_qps.filter(|q| !(q.is_finite() && *q > 0.0)) {
+    let is_rate = |q: &f64| q.is_finite() && *q > 0.0;
+    if let Some(q) = f.kube_api_qps.filter(|q| !is_rate(q)) {
         return Err(flag_err("kube-api-qps", format!("{q} is not a rate: must be above zero")));
     }
     if f.kube_api_burst == Some(0) {
         return Err(flag_err("kube-api-burst", "must be above zero".into()));
     }
     // client-go's reading: zero or less is its default.
-    let (file_qps, file_burst) = (cc.qps.filter(|q| q.is_finite() && *q > 0.0), cc.burst.filter(|b| *b > 0).map(|b| u32::try_from(b).unwrap_or(u32::MAX)));
+    let (file_qps, file_burst) = (cc.qps.filter(is_rate), cc.burst.filter(|b| *b > 0).map(|b| u32::try_from(b).unwrap_or(u32::MAX)));
     for (field, set) in [
         ("clientConnection.contentType", set_str(&cc.content_type).is_some()),
         ("clientConnection.acceptContentTypes", set_str(&cc.accept_content_types).is_some()),
