@@ -324,11 +324,12 @@ pub mod limits {
     pub const MAX_BACKENDS: u32 = 262_144;
     pub const MAX_SLOTS: u32 = 1_048_576;
     pub const MAX_CONNTRACK: u32 = 524_288;
-    /// TCP flows between their first SYN and the end of the handshake (see KPR_CT_NEW_V2).
+    /// Flows not yet assured: TCP until its handshake completes, UDP until its client sends
+    /// after an answer (see KPR_CT_NEW_V2).
     pub const MAX_CONNTRACK_NEW: u32 = 131_072;
     /// IPv6 flows through the packet path (KPR_CT6_V1): two entries a flow.
     pub const MAX_CONNTRACK6: u32 = 65_536;
-    /// IPv6 TCP flows before their handshake completed (KPR_CT6_NEW_V1): two entries a flow.
+    /// IPv6 flows not yet assured (KPR_CT6_NEW_V1): two entries a flow.
     pub const MAX_CONNTRACK6_NEW: u32 = 32_768;
     /// Interfaces with their own masquerade address (KPR_IFACE_V1).
     pub const MAX_IFACES: u32 = 4096;

@@ -3,10 +3,12 @@
 //! at egress and reverse SNAT at ingress. So netfilter, between the two hooks, sees the flow as
 //! client <-> backend in both directions, as it does under kube-proxy.
 //!
-//! Two tables: TCP flows live in CONNTRACK_NEW until their handshake completes (a reply was seen
-//! and the client sent a packet after it), then move to CONNTRACK. A flood of SYNs (spoofed or
-//! not) can only evict other embryonic flows (the oldest each CPU opened, see `make_room`), never
-//! an established one. UDP has no handshake and starts in CONNTRACK.
+//! Two tables: a flow lives in CONNTRACK_NEW until it is assured (its backend's reply was seen
+//! and the client sent a packet after it: TCP's handshake, or a UDP flow's first datagram after a
+//! reply), then moves to CONNTRACK. A flood (spoofed SYNs, or UDP from many ports) can only evict
+//! flows not yet assured (the oldest each CPU opened, see `make_room`), never an assured one, as
+//! netfilter's early drop takes unassured entries first. A UDP flow that never sees a reply, or
+//! whose client never sends after one (a DNS query), stays in CONNTRACK_NEW until it times out.
 //!
 //! Flows keep their backend whatever happens to the service afterwards.
 use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_get_smp_processor_id, bpf_ktime_get_coarse_ns};
@@ -44,9 +46,9 @@ pub fn now_ns(jiffies: u64) -> u64 {
 /// Where an entry lives.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Table {
-    /// CONNTRACK: UDP flows and TCP flows past their handshake.
+    /// CONNTRACK: flows past their handshake (TCP) or their first exchange (UDP).
     Assured,
-    /// CONNTRACK_NEW: TCP flows before their handshake completed.
+    /// CONNTRACK_NEW: flows before that.
     Embryonic,
 }
 
@@ -77,15 +79,8 @@ impl Table {
             Table::Embryonic => CONNTRACK_NEW.remove(k),
         }
     }
-    /// Where a new flow of this protocol starts (IPv6's too, conntrack6.rs).
-    #[inline(always)]
-    pub(crate) fn for_new(proto: u8) -> Self {
-        if proto == PROTO_TCP {
-            Table::Embryonic
-        } else {
-            Table::Assured
-        }
-    }
+    /// Where a new flow starts, of either protocol (IPv6's too, conntrack6.rs).
+    pub(crate) const NEW: Self = Table::Embryonic;
 }
 
 #[inline(always)]
@@ -102,7 +97,7 @@ pub fn timeout_ns(cfg: &DatapathConfig, proto: u8) -> u64 {
 /// Whether any table holds `k` (a new flow's keys must be free in both).
 #[inline(always)]
 fn taken(k: &CtKey) -> bool {
-    unsafe { CONNTRACK.get(k).is_some() || (k.proto == PROTO_TCP && CONNTRACK_NEW.get(k).is_some()) }
+    unsafe { CONNTRACK.get(k).is_some() || CONNTRACK_NEW.get(k).is_some() }
 }
 
 /// What `track` found, with its inputs and output in one place: a subprogram takes at most
@@ -129,15 +124,16 @@ pub enum Tracked {
     Reset,
 }
 
-/// The packet's entry at this hook, if any: the assured table, then (for packets that open or
-/// close a flow, which is when an embryonic flow sees packets) the embryonic one. The
-/// handshake's last packet, an ACK, finds its embryonic flow through `embryonic_forward` once
-/// the service lookup said it goes to a service.
+/// The packet's entry at this hook, if any: the assured table, then (for UDP, and for TCP
+/// packets that open or close a flow, which is when an embryonic TCP flow sees packets) the
+/// embryonic one. The handshake's last packet, an ACK, finds its embryonic flow through
+/// `embryonic_forward` once the service lookup said it goes to a service; a UDP flow's client
+/// datagram after a reply completes it here.
 #[inline(always)]
 pub fn track(f: &Flow, key: &CtKey, cfg: &DatapathConfig, l: &mut Lookup) -> Tracked {
     let (v, table) = if let Some(v) = CONNTRACK.get_ptr_mut(key) {
         (v, Table::Assured)
-    } else if f.is_tcp_control() {
+    } else if f.proto == PROTO_UDP || f.is_tcp_control() {
         match CONNTRACK_NEW.get_ptr_mut(key) {
             Some(v) => (v, Table::Embryonic),
             None => return Tracked::No,
@@ -154,6 +150,9 @@ pub fn track(f: &Flow, key: &CtKey, cfg: &DatapathConfig, l: &mut Lookup) -> Tra
         Some(Some(rw)) => {
             l.rewrite = rw;
             if table == Table::Assured {
+                Tracked::Assured
+            } else if assures(f, &rw) {
+                promote(key, &rw);
                 Tracked::Assured
             } else {
                 Tracked::Embryonic
@@ -186,10 +185,19 @@ fn max_age_reached(tcp: bool, key: &CtKey, v: &mut CtValue, table: Table) -> Tra
 pub fn embryonic_forward(f: &Flow, key: &CtKey, cfg: &DatapathConfig, now: u64) -> Option<Rewrite> {
     let v = unsafe { &mut *CONNTRACK_NEW.get_ptr_mut(key)? };
     let rw = entry(f, key, v, Table::Embryonic, cfg, now, 0)??;
-    if rw.flags & CT_F_SEEN_REPLY != 0 && !f.is_tcp_control() {
+    if assures(f, &rw) {
         promote(key, &rw);
     }
     Some(rw)
+}
+
+/// Whether this packet, which met its flow's embryonic entry `rw`, makes the flow assured: a
+/// client's packet (forward, not a SYN, FIN or RST) after the backend's reply was seen. The
+/// same rule for TCP (the handshake's last ACK) and UDP (the datagram after the first reply), so
+/// that a spoofed source, which never sees the reply, never gets a flow assured.
+#[inline(always)]
+fn assures(f: &Flow, rw: &Rewrite) -> bool {
+    rw.flags & (CT_F_SEEN_REPLY | CT_F_REPLY) == CT_F_SEEN_REPLY && !f.is_tcp_control()
 }
 
 /// One entry's packet: freshness, the handshake, a masquerade to finish, the timestamp. None:
@@ -263,18 +271,17 @@ fn seen_reply(rst: bool, key: &CtKey, v: &mut CtValue) {
     }
     counters::backend_answered(v.backend_id);
     v.flags |= CT_F_SEEN_REPLY;
-    if key.proto == PROTO_TCP {
-        mark_forward(key, v, CT_F_SEEN_REPLY);
-    }
+    mark_forward(key, v, CT_F_SEEN_REPLY);
 }
 
 /// An ICMP refusal (port unreachable: no socket; a REJECT rule) answering a UDP flow its
 /// backend never replied to (`key`: its reverse-DNAT entry's): counted once per flow, as a
-/// refused TCP handshake is. A subprogram with its own lookup: rare, and off the stack of the
-/// hook that translates the error.
+/// refused TCP handshake is. Such a flow is embryonic (one of an earlier release may be in the
+/// assured table). A subprogram with its own lookups: rare, and off the stack of the hook that
+/// translates the error.
 #[inline(never)]
 fn udp_refused(key: &CtKey) {
-    if let Some(v) = CONNTRACK.get_ptr_mut(key) {
+    if let Some(v) = CONNTRACK_NEW.get_ptr_mut(key).or_else(|| CONNTRACK.get_ptr_mut(key)) {
         let v = unsafe { &mut *v };
         if key.role(v) == CtRole::ReverseDnat && v.flags & (CT_F_SEEN_REPLY | CT_F_REFUSED) == 0 {
             v.flags |= CT_F_REFUSED;
@@ -283,7 +290,7 @@ fn udp_refused(key: &CtKey) {
     }
 }
 
-/// An ICMP refusal about an embryonic flow: counted once, at its reverse-DNAT entry (a
+/// An ICMP refusal about an embryonic TCP flow: counted once, at its reverse-DNAT entry (a
 /// masqueraded flow's error also meets its reverse-SNAT entry, at another hook), and only before
 /// the backend answered. A subprogram: rare, off the hot path's stack.
 #[inline(never)]
@@ -462,13 +469,11 @@ fn make_room() -> bool {
 /// BPF_NOEXIST, and returns p: the client's own port unless the tuple is taken (one client port
 /// towards two VIPs with a common backend, or the backend reached directly too), then a few
 /// random tries in the SNAT range, as conntrack's NAT moves clashing ports. The insert is the
-/// check in the table the flow starts in, so two CPUs cannot both claim one tuple; only a TCP
-/// flow probes the other (assured) table. A hairpin flow's port must differ from the
+/// check in the table the flow starts in (the embryonic one), so two CPUs cannot both claim one
+/// tuple; the assured table is probed first. A hairpin flow's port must differ from the
 /// backend's, or its SNAT and reverse-DNAT keys meet. Everything is read back from the scratch
 /// entry, so little stays live across the calls (new_flow's frame counts against 512 bytes).
-/// On a full assured table (UDP) the kernel takes a free entry (evicting the least recently
-/// used) before it finds the key taken: a clash costs an eviction, as every insert into a full
-/// LRU does. The embryonic table (TCP) finds the clash first, and makes room only for an insert.
+/// The embryonic table finds a clash before it makes room: a clash costs no eviction.
 #[inline(always)]
 fn claim_reply(f: &Flow, be: &Backend, cfg: &DatapathConfig, s: &mut CtScratch) -> Option<u16> {
     s.keys[1] = CtKey { saddr: be.addr[0], daddr: f.saddr, sport: be.port, dport: f.sport, proto: f.proto, dir: CT_DIR_EGRESS, _pad: 0 };
@@ -476,8 +481,8 @@ fn claim_reply(f: &Flow, be: &Backend, cfg: &DatapathConfig, s: &mut CtScratch) 
     while tries < 4 {
         let k = &s.keys[1];
         let hairpin_clash = k.saddr == k.daddr && k.dport == k.sport;
-        if !hairpin_clash && !(k.proto == PROTO_TCP && unsafe { CONNTRACK.get(k) }.is_some()) {
-            match Table::for_new(k.proto).insert(k, &s.values[1], BPF_NOEXIST) {
+        if !hairpin_clash && unsafe { CONNTRACK.get(k) }.is_none() {
+            match Table::NEW.insert(k, &s.values[1], BPF_NOEXIST) {
                 Ok(()) => return Some(s.keys[1].dport),
                 Err(e) if e != -EEXIST => {
                     bump(counter::CT_INSERT_FAILED);
@@ -572,7 +577,7 @@ pub fn create(f: &Flow, now: u64, backend_id: u32, service_id: u32, be: &Backend
     // claim's calls.
     let blank = CtValue { last_seen_ns: s.values[1].last_seen_ns, backend_id: s.values[1].backend_id, service_id: s.values[1].service_id, ..CtValue::default() };
     let snat = s.values[1].flags & CT_F_SNAT;
-    let table = Table::for_new(f.proto);
+    let table = Table::NEW;
     // Forward: (C:c -> V:v) becomes (C:p -> B:b). A flow picked up mid-stream (not by a SYN)
     // has no handshake left to wait for: its next packet makes it assured.
     let picked_up = if f.proto == PROTO_TCP && !f.is_new_tcp_syn() { CT_F_SEEN_REPLY } else { 0 };
@@ -591,9 +596,7 @@ pub fn create(f: &Flow, now: u64, backend_id: u32, service_id: u32, be: &Backend
         bump(counter::CT_INSERT_FAILED);
         return None;
     }
-    if table == Table::Embryonic {
-        remember_embryonic(&s.keys[0]);
-    }
+    remember_embryonic(&s.keys[0]);
     Some(Rewrite::of(&s.values[0]))
 }
 
@@ -611,7 +614,7 @@ pub fn for_icmp_error(quoted_reverse: &CtKey, refusal: bool) -> Option<Rewrite> 
         Some(v) => v,
         None => {
             let v = unsafe { CONNTRACK_NEW.get(quoted_reverse)? };
-            if refusal {
+            if refusal && quoted_reverse.proto == PROTO_TCP {
                 handshake_refused(quoted_reverse, v);
             }
             v

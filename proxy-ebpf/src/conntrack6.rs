@@ -3,10 +3,10 @@
 //! masquerade between them is netfilter's, so there is no SNAT entry and no port to choose for
 //! it.
 //!
-//! Two tables, as IPv4's (conntrack.rs): a TCP flow lives in CONNTRACK6_NEW until its
-//! handshake completes (the backend's reply was seen and the client sent a packet after it),
-//! then moves to CONNTRACK6, so a SYN flood from outside evicts only embryonic flows. UDP
-//! starts in CONNTRACK6.
+//! Two tables, as IPv4's (conntrack.rs): a flow lives in CONNTRACK6_NEW until it is assured
+//! (the backend's reply was seen and the client sent a packet after it: TCP's handshake, or a
+//! UDP flow's datagram after its first reply), then moves to CONNTRACK6, so a flood from
+//! outside (SYNs, or UDP) evicts only flows not yet assured.
 use proxy_common::{
     counter, Backend, CtKey6, CtValue6, DatapathConfig, CT_DIR_EGRESS, CT_DIR_INGRESS, CT_F_CLOSING, CT_F_REPLY,
     CT_F_SEEN_REPLY, CT_F_SNAT, PROTO_TCP, PROTO_UDP,
@@ -23,8 +23,9 @@ use crate::{
 /// is still a new flow (the forward entry checks for it), this only bounds what a lost FIN costs.
 const CLOSING_TIMEOUT_NS: u64 = 10_000_000_000;
 
-/// An embryonic flow idle this long is over (the IPv4 collector's embryonic timeout): a SYN on
-/// its tuple then starts a new flow, on a backend chosen anew.
+/// An embryonic TCP flow idle this long is over (the IPv4 collector's embryonic timeout): a SYN
+/// on its tuple then starts a new flow, on a backend chosen anew. An embryonic UDP flow ages as
+/// an assured one (the LRU evicts it first anyway).
 const EMBRYONIC_TIMEOUT_NS: u64 = 60_000_000_000;
 
 /// IPv6's side of conntrack::Table (the same two tables, for IPv6 keys).
@@ -90,7 +91,7 @@ pub fn key(f: &Flow6, dir: u8) -> CtKey6 {
 
 #[inline(always)]
 fn timeout_ns(cfg: &DatapathConfig, v: &CtValue6, proto: u8, table: Table) -> u64 {
-    if table == Table::Embryonic {
+    if table == Table::Embryonic && proto == PROTO_TCP {
         return EMBRYONIC_TIMEOUT_NS;
     }
     if v.flags & CT_F_CLOSING != 0 {
@@ -103,18 +104,23 @@ fn timeout_ns(cfg: &DatapathConfig, v: &CtValue6, proto: u8, table: Table) -> u6
 /// forward entry ends when idle, when a new SYN finds it closing, and, for UDP, when its backend
 /// is gone (kube-proxy deletes a removed endpoint's UDP conntrack entries).
 ///
-/// The assured table first; for a packet that opens or closes a flow (the only ones an
-/// embryonic flow sees at its entries, but for the client's last handshake packet, which
-/// `embryonic_forward` finds once the frontend lookup said it is a frontend's), the embryonic
-/// one.
+/// The assured table first; for UDP, and for a TCP packet that opens or closes a flow (the
+/// only ones an embryonic TCP flow sees at its entries, but for the client's last handshake
+/// packet, which `embryonic_forward` finds once the frontend lookup said it is a frontend's),
+/// the embryonic one. A UDP client's datagram after the first reply makes its flow assured here.
 #[inline(always)]
 pub fn track(f: &Flow6, key: &CtKey6, cfg: &DatapathConfig, now: u64) -> Option<Rewrite6> {
     let (v, table) = match CONNTRACK6.get_ptr_mut(key) {
         Some(v) => (v, Table::Assured),
-        None if f.is_tcp_control() => (CONNTRACK6_NEW.get_ptr_mut(key)?, Table::Embryonic),
+        None if f.proto == PROTO_UDP || f.is_tcp_control() => (CONNTRACK6_NEW.get_ptr_mut(key)?, Table::Embryonic),
         None => return None,
     };
-    entry(f, key, unsafe { &mut *v }, table, cfg, now)
+    let v = unsafe { &mut *v };
+    let rw = entry(f, key, v, table, cfg, now)?;
+    if table == Table::Embryonic && assures(f, &rw) {
+        promote(key, v);
+    }
+    Some(rw)
 }
 
 /// A TCP packet to a frontend that no assured flow knows: its embryonic flow, if it has one.
@@ -125,10 +131,18 @@ pub fn track(f: &Flow6, key: &CtKey6, cfg: &DatapathConfig, now: u64) -> Option<
 pub fn embryonic_forward(f: &Flow6, key: &CtKey6, cfg: &DatapathConfig, now: u64) -> Option<Rewrite6> {
     let v = unsafe { &mut *CONNTRACK6_NEW.get_ptr_mut(key)? };
     let rw = entry(f, key, v, Table::Embryonic, cfg, now)?;
-    if rw.flags & CT_F_SEEN_REPLY != 0 && !f.is_tcp_control() {
+    if assures(f, &rw) {
         promote(key, v);
     }
     Some(rw)
+}
+
+/// Whether this packet, which met its flow's embryonic entry `rw`, makes the flow assured: a
+/// client's packet (forward, not a SYN, FIN or RST) after the backend's reply was seen (see
+/// conntrack::assures).
+#[inline(always)]
+fn assures(f: &Flow6, rw: &Rewrite6) -> bool {
+    rw.flags & (CT_F_SEEN_REPLY | CT_F_REPLY) == CT_F_SEEN_REPLY && !f.is_tcp_control()
 }
 
 /// One entry's packet: freshness, the handshake's reply, the timestamp, a close. None: not (any
@@ -146,7 +160,8 @@ fn entry(f: &Flow6, key: &CtKey6, v: &mut CtValue6, table: Table, cfg: &Datapath
             return None;
         }
     } else if table == Table::Embryonic && v.flags & CT_F_SEEN_REPLY == 0 && !f.is_tcp_close() {
-        // The handshake's reply (a SYN-ACK): the forward entry learns it, once.
+        // The backend's first reply (a SYN-ACK, or a UDP datagram): the forward entry learns
+        // it, once.
         seen_reply(key, v);
     }
     if now > v.last_seen_ns {
@@ -225,7 +240,7 @@ fn forget(table: Table, fwd_key: &CtKey6, v: &CtValue6) {
 #[inline(always)]
 pub fn create(f: &Flow6, now: u64, backend_id: u32, service_id: u32, be: &Backend, masq: bool, cfg: &DatapathConfig) -> Option<Rewrite6> {
     let snat = if masq { CT_F_SNAT } else { 0 };
-    let table = Table::for_new(f.proto);
+    let table = Table::NEW;
     let s = unsafe { &mut *CT_SCRATCH6.get_ptr_mut(0)? };
     let blank = CtValue6 { last_seen_ns: now, backend_id, service_id, ..CtValue6::default() };
     // Reverse DNAT: (B:b -> C:p) becomes (V:v -> C:c).
@@ -233,8 +248,8 @@ pub fn create(f: &Flow6, now: u64, backend_id: u32, service_id: u32, be: &Backen
     s.values[0] = CtValue6 { new_saddr: f.daddr, new_daddr: f.saddr, new_sport: f.dport, new_dport: f.sport, flags: snat | CT_F_REPLY, ..blank };
     let mut tries = 0;
     loop {
-        // A TCP flow's reply tuple must be free in the assured table too.
-        let taken = table == Table::Embryonic && unsafe { CONNTRACK6.get(&s.keys[0]) }.is_some();
+        // The reply tuple must be free in the assured table too.
+        let taken = unsafe { CONNTRACK6.get(&s.keys[0]) }.is_some();
         match if taken { Err(-EEXIST) } else { table.insert6(&s.keys[0], &s.values[0], BPF_NOEXIST) } {
             Ok(()) => break,
             Err(e) if e != -EEXIST => {

@@ -53,14 +53,14 @@ map! {
 }
 
 map! {
-    /// Assured flows (UDP; TCP past its handshake): (5-tuple, hook) -> the 4-tuple to rewrite to,
+    /// Assured flows (past TCP's handshake, or UDP's first exchange; see conntrack.rs): (5-tuple, hook) -> the 4-tuple to rewrite to,
     /// backend id, last seen. Up to four entries per flow (see proxy_common::CtKey).
     CONNTRACK: LruHashMap<CtKey, CtValue> = LruHashMap::pinned(MAX_CONNTRACK, 0)
 }
 
 map! {
-    /// Embryonic TCP flows, same layout, in a table of their own so a SYN flood evicts only its
-    /// kind. A preallocated hash, not an LRU: an insert takes an entry off a per-CPU free list
+    /// Flows not yet assured (TCP and UDP), same layout, in a table of their own so a flood
+    /// evicts only its kind. A preallocated hash, not an LRU: an insert takes an entry off a per-CPU free list
     /// instead of the LRU's list upkeep (a new flow's largest cost). A full table evicts the
     /// oldest flows of CT_NEW_RING (conntrack::make_room).
     CONNTRACK_NEW: HashMap<CtKey, CtValue> = HashMap::pinned(MAX_CONNTRACK_NEW, 0)
@@ -105,14 +105,13 @@ map! {
 
 map! {
     /// IPv6 flows from outside to the node's IPv6 NodePorts, externalIPs and LB IPs: (5-tuple,
-    /// hook) -> the 4-tuple to rewrite to (see proxy_common::CtKey6). UDP flows, and TCP flows
-    /// past their handshake.
+    /// hook) -> the 4-tuple to rewrite to (see proxy_common::CtKey6). Assured flows (as IPv4's).
     CONNTRACK6: LruHashMap<CtKey6, CtValue6> = LruHashMap::pinned(MAX_CONNTRACK6, 0)
 }
 
 map! {
-    /// IPv6 TCP flows before their handshake completed, same layout, in a table of their own so
-    /// that a SYN flood from outside evicts only its kind. An LRU: the IPv6 path has no new-flow
+    /// IPv6 flows not yet assured (TCP and UDP), same layout, in a table of their own so that a
+    /// flood from outside evicts only its kind. An LRU: the IPv6 path has no new-flow
     /// cost goal, and the LRU's eviction is the flood eviction.
     CONNTRACK6_NEW: LruHashMap<CtKey6, CtValue6> = LruHashMap::pinned(MAX_CONNTRACK6_NEW, 0)
 }

@@ -12,7 +12,7 @@ use aya_ebpf::helpers::bpf_jiffies64;
 use proxy_common::{
     counter, DatapathConfig, ServiceValue, SourceRangeKey, CFG_F_LOCAL_BY_IFACE, CFG_F_MASQUERADE_ALL,
     CFG_F_HANDOVER, CFG_F_NO_FLOW_CACHE, CFG_F_NO_NEW_FLOWS, CtKey, IFACE_F_LOCAL,
-    PROTO_TCP, PROTO_UDP, SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT, SVC_F_PRESERVE_SOURCE,
+    PROTO_TCP, SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT, SVC_F_PRESERVE_SOURCE,
     SVC_F_SOURCE_RANGES,
 };
 use aya_ebpf::maps::lpm_trie::Key;
@@ -237,8 +237,7 @@ fn new_flow<P: Pkt>(p: &mut P, f: &Flow, svc: &ServiceValue, cfg: &DatapathConfi
     bump(counter::NEW_FLOW);
     counters::backend_new(backend_id);
     counters::backend_active(backend_id);
-    if f.proto == PROTO_UDP && cfg.flags & CFG_F_NO_FLOW_CACHE == 0 {
-        flowcache::fill(&conntrack::key(f, conntrack::INGRESS), &rw, flowcache::generation(), unsafe { bpf_jiffies64() });
-    }
+    // Not cached: a flow is cached once assured (a UDP flow too: its eviction from the
+    // embryonic table by a flood must not leave a copy behind).
     NewFlow::Done(rewrite(p, f, &rw))
 }

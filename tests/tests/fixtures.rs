@@ -133,6 +133,19 @@ fn handshake(l: &mut Loaded, client: &str, port: u16, vip: &str, vport: u16) -> 
     parse(&o)
 }
 
+/// A UDP flow from a pod through a ClusterIP made assured: a datagram and its DNAT, the
+/// backend's answer (reverse DNAT at egress), and the client's next datagram. Returns that
+/// datagram's rewritten packet.
+fn udp_exchange(l: &mut Loaded, client: &str, port: u16, vip: &str, vport: u16) -> kpr_lab::packet::Parsed {
+    let (_, o) = tc(&mut l.dp, &Frame::udp(client, port, vip, vport, b"q"));
+    let fwd = parse(&o);
+    let answer = Frame { src: fwd.dst, dst: fwd.src, ..Frame::udp("0.0.0.0", fwd.dport, "0.0.0.0", fwd.sport, b"a") };
+    let (_, back) = out(&mut l.dp, &answer.bytes());
+    assert_eq!((parse(&back).src.to_string(), parse(&back).sport), (vip.to_string(), vport), "the answer's reverse DNAT");
+    let (_, o) = tc(&mut l.dp, &Frame::udp(client, port, vip, vport, b"q"));
+    parse(&o)
+}
+
 fn assured_has(l: &Loaded, client: &str, port: u16) -> bool {
     l.conntrack(Table::Assured).iter().any(|(k, v)| !v.is_reply() && k.sport == port.to_be() && proxy_common::user::v4_addr(k.saddr) == ip(client))
 }
@@ -525,9 +538,9 @@ fn two_flows_meeting_on_one_backend_with_one_reply_tuple_get_distinct_ports() {
 
 #[test]
 fn a_reply_tuple_held_by_an_assured_flow_or_a_udp_flow_moves_the_new_flows_port() {
-    // A new flow claims its reply tuple by inserting it into the table it starts in; a TCP
-    // flow's tuple may also be held in the other (assured) table, and UDP flows start in that
-    // one. Both cases must move the port as the embryonic clash does.
+    // A new flow claims its reply tuple by inserting it into the table it starts in (the
+    // embryonic one); the tuple may also be held in the other (assured) table, by a TCP or a
+    // UDP flow. Both cases must move the port as the embryonic clash does.
     let dns2 = svc("dns2", "10.96.0.20", 53, "UDP", "", "") + &slice("dns2", 5353, "UDP", &["10.244.1.3"]);
     let mut l = load_with("clash-assured", &dns2);
     let a = handshake(&mut l, "10.244.0.21", 51100, "10.96.0.13", 80);
@@ -546,10 +559,11 @@ fn a_reply_tuple_held_by_an_assured_flow_or_a_udp_flow_moves_the_new_flows_port(
     let (_, ra) = out(&mut l.dp, &Frame::tcp("10.244.1.1", 8080, "10.244.0.21", 51100, ACK).bytes());
     assert_eq!(parse(&ra).src.to_string(), "10.96.0.13", "the assured flow's replies are its own");
 
-    // One UDP socket's datagrams to two DNS VIPs with one backend.
-    let (_, u1) = tc(&mut l.dp, &Frame::udp("10.244.0.21", 53000, "10.96.0.15", 53, b"q1"));
+    // One UDP socket's datagrams to two DNS VIPs with one backend, the first flow assured.
+    let u1 = udp_exchange(&mut l, "10.244.0.21", 53000, "10.96.0.15", 53);
+    assert!(assured_has(&l, "10.244.0.21", 53000));
     let (_, u2) = tc(&mut l.dp, &Frame::udp("10.244.0.21", 53000, "10.96.0.20", 53, b"q2"));
-    let (u1, u2) = (parse(&u1), parse(&u2));
+    let u2 = parse(&u2);
     assert_eq!((u1.dst.to_string().as_str(), u1.sport), ("10.244.1.3", 53000));
     assert_eq!(u2.dst.to_string(), "10.244.1.3");
     assert_ne!(u2.sport, 53000, "the first datagram's flow holds 10.244.1.3:5353 -> 10.244.0.21:53000");
@@ -727,14 +741,19 @@ fn pin_to_cpu(cpu: usize) {
     assert_eq!(unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) }, 0, "pin to CPU {cpu}");
 }
 
+/// The fixtures with a node and an embryonic table of `capacity` entries (the flood tests).
+fn with_embryonic_capacity(name: &str, capacity: u32) -> Loaded {
+    let node = NodeInfo { name: "node-a".into(), nodeport_addresses: vec![ip(NODE_IP)], ..Default::default() };
+    let caps = proxy_agent::settings::Capacities { conntrack_new: capacity, ..Loaded::CAPACITIES };
+    Loaded::with_capacities(name, &manifests(), &node, datapath_config(NODE_IP, Some(("10.244.0.0", 16))), caps)
+}
+
 #[test]
 fn a_syn_flood_evicts_only_embryonic_flows() {
     // An embryonic table of 1,024 entries (512 flows): full long before any CPU's ring of
     // recent flows (CT_NEW_RING_SLOTS) wraps.
     let embryonic_capacity = 1024;
-    let node = NodeInfo { name: "node-a".into(), nodeport_addresses: vec![ip(NODE_IP)], ..Default::default() };
-    let caps = proxy_agent::settings::Capacities { conntrack_new: embryonic_capacity, ..Loaded::CAPACITIES };
-    let mut l = Loaded::with_capacities("flood", &manifests(), &node, datapath_config(NODE_IP, Some(("10.244.0.0", 16))), caps);
+    let mut l = with_embryonic_capacity("flood", embryonic_capacity);
     // Everything on the first CPU, the last handshake on another one (test runs run on the
     // caller's CPU): its own part of the ring has nothing to evict, so it takes from the
     // flooded CPU's.
@@ -794,6 +813,92 @@ fn a_syn_flood_evicts_only_embryonic_flows() {
     assert_eq!(parse(&o).src.to_string(), "10.96.0.10");
     let (_, o) = tc(&mut l.dp, &Frame::tcp("10.244.1.1", 8080, NODE_IP, m.sport, ACK));
     assert_eq!(parse(&o).dst.to_string(), "198.18.0.60");
+}
+
+/// The entries of the flows whose client is `client:port`, in `table`.
+fn entries_of(l: &Loaded, table: Table, client: &str, port: u16) -> Vec<(proxy_common::CtKey, proxy_common::CtValue)> {
+    let (a, p) = (ip(client), port.to_be());
+    let v4 = proxy_common::user::v4_addr;
+    l.conntrack(table).into_iter().filter(|(k, _)| (v4(k.saddr) == a && k.sport == p) || (v4(k.daddr) == a && k.dport == p)).collect()
+}
+
+/// A UDP flow starts embryonic, as a TCP one does: the backend's answer is seen, and the
+/// client's next datagram makes it assured (a spoofed source never sees the answer, so it never
+/// gets a flow assured). A flow never answered stays embryonic.
+#[test]
+fn a_udp_flow_is_assured_by_the_clients_datagram_after_an_answer() {
+    let mut l = load("udpassure");
+    let (client, port) = ("10.244.0.65", 54020);
+    let q = Frame::udp(client, port, "10.96.0.15", 53, b"q");
+    let (new, assured) = (counter_of(&l, counter::NEW_FLOW), counter_of(&l, counter::FLOW_ASSURED));
+    let (_, o) = tc(&mut l.dp, &q);
+    let fwd = parse(&o);
+    assert_eq!((fwd.dst.to_string().as_str(), fwd.dport), ("10.244.1.3", 5353));
+    assert_eq!(counter_of(&l, counter::NEW_FLOW), new + 1);
+    assert_eq!(entries_of(&l, Table::Embryonic, client, port).len(), 2, "forward and reverse DNAT");
+    assert!(entries_of(&l, Table::Assured, client, port).is_empty());
+    // A second datagram before any answer: the same flow, still embryonic.
+    let (_, o) = tc(&mut l.dp, &q);
+    assert_eq!(parse(&o).dst, fwd.dst);
+    assert_eq!(counter_of(&l, counter::NEW_FLOW), new + 1);
+    assert!(entries_of(&l, Table::Assured, client, port).is_empty());
+    // The answer is translated and seen; the flow stays embryonic until the client sends again.
+    let answer = Frame { src: fwd.dst, dst: fwd.src, ..Frame::udp("0.0.0.0", fwd.dport, "0.0.0.0", fwd.sport, b"a") };
+    let (_, back) = out(&mut l.dp, &answer.bytes());
+    let back = parse(&back);
+    assert_eq!((back.src.to_string().as_str(), back.sport, back.l4_csum_ok), ("10.96.0.15", 53, true));
+    let seen = entries_of(&l, Table::Embryonic, client, port);
+    assert!(seen.iter().all(|(_, v)| v.flags & proxy_common::CT_F_SEEN_REPLY != 0), "{seen:?}");
+    assert!(entries_of(&l, Table::Assured, client, port).is_empty());
+    let (_, o) = tc(&mut l.dp, &q);
+    assert_eq!(parse(&o).dst, fwd.dst);
+    assert!(entries_of(&l, Table::Embryonic, client, port).is_empty());
+    assert_eq!(entries_of(&l, Table::Assured, client, port).len(), 2, "assured by the datagram after the answer");
+    assert_eq!(counter_of(&l, counter::FLOW_ASSURED), assured + 1);
+    let (_, back) = out(&mut l.dp, &answer.bytes());
+    assert_eq!(parse(&back).src.to_string(), "10.96.0.15", "answers translated from the assured table");
+    // Never answered: embryonic however many datagrams the client sends.
+    for _ in 0..3 {
+        tc(&mut l.dp, &Frame::udp(client, port + 1, "10.96.0.15", 53, b"q"));
+    }
+    assert_eq!(entries_of(&l, Table::Embryonic, client, port + 1).len(), 2);
+    assert_eq!(counter_of(&l, counter::FLOW_ASSURED), assured + 1);
+    assert_eq!(counter_of(&l, counter::NEW_FLOW), new + 2);
+}
+
+/// A UDP flood from spoofed sources, half of it answered by the backend, several times what the
+/// embryonic table holds: it evicts only flows not assured. The assured flows (TCP and UDP) keep
+/// their entries and their backends, and a new UDP client is still assured during the flood.
+#[test]
+fn a_udp_flood_evicts_only_flows_not_assured() {
+    let embryonic_capacity = 1024;
+    let mut l = with_embryonic_capacity("udpflood", embryonic_capacity);
+    pin_to_cpu(allowed_cpus()[0]);
+    let a = handshake(&mut l, "10.244.0.66", 54030, "10.96.0.10", 80);
+    let u = udp_exchange(&mut l, "10.244.0.66", 54031, "10.96.0.15", 53);
+    let assured = l.conntrack(Table::Assured);
+    assert_eq!(assured.len(), 4);
+    for i in 0..4_000u32 {
+        let src = std::net::Ipv4Addr::from(0x0af4_8000u32 + i);
+        let (_, o) = run(&mut l.dp, false, &Frame { src, ..Frame::udp("0.0.0.0", 10_000 + (i % 50_000) as u16, "10.96.0.15", 53, b"x") }.bytes());
+        if i % 2 == 0 {
+            let p = parse(&o);
+            out(&mut l.dp, &Frame { src: p.dst, dst: p.src, ..Frame::udp("0.0.0.0", p.dport, "0.0.0.0", p.sport, b"a") }.bytes());
+        }
+    }
+    assert_eq!(counter_of(&l, counter::CT_INSERT_FAILED), 0, "a full embryonic table must make room");
+    assert_eq!(l.conntrack(Table::Assured), assured, "the flood touched the assured table");
+    let embryonic = l.conntrack(Table::Embryonic);
+    assert!(embryonic.len() >= embryonic_capacity as usize - 2, "{} embryonic entries", embryonic.len());
+    assert_eq!(counter_of(&l, counter::CT_EMBRYONIC_EVICTED), 4_000 - embryonic.len() as u64 / 2, "evictions counted");
+    // The assured flows still answer, on their backends.
+    let (_, o) = tc(&mut l.dp, &Frame::tcp("10.244.0.66", 54030, "10.96.0.10", 80, ACK));
+    assert_eq!(parse(&o).dst, a.dst);
+    let (_, o) = tc(&mut l.dp, &Frame::udp("10.244.0.66", 54031, "10.96.0.15", 53, b"q"));
+    assert_eq!((parse(&o).dst, parse(&o).sport), (u.dst, u.sport));
+    // A new client's flow is assured during the flood.
+    udp_exchange(&mut l, "10.244.0.67", 54032, "10.96.0.15", 53);
+    assert!(assured_has(&l, "10.244.0.67", 54032), "a UDP flow answered during the flood is not assured");
 }
 
 #[test]
@@ -862,7 +967,7 @@ fn a_service_id_given_to_another_frontend_never_inherits_its_affinity() {
 #[test]
 fn the_collector_deletes_only_what_it_read_in_the_kernel_maps() {
     let mut l = load("ctdelete");
-    let (_, _) = tc(&mut l.dp, &Frame::udp("10.244.0.81", 57000, "10.96.0.15", 53, b"q"));
+    udp_exchange(&mut l, "10.244.0.81", 57000, "10.96.0.15", 53);
     let entries = l.conntrack(Table::Assured);
     let (k, v) = *entries.iter().find(|(k, v)| k.role(v) == proxy_common::CtRole::Forward).unwrap();
     // The tuple gets a new flow between the read and the delete.
@@ -923,14 +1028,14 @@ fn a_flow_past_its_maximum_age_is_reset_or_rebalanced() {
     assert_eq!(counter_of(&l, counter::MAX_AGE_RESET), 1);
 
     // UDP: the marked flow's next datagram opens a new flow.
-    let (_, _) = tc(&mut l.dp, &Frame::udp(client, 45001, "10.96.0.15", 53, b"q"));
+    udp_exchange(&mut l, client, 45001, "10.96.0.15", 53);
     mark(&mut l, 45001);
     let new_flows = counter_of(&l, counter::NEW_FLOW);
     let (v, out) = tc(&mut l.dp, &Frame::udp(client, 45001, "10.96.0.15", 53, b"q"));
     assert_eq!(v, TC_ACT_OK);
     assert_eq!(parse(&out).dst.to_string(), "10.244.1.3", "DNATed by the new flow");
     assert_eq!(counter_of(&l, counter::NEW_FLOW), new_flows + 1, "a new flow");
-    let fwd = l.conntrack(Table::Assured).into_iter().find(|(k, v)| !v.is_reply() && k.sport == 45001u16.to_be() && k.dir == proxy_common::CT_DIR_INGRESS);
+    let fwd = l.conntrack(Table::Embryonic).into_iter().find(|(k, v)| !v.is_reply() && k.sport == 45001u16.to_be() && k.dir == proxy_common::CT_DIR_INGRESS);
     assert!(fwd.is_some_and(|(_, v)| v.flags & proxy_common::CT_F_MAX_AGE == 0), "the new flow is unmarked");
 }
 

@@ -186,17 +186,29 @@ fn ipv6_traffic_policy_local_keeps_the_client_address() {
 }
 
 #[test]
-fn ipv6_udp_dnat_keeps_a_valid_checksum() {
+fn ipv6_udp_dnat_keeps_a_valid_checksum_and_the_flow_is_assured_by_the_clients_next_datagram() {
     let mut l = load("fx6-udp");
     let (v, o) = ingress(&mut l, &frame6(OUTSIDE, NODE_IP6, UDP, 40020, 30053, 0, &[]));
     assert_eq!(v, TC_ACT_OK);
     let f = parse6(&o);
     assert_eq!((f.dst, f.dport, f.proto), (BACKEND.parse().unwrap(), 5353, UDP));
     assert!(f.l4_csum_ok, "NAT66 updates the UDP checksum (mandatory in IPv6)");
+    let count = |l: &Loaded, t: Table| l.maps.ipv6_flows(t).unwrap().iter().filter(|(k, _)| k.proto == UDP).count();
+    assert_eq!((count(&l, Table::Embryonic), count(&l, Table::Assured)), (2, 0), "a new UDP flow starts embryonic");
     let (_, back) = egress(&mut l, &frame6(BACKEND, OUTSIDE, UDP, 5353, 40020, 0, &[]));
     let back = parse6(&back);
     assert_eq!((back.src, back.sport), (NODE_IP6.parse().unwrap(), 30053));
     assert!(back.l4_csum_ok);
+    assert_eq!((count(&l, Table::Embryonic), count(&l, Table::Assured)), (2, 0), "an answer alone assures nothing");
+    // The client's datagram after the answer makes the flow assured (a flood from spoofed
+    // sources never does, so it evicts only flows not assured).
+    let assured = counter_of(&l, counter::FLOW_ASSURED);
+    let (_, o) = ingress(&mut l, &frame6(OUTSIDE, NODE_IP6, UDP, 40020, 30053, 0, &[]));
+    assert_eq!(parse6(&o).dst, f.dst);
+    assert_eq!((count(&l, Table::Embryonic), count(&l, Table::Assured)), (0, 2));
+    assert_eq!(counter_of(&l, counter::FLOW_ASSURED), assured + 1);
+    let (_, back) = egress(&mut l, &frame6(BACKEND, OUTSIDE, UDP, 5353, 40020, 0, &[]));
+    assert_eq!(parse6(&back).sport, 30053);
 }
 
 #[test]

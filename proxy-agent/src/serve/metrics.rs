@@ -107,7 +107,11 @@ pub fn datapath_families(maps: &dyn DatapathMaps, capacities: &[(&'static str, u
             }
         }
     }
-    let flows = vec_gauge("kpr_conntrack_flows", "Tracked flows, by table (embryonic: TCP before its handshake completed)", "table");
+    let flows = vec_gauge(
+        "kpr_conntrack_flows",
+        "Tracked flows, by table (embryonic: not yet assured, TCP before its handshake completed, UDP before its client sent after an answer)",
+        "table",
+    );
     let per_backend = vec_gauge("kpr_backend_flows", "Tracked flows per backend (active and idle until collected)", "backend");
     for table in crate::dataplane::ebpf::maps::Table::ALL {
         let Ok(list) = maps.conntrack().entries(table) else { continue };

@@ -187,13 +187,14 @@ pub struct Flags {
     /// Flow entries of the fast path's conntrack (LRU; up to four a flow) [default: 524288].
     #[arg(long, env = "KPR_MAX_CONNTRACK")]
     pub max_conntrack: Option<u32>,
-    /// TCP flows before their handshake completes (their own table) [default: 131072].
+    /// Flow entries not yet assured (their own table): TCP before its handshake completes, UDP
+    /// before its client sends after an answer [default: 131072].
     #[arg(long, env = "KPR_MAX_CONNTRACK_EMBRYONIC")]
     pub max_conntrack_embryonic: Option<u32>,
     /// IPv6 flow entries of the fast path's conntrack (LRU; up to four a flow) [default: 65536].
     #[arg(long, env = "KPR_MAX_CONNTRACK6")]
     pub max_conntrack6: Option<u32>,
-    /// IPv6 TCP flows before their handshake completes (their own LRU table) [default: 32768].
+    /// IPv6 flow entries not yet assured (their own LRU table) [default: 32768].
     #[arg(long, env = "KPR_MAX_CONNTRACK6_EMBRYONIC")]
     pub max_conntrack6_embryonic: Option<u32>,
     /// sessionAffinity ClientIP entries (LRU) [default: 131072].

@@ -173,10 +173,16 @@ impl Default for ConntrackSettings {
 }
 
 impl ConntrackSettings {
-    /// The fast path's UDP timeout: a flow it balances saw replies (the kernel's "stream"
-    /// timeout), 120 s where that is left to the kernel (its default).
+    /// The fast path's timeout for an assured UDP flow (the client sent after a reply): the
+    /// kernel's "stream" timeout, 120 s where that is left to the kernel (its default).
     pub fn fast_path_udp(&self) -> Duration {
         self.udp_stream.unwrap_or(Duration::from_secs(120))
+    }
+    /// The fast path's timeout for a UDP flow not assured (no reply yet, or none answered since,
+    /// as a DNS query's): the kernel's plain UDP timeout, 30 s where that is left to the kernel
+    /// (its default).
+    pub fn fast_path_udp_unassured(&self) -> Duration {
+        self.udp.unwrap_or(Duration::from_secs(30))
     }
 }
 

@@ -117,7 +117,10 @@ pub fn assemble(entries: &[(CtKey, CtValue)]) -> Vec<Flow> {
 #[derive(Clone, Copy, Debug)]
 pub struct Timeouts {
     pub tcp: u32,
+    /// Assured UDP flows.
     pub udp: u32,
+    /// UDP flows in the embryonic table (not assured).
+    pub udp_unassured: u32,
     /// TCP after FIN or RST.
     pub closing: u32,
     /// TCP before its handshake completed.
@@ -128,8 +131,8 @@ impl Default for Timeouts {
     fn default() -> Self {
         // kube-proxy's conntrack defaults (tcpEstablishedTimeout 24h, tcpCloseWaitTimeout 1h is
         // the kernel's; a closed flow here only waits for its last packets), the kernel's
-        // SYN_RECV timeout for embryonic flows.
-        Self { tcp: 86_400, udp: 120, closing: 10, embryonic: 60 }
+        // SYN_RECV timeout for embryonic flows; the kernel's UDP timeouts, stream and not.
+        Self { tcp: 86_400, udp: 120, udp_unassured: 30, closing: 10, embryonic: 60 }
     }
 }
 
@@ -138,7 +141,13 @@ impl Timeouts {
     /// KPR_CFG: IPVS mode for a draining fast path).
     pub fn from_settings(c: &crate::settings::ConntrackSettings) -> Self {
         let secs = |d: std::time::Duration| d.as_secs().clamp(1, u64::from(u32::MAX)) as u32;
-        Self { tcp: secs(c.tcp_established), udp: secs(c.fast_path_udp()), closing: secs(c.tcp_closing), ..Default::default() }
+        Self {
+            tcp: secs(c.tcp_established),
+            udp: secs(c.fast_path_udp()),
+            udp_unassured: secs(c.fast_path_udp_unassured()),
+            closing: secs(c.tcp_closing),
+            ..Default::default()
+        }
     }
 
     /// The shortest timeout a flow of `proto` in `table` can have, closing or not.
@@ -148,10 +157,11 @@ impl Timeouts {
 
     fn of(&self, table: Table, proto: u8, closing: bool) -> u64 {
         let s = match (table, proto == PROTO_TCP, closing) {
-            (Table::Embryonic, _, _) => self.embryonic,
-            (_, true, true) => self.closing,
-            (_, true, false) => self.tcp,
-            (_, false, _) => self.udp,
+            (Table::Embryonic, true, _) => self.embryonic,
+            (Table::Embryonic, false, _) => self.udp_unassured,
+            (Table::Assured, true, true) => self.closing,
+            (Table::Assured, true, false) => self.tcp,
+            (Table::Assured, false, _) => self.udp,
         };
         u64::from(s) * 1_000_000_000
     }

@@ -239,7 +239,8 @@ impl DatapathMaps for FakeMaps {
 pub enum Table {
     /// UDP flows and TCP flows past their handshake (KPR_CT_V3).
     Assured,
-    /// TCP flows before their handshake completed (KPR_CT_NEW_V2).
+    /// Flows not yet assured: TCP before its handshake completed, UDP before its client sent
+    /// after an answer (KPR_CT_NEW_V2).
     Embryonic,
 }
 

@@ -60,7 +60,8 @@ pub struct Observations {
     max_age: HashMap<u32, u64>,
     /// Those Services' flows, by (service id, backend id): a flow's age counts from the
     /// collector's first sight (so it ends within a pass over the table after its maximum).
-    born: Sightings<(u32, u32), ()>,
+    /// Per table, as each has its own passes.
+    born: HashMap<Table, Sightings<(u32, u32), ()>>,
     /// Open (not closing) flows by backend id.
     counting: HashMap<Table, HashMap<u32, u32>>,
     counted: HashMap<Table, HashMap<u32, u32>>,
@@ -82,10 +83,14 @@ impl Observations {
         if v.flags & CT_F_CLOSING == 0 {
             *self.counting.entry(table).or_default().entry(v.backend_id).or_default() += 1;
         }
-        match table {
-            Table::Assured if !self.max_age.is_empty() => found.aged = self.age(t, table, k, v, now_ns)?,
-            Table::Embryonic => found.syn_timeout = self.unanswered(k, v, now_ns),
-            Table::Assured => {}
+        // A UDP flow may never leave the embryonic table (one that is never answered, or
+        // whose client never sends after a reply): its age counts there too.
+        let ages = table == Table::Assured || k.proto != PROTO_TCP;
+        if ages && !self.max_age.is_empty() {
+            found.aged = self.age(t, table, k, v, now_ns)?;
+        }
+        if table == Table::Embryonic {
+            found.syn_timeout = self.unanswered(k, v, now_ns);
         }
         Ok(found)
     }
@@ -96,9 +101,9 @@ impl Observations {
         self.counted.insert(table, counts);
         let live = self.live_counting.remove(&table).unwrap_or_default();
         self.live_counted.insert(table, live);
-        match table {
-            Table::Assured => self.born.end_pass(),
-            Table::Embryonic => self.waiting.end_pass(),
+        self.born.entry(table).or_default().end_pass();
+        if table == Table::Embryonic {
+            self.waiting.end_pass();
         }
     }
 
@@ -136,16 +141,19 @@ impl Observations {
     pub fn set_max_ages(&mut self, ages: HashMap<u32, u32>) {
         self.max_age = ages.into_iter().map(|(id, s)| (id, u64::from(s) * 1_000_000_000)).collect();
         let max_age = &self.max_age;
-        self.born.seen.retain(|_, (_, _, (service_id, _), _)| max_age.contains_key(service_id));
+        for born in self.born.values_mut() {
+            born.seen.retain(|_, (_, _, (service_id, _), _)| max_age.contains_key(service_id));
+        }
     }
 
     /// Marks a flow past its Service's maximum connection age (true: now); remembers when it
     /// was first seen.
     fn age(&mut self, t: &mut dyn ConntrackTables, table: Table, k: CtKey, v: CtValue, now_ns: u64) -> Result<bool, MapError> {
         let Some(max) = self.max_age.get(&v.service_id).copied() else { return Ok(false) };
-        let (first_seen_ns, _) = self.born.see(k, (v.service_id, v.backend_id), now_ns);
+        let born = self.born.entry(table).or_default();
+        let (first_seen_ns, _) = born.see(k, (v.service_id, v.backend_id), now_ns);
         if v.flags & CT_F_MAX_AGE == 0 && now_ns.saturating_sub(first_seen_ns) > max && t.set_flags_if(table, &k, &v, CT_F_MAX_AGE)? {
-            self.born.seen.remove(&k);
+            born.seen.remove(&k);
             return Ok(true);
         }
         Ok(false)

@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use proxy_common::{
     counter,
     user::{port_host, proto_name, v4_addr, words_addr},
-    CT_F_CLOSING, CT_F_REPLY, CT_F_SNAT, CT_F_SNAT_PENDING, SCHED_MAGLEV, SCHED_ROUND_ROBIN, SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT, SVC_F_PRESERVE_SOURCE,
-    SVC_F_SOURCE_RANGES,
+    CT_F_CLOSING, CT_F_REPLY, CT_F_SEEN_REPLY, CT_F_SNAT, CT_F_SNAT_PENDING, PROTO_TCP, SCHED_MAGLEV, SCHED_ROUND_ROBIN, SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT,
+    SVC_F_PRESERVE_SOURCE, SVC_F_SOURCE_RANGES,
 };
 use serde::Serialize;
 
@@ -85,10 +85,22 @@ pub struct FlowRow {
     /// The masquerade address and port, once the flow left the node (None: not masqueraded).
     pub snat: Option<String>,
     pub backend_id: u32,
-    /// "embryonic" (TCP before its handshake completed), "established", "closing", or
-    /// "orphan" (entries whose forward entry is gone, waiting to be collected).
+    /// "embryonic" (TCP before its handshake completed), "unreplied" or "replied" (UDP not
+    /// assured: no reply yet, or no datagram from the client since), "established", "closing",
+    /// or "orphan" (entries whose forward entry is gone, waiting to be collected).
     pub state: String,
     pub idle_s: f64,
+}
+
+/// A flow's state (see FlowRow::state) from its table and its forward entry's flags.
+fn flow_state(table: Table, proto: u8, forward_flags: u16, closing: bool) -> &'static str {
+    match (table, proto == PROTO_TCP) {
+        (Table::Embryonic, true) => "embryonic",
+        (Table::Embryonic, false) if forward_flags & CT_F_SEEN_REPLY != 0 => "replied",
+        (Table::Embryonic, false) => "unreplied",
+        (Table::Assured, _) if closing => "closing",
+        (Table::Assured, _) => "established",
+    }
 }
 
 pub fn conntrack(maps: &dyn DatapathMaps, now_ns: u64) -> Result<Vec<FlowRow>, MapError> {
@@ -96,14 +108,9 @@ pub fn conntrack(maps: &dyn DatapathMaps, now_ns: u64) -> Result<Vec<FlowRow>, M
     for table in Table::ALL {
         for f in assemble(&maps.conntrack().entries(table)?) {
             let addr = |a: u32, p: u16| format!("{}:{}", v4_addr(a), port_host(p));
-            let state = if f.forward.is_none() {
-                "orphan"
-            } else if table == Table::Embryonic {
-                "embryonic"
-            } else if f.closing() {
-                "closing"
-            } else {
-                "established"
+            let state = match &f.forward {
+                None => "orphan",
+                Some((_, v)) => flow_state(table, f.proto(), v.flags, f.closing()),
             };
             let (client, frontend, backend) = match (&f.forward, &f.reverse_dnat) {
                 (Some((k, v)), _) => (addr(k.saddr, k.sport), addr(k.daddr, k.dport), addr(v.new_daddr, v.new_dport)),
@@ -130,13 +137,7 @@ pub fn conntrack(maps: &dyn DatapathMaps, now_ns: u64) -> Result<Vec<FlowRow>, M
             if v.flags & CT_F_REPLY != 0 {
                 continue;
             }
-            let state = if table == Table::Embryonic {
-                "embryonic"
-            } else if v.flags & CT_F_CLOSING != 0 {
-                "closing"
-            } else {
-                "established"
-            };
+            let state = flow_state(table, k.proto, v.flags, v.flags & CT_F_CLOSING != 0);
             rows.push(FlowRow {
                 proto: proto_name(k.proto).into(),
                 client: addr6(k.saddr, k.sport),

@@ -105,9 +105,57 @@ fn orphans_and_embryonic_flows_time_out() {
     assert_eq!(st.entries, 1);
 }
 
+/// A collector round at `secs`, every entry of `table` stamped then (busy flows).
+fn busy_round(t: &mut FakeTables, gc: &mut Gc, table: Table, secs: u64) -> GcStats {
+    let now = secs * 1_000_000_000;
+    for v in t.table_mut(table).values_mut() {
+        v.last_seen_ns = now;
+    }
+    gc.round(t, now).unwrap()
+}
+
+/// A UDP flow not assured (no answer, or no datagram from its client after one) ages at the
+/// kernel's plain UDP timeout (30 s by default), an assured one at the stream timeout (120 s).
+#[test]
+fn udp_flows_not_assured_time_out_at_the_plain_udp_timeout() {
+    let s = 1_000_000_000u64;
+    let mut t = FakeTables::default();
+    let unassured = flow(PROTO_UDP, ("10.244.9.2", 6000), ("10.96.0.53", 53), ("10.244.2.2", 5353), 6000, None, 0);
+    let assured = flow(PROTO_UDP, ("10.244.9.2", 6001), ("10.96.0.53", 53), ("10.244.2.2", 5353), 6001, None, 0);
+    t.embryonic.extend(unassured.iter().copied());
+    t.assured.extend(assured.iter().copied());
+    let timeouts = Timeouts::from_settings(&crate::settings::ConntrackSettings::default());
+    assert_eq!((timeouts.udp_unassured, timeouts.udp), (30, 120));
+    let mut gc = Gc::new(timeouts, 16);
+    assert_eq!(gc.round(&mut t, 29 * s).unwrap().flows, 0);
+    assert_eq!(gc.round(&mut t, 31 * s).unwrap().flows, 1);
+    assert!(t.embryonic.is_empty());
+    assert_eq!(t.assured.len(), 2, "the assured flow waits for the stream timeout");
+    assert_eq!(gc.round(&mut t, 121 * s).unwrap().flows, 1);
+    // conntrack.udpTimeout sets it.
+    let set = crate::settings::ConntrackSettings { udp: Some(std::time::Duration::from_secs(5)), ..Default::default() };
+    assert_eq!(Timeouts::from_settings(&set).udp_unassured, 5);
+}
+
+/// A UDP flow may stay embryonic all its life (never answered, as a syslog stream): its
+/// Service's maximum age reaches it there too. An embryonic TCP flow is the SYN timeout's.
+#[test]
+fn a_udp_flow_never_assured_is_marked_past_its_maximum_age() {
+    let mut t = FakeTables::default();
+    let udp = flow(PROTO_UDP, ("10.244.9.2", 6000), ("10.96.0.53", 53), ("10.244.2.2", 5353), 6000, None, 0);
+    let tcp = flow(PROTO_TCP, ("10.244.9.2", 7000), ("10.96.0.10", 80), ("10.244.1.2", 8080), 7000, None, 0);
+    t.embryonic.extend(udp.iter().chain(&tcp).copied());
+    let mut gc = Gc::new(Timeouts::default(), 16);
+    gc.set_max_ages([(3, 10)].into_iter().collect());
+    let at = |t: &mut FakeTables, gc: &mut Gc, secs: u64| busy_round(t, gc, Table::Embryonic, secs);
+    assert_eq!(at(&mut t, &mut gc, 100).aged, 0, "first seen at 100 s");
+    assert_eq!(at(&mut t, &mut gc, 111).aged, 1);
+    assert!(t.embryonic[&udp[0].0].flags & CT_F_MAX_AGE != 0, "the UDP flow's forward entry carries the mark");
+    assert!(t.embryonic[&tcp[0].0].flags & CT_F_MAX_AGE == 0, "not the embryonic TCP flow");
+}
+
 #[test]
 fn flows_past_their_services_maximum_age_are_marked_once_counted_from_first_sight() {
-    let s = 1_000_000_000u64;
     let mut t = FakeTables::default();
     let aged = flow(PROTO_TCP, ("10.244.9.2", 7000), ("10.96.0.10", 80), ("10.244.1.2", 8080), 7000, None, 0);
     let mut other = flow(PROTO_TCP, ("10.244.9.2", 7001), ("10.96.0.11", 80), ("10.244.1.2", 8080), 7001, None, 0);
@@ -120,12 +168,7 @@ fn flows_past_their_services_maximum_age_are_marked_once_counted_from_first_sigh
     let mut gc = Gc::new(Timeouts::default(), 16);
     gc.set_max_ages([(3, 10)].into_iter().collect());
     // Busy flows (stamped every round): only the age can end them.
-    let at = |t: &mut FakeTables, gc: &mut Gc, secs: u64| {
-        for v in t.assured.values_mut() {
-            v.last_seen_ns = secs * s;
-        }
-        gc.round(t, secs * s).unwrap()
-    };
+    let at = |t: &mut FakeTables, gc: &mut Gc, secs: u64| busy_round(t, gc, Table::Assured, secs);
     assert_eq!(at(&mut t, &mut gc, 100).aged, 0, "first seen at 100 s");
     assert_eq!(at(&mut t, &mut gc, 105).aged, 0);
     let generation = t.flow_cache_generation;
