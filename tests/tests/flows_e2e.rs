@@ -1,8 +1,8 @@
 //! Flows follow their endpoints, end to end: UDP clients leave a removed endpoint at once (pods
 //! through the data path's conntrack, the node's own processes through their sockets),
 //! connect-time balancing is for the host's sockets only, kube-proxy's verdicts, assured flows
-//! survive a SYN flood several times the conntrack's size, and a Service's maximum connection
-//! age ends old connections.
+//! survive a SYN or UDP flood several times the conntrack's size, and a Service's maximum
+//! connection age ends old connections.
 use std::{
     io::{BufRead, BufReader, Write},
     path::PathBuf,
@@ -197,25 +197,39 @@ fn kube_proxys_verdicts_without_endpoints() {
 
 #[test]
 fn assured_flows_survive_a_syn_flood_several_times_the_conntrack() {
-    // A small conntrack (16,384 assured, 4,096 embryonic) and a flood of 100,000 spoofed SYNs
-    // from the pod's interface towards a two-endpoint ClusterIP: 5x the tables together. No
-    // masquerade on this path, so the SNAT port space does not cap the flood.
-    let (lab, _dir) = lab("kpf5", &["--max-conntrack", "16384", "--max-conntrack-embryonic", "4096"]);
+    assured_flows_survive_a_flood("kpf5", "synflood", "10.96.0.10:80");
+}
+
+/// Before, UDP flows started in the assured table: a UDP flood evicted established TCP flows.
+/// Now a UDP flow is assured only by its client's datagram after an answer, which a spoofed
+/// source never sends (the dns backends answer the flood, towards the spoofed sources).
+#[test]
+fn assured_flows_survive_a_udp_flood_several_times_the_conntrack() {
+    assured_flows_survive_a_flood("kpfc", "udpflood", "10.96.0.53:53");
+}
+
+/// A small conntrack (16,384 assured, 4,096 embryonic) and a flood of 100,000 spoofed packets
+/// (`flood`: the peer's synflood or udpflood) from the pod's interface towards a ClusterIP: 5x
+/// the tables together. No masquerade on this path, so the SNAT port space does not cap the
+/// flood. 100 held TCP connections keep their backends and answer.
+fn assured_flows_survive_a_flood(prefix: &str, flood: &str, target: &str) {
+    let (lab, _dir) = lab(prefix, &["--max-conntrack", "16384", "--max-conntrack-embryonic", "4096"]);
     let mut held = lab.peer_cmd("pod", &["hold-many", "10.96.0.10:80", "100"]).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
     let mut out = BufReader::new(held.stdout.take().unwrap());
     let mut line = String::new();
     out.read_line(&mut line).unwrap();
     assert_eq!(line.trim(), "ready");
-    let flood = lab.peer("pod", &["synflood", "10.96.0.10:80", "100000"]);
-    assert!(flood["sent"].as_u64().unwrap() >= 90_000, "{flood}");
+    let sent = lab.peer("pod", &[flood, target, "100000"]);
+    assert!(sent["sent"].as_u64().unwrap() >= 90_000, "{sent}");
     let status = lab.cli(&["status"]);
-    let new_flows: u64 = status.lines().find(|l| l.starts_with("new_flow")).and_then(|l| l.split_whitespace().nth(1)).unwrap().parse().unwrap();
-    assert!(new_flows >= 80_000, "the flood must have made new flows: {status}");
+    let counter = |name: &str| -> u64 { status.lines().find(|l| l.starts_with(name)).and_then(|l| l.split_whitespace().nth(1)).unwrap().parse().unwrap() };
+    assert!(counter("new_flow") >= 80_000, "the flood must have made new flows: {status}");
+    assert!(counter("ct_embryonic_evicted") > 0, "the flood must have filled the embryonic table: {status}");
     held.stdin.take().unwrap().write_all(b"check\n").unwrap();
     line.clear();
     out.read_line(&mut line).unwrap();
     let v: serde_json::Value = serde_json::from_str(&line).unwrap();
-    println!("held connections after the flood: {v}");
+    println!("held connections after the {flood}: {v}");
     assert_eq!((v["same"].as_u64(), v["moved"].as_u64(), v["errors"].as_u64()), (Some(100), Some(0), Some(0)), "{v}");
     let _ = held.wait();
 }

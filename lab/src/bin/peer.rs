@@ -29,6 +29,7 @@
 //!                                          request on each: JSON {same, moved, errors}
 //!   synflood IP:PORT COUNT                 COUNT TCP SYNs from random spoofed sources in
 //!                                          10.244.128.0/17 (raw socket); prints JSON
+//!   udpflood IP:PORT COUNT                 the same with UDP datagrams (4 bytes each)
 use std::{
     collections::BTreeMap,
     io::{BufRead, BufReader, Read, Write},
@@ -258,7 +259,8 @@ impl Tally {
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let arg = |i: usize| args.get(i).cloned().unwrap_or_else(|| panic!("missing argument {i}; see the file header for usage"));
-    match arg(0).as_str() {
+    let cmd = arg(0);
+    match cmd.as_str() {
         "serve" => serve(arg(1), arg(2).parse().unwrap(), arg(3).parse().unwrap()),
         "burst" => {
             let target: SocketAddr = arg(1).parse().unwrap();
@@ -589,19 +591,21 @@ fn main() {
             }
             println!("{}", serde_json::json!({"same": same, "moved": moved, "errors": errors, "first_error": first_error}));
         }
-        "synflood" => {
+        "synflood" | "udpflood" => {
             let target: SocketAddr = arg(1).parse().unwrap();
             let count: u64 = arg(2).parse::<u64>().unwrap().min(20_000_000);
             let SocketAddr::V4(t4) = target else { panic!("IPv4 only") };
-            let sent = synflood(*t4.ip(), t4.port(), count);
+            let proto = if cmd == "synflood" { 6 } else { 17 };
+            let sent = flood(*t4.ip(), t4.port(), count, proto);
             println!("{}", serde_json::json!({"sent": sent}));
         }
         other => panic!("unknown command {other:?}; see the file header for usage"),
     }
 }
 
-/// Raw TCP SYNs with spoofed sources (IP_HDRINCL); bounded by `count` and 120 s.
-fn synflood(dst: std::net::Ipv4Addr, dport: u16, count: u64) -> u64 {
+/// Raw TCP SYNs (`proto` 6) or UDP datagrams (17) with spoofed sources (IP_HDRINCL); bounded
+/// by `count` and 120 s.
+fn flood(dst: std::net::Ipv4Addr, dport: u16, count: u64, proto: u8) -> u64 {
     fn csum(data: &[u8], mut sum: u32) -> u16 {
         for c in data.chunks(2) {
             sum += u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]));
@@ -625,31 +629,45 @@ fn synflood(dst: std::net::Ipv4Addr, dport: u16, count: u64) -> u64 {
         x ^= x << 17;
         let src = std::net::Ipv4Addr::from(0x0af4_8000u32 | (x as u32 & 0x7fff));
         let sport = 1024 + ((x >> 32) as u16 % 60_000);
+        // TCP: a 20-byte header, SYN; UDP: 8 bytes and a 4-byte payload.
+        let l4_len: usize = if proto == 6 { 20 } else { 12 };
+        let len = 20 + l4_len;
         let mut pkt = [0u8; 40];
         pkt[0] = 0x45;
-        pkt[2..4].copy_from_slice(&40u16.to_be_bytes());
+        pkt[2..4].copy_from_slice(&(len as u16).to_be_bytes());
         pkt[8] = 64;
-        pkt[9] = 6;
+        pkt[9] = proto;
         pkt[12..16].copy_from_slice(&src.octets());
         pkt[16..20].copy_from_slice(&dst.octets());
         let c = csum(&pkt[..20], 0);
         pkt[10..12].copy_from_slice(&c.to_be_bytes());
-        let tcp = &mut pkt[20..];
-        tcp[0..2].copy_from_slice(&sport.to_be_bytes());
-        tcp[2..4].copy_from_slice(&dport.to_be_bytes());
-        tcp[4..8].copy_from_slice(&(x as u32).to_be_bytes());
-        tcp[12] = 5 << 4;
-        tcp[13] = 0x02;
-        tcp[14..16].copy_from_slice(&64240u16.to_be_bytes());
+        let l4 = &mut pkt[20..len];
+        l4[0..2].copy_from_slice(&sport.to_be_bytes());
+        l4[2..4].copy_from_slice(&dport.to_be_bytes());
+        let csum_at = if proto == 6 {
+            l4[4..8].copy_from_slice(&(x as u32).to_be_bytes());
+            l4[12] = 5 << 4;
+            l4[13] = 0x02;
+            l4[14..16].copy_from_slice(&64240u16.to_be_bytes());
+            16
+        } else {
+            l4[4..6].copy_from_slice(&(l4_len as u16).to_be_bytes());
+            l4[8..12].copy_from_slice(b"kpr!");
+            6
+        };
         let mut pseudo = Vec::with_capacity(32);
         pseudo.extend_from_slice(&src.octets());
         pseudo.extend_from_slice(&dst.octets());
-        pseudo.extend_from_slice(&[0, 6, 0, 20]);
-        pseudo.extend_from_slice(tcp);
-        let c = csum(&pseudo, 0);
-        pkt[36..38].copy_from_slice(&c.to_be_bytes());
+        pseudo.extend_from_slice(&[0, proto, 0, l4_len as u8]);
+        pseudo.extend_from_slice(l4);
+        // UDP sends a computed zero as all ones (zero says "no checksum").
+        let c = match csum(&pseudo, 0) {
+            0 if proto == 17 => 0xffff,
+            c => c,
+        };
+        l4[csum_at..csum_at + 2].copy_from_slice(&c.to_be_bytes());
         let rc = unsafe {
-            libc::sendto(fd, pkt.as_ptr().cast(), pkt.len(), 0, (&addr as *const libc::sockaddr_in).cast(), std::mem::size_of::<libc::sockaddr_in>() as u32)
+            libc::sendto(fd, pkt.as_ptr().cast(), len, 0, (&addr as *const libc::sockaddr_in).cast(), std::mem::size_of::<libc::sockaddr_in>() as u32)
         };
         if rc < 0 {
             // ENOBUFS under load: back off a little, bounded by the deadline.
