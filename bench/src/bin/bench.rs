@@ -37,7 +37,7 @@ const BACKENDS6: [&str; 3] = ["fd00:244::2", "fd00:244::3", "fd00:244::4"];
 const CLIENT6: &str = "2001:db8:c::1";
 
 /// N services on 3 endpoints each, spread over 60,000 addresses of 10.244.0.0/16, the IPv6
-/// one, and UDP on the last one's address and port (a new UDP flow starts in the assured table).
+/// one, and UDP on the last one's address and port (a new UDP flow starts in the embryonic table, as a TCP one).
 fn desired(n: u32) -> DesiredState {
     let mut d = kpr_bench::clusterips(n, 3, vip, 0x0af4_0002, 60_000);
     let backends = BACKENDS6.iter().map(|b| BackendKey { ip: b.parse().unwrap(), port: 8080, proto: Protocol::Tcp }).collect();
@@ -524,8 +524,8 @@ fn main() {
             }
             results.push(row);
         }
-        // A new UDP flow: its first datagram; it starts in the assured table (an LRU), where a
-        // TCP flow arrives only at its handshake's end.
+        // A new UDP flow: its first datagram; it starts in the embryonic table, as a TCP flow
+        // does, and is not cached until assured.
         proxy_agent::dataplane::ebpf::maps::DatapathMaps::set_config(&mut maps, cfg).expect("config");
         let mut udp = Vec::new();
         for p in [Prog::Tc, Prog::Xdp] {
@@ -536,6 +536,19 @@ fn main() {
             new_udp.push(serde_json::json!({"services": n, "program": p.name(), "new_udp_flow_ns": ns}));
         }
         println!("{n:>9} new UDP flow (first datagram, mean of {new_flows}): {}", udp.join(", "));
+        // A UDP flow never answered stays embryonic and uncached: each datagram probes the
+        // assured table (a miss), then the embryonic one.
+        let mut unanswered = Vec::new();
+        for p in [Prog::Tc, Prog::Xdp] {
+            let frame = Frame::udp("10.244.200.4", 999, &target.to_string(), 80, b"q").bytes();
+            run(&mut dp, p, &frame, 1);
+            let before = counters(&maps)[counter::NEW_FLOW as usize];
+            let ns = median((0..runs).map(|_| run(&mut dp, p, &frame, repeat).0).collect());
+            check(&format!("{} an unanswered UDP flow's datagrams", p.name()), counters(&maps)[counter::NEW_FLOW as usize] - before, 0);
+            unanswered.push(format!("{} {ns:.1} ns", p.name()));
+            new_udp.push(serde_json::json!({"services": n, "program": p.name(), "unanswered_udp_datagram_ns": ns}));
+        }
+        println!("{n:>9} datagram of a UDP flow never answered (embryonic, uncached; median of {runs} runs): {}", unanswered.join(", "));
         // Flows of this size must not help the next one.
         clear_conntrack(&mut maps);
     }
