@@ -190,3 +190,49 @@ pub fn render_conntrack(rows: &[FlowRow]) -> String {
     }
     s
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dataplane::ebpf::maps::FakeMaps;
+    use proxy_common::{CtKey, CtKey6, CtValue, CtValue6, CT_DIR_INGRESS, PROTO_UDP};
+
+    /// A flow's forward entry from client port `port`, with `flags`.
+    fn forward(proto: u8, port: u16, flags: u16) -> (CtKey, CtValue) {
+        let k = CtKey { saddr: 1, daddr: 2, sport: port.to_be(), dport: 53u16.to_be(), proto, dir: CT_DIR_INGRESS, _pad: 0 };
+        (
+            k,
+            CtValue {
+                new_saddr: 1,
+                new_daddr: 3,
+                new_sport: port.to_be(),
+                new_dport: 53u16.to_be(),
+                backend_id: 1,
+                service_id: 1,
+                flags,
+                ..Default::default()
+            },
+        )
+    }
+
+    /// Flows not yet assured say why: TCP's handshake, or UDP's missing answer (or the client's
+    /// datagram after it); assured ones are established or closing, in both families.
+    #[test]
+    fn each_flow_shows_its_state() {
+        let mut m = FakeMaps::default();
+        for (table, (k, v)) in [
+            (Table::Embryonic, forward(PROTO_TCP, 1, 0)),
+            (Table::Embryonic, forward(PROTO_UDP, 2, 0)),
+            (Table::Embryonic, forward(PROTO_UDP, 3, CT_F_SEEN_REPLY)),
+            (Table::Assured, forward(PROTO_UDP, 4, CT_F_SEEN_REPLY)),
+            (Table::Assured, forward(PROTO_TCP, 5, CT_F_CLOSING)),
+        ] {
+            m.conntrack.table_mut(table).insert(k, v);
+        }
+        let k6 = CtKey6 { sport: 6u16.to_be(), proto: PROTO_UDP, dir: CT_DIR_INGRESS, ..Default::default() };
+        m.ipv6_embryonic.insert(k6, CtValue6::default());
+        let rows = conntrack(&m, 0).unwrap();
+        let state = |port: &str| rows.iter().find(|r| r.client.ends_with(port)).map(|r| r.state.as_str()).unwrap();
+        assert_eq!([":1", ":2", ":3", ":4", ":5", ":6"].map(state), ["embryonic", "unreplied", "replied", "established", "closing", "unreplied"], "{rows:?}");
+    }
+}
