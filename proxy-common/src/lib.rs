@@ -36,7 +36,9 @@ macro_rules! map_name {
     // V2: a preallocated hash (an LRU before), its evictions from the ring CT_NEW_RING.
     (CONNTRACK_NEW) => { "KPR_CT_NEW_V2" };
     (CONNTRACK6) => { "KPR_CT6_V1" };
-    (CONNTRACK6_NEW) => { "KPR_CT6_NEW_V1" };
+    // V2: a preallocated hash (an LRU before), as IPv4's: its evictions from CT6_NEW_RING,
+    // counted, and its idle flows collected by the agent.
+    (CONNTRACK6_NEW) => { "KPR_CT6_NEW_V2" };
     (IFACES) => { "KPR_IFACE_V1" };
     (AFFINITY) => { "KPR_AFF_V1" };
     (SOURCE_RANGES) => { "KPR_SRCRNG_V1" };
@@ -67,6 +69,9 @@ macro_rules! map_name {
     (CT_NEW_RING) => { "KPR_CTN_RING" };
     (CT_NEW_RING_POS) => { "KPR_CTN_RING_POS" };
     (CT_NEW_RING_BUSY) => { "KPR_CTN_BUSY" };
+    (CT6_NEW_RING) => { "KPR_CTN6_RING" };
+    (CT6_NEW_RING_POS) => { "KPR_CTN6_RING_POS" };
+    (CT6_NEW_RING_BUSY) => { "KPR_CTN6_BUSY" };
     (CT_FORGET_KEYS) => { "KPR_CT_FORGET" };
 }
 
@@ -75,6 +80,8 @@ pub mod map_names {
     /// The embryonic flows' ring and its positions: the agent sizes both by the possible CPUs.
     pub const CT_NEW_RING: &str = map_name!(CT_NEW_RING);
     pub const CT_NEW_RING_POS: &str = map_name!(CT_NEW_RING_POS);
+    pub const CT6_NEW_RING: &str = map_name!(CT6_NEW_RING);
+    pub const CT6_NEW_RING_POS: &str = map_name!(CT6_NEW_RING_POS);
     pub const SERVICES: &str = map_name!(SERVICES);
     pub const SLOTS: &str = map_name!(SLOTS);
     pub const MAGLEV: &str = map_name!(MAGLEV);
@@ -109,7 +116,7 @@ pub mod map_names {
     pub const SETS: [&str; 5] = [SET_IP_PORT, SET_IP_PORT_IP, SET_IP_PORT_NET, SET_PORT, SET_IP];
     /// Pins of earlier layouts: removed at load, so an upgrade does not keep them (and their
     /// memory) alive next to their successors.
-    pub const RETIRED: [&str; 22] = [
+    pub const RETIRED: [&str; 23] = [
         "KPR_SVC_V1",
         "KPR_SLOT_V1",
         "KPR_BE_V1",
@@ -132,6 +139,7 @@ pub mod map_names {
         BACKENDS_V2,
         CONNTRACK_NEW_V1,
         COUNTERS_V6,
+        CONNTRACK6_NEW_V1,
     ];
     /// The backend map before it was an array (a hash map of the same entries): at load its
     /// entries are carried into KPR_BE_V3 with their ids, then its pin is removed.
@@ -139,11 +147,14 @@ pub mod map_names {
     /// The embryonic table when it was an LRU: at load its entries are carried into
     /// KPR_CT_NEW_V2, then its pin is removed.
     pub const CONNTRACK_NEW_V1: &str = "KPR_CT_NEW_V1";
+    /// IPv6's embryonic table when it was an LRU: at load its entries are carried into
+    /// KPR_CT6_NEW_V2, then its pin is removed.
+    pub const CONNTRACK6_NEW_V1: &str = "KPR_CT6_NEW_V1";
     /// The counters when the map held exactly the counters of its day: at load its counts are
     /// added into KPR_CNT_V7's, then its pin is removed.
     pub const COUNTERS_V6: &str = "KPR_CNT_V6";
     /// The retired maps whose entries a load carries over before it removes their pins.
-    pub const CARRIED: [&str; 3] = [BACKENDS_V2, CONNTRACK_NEW_V1, COUNTERS_V6];
+    pub const CARRIED: [&str; 4] = [BACKENDS_V2, CONNTRACK_NEW_V1, COUNTERS_V6, CONNTRACK6_NEW_V1];
     /// Every map the fast path pins.
     pub const ALL: [&str; 19] = [
         SERVICES,
@@ -329,7 +340,7 @@ pub mod limits {
     pub const MAX_CONNTRACK_NEW: u32 = 131_072;
     /// IPv6 flows through the packet path (KPR_CT6_V1): two entries a flow.
     pub const MAX_CONNTRACK6: u32 = 65_536;
-    /// IPv6 flows not yet assured (KPR_CT6_NEW_V1): two entries a flow.
+    /// IPv6 flows not yet assured (KPR_CT6_NEW_V2): two entries a flow.
     pub const MAX_CONNTRACK6_NEW: u32 = 32_768;
     /// Interfaces with their own masquerade address (KPR_IFACE_V1).
     pub const MAX_IFACES: u32 = 4096;
@@ -345,6 +356,8 @@ pub mod limits {
     /// possible CPU. A full embryonic table evicts the oldest of them (see proxy-ebpf's
     /// conntrack.rs).
     pub const CT_NEW_RING_SLOTS: u32 = 8192;
+    /// The same for IPv6's embryonic table (a power of two; 40-byte keys): 80 KiB a possible CPU.
+    pub const CT6_NEW_RING_SLOTS: u32 = 2048;
     /// Flow cache slots per CPU (a power of two): 96 KiB a CPU.
     pub const FLOW_CACHE_SLOTS: u32 = 2048;
     /// A flow cache entry is re-checked against conntrack (and refreshes its timestamp there)

@@ -11,20 +11,21 @@
 //! whose client never sends after one (a DNS query), stays in CONNTRACK_NEW until it times out.
 //!
 //! Flows keep their backend whatever happens to the service afterwards.
-use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_get_smp_processor_id, bpf_ktime_get_coarse_ns};
+use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns};
 use proxy_common::{
     counter, Backend, CtKey, CtRole, CtScratch, CtValue, DatapathConfig, CT_DIR_EGRESS, CT_DIR_INGRESS,
     CT_F_CLOSING, CT_F_MAX_AGE, CT_F_REFUSED, CT_F_REPLY, CT_F_SEEN_REPLY, CT_F_SNAT, CT_F_SNAT_PENDING, PROTO_TCP, PROTO_UDP,
-    SNAT_PORT_MAX, SNAT_PORT_MIN, limits::CT_NEW_RING_SLOTS,
+    SNAT_PORT_MAX, SNAT_PORT_MIN,
 };
 
 use crate::{
     counters::{self, bump},
     flowcache,
     lb,
-    maps::{BPF_NOEXIST, CLOCK, CONNTRACK, CONNTRACK_NEW, CT_FORGET_KEYS, CT_NEW_RING, CT_NEW_RING_BUSY, CT_NEW_RING_POS, CT_SCRATCH, E2BIG, EEXIST, IFACES},
+    maps::{BPF_NOEXIST, CLOCK, CONNTRACK, CONNTRACK_NEW, CT_FORGET_KEYS, CT_SCRATCH, E2BIG, EEXIST, IFACES},
     parse::{Flow, TCP_RST},
     rewrite::Rewrite,
+    ring,
 };
 
 /// CLOCK_MONOTONIC coarse ns, read through the helper once per jiffy and CPU (see ClockCache).
@@ -392,36 +393,6 @@ pub fn random_port(cfg: &DatapathConfig) -> u16 {
     (p as u16).to_be()
 }
 
-/// A CPU whose part of the ring holds at least this many keys says so in CT_NEW_RING_BUSY
-/// (checked every this many keys: the shared word is seldom written).
-const RING_BUSY: u32 = 256;
-
-/// Records a new embryonic flow's forward key in this CPU's part of the ring, overwriting its
-/// oldest.
-#[inline(always)]
-fn remember_embryonic(k: &CtKey) {
-    let cpu = unsafe { bpf_get_smp_processor_id() };
-    let Some(pos) = CT_NEW_RING_POS.get_ptr_mut(cpu) else {
-        return;
-    };
-    let pos = unsafe { &mut *pos };
-    if let Some(slot) = CT_NEW_RING.get_ptr_mut(cpu.wrapping_mul(CT_NEW_RING_SLOTS) + (pos.head & (CT_NEW_RING_SLOTS - 1))) {
-        unsafe { *slot = *k };
-    }
-    pos.head = pos.head.wrapping_add(1);
-    let held = pos.head.wrapping_sub(pos.tail);
-    if held > CT_NEW_RING_SLOTS {
-        pos.tail = pos.head.wrapping_sub(CT_NEW_RING_SLOTS);
-    }
-    if pos.head % RING_BUSY == 0 && held >= RING_BUSY {
-        if let Some(busy) = CT_NEW_RING_BUSY.get_ptr_mut(0) {
-            if unsafe { *busy } != cpu {
-                unsafe { *busy = cpu };
-            }
-        }
-    }
-}
-
 /// The embryonic table is full: forgets the oldest flow still embryonic of this CPU's part of
 /// the ring or, if it has none, of the busy CPU's (a flood on one CPU must not keep the others
 /// from opening flows). A part is read from its tail, the oldest key not yet taken; keys whose
@@ -431,37 +402,14 @@ fn remember_embryonic(k: &CtKey) {
 /// counted (ct_embryonic_evicted). Rare: a subprogram.
 #[inline(never)]
 fn make_room() -> bool {
-    let cpu = unsafe { bpf_get_smp_processor_id() };
-    let busy = CT_NEW_RING_BUSY.get(0).copied().unwrap_or(cpu);
     // Few values live across the calls: the frame has 32 bytes (see forget_with).
-    let mut tries = 0;
-    while tries < 8 {
-        let part = if tries < 4 { cpu } else { busy };
-        tries += 1;
-        let Some(pos) = CT_NEW_RING_POS.get_ptr_mut(part) else {
-            continue;
-        };
-        let pos = unsafe { &mut *pos };
-        if pos.tail == pos.head {
-            continue;
-        }
-        let Some(slot) = CT_NEW_RING.get_ptr_mut(part.wrapping_mul(CT_NEW_RING_SLOTS) + (pos.tail & (CT_NEW_RING_SLOTS - 1))) else {
-            continue;
-        };
-        pos.tail = pos.tail.wrapping_add(1);
-        let k = unsafe { &*slot };
-        if let Some(v) = unsafe { CONNTRACK_NEW.get(k) } {
-            if k.role(v) == CtRole::Forward {
-                let Some(keys) = CT_FORGET_KEYS.get_ptr_mut(0) else {
-                    return false;
-                };
-                forget_with(Table::Embryonic, k, v, unsafe { &mut *keys });
-                bump(counter::CT_EMBRYONIC_EVICTED);
-                return true;
-            }
-        }
-    }
-    false
+    ring::ipv4().evict_oldest(|k| {
+        let Some(v) = (unsafe { CONNTRACK_NEW.get(k) }) else { return false };
+        let Some(keys) = CT_FORGET_KEYS.get_ptr_mut(0).filter(|_| k.role(v) == CtRole::Forward) else { return false };
+        forget_with(Table::Embryonic, k, v, unsafe { &mut *keys });
+        bump(counter::CT_EMBRYONIC_EVICTED);
+        true
+    })
 }
 
 /// Claims a new flow's reply tuple (B:b -> C:p at egress) by inserting its reverse-DNAT entry
@@ -596,7 +544,7 @@ pub fn create(f: &Flow, now: u64, backend_id: u32, service_id: u32, be: &Backend
         bump(counter::CT_INSERT_FAILED);
         return None;
     }
-    remember_embryonic(&s.keys[0]);
+    ring::ipv4().remember(&s.keys[0]);
     Some(Rewrite::of(&s.values[0]))
 }
 

@@ -6,7 +6,9 @@
 //! Two tables, as IPv4's (conntrack.rs): a flow lives in CONNTRACK6_NEW until it is assured
 //! (the backend's reply was seen and the client sent a packet after it: TCP's handshake, or a
 //! UDP flow's datagram after its first reply), then moves to CONNTRACK6, so a flood from
-//! outside (SYNs, or UDP) evicts only flows not yet assured.
+//! outside (SYNs, or UDP) evicts only flows not yet assured. CONNTRACK6_NEW is a preallocated
+//! hash with IPv4's eviction (ring.rs, `make_room`), and the agent collects its idle flows; the
+//! assured table is an LRU.
 use proxy_common::{
     counter, Backend, CtKey6, CtValue6, DatapathConfig, CT_DIR_EGRESS, CT_DIR_INGRESS, CT_F_CLOSING, CT_F_REPLY,
     CT_F_SEEN_REPLY, CT_F_SNAT, PROTO_TCP, PROTO_UDP,
@@ -15,17 +17,18 @@ use proxy_common::{
 use crate::{
     conntrack::{self, random_port, Table},
     counters::bump,
-    maps::{BPF_NOEXIST, EEXIST, CONNTRACK6, CONNTRACK6_NEW, CT_SCRATCH6},
+    maps::{BPF_NOEXIST, E2BIG, EEXIST, CONNTRACK6, CONNTRACK6_NEW, CT_SCRATCH6},
     parse6::Flow6,
+    ring,
 };
 
 /// A closing flow (FIN or RST seen) idle this long is over: a new SYN on its tuple before then
 /// is still a new flow (the forward entry checks for it), this only bounds what a lost FIN costs.
 const CLOSING_TIMEOUT_NS: u64 = 10_000_000_000;
 
-/// An embryonic TCP flow idle this long is over (the IPv4 collector's embryonic timeout): a SYN
-/// on its tuple then starts a new flow, on a backend chosen anew. An embryonic UDP flow ages as
-/// an assured one (the LRU evicts it first anyway).
+/// An embryonic TCP flow idle this long is over (the collectors' embryonic timeout): a SYN on
+/// its tuple then starts a new flow, on a backend chosen anew. Here an embryonic UDP flow ages
+/// as an assured one; the agent's collector deletes it sooner (the plain UDP timeout).
 const EMBRYONIC_TIMEOUT_NS: u64 = 60_000_000_000;
 
 /// IPv6's side of conntrack::Table (the same two tables, for IPv6 keys).
@@ -46,11 +49,15 @@ impl Table {
             Table::Embryonic => CONNTRACK6_NEW.get_ptr_mut(k),
         }
     }
+    /// A full embryonic table makes room first (`make_room`), as IPv4's.
     #[inline(always)]
     fn insert6(self, k: &CtKey6, v: &CtValue6, flags: u64) -> Result<(), i32> {
         match self {
             Table::Assured => CONNTRACK6.insert(k, v, flags),
-            Table::Embryonic => CONNTRACK6_NEW.insert(k, v, flags),
+            Table::Embryonic => match CONNTRACK6_NEW.insert(k, v, flags) {
+                Err(e) if e == -E2BIG && make_room() => CONNTRACK6_NEW.insert(k, v, flags),
+                r => r,
+            },
         }
     }
     #[inline(always)]
@@ -217,8 +224,25 @@ fn closing(key: &CtKey6, v: &mut CtValue6, table: Table) {
     }
 }
 
+/// The embryonic table is full: forgets the oldest flow still embryonic of this CPU's part of
+/// CT6_NEW_RING or, if it has none, of the busy CPU's (see conntrack::make_room). False:
+/// nothing found (the table is full of flows no part remembers, which the collector times
+/// out). Each eviction is counted (ct_embryonic_evicted, with IPv4's). Rare: a subprogram.
+#[inline(never)]
+fn make_room() -> bool {
+    ring::ipv6().evict_oldest(|k| match unsafe { CONNTRACK6_NEW.get(k) } {
+        Some(v) if k.dir == CT_DIR_INGRESS && v.flags & CT_F_REPLY == 0 => {
+            forget(Table::Embryonic, k, v);
+            bump(counter::CT_EMBRYONIC_EVICTED);
+            true
+        }
+        _ => false,
+    })
+}
+
 /// Deletes a flow's two entries (`v`: the forward one); the reply's only while it is still
-/// this flow's (after an LRU eviction its key may belong to a newer flow). Rare: a subprogram.
+/// this flow's (after the assured LRU evicted it, or the collector deleted it, its key may
+/// belong to a newer flow). Rare: a subprogram.
 #[inline(never)]
 fn forget(table: Table, fwd_key: &CtKey6, v: &CtValue6) {
     let rev_key = CtKey6::reversed_of(v, fwd_key.proto, CT_DIR_EGRESS);
@@ -276,5 +300,6 @@ pub fn create(f: &Flow6, now: u64, backend_id: u32, service_id: u32, be: &Backen
         bump(counter::CT_INSERT_FAILED);
         return None;
     }
+    ring::ipv6().remember(&s.keys[1]);
     Some(Rewrite6::of(&s.values[1]))
 }

@@ -33,6 +33,7 @@ mod pipeline;
 mod pipeline6;
 mod pkt;
 mod reject;
+mod ring;
 mod rewrite;
 mod sock;
 

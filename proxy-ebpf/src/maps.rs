@@ -87,14 +87,14 @@ map! {
     CT_NEW_RING_BUSY: Array<u32> = Array::with_max_entries(1, 0)
 }
 
-/// A CT_NEW_RING part's positions, counting keys ever written (wrapping; a key's slot is the
-/// count modulo CT_NEW_RING_SLOTS). Written by its CPU; another CPU taking from the part moves
+/// A ring part's positions (CT_NEW_RING, CT6_NEW_RING; see ring.rs), counting keys ever
+/// written (wrapping; a key's slot is the count modulo the part's slots). Written by its CPU; another CPU taking from the part moves
 /// `tail` too, and a race between them at worst tries one key twice or skips one. Kernel-only.
 #[repr(C)]
 pub struct RingPos {
     /// Where the next key goes.
     pub head: u32,
-    /// The oldest key not yet taken for an eviction (at most CT_NEW_RING_SLOTS behind `head`).
+    /// The oldest key not yet taken for an eviction (at most a part's slots behind `head`).
     pub tail: u32,
 }
 
@@ -111,9 +111,25 @@ map! {
 
 map! {
     /// IPv6 flows not yet assured (TCP and UDP), same layout, in a table of their own so that a
-    /// flood from outside evicts only its kind. An LRU: the IPv6 path has no new-flow
-    /// cost goal, and the LRU's eviction is the flood eviction.
-    CONNTRACK6_NEW: LruHashMap<CtKey6, CtValue6> = LruHashMap::pinned(MAX_CONNTRACK6_NEW, 0)
+    /// flood from outside evicts only its kind. A preallocated hash, as IPv4's: a full table
+    /// evicts the oldest flows of CT6_NEW_RING (conntrack6::make_room), counted; the agent's
+    /// collector deletes idle flows.
+    CONNTRACK6_NEW: HashMap<CtKey6, CtValue6> = HashMap::pinned(MAX_CONNTRACK6_NEW, 0)
+}
+
+map! {
+    /// CT_NEW_RING for IPv6's embryonic flows (CT6_NEW_RING_SLOTS keys a CPU). Never pinned.
+    CT6_NEW_RING: Array<CtKey6> = Array::with_max_entries(CT6_NEW_RING_SLOTS, 0)
+}
+
+map! {
+    /// CPU -> its CT6_NEW_RING part's positions. Sized like CT6_NEW_RING by the agent.
+    CT6_NEW_RING_POS: Array<RingPos> = Array::with_max_entries(1, 0)
+}
+
+map! {
+    /// CT_NEW_RING_BUSY for CT6_NEW_RING.
+    CT6_NEW_RING_BUSY: Array<u32> = Array::with_max_entries(1, 0)
 }
 
 map! {

@@ -314,6 +314,10 @@ fn an_ipv6_syn_flood_evicts_only_embryonic_flows() {
     assert_eq!(counter_of(&l, counter::NEW_FLOW) - new_flows, 40_000);
     let embryonic = l.maps.ipv6_flows(Table::Embryonic).unwrap().len();
     assert!((30_000..=proxy_common::limits::MAX_CONNTRACK6_NEW as usize).contains(&embryonic), "the flood fills the embryonic table: {embryonic}");
+    // A full table makes room (its ring's oldest flows), and each eviction is counted: every
+    // flood flow the table no longer holds (two entries a flow) was evicted once.
+    assert_eq!(counter_of(&l, counter::CT_INSERT_FAILED), 0);
+    assert_eq!(counter_of(&l, counter::CT_EMBRYONIC_EVICTED), 40_000 - embryonic as u64 / 2, "evictions counted");
     let after = assured(&l);
     assert!(
         after == before,
@@ -334,4 +338,33 @@ fn an_ipv6_syn_flood_evicts_only_embryonic_flows() {
     handshake(&mut l, 40061, NODE_IP6, 30080, BACKEND, &[]);
     assert_eq!(assured(&l).len(), 4);
     assert_eq!(counter_of(&l, counter::FLOW_ASSURED) - assured_flows, 1);
+}
+
+/// The collector of the IPv6 embryonic table (a preallocated hash: nothing leaves it by itself)
+/// deletes, in the kernel's map, the flows idle past their timeouts: a UDP flow never assured at
+/// 30 s, a TCP handshake never completed at 60 s; an assured flow is not its business.
+#[test]
+fn the_collector_deletes_idle_ipv6_embryonic_flows_from_the_kernel_map() {
+    use proxy_agent::dataplane::ebpf::{conntrack::Timeouts, conntrack6::Gc6, kernel::monotonic_ns, kernel_maps::KernelEmbryonic6};
+    let mut l = load("fx6-gc");
+    handshake(&mut l, 40070, NODE_IP6, 30080, BACKEND, &[]);
+    ingress(&mut l, &frame6(OUTSIDE, NODE_IP6, UDP, 40071, 30053, 0, &[]));
+    ingress(&mut l, &frame6(OUTSIDE, NODE_IP6, TCP, 40072, 30080, SYN, &[]));
+    let flows = |l: &Loaded, t: Table| {
+        let mut ports: Vec<u16> =
+            l.maps.ipv6_flows(t).unwrap().iter().filter(|(k, _)| k.dir == proxy_common::CT_DIR_INGRESS).map(|(k, _)| u16::from_be(k.sport)).collect();
+        ports.sort();
+        ports
+    };
+    assert_eq!(flows(&l, Table::Embryonic), [40071, 40072]);
+    let mut table = KernelEmbryonic6::open(l.pins.path()).unwrap();
+    let (mut gc, timeouts, now) = (Gc6::new(1024), Timeouts::default(), monotonic_ns());
+    let s = 1_000_000_000;
+    assert_eq!(gc.round(&mut table, &timeouts, now + 20 * s).unwrap(), 0);
+    assert_eq!(gc.round(&mut table, &timeouts, now + 31 * s).unwrap(), 1);
+    assert_eq!(flows(&l, Table::Embryonic), [40072]);
+    assert_eq!(l.maps.ipv6_flows(Table::Embryonic).unwrap().len(), 2, "the UDP flow's two entries are gone");
+    assert_eq!(gc.round(&mut table, &timeouts, now + 61 * s).unwrap(), 1);
+    assert!(l.maps.ipv6_flows(Table::Embryonic).unwrap().is_empty());
+    assert_eq!(flows(&l, Table::Assured), [40070], "the assured flow stays");
 }

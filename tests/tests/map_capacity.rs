@@ -39,11 +39,7 @@ fn small_lru_maps_are_the_lru_tables_too_small_for_the_cpus() {
     let pins = PinDir::new("smalllru");
     drop(Datapath::load_object(pins.path(), caps(64)).expect("load the object"));
     let small = small_lru_maps(pins.path(), 2);
-    assert_eq!(
-        small,
-        [(map_names::CONNTRACK, 64, 0), (map_names::CONNTRACK6, 64, 0), (map_names::CONNTRACK6_NEW, 64, 0), (map_names::AFFINITY, 64, 0)],
-        "the LRU hashes among the sized maps"
-    );
+    assert_eq!(small, [(map_names::CONNTRACK, 64, 0), (map_names::CONNTRACK6, 64, 0), (map_names::AFFINITY, 64, 0)], "the LRU hashes among the sized maps");
     assert!(small_lru_maps(pins.path(), 0).is_empty(), "no CPU holds anything");
 }
 
@@ -55,7 +51,7 @@ fn the_ipv6_conntrack_tables_take_their_capacities_from_the_settings() {
     for (name, want) in [(map_names::CONNTRACK6, 256), (map_names::CONNTRACK6_NEW, 128)] {
         assert_eq!(aya::maps::MapInfo::from_pin(pins.path().join(name)).unwrap().max_entries(), want, "{name}");
     }
-    // Preallocated (LRU): a pinned table keeps its size, and says so.
+    // Preallocated (an LRU, a hash): a pinned table keeps its size, and says so.
     let names = capacity_mismatches(pins.path(), &Capacities { conntrack6: 512, ..sized }).into_iter().map(|(name, _, _)| name).collect::<Vec<_>>();
     assert_eq!(names, [map_names::CONNTRACK6]);
 }
@@ -200,6 +196,40 @@ fn an_earlier_embryonic_lru_moves_into_the_new_table() {
     drop((dp, ct));
     let _dp = Datapath::load_object(pins.path(), caps(64)).expect("load again");
     assert_eq!(KernelConntrack::open(pins.path()).unwrap().read_batch(Table::Embryonic, None, 1024).unwrap().0.len(), 2);
+}
+
+/// The same for IPv6's embryonic LRU (KPR_CT6_NEW_V1), which became a hash too.
+#[test]
+fn an_earlier_ipv6_embryonic_lru_moves_into_the_new_table() {
+    use proxy_agent::dataplane::ebpf::{conntrack6::Embryonic6, kernel_maps::KernelEmbryonic6};
+    use proxy_common::{CtKey6, CtValue6, CT_DIR_EGRESS, CT_DIR_INGRESS, CT_F_REPLY, PROTO_TCP};
+    const LRU_HASH: u64 = 9;
+    let pins = PinDir::new("ct6-new-v1");
+    std::fs::create_dir_all(pins.path()).unwrap();
+    let (client, frontend, backend) = ([0x0120_0db8, 0, 0, 5], [0x0120_0db8, 0, 0, 80], [0xfd00, 0, 0, 7]);
+    let fwd = CtKey6 { saddr: client, daddr: frontend, sport: 40000u16.to_be(), dport: 80u16.to_be(), proto: PROTO_TCP, dir: CT_DIR_INGRESS, _pad: 0 };
+    let fwd_v = CtValue6 { new_saddr: client, new_daddr: backend, new_sport: fwd.sport, new_dport: 8080u16.to_be(), backend_id: 3, ..CtValue6::default() };
+    let reply = CtKey6::reversed_of(&fwd_v, PROTO_TCP, CT_DIR_EGRESS);
+    let reply_v = CtValue6 {
+        new_saddr: frontend,
+        new_daddr: client,
+        new_sport: fwd.dport,
+        new_dport: fwd.sport,
+        backend_id: 3,
+        flags: CT_F_REPLY,
+        ..CtValue6::default()
+    };
+    let v1 = pins.path().join(map_names::CONNTRACK6_NEW_V1);
+    pin_map(&v1, LRU_HASH, 0, 64, &[(fwd, fwd_v), (reply, reply_v)]);
+
+    let dp = Datapath::load_object(pins.path(), caps(64)).expect("load the object");
+    assert!(!v1.exists(), "the earlier table's pin is removed");
+    let (mut held, _) = KernelEmbryonic6::open(pins.path()).unwrap().read_batch(None, 1024).unwrap();
+    held.sort_by_key(|(k, _)| *k);
+    let mut want = vec![(fwd, fwd_v), (reply, reply_v)];
+    want.sort_by_key(|(k, _)| *k);
+    assert_eq!(held, want, "the handshake's entries are in the new embryonic table");
+    drop(dp);
 }
 
 #[test]

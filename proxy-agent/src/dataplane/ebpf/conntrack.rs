@@ -155,7 +155,7 @@ impl Timeouts {
         self.of(table, proto, false).min(self.of(table, proto, true))
     }
 
-    fn of(&self, table: Table, proto: u8, closing: bool) -> u64 {
+    pub(crate) fn of(&self, table: Table, proto: u8, closing: bool) -> u64 {
         let s = match (table, proto == PROTO_TCP, closing) {
             (Table::Embryonic, true, _) => self.embryonic,
             (Table::Embryonic, false, _) => self.udp_unassured,

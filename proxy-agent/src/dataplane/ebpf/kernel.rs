@@ -63,7 +63,7 @@ pub struct Datapath {
     after_fast_path: bool,
 }
 
-/// The possible CPUs: the embryonic flows' ring has a part for each (CPU ids stay below it).
+/// The possible CPUs: the embryonic flows' rings have a part for each (CPU ids stay below it).
 fn possible_cpus() -> u32 {
     match aya::util::nr_cpus() {
         Ok(n) => n as u32,
@@ -110,6 +110,8 @@ impl Datapath {
         let cpus = possible_cpus();
         loader.map_max_entries(map_names::CT_NEW_RING, cpus * proxy_common::limits::CT_NEW_RING_SLOTS);
         loader.map_max_entries(map_names::CT_NEW_RING_POS, cpus);
+        loader.map_max_entries(map_names::CT6_NEW_RING, cpus * proxy_common::limits::CT6_NEW_RING_SLOTS);
+        loader.map_max_entries(map_names::CT6_NEW_RING_POS, cpus);
         let ebpf = loader.load(EBPF_OBJECT).map_err(KernelError::Load)?;
         for (map, capacity, evicts_from) in small_lru_maps(pin_dir, cpus) {
             tracing::warn!(
@@ -400,7 +402,8 @@ mod tests {
     fn an_lru_map_evicts_early_where_the_cpus_free_lists_hold_a_quarter_of_it() {
         // The defaults on a 256-CPU node: 32,768 held, fills before it evicts.
         assert_eq!(lru_evicts_early(524_288, 256), None);
-        // IPv6's embryonic default there: a quarter and more is on the CPUs' lists.
+        // A 32,768-entry map there (IPv6's embryonic default, when it was an LRU): a quarter
+        // and more is on the CPUs' lists.
         assert_eq!(lru_evicts_early(32_768, 256), Some(0));
         assert_eq!(lru_evicts_early(32_768, 64), Some(32_768 - 8_192));
         assert_eq!(lru_evicts_early(32_768, 63), None);

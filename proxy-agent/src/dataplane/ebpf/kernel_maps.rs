@@ -150,21 +150,54 @@ impl crate::dataplane::ebpf::endpoint_cleanup::BalancedSockets for KernelSockRev
 }
 
 impl KernelConntrack {
-    /// Takes `key` out if `keep_out` holds for its entry; else puts the entry back (unless the
-    /// data path wrote a newer one in the moment it was out). Returns whether it stayed out.
     fn take_if(&mut self, table: Table, key: &CtKey, keep_out: impl Fn(&CtValue) -> bool) -> Result<bool, MapError> {
-        let name = table.map_name();
-        let fd = aya::maps::IterableMap::map(self.map(table)).fd();
-        let taken: Option<CtValue> =
-            crate::dataplane::ebpf::bpf_batch::lookup_and_delete(fd, key).map_err(|source| MapError::Op { map: name, op: "lookup and delete", source })?;
-        match taken {
-            None => Ok(false),
-            Some(v) if keep_out(&v) => Ok(true),
-            Some(v) => {
-                crate::dataplane::ebpf::bpf_batch::insert_new(fd, key, &v).map_err(|source| MapError::Op { map: name, op: "update", source })?;
-                Ok(false)
-            }
+        take_if(table.map_name(), aya::maps::IterableMap::map(self.map(table)), key, keep_out)
+    }
+}
+
+/// Takes `key` out of `map` if `keep_out` holds for its entry; else puts the entry back (unless
+/// the data path wrote a newer one in the moment it was out). Returns whether it stayed out.
+fn take_if<K: bytemuck::Pod, V: bytemuck::Pod>(name: &'static str, map: &MapData, key: &K, keep_out: impl Fn(&V) -> bool) -> Result<bool, MapError> {
+    let fd = map.fd();
+    let taken: Option<V> =
+        crate::dataplane::ebpf::bpf_batch::lookup_and_delete(fd, key).map_err(|source| MapError::Op { map: name, op: "lookup and delete", source })?;
+    match taken {
+        None => Ok(false),
+        Some(v) if keep_out(&v) => Ok(true),
+        Some(v) => {
+            crate::dataplane::ebpf::bpf_batch::insert_new(fd, key, &v).map_err(|source| MapError::Op { map: name, op: "update", source })?;
+            Ok(false)
         }
+    }
+}
+
+/// KPR_CT6_NEW_V2, for its collector (conntrack6.rs).
+pub struct KernelEmbryonic6(HashMap<MapData, CtKey6, CtValue6>);
+
+impl KernelEmbryonic6 {
+    pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
+        Ok(Self(open_typed(pin_dir, map_names::CONNTRACK6_NEW)?))
+    }
+}
+
+impl crate::dataplane::ebpf::conntrack6::Embryonic6 for KernelEmbryonic6 {
+    fn read_batch(&self, cursor: Option<u32>, max: usize) -> Result<crate::dataplane::ebpf::bpf_batch::Batch<CtKey6, CtValue6>, MapError> {
+        let fd = aya::maps::IterableMap::map(&self.0).fd();
+        crate::dataplane::ebpf::bpf_batch::lookup_batch(fd, cursor, max).map_err(|source| MapError::Op {
+            map: map_names::CONNTRACK6_NEW,
+            op: "lookup batch",
+            source,
+        })
+    }
+    fn get(&self, key: &CtKey6) -> Result<Option<CtValue6>, MapError> {
+        match self.0.get(key, 0) {
+            Ok(v) => Ok(Some(v)),
+            Err(e) if is_enoent(&e) => Ok(None),
+            Err(e) => Err(op(map_names::CONNTRACK6_NEW, "lookup", e)),
+        }
+    }
+    fn delete_if(&mut self, key: &CtKey6, expected: &CtValue6) -> Result<bool, MapError> {
+        take_if(map_names::CONNTRACK6_NEW, aya::maps::IterableMap::map(&self.0), key, |v: &CtValue6| v == expected)
     }
 }
 

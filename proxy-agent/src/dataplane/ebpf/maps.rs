@@ -86,7 +86,7 @@ pub trait DatapathMaps {
     fn affinity(&self) -> Result<Vec<(AffinityKey, AffinityValue)>, MapError>;
     fn del_affinity(&mut self, k: AffinityKey) -> Result<(), MapError>;
 
-    /// The IPv6 packet path's flows in `table` (KPR_CT6_V1, KPR_CT6_NEW_V1): read by the views;
+    /// The IPv6 packet path's flows in `table` (KPR_CT6_V1, KPR_CT6_NEW_V2): read by the views;
     /// the data path ages them.
     fn ipv6_flows(&self, table: Table) -> Result<Vec<(CtKey6, CtValue6)>, MapError>;
 

@@ -359,6 +359,10 @@ fn start_gc(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats, outliers: 
                 None
             }
         };
+        let mut embryonic6 = crate::dataplane::ebpf::kernel_maps::KernelEmbryonic6::open(&pin_dir)
+            .map_err(|e| warn!(error = %e, "IPv6's embryonic flows are not collected: a table full of flows that never completed admits new IPv6 flows only by eviction"))
+            .ok();
+        let mut gc6 = crate::dataplane::ebpf::conntrack6::Gc6::new(GC_BATCH);
         let mut gc = Gc::new(timeouts, GC_BATCH);
         let mut last_affinity = Instant::now();
         while !STOP.load(Ordering::Relaxed) {
@@ -420,6 +424,12 @@ fn start_gc(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats, outliers: 
                     }
                 }
                 Err(e) => warn!(error = %e, "conntrack gc round failed"),
+            }
+            if let Some(t) = embryonic6.as_mut() {
+                match gc6.round(t, &gc.timeouts, kernel::monotonic_ns()) {
+                    Ok(flows) => stats.lock().unwrap().m.gc_flows_total.inc_by(flows as u64),
+                    Err(e) => warn!(error = %e, "IPv6 embryonic gc round failed"),
+                }
             }
             if last_affinity.elapsed() >= Duration::from_secs(5) {
                 if let Err(e) = affinity.collect(kernel::monotonic_ns()) {

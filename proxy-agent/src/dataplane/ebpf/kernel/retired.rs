@@ -21,6 +21,7 @@ use super::Capacities;
 pub(super) struct Retired {
     backends: Option<Carry<u32, proxy_common::Backend>>,
     embryonic: Option<Carry<proxy_common::CtKey, proxy_common::CtValue>>,
+    embryonic6: Option<Carry<proxy_common::CtKey6, proxy_common::CtValue6>>,
     counters: Option<CarryCounts>,
 }
 
@@ -29,7 +30,8 @@ impl Retired {
     pub(super) fn take(pin_dir: &Path, caps: &Capacities) -> Self {
         let retired = Self {
             backends: earlier_backends(pin_dir, caps.backends),
-            embryonic: earlier_embryonic(pin_dir, caps.conntrack_new),
+            embryonic: earlier_embryonic(pin_dir, map_names::CONNTRACK_NEW_V1, map_names::CONNTRACK_NEW, caps.conntrack_new),
+            embryonic6: earlier_embryonic(pin_dir, map_names::CONNTRACK6_NEW_V1, map_names::CONNTRACK6_NEW, caps.conntrack6_new),
             counters: CarryCounts::read(pin_dir),
         };
         map_names::RETIRED.into_iter().filter(|n| !map_names::CARRIED.contains(n)).for_each(|n| unpin(pin_dir, n));
@@ -42,6 +44,9 @@ impl Retired {
             c.write(ebpf, pin_dir);
         }
         if let Some(c) = self.embryonic {
+            c.write(ebpf, pin_dir);
+        }
+        if let Some(c) = self.embryonic6 {
             c.write(ebpf, pin_dir);
         }
         if let Some(c) = self.counters {
@@ -154,11 +159,12 @@ fn earlier_backends(pin_dir: &Path, capacity: u32) -> Option<Carry<u32, proxy_co
     Carry::read(pin_dir, v2, map_names::BACKENDS, |(id, b): &(u32, proxy_common::Backend)| *id < capacity && b.is_present())
 }
 
-/// The embryonic flows of an earlier release's LRU (KPR_CT_NEW_V1): handshakes under way at the
-/// upgrade, whose next packet would otherwise be picked up as a new flow and maybe meet another
-/// backend. Up to the new table's capacity; the collector times them out as any.
-fn earlier_embryonic(pin_dir: &Path, capacity: u32) -> Option<Carry<proxy_common::CtKey, proxy_common::CtValue>> {
-    let mut carry = Carry::read(pin_dir, map_names::CONNTRACK_NEW_V1, map_names::CONNTRACK_NEW, |_| true)?;
+/// The embryonic flows of an earlier release's LRU (KPR_CT_NEW_V1, KPR_CT6_NEW_V1): handshakes
+/// under way at the upgrade, whose next packet would otherwise be picked up as a new flow and
+/// maybe meet another backend. Up to the new table's capacity; the collector times them out as
+/// any.
+fn earlier_embryonic<K: bytemuck::Pod, V: bytemuck::Pod>(pin_dir: &Path, from: &'static str, to: &'static str, capacity: u32) -> Option<Carry<K, V>> {
+    let mut carry = Carry::read(pin_dir, from, to, |_| true)?;
     carry.entries.truncate(capacity as usize);
     Some(carry)
 }
