@@ -165,11 +165,14 @@ fn ping_pong6(ct: &mut AyaHashMap<MapData, CtKey6, CtValue6>, key: CtKey6) -> Ve
 }
 
 /// The IPv6 rows' frames: a flow from outside through kpr_tc_ingress6 (its SYN, the backend's
-/// SYN-ACK at egress, the client's ACK, which makes it assured), its two entries given mirrors.
+/// SYN-ACK at egress, the client's ACK, which makes it assured), its two entries given mirrors,
+/// both IPv6 tables emptied first (the earlier size's flows must not help, or fill, this one's).
 /// Returns (forward, reply) frames.
-fn ipv6_flow(dp: &mut Datapath, ct6: &mut AyaHashMap<MapData, CtKey6, CtValue6>) -> (Vec<u8>, Vec<u8>) {
-    for (k, _) in ct6.iter().filter_map(Result::ok).collect::<Vec<_>>() {
-        let _ = ct6.remove(&k);
+fn ipv6_flow(dp: &mut Datapath, ct6: &mut AyaHashMap<MapData, CtKey6, CtValue6>, ct6_new: &mut AyaHashMap<MapData, CtKey6, CtValue6>) -> (Vec<u8>, Vec<u8>) {
+    for t in [&mut *ct6, &mut *ct6_new] {
+        for (k, _) in t.iter().filter_map(Result::ok).collect::<Vec<_>>() {
+            let _ = t.remove(&k);
+        }
     }
     let (_, fwd) = run(dp, Prog::Tc6, &frame6(CLIENT6, VIP6, TCP, 999, 80, SYN, &[]), 1);
     let f = kpr_lab::packet::parse6(&fwd);
@@ -348,6 +351,8 @@ fn main() {
         proxy_agent::dataplane::ebpf::kernel_maps::open_typed(pins.path(), map_names::CONNTRACK).expect("open conntrack");
     let mut ct6: AyaHashMap<MapData, CtKey6, CtValue6> =
         proxy_agent::dataplane::ebpf::kernel_maps::open_typed(pins.path(), map_names::CONNTRACK6).expect("open IPv6 conntrack");
+    let mut ct6_new: AyaHashMap<MapData, CtKey6, CtValue6> =
+        proxy_agent::dataplane::ebpf::kernel_maps::open_typed(pins.path(), map_names::CONNTRACK6_NEW).expect("open IPv6 embryonic conntrack");
     // IPv6: a packet of no service and no flow (to a pod).
     let other6 = frame6(CLIENT6, "fd00:244::99", TCP, 1000, 8080, ACK, &[]);
     let counters = |maps: &KernelMaps| proxy_agent::dataplane::ebpf::maps::DatapathMaps::counters(maps).expect("counters");
@@ -429,7 +434,7 @@ fn main() {
             }
             panic!("no client ports whose entries fit distinct flow cache slots");
         })();
-        let (fwd6, rev6) = ipv6_flow(&mut dp, &mut ct6);
+        let (fwd6, rev6) = ipv6_flow(&mut dp, &mut ct6, &mut ct6_new);
         let mut floor: BTreeMap<bool, [f64; 4]> = BTreeMap::new();
         for p in [
             Prog::TcPass,
