@@ -73,6 +73,7 @@ macro_rules! map_name {
     (CT6_NEW_RING_POS) => { "KPR_CTN6_RING_POS" };
     (CT6_NEW_RING_BUSY) => { "KPR_CTN6_BUSY" };
     (CT_FORGET_KEYS) => { "KPR_CT_FORGET" };
+    (CT_FORGET_KEYS6) => { "KPR_CT_FORGET6" };
 }
 
 /// The map names for user space (see `map_name!`).

@@ -17,7 +17,7 @@ use proxy_common::{
 use crate::{
     conntrack::{self, random_port, Table},
     counters::bump,
-    maps::{BPF_NOEXIST, E2BIG, EEXIST, CONNTRACK6, CONNTRACK6_NEW, CT_SCRATCH6},
+    maps::{BPF_NOEXIST, E2BIG, EEXIST, CONNTRACK6, CONNTRACK6_NEW, CT_FORGET_KEYS6, CT_SCRATCH6},
     parse6::Flow6,
     ring,
 };
@@ -232,7 +232,8 @@ fn closing(key: &CtKey6, v: &mut CtValue6, table: Table) {
 fn make_room() -> bool {
     ring::ipv6().evict_oldest(|k| match unsafe { CONNTRACK6_NEW.get(k) } {
         Some(v) if k.dir == CT_DIR_INGRESS && v.flags & CT_F_REPLY == 0 => {
-            forget(Table::Embryonic, k, v);
+            let Some(rev) = CT_FORGET_KEYS6.get_ptr_mut(0) else { return false };
+            forget_with(Table::Embryonic, k, v, unsafe { &mut *rev });
             bump(counter::CT_EMBRYONIC_EVICTED);
             true
         }
@@ -245,11 +246,19 @@ fn make_room() -> bool {
 /// belong to a newer flow). Rare: a subprogram.
 #[inline(never)]
 fn forget(table: Table, fwd_key: &CtKey6, v: &CtValue6) {
-    let rev_key = CtKey6::reversed_of(v, fwd_key.proto, CT_DIR_EGRESS);
-    if let Some(r) = table.get6(&rev_key) {
+    let mut rev_key = CtKey6::default();
+    forget_with(table, fwd_key, v, &mut rev_key);
+}
+
+/// `forget`'s work, the reply's key built in `rev_key` (per-CPU map memory where `make_room`
+/// calls it, which has no stack to spare).
+#[inline(always)]
+fn forget_with(table: Table, fwd_key: &CtKey6, v: &CtValue6, rev_key: &mut CtKey6) {
+    *rev_key = CtKey6::reversed_of(v, fwd_key.proto, CT_DIR_EGRESS);
+    if let Some(r) = table.get6(rev_key) {
         let ours = r.new_saddr == fwd_key.daddr && r.new_daddr == fwd_key.saddr && r.new_sport == fwd_key.dport && r.new_dport == fwd_key.sport;
         if ours {
-            table.remove6(&rev_key);
+            table.remove6(rev_key);
         }
     }
     table.remove6(fwd_key);

@@ -104,6 +104,13 @@ map! {
 }
 
 map! {
+    /// index 0 -> this CPU's space for the reply key of an IPv6 flow being evicted
+    /// (conntrack6::make_room, at the end of new_flow's call chain: Linux 6.1 counts its frames
+    /// against 512 bytes).
+    CT_FORGET_KEYS6: PerCpuArray<CtKey6> = PerCpuArray::with_max_entries(1, 0)
+}
+
+map! {
     /// IPv6 flows from outside to the node's IPv6 NodePorts, externalIPs and LB IPs: (5-tuple,
     /// hook) -> the 4-tuple to rewrite to (see proxy_common::CtKey6). Assured flows (as IPv4's).
     CONNTRACK6: LruHashMap<CtKey6, CtValue6> = LruHashMap::pinned(MAX_CONNTRACK6, 0)
