@@ -4,6 +4,7 @@
 pub mod affinity_gc;
 pub mod bpf_batch;
 mod bulk;
+mod collector;
 pub mod conntrack;
 pub mod conntrack6;
 pub mod endpoint_cleanup;

@@ -1,10 +1,10 @@
 //! eBPF mode's `Dataplane`: the fast path's programs on the node's interfaces and cgroup, its
-//! maps synced by difference, and the conntrack collector on its own thread.
+//! maps synced by difference, and the collectors' thread (collector.rs) it starts and feeds.
 use std::{
     collections::{BTreeSet, HashMap},
     path::PathBuf,
-    sync::{atomic::Ordering, mpsc, Arc, Mutex},
-    time::{Duration, Instant},
+    sync::{mpsc, Arc, Mutex},
+    time::Duration,
 };
 
 use proxy_common::{user::addr_words, DatapathConfig, CFG_F_LOCAL_BY_IFACE, CFG_F_MASQUERADE_ALL};
@@ -13,16 +13,15 @@ use tracing::{error, info, warn};
 use crate::{
     dataplane::{
         ebpf::{
-            affinity_gc::AffinityGc,
-            conntrack::{Gc, Timeouts},
-            endpoint_cleanup,
+            collector::{self, GcMessage},
+            conntrack::Timeouts,
             interfaces::Interfaces,
             kernel::{self, Datapath},
-            kernel_maps::{KernelBackendLoads, KernelBackendNames, KernelConntrack, KernelFailureCounts, KernelMaps, KernelSockRev},
-            maps::{write_loads, DatapathMaps, MapError},
+            kernel_maps::KernelMaps,
+            maps::{DatapathMaps, MapError},
             masquerade6,
             outlier::{self, Outliers},
-            sync::{MapsRead, RemovedBackend, SyncError, Syncer},
+            sync::{MapsRead, SyncError, Syncer},
         },
         Dataplane, DataplaneError, NodeContext, PreviousProxy, SyncStats,
     },
@@ -32,16 +31,10 @@ use crate::{
         sysctl::{self, ProcSysctls, Sysctls},
     },
     model::{DesiredState, Frontend, FrontendKey, Ipv6Reach, Protocol},
-    netlink::{ctnetlink::NetlinkConntrack, sockdiag::NetlinkSockets},
     settings::{DetectLocal, Mode, Settings},
     stats::SharedStats,
-    STOP,
 };
 
-/// The conntrack collector reads at most this many entries of each table per round...
-const GC_BATCH: usize = 16_384;
-/// ...every this often: a full pass over 524,288 entries takes about 8 s.
-const GC_INTERVAL: Duration = Duration::from_millis(250);
 /// How long an ejected backend is first left out (doubled when it is ejected again soon after).
 const OUTLIER_EJECTION_TIME: Duration = Duration::from_secs(10);
 
@@ -71,14 +64,6 @@ pub struct EbpfPlane {
     /// IPv6 clusterIPs); its NodePorts, externalIPs and LB IPs also need the IPv6 masquerade
     /// rule (masquerade6).
     ipv6: Ipv6Reach,
-}
-
-/// What a sync tells the collector.
-enum GcMessage {
-    /// Endpoints whose flows go at once.
-    Removed(BTreeSet<RemovedBackend>),
-    /// Maximum connection age (seconds) by service id, for every Service that has one.
-    MaxAges(HashMap<u32, u32>),
 }
 
 /// What KPR_CFG is made of. Both modes write it: IPVS mode's programs read the local-client
@@ -173,7 +158,7 @@ impl EbpfPlane {
         };
         let timeouts = Timeouts::from_settings(&s.conntrack);
         let outliers = Arc::new(Mutex::new(Outliers::new(OUTLIER_EJECTION_TIME)));
-        let gc = start_gc(pin_dir.clone(), timeouts, stats.clone(), outliers.clone());
+        let gc = collector::start(pin_dir.clone(), timeouts, stats.clone(), outliers.clone());
         let config = ConfigInputs::new(s, timeouts);
         let ipv6 = match &cgroup {
             None => Ipv6Reach::None,
@@ -331,119 +316,6 @@ fn masquerade_ports() -> (u16, u16) {
             let r = (proxy_common::SNAT_PORT_MIN, proxy_common::SNAT_PORT_MAX);
             warn!(ephemeral = %local, snat_ports = %format!("{}-{}", r.0, r.1), "net.ipv4.ip_local_port_range leaves no 4096 ports outside it and the NodePort range for masquerade: using the default range, which the node's own connections may also use");
             r
-        }
-    }
-}
-
-/// The conntrack collector's thread: one bounded round every GC_INTERVAL, and at once the
-/// cleanup of endpoints that left their service (sent by the syncs).
-fn start_gc(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats, outliers: Arc<Mutex<Outliers>>) -> Option<mpsc::Sender<GcMessage>> {
-    let (tx, rx) = mpsc::channel::<GcMessage>();
-    let spawned = std::thread::Builder::new().name("kpr-gc".into()).spawn(move || {
-        let (mut tables, balanced) = match (KernelConntrack::open(&pin_dir), KernelSockRev::open(&pin_dir)) {
-            (Ok(t), Ok(b)) => (t, b),
-            (Err(e), _) | (_, Err(e)) => return error!(error = %e, "conntrack collector cannot open its maps; idle flows are not collected"),
-        };
-        let mut kernel_ct = NetlinkConntrack::connect()
-            .map_err(|e| warn!(error = %e, "no ctnetlink: kernel conntrack entries of removed UDP endpoints are left to time out"))
-            .ok();
-        let mut sockets =
-            NetlinkSockets::connect().map_err(|e| warn!(error = %e, "no sock_diag: the node's UDP sockets connected to removed endpoints are not ended")).ok();
-        let mut affinity = AffinityGc::new(&pin_dir);
-        let mut loads = KernelBackendLoads::open(&pin_dir).map_err(|e| warn!(error = %e, "least-connection and P2C see no flow counts")).ok();
-        let mut loads_written: HashMap<u32, u32> = HashMap::new();
-        let mut failures = match (KernelFailureCounts::open(&pin_dir), KernelBackendNames::open(&pin_dir)) {
-            (Ok(f), Ok(n)) => Some((f, n)),
-            (Err(e), _) | (_, Err(e)) => {
-                warn!(error = %e, "no outlier detection");
-                None
-            }
-        };
-        let mut embryonic6 = crate::dataplane::ebpf::kernel_maps::KernelEmbryonic6::open(&pin_dir)
-            .map_err(|e| warn!(error = %e, "IPv6's embryonic flows are not collected: a table full of flows that never completed admits new IPv6 flows only by eviction"))
-            .ok();
-        let mut gc6 = crate::dataplane::ebpf::conntrack6::Gc6::new(GC_BATCH);
-        let mut gc = Gc::new(timeouts, GC_BATCH);
-        let mut last_affinity = Instant::now();
-        while !STOP.load(Ordering::Relaxed) {
-            match rx.recv_timeout(GC_INTERVAL) {
-                Ok(GcMessage::MaxAges(ages)) => {
-                    info!(services = ages.len(), "frontends with a maximum connection age");
-                    gc.set_max_ages(ages);
-                }
-                Ok(GcMessage::Removed(removed)) => {
-                    let handles = endpoint_cleanup::Handles {
-                        tables: &mut tables,
-                        affinity: &mut affinity,
-                        kernel_conntrack: kernel_ct.as_mut().map(|c| c as &mut dyn crate::netlink::ctnetlink::ConntrackFlusher),
-                        sockets: sockets.as_mut().map(|s| s as &mut dyn crate::netlink::sockdiag::Sockets),
-                        balanced: &balanced,
-                    };
-                    let r = endpoint_cleanup::endpoints_removed(&removed, &mut gc, handles);
-                    info!(
-                        endpoints = removed.len(),
-                        flows = r.flows,
-                        kernel_entries = r.kernel_entries,
-                        sockets = r.sockets,
-                        affinity = r.affinity,
-                        "cleared what held clients to endpoints that left their service"
-                    );
-                    for e in r.errors {
-                        warn!(error = %e, "removed endpoint cleanup");
-                    }
-                    stats.lock().unwrap().m.gc_flows_total.inc_by(r.flows as u64);
-                }
-                Err(mpsc::RecvTimeoutError::Timeout) => {}
-                Err(mpsc::RecvTimeoutError::Disconnected) => return,
-            }
-            match gc.round(&mut tables, kernel::monotonic_ns()) {
-                Ok(st) => {
-                    if st.flows > 0 || st.aged > 0 {
-                        tracing::debug!(read = st.read, flows = st.flows, entries = st.entries, kept = st.kept, aged = st.aged, "collected idle flows");
-                    }
-                    let s = stats.lock().unwrap();
-                    s.m.gc_flows_total.inc_by(st.flows as u64);
-                    s.m.max_age_flows_total.inc_by(st.aged as u64);
-                    drop(s);
-                    if let Some((f, names)) = failures.as_mut() {
-                        let mut o = outliers.lock().unwrap();
-                        match outlier::round(f, |id| names.get(id), &mut o, &st.syn_timeouts, kernel::monotonic_ns()) {
-                            Ok(new) => {
-                                for (b, e) in &new {
-                                    warn!(backend = %std::net::SocketAddr::new(b.ip(), b.port_host()), failures = e.failures, seconds = e.for_ns / 1_000_000_000, times = e.times, "outlier ejected: refused or let time out new connections in a row");
-                                }
-                                stats.lock().unwrap().m.outlier_ejections_total.inc_by(new.len() as u64);
-                            }
-                            Err(e) => warn!(error = %e, "outlier detection round failed"),
-                        }
-                    }
-                    if let (true, Some(l)) = (st.pass_done, loads.as_mut()) {
-                        if let Err(e) = write_loads(l, &mut loads_written, &gc.active_flows()) {
-                            warn!(error = %e, "writing the active-flow counts failed");
-                        }
-                    }
-                }
-                Err(e) => warn!(error = %e, "conntrack gc round failed"),
-            }
-            if let Some(t) = embryonic6.as_mut() {
-                match gc6.round(t, &gc.timeouts, kernel::monotonic_ns()) {
-                    Ok(flows) => stats.lock().unwrap().m.gc_flows_total.inc_by(flows as u64),
-                    Err(e) => warn!(error = %e, "IPv6 embryonic gc round failed"),
-                }
-            }
-            if last_affinity.elapsed() >= Duration::from_secs(5) {
-                if let Err(e) = affinity.collect(kernel::monotonic_ns()) {
-                    warn!(error = %e, "affinity gc failed");
-                }
-                last_affinity = Instant::now();
-            }
-        }
-    });
-    match spawned {
-        Ok(_) => Some(tx),
-        Err(e) => {
-            error!(error = %e, "cannot start the conntrack collector");
-            None
         }
     }
 }
