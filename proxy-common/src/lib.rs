@@ -773,6 +773,12 @@ impl CtKey6 {
     pub fn reversed_of(v: &CtValue6, proto: u8, dir: u8) -> Self {
         Self { saddr: v.new_daddr, daddr: v.new_saddr, sport: v.new_dport, dport: v.new_sport, proto, dir, _pad: 0 }
     }
+    /// Whether this entry (`v` its value) is its flow's forward (DNAT) one, at ingress; the
+    /// other is the reply's (see CtKey::role for IPv4's four).
+    #[inline(always)]
+    pub fn is_forward(&self, v: &CtValue6) -> bool {
+        self.dir == CT_DIR_INGRESS && v.flags & CT_F_REPLY == 0
+    }
 }
 
 /// Per-CPU scratch space where the data path builds a flow's conntrack entries (the BPF stack

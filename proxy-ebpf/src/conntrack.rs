@@ -152,7 +152,7 @@ pub fn track(f: &Flow, key: &CtKey, cfg: &DatapathConfig, l: &mut Lookup) -> Tra
             l.rewrite = rw;
             if table == Table::Assured {
                 Tracked::Assured
-            } else if assures(f, &rw) {
+            } else if assures(rw.flags, f.is_tcp_control()) {
                 promote(key, &rw);
                 Tracked::Assured
             } else {
@@ -186,19 +186,20 @@ fn max_age_reached(tcp: bool, key: &CtKey, v: &mut CtValue, table: Table) -> Tra
 pub fn embryonic_forward(f: &Flow, key: &CtKey, cfg: &DatapathConfig, now: u64) -> Option<Rewrite> {
     let v = unsafe { &mut *CONNTRACK_NEW.get_ptr_mut(key)? };
     let rw = entry(f, key, v, Table::Embryonic, cfg, now, 0)??;
-    if assures(f, &rw) {
+    if assures(rw.flags, f.is_tcp_control()) {
         promote(key, &rw);
     }
     Some(rw)
 }
 
-/// Whether this packet, which met its flow's embryonic entry `rw`, makes the flow assured: a
-/// client's packet (forward, not a SYN, FIN or RST) after the backend's reply was seen. The
-/// same rule for TCP (the handshake's last ACK) and UDP (the datagram after the first reply), so
-/// that a spoofed source, which never sees the reply, never gets a flow assured.
+/// Whether a packet that met its flow's embryonic entry (its rewrite's `flags`) makes the flow
+/// assured: a client's packet (forward, not a SYN, FIN or RST: `tcp_control` false) after the
+/// backend's reply was seen. The same rule for TCP (the handshake's last ACK) and UDP (the
+/// datagram after the first reply), and for both families (conntrack6.rs), so that a spoofed
+/// source, which never sees the reply, never gets a flow assured.
 #[inline(always)]
-fn assures(f: &Flow, rw: &Rewrite) -> bool {
-    rw.flags & (CT_F_SEEN_REPLY | CT_F_REPLY) == CT_F_SEEN_REPLY && !f.is_tcp_control()
+pub(crate) fn assures(flags: u16, tcp_control: bool) -> bool {
+    flags & (CT_F_SEEN_REPLY | CT_F_REPLY) == CT_F_SEEN_REPLY && !tcp_control
 }
 
 /// One entry's packet: freshness, the handshake, a masquerade to finish, the timestamp. None:

@@ -124,7 +124,7 @@ pub fn track(f: &Flow6, key: &CtKey6, cfg: &DatapathConfig, now: u64) -> Option<
     };
     let v = unsafe { &mut *v };
     let rw = entry(f, key, v, table, cfg, now)?;
-    if table == Table::Embryonic && assures(f, &rw) {
+    if table == Table::Embryonic && conntrack::assures(rw.flags, f.is_tcp_control()) {
         promote(key, v);
     }
     Some(rw)
@@ -138,18 +138,10 @@ pub fn track(f: &Flow6, key: &CtKey6, cfg: &DatapathConfig, now: u64) -> Option<
 pub fn embryonic_forward(f: &Flow6, key: &CtKey6, cfg: &DatapathConfig, now: u64) -> Option<Rewrite6> {
     let v = unsafe { &mut *CONNTRACK6_NEW.get_ptr_mut(key)? };
     let rw = entry(f, key, v, Table::Embryonic, cfg, now)?;
-    if assures(f, &rw) {
+    if conntrack::assures(rw.flags, f.is_tcp_control()) {
         promote(key, v);
     }
     Some(rw)
-}
-
-/// Whether this packet, which met its flow's embryonic entry `rw`, makes the flow assured: a
-/// client's packet (forward, not a SYN, FIN or RST) after the backend's reply was seen (see
-/// conntrack::assures).
-#[inline(always)]
-fn assures(f: &Flow6, rw: &Rewrite6) -> bool {
-    rw.flags & (CT_F_SEEN_REPLY | CT_F_REPLY) == CT_F_SEEN_REPLY && !f.is_tcp_control()
 }
 
 /// One entry's packet: freshness, the handshake's reply, the timestamp, a close. None: not (any
@@ -157,7 +149,7 @@ fn assures(f: &Flow6, rw: &Rewrite6) -> bool {
 #[inline(always)]
 fn entry(f: &Flow6, key: &CtKey6, v: &mut CtValue6, table: Table, cfg: &DatapathConfig, now: u64) -> Option<Rewrite6> {
     // Forward entries live at ingress only (the check is constant where the hook is).
-    if key.dir == CT_DIR_INGRESS && v.flags & CT_F_REPLY == 0 {
+    if key.is_forward(v) {
         // Saturating: another CPU may have stamped the entry with a newer clock reading.
         let idle = now.saturating_sub(v.last_seen_ns) > timeout_ns(cfg, v, f.proto, table);
         let reopened = f.is_new_tcp_syn() && v.flags & CT_F_CLOSING != 0;
@@ -231,7 +223,7 @@ fn closing(key: &CtKey6, v: &mut CtValue6, table: Table) {
 #[inline(never)]
 fn make_room() -> bool {
     ring::ipv6().evict_oldest(|k| match unsafe { CONNTRACK6_NEW.get(k) } {
-        Some(v) if k.dir == CT_DIR_INGRESS && v.flags & CT_F_REPLY == 0 => {
+        Some(v) if k.is_forward(v) => {
             let Some(rev) = CT_FORGET_KEYS6.get_ptr_mut(0) else { return false };
             forget_with(Table::Embryonic, k, v, unsafe { &mut *rev });
             bump(counter::CT_EMBRYONIC_EVICTED);

@@ -4,7 +4,7 @@
 //! 60 s, UDP the plain UDP timeout, as IPv4's embryonic flows: `Timeouts`). One batch a round,
 //! and only what it read: an entry that changed since is kept. IPv6's assured table is an LRU,
 //! which evicts its idle flows itself.
-use proxy_common::{CtKey6, CtValue6, CT_DIR_EGRESS, CT_DIR_INGRESS, CT_F_REPLY};
+use proxy_common::{CtKey6, CtValue6, CT_DIR_EGRESS, CT_DIR_INGRESS};
 
 use crate::dataplane::ebpf::{
     bpf_batch::Batch,
@@ -65,7 +65,7 @@ impl Gc6 {
                 continue;
             }
             // The flow's other entry: a forward entry's leads to its reply's, and back.
-            let forward = k.dir == CT_DIR_INGRESS && v.flags & CT_F_REPLY == 0;
+            let forward = k.is_forward(&v);
             let other_key = CtKey6::reversed_of(&v, k.proto, if forward { CT_DIR_EGRESS } else { CT_DIR_INGRESS });
             let other = t.get(&other_key)?.filter(|o| CtKey6::reversed_of(o, k.proto, k.dir) == k);
             match other {
@@ -87,7 +87,7 @@ impl Gc6 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use proxy_common::{PROTO_TCP, PROTO_UDP};
+    use proxy_common::{CT_F_REPLY, PROTO_TCP, PROTO_UDP};
 
     /// A flow's two entries: client port `port` to a frontend, balanced to a backend.
     fn flow(proto: u8, port: u16, forward_seen: u64, reply_seen: u64) -> [(CtKey6, CtValue6); 2] {

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use proxy_common::{
     counter,
     user::{port_host, proto_name, v4_addr, words_addr},
-    CT_F_CLOSING, CT_F_REPLY, CT_F_SEEN_REPLY, CT_F_SNAT, CT_F_SNAT_PENDING, PROTO_TCP, SCHED_MAGLEV, SCHED_ROUND_ROBIN, SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT,
+    CT_F_CLOSING, CT_F_SEEN_REPLY, CT_F_SNAT, CT_F_SNAT_PENDING, PROTO_TCP, SCHED_MAGLEV, SCHED_ROUND_ROBIN, SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT,
     SVC_F_PRESERVE_SOURCE, SVC_F_SOURCE_RANGES,
 };
 use serde::Serialize;
@@ -134,7 +134,7 @@ pub fn conntrack(maps: &dyn DatapathMaps, now_ns: u64) -> Result<Vec<FlowRow>, M
     let addr6 = |a: [u32; 4], p: u16| std::net::SocketAddr::new(words_addr(a), port_host(p)).to_string();
     for table in Table::ALL {
         for (k, v) in maps.ipv6_flows(table)? {
-            if v.flags & CT_F_REPLY != 0 {
+            if !k.is_forward(&v) {
                 continue;
             }
             let state = flow_state(table, k.proto, v.flags, v.flags & CT_F_CLOSING != 0);
