@@ -24,10 +24,7 @@ pub trait Embryonic6 {
 /// In-memory, for tests.
 impl Embryonic6 for std::collections::BTreeMap<CtKey6, CtValue6> {
     fn read_batch(&self, cursor: Option<u32>, max: usize) -> Result<Batch<CtKey6, CtValue6>, MapError> {
-        let from = cursor.unwrap_or(0) as usize;
-        let batch: Vec<_> = self.iter().skip(from).take(max).map(|(k, v)| (*k, *v)).collect();
-        let next = (from + batch.len() < self.len()).then_some((from + batch.len()) as u32);
-        Ok((batch, next))
+        Ok(crate::dataplane::ebpf::maps::fake_batch(self, cursor, max))
     }
     fn get(&self, key: &CtKey6) -> Result<Option<CtValue6>, MapError> {
         Ok(std::collections::BTreeMap::get(self, key).copied())

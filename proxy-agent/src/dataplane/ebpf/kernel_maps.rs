@@ -180,21 +180,31 @@ impl KernelEmbryonic6 {
     }
 }
 
+/// One batch of a hash map's entries (see bpf_batch::lookup_batch), its errors naming the map.
+fn read_batch<K: bytemuck::Pod, V: bytemuck::Pod>(
+    name: &'static str,
+    map: &MapData,
+    cursor: Option<u32>,
+    max: usize,
+) -> Result<crate::dataplane::ebpf::bpf_batch::Batch<K, V>, MapError> {
+    crate::dataplane::ebpf::bpf_batch::lookup_batch(map.fd(), cursor, max).map_err(|source| MapError::Op { map: name, op: "lookup batch", source })
+}
+
+/// A hash map's entry for `key`, None where there is none.
+fn lookup<K: aya::Pod, V: aya::Pod>(name: &'static str, map: &HashMap<MapData, K, V>, key: &K) -> Result<Option<V>, MapError> {
+    match map.get(key, 0) {
+        Ok(v) => Ok(Some(v)),
+        Err(e) if is_enoent(&e) => Ok(None),
+        Err(e) => Err(op(name, "lookup", e)),
+    }
+}
+
 impl crate::dataplane::ebpf::conntrack6::Embryonic6 for KernelEmbryonic6 {
     fn read_batch(&self, cursor: Option<u32>, max: usize) -> Result<crate::dataplane::ebpf::bpf_batch::Batch<CtKey6, CtValue6>, MapError> {
-        let fd = aya::maps::IterableMap::map(&self.0).fd();
-        crate::dataplane::ebpf::bpf_batch::lookup_batch(fd, cursor, max).map_err(|source| MapError::Op {
-            map: map_names::CONNTRACK6_NEW,
-            op: "lookup batch",
-            source,
-        })
+        read_batch(map_names::CONNTRACK6_NEW, aya::maps::IterableMap::map(&self.0), cursor, max)
     }
     fn get(&self, key: &CtKey6) -> Result<Option<CtValue6>, MapError> {
-        match self.0.get(key, 0) {
-            Ok(v) => Ok(Some(v)),
-            Err(e) if is_enoent(&e) => Ok(None),
-            Err(e) => Err(op(map_names::CONNTRACK6_NEW, "lookup", e)),
-        }
+        lookup(map_names::CONNTRACK6_NEW, &self.0, key)
     }
     fn delete_if(&mut self, key: &CtKey6, expected: &CtValue6) -> Result<bool, MapError> {
         take_if(map_names::CONNTRACK6_NEW, aya::maps::IterableMap::map(&self.0), key, |v: &CtValue6| v == expected)
@@ -203,15 +213,10 @@ impl crate::dataplane::ebpf::conntrack6::Embryonic6 for KernelEmbryonic6 {
 
 impl ConntrackTables for KernelConntrack {
     fn read_batch(&self, table: Table, cursor: Option<u32>, max: usize) -> Result<crate::dataplane::ebpf::bpf_batch::Batch<CtKey, CtValue>, MapError> {
-        let fd = aya::maps::IterableMap::map(self.map(table)).fd();
-        crate::dataplane::ebpf::bpf_batch::lookup_batch(fd, cursor, max).map_err(|source| MapError::Op { map: table.map_name(), op: "lookup batch", source })
+        read_batch(table.map_name(), aya::maps::IterableMap::map(self.map(table)), cursor, max)
     }
     fn get(&self, table: Table, key: &CtKey) -> Result<Option<CtValue>, MapError> {
-        match self.map(table).get(key, 0) {
-            Ok(v) => Ok(Some(v)),
-            Err(e) if is_enoent(&e) => Ok(None),
-            Err(e) => Err(op(table.map_name(), "lookup", e)),
-        }
+        lookup(table.map_name(), self.map(table), key)
     }
     fn set_flags_if(&mut self, table: Table, key: &CtKey, expected: &CtValue, flags: u16) -> Result<bool, MapError> {
         let Some(mut v) = self.get(table, key)?.filter(|v| crate::dataplane::ebpf::maps::same_flow(v, expected)) else {

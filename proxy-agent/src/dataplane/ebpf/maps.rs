@@ -367,6 +367,15 @@ pub trait ConntrackTables {
     }
 }
 
+/// A batch read of an in-memory table: up to `max` entries from position `cursor` on, and
+/// the position to go on from (None: that was the end), as BPF_MAP_LOOKUP_BATCH pages.
+pub fn fake_batch<K: Copy, V: Copy>(m: &BTreeMap<K, V>, cursor: Option<u32>, max: usize) -> crate::dataplane::ebpf::bpf_batch::Batch<K, V> {
+    let start = cursor.unwrap_or(0) as usize;
+    let batch: Vec<(K, V)> = m.iter().skip(start).take(max).map(|(k, v)| (*k, *v)).collect();
+    let end = start + batch.len();
+    (batch, (end < m.len()).then_some(end as u32))
+}
+
 /// In-memory conntrack tables with the kernel's semantics, for tests. `reused` simulates the
 /// data path writing a new flow into a key between the collector's read and its delete.
 #[derive(Debug, Default, Clone)]
@@ -410,11 +419,7 @@ impl FakeTables {
 
 impl ConntrackTables for FakeTables {
     fn read_batch(&self, table: Table, cursor: Option<u32>, max: usize) -> Result<crate::dataplane::ebpf::bpf_batch::Batch<CtKey, CtValue>, MapError> {
-        let start = cursor.unwrap_or(0) as usize;
-        let all: Vec<(CtKey, CtValue)> = self.table(table).iter().map(|(k, v)| (*k, *v)).collect();
-        let end = (start + max).min(all.len());
-        let next = (end < all.len()).then_some(end as u32);
-        Ok((all[start.min(end)..end].to_vec(), next))
+        Ok(fake_batch(self.table(table), cursor, max))
     }
     fn get(&self, table: Table, key: &CtKey) -> Result<Option<CtValue>, MapError> {
         self.gets.set(self.gets.get() + 1);
