@@ -101,7 +101,9 @@ pub(super) fn start(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats, ou
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => return,
             }
-            match gc.round(&mut tables, kernel::monotonic_ns()) {
+            // One clock reading for the round: both families' tables are judged at one instant.
+            let now = kernel::monotonic_ns();
+            match gc.round(&mut tables, now) {
                 Ok(st) => {
                     if st.flows > 0 || st.aged > 0 {
                         tracing::debug!(read = st.read, flows = st.flows, entries = st.entries, kept = st.kept, aged = st.aged, "collected idle flows");
@@ -112,7 +114,7 @@ pub(super) fn start(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats, ou
                     drop(s);
                     if let Some((f, names)) = failures.as_mut() {
                         let mut o = outliers.lock().unwrap();
-                        match outlier::round(f, |id| names.get(id), &mut o, &st.syn_timeouts, kernel::monotonic_ns()) {
+                        match outlier::round(f, |id| names.get(id), &mut o, &st.syn_timeouts, now) {
                             Ok(new) => {
                                 for (b, e) in &new {
                                     warn!(backend = %std::net::SocketAddr::new(b.ip(), b.port_host()), failures = e.failures, seconds = e.for_ns / 1_000_000_000, times = e.times, "outlier ejected: refused or let time out new connections in a row");
@@ -131,7 +133,7 @@ pub(super) fn start(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats, ou
                 Err(e) => warn!(error = %e, "conntrack gc round failed"),
             }
             if let Some(t) = embryonic6.as_mut() {
-                match gc6.round(t, &gc.timeouts, kernel::monotonic_ns()) {
+                match gc6.round(t, &gc.timeouts, now) {
                     Ok(flows) => stats.lock().unwrap().m.gc_flows_total.inc_by(flows as u64),
                     Err(e) => warn!(error = %e, "IPv6 embryonic gc round failed"),
                 }
