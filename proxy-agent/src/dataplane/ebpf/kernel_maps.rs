@@ -1,17 +1,21 @@
-//! The aya implementations of the map seams (`DatapathMaps`, `ConntrackTables`, the balanced
-//! sockets' reverse map), opened from their pins: the agent's and the CLI's way to the maps.
+//! The aya implementations of the map seams (`DatapathMaps`; the conntrack tables in
+//! conntrack.rs; the collectors' per-backend maps; the balanced sockets' reverse map), opened
+//! from their pins: the agent's and the CLI's way to the maps.
 //! Loading, pinning and attaching the object is kernel.rs.
 use std::{io, path::Path};
 
 use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, MapError as AyaMapError, PerCpuArray};
 use proxy_common::{
-    limits, map_names, AffinityKey, AffinityValue, Backend, CtKey, CtKey6, CtValue, CtValue6, DatapathConfig, ServiceKey, ServiceValue, SlotKey, SourceRangeKey,
+    limits, map_names, AffinityKey, AffinityValue, Backend, CtKey6, CtValue6, DatapathConfig, ServiceKey, ServiceValue, SlotKey, SourceRangeKey,
 };
 
 use crate::dataplane::ebpf::{
     bulk::Bulk,
     maps::{ConntrackTables, DatapathMaps, MapError, SrcRange, Table},
 };
+
+mod conntrack;
+pub use conntrack::{KernelConntrack, KernelEmbryonic6};
 
 pub(crate) fn op(map: &'static str, op: &'static str, e: AyaMapError) -> MapError {
     let source = match e {
@@ -49,30 +53,6 @@ pub struct KernelMaps {
     backend_new: Array<MapData, u64>,
     /// Puts held back between `begin_bulk` and `end_bulk`.
     bulk: Option<Bulk>,
-}
-
-/// The conntrack tables and the flow cache's generation, opened from their pins (the garbage
-/// collector's thread has its own).
-pub struct KernelConntrack {
-    assured: HashMap<MapData, CtKey, CtValue>,
-    embryonic: HashMap<MapData, CtKey, CtValue>,
-    flow_cache_gen: Array<MapData, u64>,
-}
-
-impl KernelConntrack {
-    pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
-        Ok(Self {
-            assured: open_typed(pin_dir, map_names::CONNTRACK)?,
-            embryonic: open_typed(pin_dir, map_names::CONNTRACK_NEW)?,
-            flow_cache_gen: open_typed(pin_dir, map_names::FLOW_CACHE_GEN)?,
-        })
-    }
-    fn map(&self, t: Table) -> &HashMap<MapData, CtKey, CtValue> {
-        match t {
-            Table::Assured => &self.assured,
-            Table::Embryonic => &self.embryonic,
-        }
-    }
 }
 
 /// KPR_BE_ACTIVE_V1, written by the collector.
@@ -146,97 +126,6 @@ impl crate::dataplane::ebpf::endpoint_cleanup::BalancedSockets for KernelSockRev
         let (want_addr, want_port) = (proxy_common::user::addr_words(addr), port.to_be());
         let to_it = |(k, _): &(proxy_common::SockRevKey, proxy_common::SockRevValue)| k.addr == want_addr && k.port == want_port;
         Ok(read_all(map_names::SOCK_REV, aya::maps::IterableMap::map(&self.0), to_it)?.into_iter().map(|(k, _)| k.cookie).collect())
-    }
-}
-
-impl KernelConntrack {
-    fn take_if(&mut self, table: Table, key: &CtKey, keep_out: impl Fn(&CtValue) -> bool) -> Result<bool, MapError> {
-        take_if(table.map_name(), aya::maps::IterableMap::map(self.map(table)), key, keep_out)
-    }
-}
-
-/// Takes `key` out of `map` if `keep_out` holds for its entry; else puts the entry back (unless
-/// the data path wrote a newer one in the moment it was out). Returns whether it stayed out.
-fn take_if<K: bytemuck::Pod, V: bytemuck::Pod>(name: &'static str, map: &MapData, key: &K, keep_out: impl Fn(&V) -> bool) -> Result<bool, MapError> {
-    let fd = map.fd();
-    let taken: Option<V> =
-        crate::dataplane::ebpf::bpf_batch::lookup_and_delete(fd, key).map_err(|source| MapError::Op { map: name, op: "lookup and delete", source })?;
-    match taken {
-        None => Ok(false),
-        Some(v) if keep_out(&v) => Ok(true),
-        Some(v) => {
-            crate::dataplane::ebpf::bpf_batch::insert_new(fd, key, &v).map_err(|source| MapError::Op { map: name, op: "update", source })?;
-            Ok(false)
-        }
-    }
-}
-
-/// KPR_CT6_NEW_V2, for its collector (conntrack6.rs).
-pub struct KernelEmbryonic6(HashMap<MapData, CtKey6, CtValue6>);
-
-impl KernelEmbryonic6 {
-    pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
-        Ok(Self(open_typed(pin_dir, map_names::CONNTRACK6_NEW)?))
-    }
-}
-
-/// One batch of a hash map's entries (see bpf_batch::lookup_batch), its errors naming the map.
-fn read_batch<K: bytemuck::Pod, V: bytemuck::Pod>(
-    name: &'static str,
-    map: &MapData,
-    cursor: Option<u32>,
-    max: usize,
-) -> Result<crate::dataplane::ebpf::bpf_batch::Batch<K, V>, MapError> {
-    crate::dataplane::ebpf::bpf_batch::lookup_batch(map.fd(), cursor, max).map_err(|source| MapError::Op { map: name, op: "lookup batch", source })
-}
-
-/// A hash map's entry for `key`, None where there is none.
-fn lookup<K: aya::Pod, V: aya::Pod>(name: &'static str, map: &HashMap<MapData, K, V>, key: &K) -> Result<Option<V>, MapError> {
-    match map.get(key, 0) {
-        Ok(v) => Ok(Some(v)),
-        Err(e) if is_enoent(&e) => Ok(None),
-        Err(e) => Err(op(name, "lookup", e)),
-    }
-}
-
-impl crate::dataplane::ebpf::conntrack6::Embryonic6 for KernelEmbryonic6 {
-    fn read_batch(&self, cursor: Option<u32>, max: usize) -> Result<crate::dataplane::ebpf::bpf_batch::Batch<CtKey6, CtValue6>, MapError> {
-        read_batch(map_names::CONNTRACK6_NEW, aya::maps::IterableMap::map(&self.0), cursor, max)
-    }
-    fn get(&self, key: &CtKey6) -> Result<Option<CtValue6>, MapError> {
-        lookup(map_names::CONNTRACK6_NEW, &self.0, key)
-    }
-    fn delete_if(&mut self, key: &CtKey6, expected: &CtValue6) -> Result<bool, MapError> {
-        take_if(map_names::CONNTRACK6_NEW, aya::maps::IterableMap::map(&self.0), key, |v: &CtValue6| v == expected)
-    }
-}
-
-impl ConntrackTables for KernelConntrack {
-    fn read_batch(&self, table: Table, cursor: Option<u32>, max: usize) -> Result<crate::dataplane::ebpf::bpf_batch::Batch<CtKey, CtValue>, MapError> {
-        read_batch(table.map_name(), aya::maps::IterableMap::map(self.map(table)), cursor, max)
-    }
-    fn get(&self, table: Table, key: &CtKey) -> Result<Option<CtValue>, MapError> {
-        lookup(table.map_name(), self.map(table), key)
-    }
-    fn set_flags_if(&mut self, table: Table, key: &CtKey, expected: &CtValue, flags: u16) -> Result<bool, MapError> {
-        let Some(mut v) = self.get(table, key)?.filter(|v| crate::dataplane::ebpf::maps::same_flow(v, expected)) else {
-            return Ok(false);
-        };
-        v.flags |= flags;
-        let fd = aya::maps::IterableMap::map(self.map(table)).fd();
-        crate::dataplane::ebpf::bpf_batch::update_existing(fd, key, &v).map_err(|source| MapError::Op { map: table.map_name(), op: "update", source })
-    }
-    fn delete_if(&mut self, table: Table, key: &CtKey, expected: &CtValue) -> Result<bool, MapError> {
-        self.take_if(table, key, |v| v == expected)
-    }
-    fn delete_if_same_flow(&mut self, table: Table, key: &CtKey, expected: &CtValue) -> Result<bool, MapError> {
-        self.take_if(table, key, |v| crate::dataplane::ebpf::maps::same_flow(v, expected))
-    }
-    fn invalidate_flow_cache(&mut self) -> Result<(), MapError> {
-        let name = map_names::FLOW_CACHE_GEN;
-        let g = self.flow_cache_gen.get(&0, 0).map_err(|e| op(name, "lookup", e))?;
-        // Past any of the data path's own (32-bit) steps: never a value an entry holds.
-        self.flow_cache_gen.set(0, g.wrapping_add(1 << 33), 0).map_err(|e| op(name, "update", e))
     }
 }
 

@@ -1,0 +1,123 @@
+//! The conntrack tables' implementations, for the collectors and the views: IPv4's two tables
+//! with the flow cache's generation (`ConntrackTables`), IPv6's embryonic table
+//! (`Embryonic6`). A delete takes the entry out and puts it back when it no longer matches
+//! what the caller read (`take_if`).
+use std::path::Path;
+
+use aya::maps::{Array, HashMap, MapData};
+use proxy_common::{map_names, CtKey, CtKey6, CtValue, CtValue6};
+
+use super::{is_enoent, op, open_typed};
+use crate::dataplane::ebpf::{
+    bpf_batch::{self, Batch},
+    maps::{same_flow, ConntrackTables, MapError, Table},
+};
+
+/// The conntrack tables and the flow cache's generation, opened from their pins (the garbage
+/// collector's thread has its own).
+pub struct KernelConntrack {
+    assured: HashMap<MapData, CtKey, CtValue>,
+    embryonic: HashMap<MapData, CtKey, CtValue>,
+    flow_cache_gen: Array<MapData, u64>,
+}
+
+impl KernelConntrack {
+    pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
+        Ok(Self {
+            assured: open_typed(pin_dir, map_names::CONNTRACK)?,
+            embryonic: open_typed(pin_dir, map_names::CONNTRACK_NEW)?,
+            flow_cache_gen: open_typed(pin_dir, map_names::FLOW_CACHE_GEN)?,
+        })
+    }
+    fn map(&self, t: Table) -> &HashMap<MapData, CtKey, CtValue> {
+        match t {
+            Table::Assured => &self.assured,
+            Table::Embryonic => &self.embryonic,
+        }
+    }
+}
+
+impl KernelConntrack {
+    fn take_if(&mut self, table: Table, key: &CtKey, keep_out: impl Fn(&CtValue) -> bool) -> Result<bool, MapError> {
+        take_if(table.map_name(), aya::maps::IterableMap::map(self.map(table)), key, keep_out)
+    }
+}
+
+/// Takes `key` out of `map` if `keep_out` holds for its entry; else puts the entry back (unless
+/// the data path wrote a newer one in the moment it was out). Returns whether it stayed out.
+fn take_if<K: bytemuck::Pod, V: bytemuck::Pod>(name: &'static str, map: &MapData, key: &K, keep_out: impl Fn(&V) -> bool) -> Result<bool, MapError> {
+    let fd = map.fd();
+    let taken: Option<V> = bpf_batch::lookup_and_delete(fd, key).map_err(|source| MapError::Op { map: name, op: "lookup and delete", source })?;
+    match taken {
+        None => Ok(false),
+        Some(v) if keep_out(&v) => Ok(true),
+        Some(v) => {
+            bpf_batch::insert_new(fd, key, &v).map_err(|source| MapError::Op { map: name, op: "update", source })?;
+            Ok(false)
+        }
+    }
+}
+
+/// KPR_CT6_NEW_V2, for its collector (conntrack6.rs).
+pub struct KernelEmbryonic6(HashMap<MapData, CtKey6, CtValue6>);
+
+impl KernelEmbryonic6 {
+    pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
+        Ok(Self(open_typed(pin_dir, map_names::CONNTRACK6_NEW)?))
+    }
+}
+
+/// One batch of a hash map's entries (see bpf_batch::lookup_batch), its errors naming the map.
+fn read_batch<K: bytemuck::Pod, V: bytemuck::Pod>(name: &'static str, map: &MapData, cursor: Option<u32>, max: usize) -> Result<Batch<K, V>, MapError> {
+    bpf_batch::lookup_batch(map.fd(), cursor, max).map_err(|source| MapError::Op { map: name, op: "lookup batch", source })
+}
+
+/// A hash map's entry for `key`, None where there is none.
+fn lookup<K: aya::Pod, V: aya::Pod>(name: &'static str, map: &HashMap<MapData, K, V>, key: &K) -> Result<Option<V>, MapError> {
+    match map.get(key, 0) {
+        Ok(v) => Ok(Some(v)),
+        Err(e) if is_enoent(&e) => Ok(None),
+        Err(e) => Err(op(name, "lookup", e)),
+    }
+}
+
+impl crate::dataplane::ebpf::conntrack6::Embryonic6 for KernelEmbryonic6 {
+    fn read_batch(&self, cursor: Option<u32>, max: usize) -> Result<Batch<CtKey6, CtValue6>, MapError> {
+        read_batch(map_names::CONNTRACK6_NEW, aya::maps::IterableMap::map(&self.0), cursor, max)
+    }
+    fn get(&self, key: &CtKey6) -> Result<Option<CtValue6>, MapError> {
+        lookup(map_names::CONNTRACK6_NEW, &self.0, key)
+    }
+    fn delete_if(&mut self, key: &CtKey6, expected: &CtValue6) -> Result<bool, MapError> {
+        take_if(map_names::CONNTRACK6_NEW, aya::maps::IterableMap::map(&self.0), key, |v: &CtValue6| v == expected)
+    }
+}
+
+impl ConntrackTables for KernelConntrack {
+    fn read_batch(&self, table: Table, cursor: Option<u32>, max: usize) -> Result<Batch<CtKey, CtValue>, MapError> {
+        read_batch(table.map_name(), aya::maps::IterableMap::map(self.map(table)), cursor, max)
+    }
+    fn get(&self, table: Table, key: &CtKey) -> Result<Option<CtValue>, MapError> {
+        lookup(table.map_name(), self.map(table), key)
+    }
+    fn set_flags_if(&mut self, table: Table, key: &CtKey, expected: &CtValue, flags: u16) -> Result<bool, MapError> {
+        let Some(mut v) = self.get(table, key)?.filter(|v| same_flow(v, expected)) else {
+            return Ok(false);
+        };
+        v.flags |= flags;
+        let fd = aya::maps::IterableMap::map(self.map(table)).fd();
+        bpf_batch::update_existing(fd, key, &v).map_err(|source| MapError::Op { map: table.map_name(), op: "update", source })
+    }
+    fn delete_if(&mut self, table: Table, key: &CtKey, expected: &CtValue) -> Result<bool, MapError> {
+        self.take_if(table, key, |v| v == expected)
+    }
+    fn delete_if_same_flow(&mut self, table: Table, key: &CtKey, expected: &CtValue) -> Result<bool, MapError> {
+        self.take_if(table, key, |v| same_flow(v, expected))
+    }
+    fn invalidate_flow_cache(&mut self) -> Result<(), MapError> {
+        let name = map_names::FLOW_CACHE_GEN;
+        let g = self.flow_cache_gen.get(&0, 0).map_err(|e| op(name, "lookup", e))?;
+        // Past any of the data path's own (32-bit) steps: never a value an entry holds.
+        self.flow_cache_gen.set(0, g.wrapping_add(1 << 33), 0).map_err(|e| op(name, "update", e))
+    }
+}
