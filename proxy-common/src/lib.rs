@@ -650,12 +650,21 @@ impl CtKey {
         bytemuck::cast(*self)
     }
 
-    /// The flow cache slot of this key (direct-mapped, FLOW_CACHE_SLOTS per CPU).
+    /// The flow cache slot of this key (direct-mapped, FLOW_CACHE_SLOTS per CPU): the low bits
+    /// of MurmurHash3's 64-bit finalizer of the key, which every bit of the key reaches. (A
+    /// single multiply leaves its low result bits blind to the key's high bits, where a port in
+    /// network order changes: one client's 2,000 connections to a service took 512 slots, four
+    /// to a slot, where a random spread takes about 1,260.)
     #[inline(always)]
     pub fn flow_cache_slot(&self) -> u32 {
         let k = self.words();
-        let h = (k[0] ^ k[1].rotate_left(29)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        (h >> 32) as u32 & (limits::FLOW_CACHE_SLOTS - 1)
+        let mut x = k[0] ^ k[1].rotate_left(29);
+        x ^= x >> 33;
+        x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        x ^= x >> 33;
+        x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+        x ^= x >> 33;
+        x as u32 & (limits::FLOW_CACHE_SLOTS - 1)
     }
 
     /// The key of the packet a rewrite produces, travelling the other way: the rewrite's
@@ -1176,6 +1185,42 @@ pub mod user {
             let k = ServiceKey::new("10.0.0.1".parse().unwrap(), 80, PROTO_TCP, SCOPE_INTERNAL);
             assert_eq!(k.port.to_ne_bytes(), [0, 80]);
             assert_eq!(k.port_host(), 80);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    extern crate std;
+    use std::{collections::BTreeMap, format, vec::Vec};
+
+    use super::*;
+
+    /// The flow cache's slots spread one client's connections (ports in network order) and
+    /// many clients' as a random function would: about 1,260 distinct slots of 2,048 for 2,000
+    /// keys, a handful at most in one.
+    #[test]
+    fn flow_cache_slots_spread_ports_and_clients() {
+        let key = |saddr: [u8; 4], sport: u16| CtKey {
+            saddr: u32::from_ne_bytes(saddr),
+            daddr: u32::from_ne_bytes([10, 96, 0, 10]),
+            sport: sport.to_be(),
+            dport: 80u16.to_be(),
+            proto: PROTO_TCP,
+            dir: CT_DIR_INGRESS,
+            _pad: 0,
+        };
+        let spread = |keys: Vec<CtKey>| {
+            let mut per_slot = BTreeMap::<u32, u32>::new();
+            for k in &keys {
+                *per_slot.entry(k.flow_cache_slot()).or_default() += 1;
+            }
+            (per_slot.len(), per_slot.values().copied().max().unwrap_or(0))
+        };
+        let one_client = spread((32768..34768).map(|p| key([10, 244, 1, 7], p)).collect());
+        let clients = spread((0..2000u32).map(|i| key([10, 244, (i / 250) as u8, (i % 250 + 1) as u8], 40000)).collect());
+        for (what, (slots, most)) in [("one client's ports", one_client), ("2,000 clients", clients)] {
+            assert!(slots >= 1150 && most <= 8, "{}", format!("{what}: {slots} slots, up to {most} keys in one"));
         }
     }
 }
