@@ -1189,7 +1189,7 @@ pub mod user {
 #[cfg(test)]
 mod tests {
     extern crate std;
-    use std::{collections::BTreeMap, format, vec::Vec};
+    use std::{collections::BTreeMap, vec::Vec};
 
     use super::*;
 
@@ -1217,7 +1217,7 @@ mod tests {
         let one_client = spread((32768..34768).map(|p| key([10, 244, 1, 7], p)).collect());
         let clients = spread((0..2000u32).map(|i| key([10, 244, (i / 250) as u8, (i % 250 + 1) as u8], 40000)).collect());
         for (what, (slots, most)) in [("one client's ports", one_client), ("2,000 clients", clients)] {
-            assert!(slots >= 1150 && most <= 8, "{}", format!("{what}: {slots} slots, up to {most} keys in one"));
+            assert!(slots >= 1150 && most <= 8, "{what}: {slots} slots, up to {most} keys in one");
         }
     }
 }

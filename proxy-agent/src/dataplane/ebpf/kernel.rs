@@ -221,6 +221,20 @@ impl Datapath {
         self.program(name)
     }
 
+    /// The instructions this kernel's verifier processed for each packet program loaded (it
+    /// allows 1,000,000 a program), as `name count, ...`: kpr-bench and the 6.1 guest print it.
+    /// A data path change can multiply it and pass on one kernel, fail on another.
+    pub fn verifier_work(&self) -> String {
+        [prog_names::TC_INGRESS, prog_names::TC_EGRESS, prog_names::TC_INGRESS6, prog_names::TC_IPSET, prog_names::XDP_INGRESS]
+            .iter()
+            .filter_map(|name| {
+                let info = self.ebpf.program(name)?.info().ok()?;
+                Some(format!("{name} {}", info.verified_instruction_count().map_or("?".to_string(), |n| n.to_string())))
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
     pub fn ebpf(&mut self) -> &mut Ebpf {
         &mut self.ebpf
     }
