@@ -33,8 +33,9 @@ macro_rules! map_name {
     (BACKENDS) => { "KPR_BE_V3" };
     // V3: the key carries the hook direction, one flow has up to four entries.
     (CONNTRACK) => { "KPR_CT_V3" };
-    // V2: a preallocated hash (an LRU before), its evictions from the ring CT_NEW_RING.
-    (CONNTRACK_NEW) => { "KPR_CT_NEW_V2" };
+    // V3: an array of 4-way buckets (CtBucket), mmapable (a preallocated hash before, and an
+    // LRU before that).
+    (CONNTRACK_NEW) => { "KPR_CT_NEW_V3" };
     (CONNTRACK6) => { "KPR_CT6_V1" };
     // V2: a preallocated hash (an LRU before), as IPv4's: its evictions from CT6_NEW_RING,
     // counted, and its idle flows collected by the agent.
@@ -66,9 +67,6 @@ macro_rules! map_name {
     (CT_SCRATCH6) => { "KPR_CT_SCRATCH6" };
     (FLOW_CACHE) => { "KPR_FLOW_CACHE" };
     (CLOCK) => { "KPR_CLOCK" };
-    (CT_NEW_RING) => { "KPR_CTN_RING" };
-    (CT_NEW_RING_POS) => { "KPR_CTN_RING_POS" };
-    (CT_NEW_RING_BUSY) => { "KPR_CTN_BUSY" };
     (CT6_NEW_RING) => { "KPR_CTN6_RING" };
     (CT6_NEW_RING_POS) => { "KPR_CTN6_RING_POS" };
     (CT6_NEW_RING_BUSY) => { "KPR_CTN6_BUSY" };
@@ -78,9 +76,7 @@ macro_rules! map_name {
 
 /// The map names for user space (see `map_name!`).
 pub mod map_names {
-    /// The embryonic flows' ring and its positions: the agent sizes both by the possible CPUs.
-    pub const CT_NEW_RING: &str = map_name!(CT_NEW_RING);
-    pub const CT_NEW_RING_POS: &str = map_name!(CT_NEW_RING_POS);
+    /// IPv6's embryonic flows' ring and its positions: the agent sizes both by the possible CPUs.
     pub const CT6_NEW_RING: &str = map_name!(CT6_NEW_RING);
     pub const CT6_NEW_RING_POS: &str = map_name!(CT6_NEW_RING_POS);
     pub const SERVICES: &str = map_name!(SERVICES);
@@ -89,7 +85,7 @@ pub mod map_names {
     pub const BACKENDS: &str = map_name!(BACKENDS);
     /// Assured flows.
     pub const CONNTRACK: &str = map_name!(CONNTRACK);
-    /// TCP flows whose handshake has not completed yet: a flood of them cannot evict assured ones.
+    /// Flows not yet assured, in buckets (CtBucket): a flood of them cannot evict assured ones.
     pub const CONNTRACK_NEW: &str = map_name!(CONNTRACK_NEW);
     /// IPv6 flows through the packet path (NodePorts, externalIPs, LB IPs; see CtKey6).
     pub const CONNTRACK6: &str = map_name!(CONNTRACK6);
@@ -117,7 +113,7 @@ pub mod map_names {
     pub const SETS: [&str; 5] = [SET_IP_PORT, SET_IP_PORT_IP, SET_IP_PORT_NET, SET_PORT, SET_IP];
     /// Pins of earlier layouts: removed at load, so an upgrade does not keep them (and their
     /// memory) alive next to their successors.
-    pub const RETIRED: [&str; 23] = [
+    pub const RETIRED: [&str; 24] = [
         "KPR_SVC_V1",
         "KPR_SLOT_V1",
         "KPR_BE_V1",
@@ -141,13 +137,17 @@ pub mod map_names {
         CONNTRACK_NEW_V1,
         COUNTERS_V6,
         CONNTRACK6_NEW_V1,
+        CONNTRACK_NEW_V2,
     ];
     /// The backend map before it was an array (a hash map of the same entries): at load its
     /// entries are carried into KPR_BE_V3 with their ids, then its pin is removed.
     pub const BACKENDS_V2: &str = "KPR_BE_V2";
     /// The embryonic table when it was an LRU: at load its entries are carried into
-    /// KPR_CT_NEW_V2, then its pin is removed.
+    /// KPR_CT_NEW_V3's buckets, then its pin is removed.
     pub const CONNTRACK_NEW_V1: &str = "KPR_CT_NEW_V1";
+    /// The embryonic table when it was a preallocated hash: at load its entries are carried
+    /// into KPR_CT_NEW_V3's buckets, then its pin is removed.
+    pub const CONNTRACK_NEW_V2: &str = "KPR_CT_NEW_V2";
     /// IPv6's embryonic table when it was an LRU: at load its entries are carried into
     /// KPR_CT6_NEW_V2, then its pin is removed.
     pub const CONNTRACK6_NEW_V1: &str = "KPR_CT6_NEW_V1";
@@ -155,7 +155,7 @@ pub mod map_names {
     /// added into KPR_CNT_V7's, then its pin is removed.
     pub const COUNTERS_V6: &str = "KPR_CNT_V6";
     /// The retired maps whose entries a load carries over before it removes their pins.
-    pub const CARRIED: [&str; 4] = [BACKENDS_V2, CONNTRACK_NEW_V1, COUNTERS_V6, CONNTRACK6_NEW_V1];
+    pub const CARRIED: [&str; 5] = [BACKENDS_V2, CONNTRACK_NEW_V1, COUNTERS_V6, CONNTRACK6_NEW_V1, CONNTRACK_NEW_V2];
     /// Every map the fast path pins.
     pub const ALL: [&str; 19] = [
         SERVICES,
@@ -337,7 +337,7 @@ pub mod limits {
     pub const MAX_SLOTS: u32 = 1_048_576;
     pub const MAX_CONNTRACK: u32 = 524_288;
     /// Flows not yet assured: TCP until its handshake completes, UDP until its client sends
-    /// after an answer (see KPR_CT_NEW_V2).
+    /// after an answer (see KPR_CT_NEW_V3): 32,768 buckets of four.
     pub const MAX_CONNTRACK_NEW: u32 = 131_072;
     /// IPv6 flows through the packet path (KPR_CT6_V1): two entries a flow.
     pub const MAX_CONNTRACK6: u32 = 65_536;
@@ -353,11 +353,9 @@ pub mod limits {
     pub const MAGLEV_TABLE_SIZE: u32 = 1021;
     /// Backends per service (slots) the data path accepts.
     pub const MAX_BACKENDS_PER_SERVICE: u32 = 65_535;
-    /// The forward keys of the last embryonic flows each CPU opened (a power of two): 128 KiB a
-    /// possible CPU. A full embryonic table evicts the oldest of them (see proxy-ebpf's
-    /// conntrack.rs).
-    pub const CT_NEW_RING_SLOTS: u32 = 8192;
-    /// The same for IPv6's embryonic table (a power of two; 40-byte keys): 80 KiB a possible CPU.
+    /// The forward keys of the last IPv6 embryonic flows each CPU opened (a power of two; 40-byte
+    /// keys): 80 KiB a possible CPU. A full IPv6 embryonic table evicts the oldest of them (see
+    /// proxy-ebpf's conntrack6.rs).
     pub const CT6_NEW_RING_SLOTS: u32 = 2048;
     /// Flow cache slots per CPU (a power of two): 96 KiB a CPU.
     pub const FLOW_CACHE_SLOTS: u32 = 2048;
@@ -472,6 +470,9 @@ pub const SVC_F_SPLIT: u8 = 1 << 4;
 /// BPF_F_NO_PREALLOC (a map's flags): the control plane's hash maps (services, slots, backends,
 /// IPVS-mode sets) cost memory in proportion to their entries, not their capacity.
 pub const BPF_F_NO_PREALLOC: u32 = 1;
+/// BPF map flag: user space may mmap the array (KPR_CT_NEW_V3, whose buckets the agent's
+/// collector locks as the data path does).
+pub const BPF_F_MMAPABLE: u32 = 1 << 10;
 
 /// DatapathConfig::flags.
 pub const CFG_F_MASQUERADE_ALL: u32 = 1 << 0;
@@ -664,6 +665,26 @@ impl CtKey {
         (h >> (64 - limits::FLOW_CACHE_SLOTS.trailing_zeros())) as u32
     }
 
+    /// The key's bucket of the embryonic table (see CtBucket), of `mask + 1` buckets: the low
+    /// bits of MurmurHash3's 64-bit finalizer, which every bit of the key reaches. (The flow
+    /// cache's single multiply needs a constant count of slots; this table's is the loader's.)
+    #[inline(always)]
+    pub fn bucket(&self, mask: u32) -> u32 {
+        let k = self.words();
+        let mut x = k[0] ^ k[1].rotate_left(29);
+        x ^= x >> 33;
+        x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        x ^= x >> 33;
+        x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+        (x ^ (x >> 33)) as u32 & mask
+    }
+
+    /// An empty way of a CtBucket holds the zero key (no flow's protocol is 0).
+    #[inline(always)]
+    pub fn is_empty(&self) -> bool {
+        self.words() == [0, 0]
+    }
+
     /// The key of the packet a rewrite produces, travelling the other way: the rewrite's
     /// destination becomes the source (a forward entry's value gives its reverse-DNAT key, a
     /// reverse-DNAT entry's value its forward key, an SNAT entry's value its reverse-SNAT key).
@@ -698,7 +719,8 @@ impl CtKey {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct CtValue {
-    /// CLOCK_MONOTONIC (coarse) ns of the last packet.
+    /// CLOCK_MONOTONIC ns of the last packet: the coarse clock's, but the fine one's at an
+    /// IPv4 flow's creation (see proxy-ebpf's embryonic.rs).
     pub last_seen_ns: u64,
     /// Network order.
     pub new_saddr: u32,
@@ -787,6 +809,52 @@ impl CtKey6 {
     }
 }
 
+/// CtScratch's pending evictions: one per embryonic insert a packet makes (at most three),
+/// rounded up to a power of two, which the data path masks an index with.
+pub const CT_PENDING_SLOTS: usize = 4;
+
+/// The ways of a CtBucket.
+pub const CT_BUCKET_WAYS: usize = 4;
+
+/// A bucket of the IPv4 embryonic table (KPR_CT_NEW_V3), an array the data path probes without
+/// a helper call: up to four entries whose keys hash to it (`CtKey::bucket`). The keys fill
+/// the first cache line, so a probe reads one line; the lock the next, which the CPU fetches
+/// with it; the values the two after. A writer (a CPU inserting or deleting, the agent through
+/// its mapping of the array) holds `lock`; readers do not take it. A full bucket's insert
+/// evicts the flow of its oldest entry.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct CtBucket {
+    /// An empty way's key is zero (`CtKey::is_empty`).
+    pub keys: [CtKey; CT_BUCKET_WAYS],
+    /// 0: free; 1: held. 64 bits: the data path takes it with BPF's 64-bit compare-and-exchange.
+    pub lock: u64,
+    pub _pad: [u64; 7],
+    pub values: [CtValue; CT_BUCKET_WAYS],
+}
+const _: () = assert!(core::mem::size_of::<CtBucket>() == 256);
+const _: () = assert!(core::mem::offset_of!(CtBucket, lock) == 64);
+const _: () = assert!(core::mem::offset_of!(CtBucket, values) == 128);
+
+/// The embryonic table's buckets for a capacity in entries: a power of two, at least one.
+pub const fn ct_buckets(entries: u32) -> u32 {
+    let b = entries.div_ceil(CT_BUCKET_WAYS as u32);
+    if b <= 1 {
+        1
+    } else {
+        b.next_power_of_two()
+    }
+}
+
+/// A conntrack entry, key and value. Kernel-only.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct CtEntry {
+    pub key: CtKey,
+    pub value: CtValue,
+}
+const _: () = assert!(core::mem::size_of::<CtEntry>() == 48);
+
 /// Per-CPU scratch space where the data path builds a flow's conntrack entries (the BPF stack
 /// is 512 bytes). Kernel-only; user space never reads it.
 #[repr(C)]
@@ -794,8 +862,13 @@ impl CtKey6 {
 pub struct CtScratch {
     pub keys: [CtKey; 3],
     pub values: [CtValue; 3],
+    /// The entries evicted while this packet's flow was recorded, one slot per insert (a zero
+    /// key: none): their flows are forgotten once, after the packet's own entries are in.
+    pub pending: [CtEntry; CT_PENDING_SLOTS],
+    /// The keys that forgetting an evicted flow builds.
+    pub forget_keys: [CtKey; 2],
 }
-const _: () = assert!(core::mem::size_of::<CtScratch>() == 144);
+const _: () = assert!(core::mem::size_of::<CtScratch>() == 368);
 
 /// `CtScratch` for an IPv6 flow's two entries. Kernel-only.
 #[repr(C)]

@@ -6,14 +6,14 @@
 //! Two tables: a flow lives in CONNTRACK_NEW until it is assured (its backend's reply was seen
 //! and the client sent a packet after it: TCP's handshake, or a UDP flow's first datagram after a
 //! reply), then moves to CONNTRACK. A flood (spoofed SYNs, or UDP from many ports) can only evict
-//! flows not yet assured (the oldest each CPU opened, see `make_room`), never an assured one, as
+//! flows not yet assured (a full bucket's oldest, see embryonic.rs), never an assured one, as
 //! netfilter's early drop takes unassured entries first. A UDP flow that never sees a reply, or
 //! whose client never sends after one (a DNS query), stays in CONNTRACK_NEW until it times out.
 //!
 //! Flows keep their backend whatever happens to the service afterwards.
-use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns};
+use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns, bpf_ktime_get_ns};
 use proxy_common::{
-    counter, Backend, CtKey, CtRole, CtScratch, CtValue, DatapathConfig, CT_DIR_EGRESS, CT_DIR_INGRESS,
+    counter, Backend, CtEntry, CtKey, CtRole, CtScratch, CtValue, DatapathConfig, CT_DIR_EGRESS, CT_PENDING_SLOTS, CT_DIR_INGRESS,
     CT_F_CLOSING, CT_F_MAX_AGE, CT_F_REFUSED, CT_F_REPLY, CT_F_SEEN_REPLY, CT_F_SNAT, CT_F_SNAT_PENDING, PROTO_TCP, PROTO_UDP,
     SNAT_PORT_MAX, SNAT_PORT_MIN,
 };
@@ -22,10 +22,10 @@ use crate::{
     counters::{self, bump},
     flowcache,
     lb,
-    maps::{BPF_NOEXIST, CLOCK, CONNTRACK, CONNTRACK_NEW, CT_FORGET_KEYS, CT_SCRATCH, E2BIG, EEXIST, IFACES},
+    embryonic,
+    maps::{BPF_NOEXIST, E2BIG, CLOCK, CONNTRACK, CT_FORGET_KEYS, CT_SCRATCH, EEXIST, IFACES},
     parse::{Flow, TCP_RST},
     rewrite::Rewrite,
-    ring,
 };
 
 /// CLOCK_MONOTONIC coarse ns, read through the helper once per jiffy and CPU (see ClockCache).
@@ -58,26 +58,41 @@ impl Table {
     unsafe fn get(self, k: &CtKey) -> Option<&'static CtValue> {
         match self {
             Table::Assured => CONNTRACK.get(k),
-            Table::Embryonic => CONNTRACK_NEW.get(k),
+            Table::Embryonic => embryonic::get(k).map(|v| &*v),
         }
     }
-    /// A full embryonic table makes room first (`make_room`): a SYN flood evicts the oldest
-    /// embryonic flows, as the LRU it was did, and never an assured one.
+    /// `flags` (0 or BPF_NOEXIST) are the assured table's: an embryonic insert always claims its
+    /// key (a flow's tuples are never replaced there). An insert into a full embryonic bucket
+    /// evicts its oldest entry first, to `evicted` (a pending slot of CT_SCRATCH, one per insert
+    /// of a packet); `forget_pending` forgets the rest of that flow once the packet's entries
+    /// are all in, one walk for the verifier. A flood evicts the oldest embryonic flows, never
+    /// an assured one.
     #[inline(always)]
-    fn insert(self, k: &CtKey, v: &CtValue, flags: u64) -> Result<(), i32> {
+    fn insert(self, k: *const CtKey, v: *const CtValue, flags: u64, evicted: *mut CtEntry) -> Result<(), i32> {
+        let (k, v) = unsafe { (&*k, &*v) };
         match self {
             Table::Assured => CONNTRACK.insert(k, v, flags),
-            Table::Embryonic => match CONNTRACK_NEW.insert(k, v, flags) {
-                Err(e) if e == -E2BIG && make_room() => CONNTRACK_NEW.insert(k, v, flags),
-                r => r,
+            Table::Embryonic => match embryonic::kpr_ct_new_insert(k, v) {
+                0 => Ok(()),
+                e if e == -i64::from(E2BIG) && embryonic::kpr_ct_new_evict(k, v, evicted) == embryonic::EVICTED => {
+                    match embryonic::kpr_ct_new_insert(k, v) {
+                        0 => Ok(()),
+                        e => Err(e as i32),
+                    }
+                }
+                e => Err(e as i32),
             },
         }
     }
     #[inline(always)]
-    fn remove(self, k: &CtKey) -> Result<(), i32> {
+    fn remove(self, k: &CtKey) {
         match self {
-            Table::Assured => CONNTRACK.remove(k),
-            Table::Embryonic => CONNTRACK_NEW.remove(k),
+            Table::Assured => {
+                let _ = CONNTRACK.remove(k);
+            }
+            Table::Embryonic => {
+                embryonic::kpr_ct_new_remove(k);
+            }
         }
     }
     /// Where a new flow starts, of either protocol (IPv6's too, conntrack6.rs).
@@ -95,10 +110,14 @@ pub fn timeout_ns(cfg: &DatapathConfig, proto: u8) -> u64 {
     u64::from(s) * 1_000_000_000
 }
 
-/// Whether any table holds `k` (a new flow's keys must be free in both).
+/// Whether a table other than `table` (where the caller's insert claims `k`, failing if it is
+/// there) holds `k`: a new flow's keys must be free in both.
 #[inline(always)]
-fn taken(k: &CtKey) -> bool {
-    unsafe { CONNTRACK.get(k).is_some() || CONNTRACK_NEW.get(k).is_some() }
+fn taken_elsewhere(table: Table, k: &CtKey) -> bool {
+    match table {
+        Table::Embryonic => unsafe { CONNTRACK.get(k) }.is_some(),
+        Table::Assured => embryonic::get(k).is_some(),
+    }
 }
 
 /// What `track` found, with its inputs and output in one place: a subprogram takes at most
@@ -135,7 +154,7 @@ pub fn track(f: &Flow, key: &CtKey, cfg: &DatapathConfig, l: &mut Lookup) -> Tra
     let (v, table) = if let Some(v) = CONNTRACK.get_ptr_mut(key) {
         (v, Table::Assured)
     } else if f.proto == PROTO_UDP || f.is_tcp_control() {
-        match CONNTRACK_NEW.get_ptr_mut(key) {
+        match embryonic::get(key) {
             Some(v) => (v, Table::Embryonic),
             None => return Tracked::No,
         }
@@ -145,7 +164,7 @@ pub fn track(f: &Flow, key: &CtKey, cfg: &DatapathConfig, l: &mut Lookup) -> Tra
     if unsafe { (*v).flags } & CT_F_MAX_AGE != 0 {
         return max_age_reached(f.proto == PROTO_TCP, key, unsafe { &mut *v }, table);
     }
-    match entry(f, key, unsafe { &mut *v }, table, cfg, l.now, l.ifindex) {
+    match entry::<true>(f, key, unsafe { &mut *v }, table, cfg, l.now, l.ifindex) {
         None => Tracked::No,
         Some(None) => Tracked::Drop,
         Some(Some(rw)) => {
@@ -184,8 +203,8 @@ fn max_age_reached(tcp: bool, key: &CtKey, v: &mut CtValue, table: Table) -> Tra
 /// the assured table. A subprogram: off the established path's stack.
 #[inline(never)]
 pub fn embryonic_forward(f: &Flow, key: &CtKey, cfg: &DatapathConfig, now: u64) -> Option<Rewrite> {
-    let v = unsafe { &mut *CONNTRACK_NEW.get_ptr_mut(key)? };
-    let rw = entry(f, key, v, Table::Embryonic, cfg, now, 0)??;
+    let v = unsafe { &mut *embryonic::get(key)? };
+    let rw = entry::<false>(f, key, v, Table::Embryonic, cfg, now, 0)??;
     if assures(rw.flags, f.is_tcp_control()) {
         promote(key, &rw);
     }
@@ -203,9 +222,11 @@ pub(crate) fn assures(flags: u16, tcp_control: bool) -> bool {
 }
 
 /// One entry's packet: freshness, the handshake, a masquerade to finish, the timestamp. None:
-/// not (any more) this flow's; Some(None): drop.
+/// not (any more) this flow's; Some(None): drop. `SNAT`: whether the hook may meet an SNAT
+/// entry (egress; `track` serves both hooks): embryonic_forward, at ingress only, leaves
+/// finish_snat out of its code and its call chain.
 #[inline(always)]
-fn entry(f: &Flow, key: &CtKey, v: &mut CtValue, table: Table, cfg: &DatapathConfig, now: u64, ifindex: u32) -> Option<Option<Rewrite>> {
+fn entry<const SNAT: bool>(f: &Flow, key: &CtKey, v: &mut CtValue, table: Table, cfg: &DatapathConfig, now: u64, ifindex: u32) -> Option<Option<Rewrite>> {
     match key.role(v) {
         CtRole::Forward => {
             // Saturating: another CPU may have stamped the entry with a clock reading newer than
@@ -223,7 +244,7 @@ fn entry(f: &Flow, key: &CtKey, v: &mut CtValue, table: Table, cfg: &DatapathCon
             }
         }
         CtRole::Snat if v.flags & CT_F_SNAT_PENDING != 0 => {
-            if !finish_snat(table, key, v, cfg, ifindex) {
+            if !SNAT || !finish_snat(table, key, v, cfg, ifindex) {
                 return Some(None);
             }
         }
@@ -283,7 +304,7 @@ fn seen_reply(rst: bool, key: &CtKey, v: &mut CtValue) {
 /// translates the error.
 #[inline(never)]
 fn udp_refused(key: &CtKey) {
-    if let Some(v) = CONNTRACK_NEW.get_ptr_mut(key).or_else(|| CONNTRACK.get_ptr_mut(key)) {
+    if let Some(v) = embryonic::get(key).or_else(|| CONNTRACK.get_ptr_mut(key)) {
         let v = unsafe { &mut *v };
         if key.role(v) == CtRole::ReverseDnat && v.flags & (CT_F_SEEN_REPLY | CT_F_REFUSED) == 0 {
             v.flags |= CT_F_REFUSED;
@@ -314,7 +335,7 @@ fn refused(key: &CtKey, v: &CtValue) {
 #[inline(always)]
 fn mark_forward(key: &CtKey, v: &CtValue, flag: u16) {
     let fwd = CtKey::reversed_of(v, key.proto, CT_DIR_INGRESS);
-    if let Some(fv) = CONNTRACK_NEW.get_ptr_mut(&fwd) {
+    if let Some(fv) = embryonic::get(&fwd) {
         unsafe { (*fv).flags |= flag };
     }
 }
@@ -329,25 +350,25 @@ fn forget(table: Table, fwd_key: &CtKey, v: &CtValue) {
     }
 }
 
-/// `forget`'s work, its keys built in per-CPU map memory, not on the stack: `make_room` runs it
-/// at the end of new_flow's call chain, which has 32 bytes of the 512 left.
+/// `forget`'s work, its keys built in per-CPU map memory, not on the stack: `forget_pending` runs
+/// it in a call chain that Linux 6.1 counts against 512 bytes.
 #[inline(always)]
 fn forget_with(table: Table, fwd_key: &CtKey, v: &CtValue, keys: &mut [CtKey; 2]) {
     // Both keys from the value first, so that little stays live across the calls.
     let snat = v.flags & CT_F_SNAT != 0;
     keys[0] = CtKey::reversed_of(v, fwd_key.proto, CT_DIR_EGRESS);
     keys[1] = CtKey::straight_of(v, fwd_key.proto, CT_DIR_EGRESS);
-    let _ = table.remove(&keys[0]);
+    table.remove(&keys[0]);
     if snat {
         if let Some(sv) = unsafe { table.get(&keys[1]) } {
             if sv.flags & CT_F_SNAT_PENDING == 0 {
                 keys[0] = CtKey::reversed_of(sv, fwd_key.proto, CT_DIR_INGRESS);
-                let _ = table.remove(&keys[0]);
+                table.remove(&keys[0]);
             }
         }
-        let _ = table.remove(&keys[1]);
+        table.remove(&keys[1]);
     }
-    let _ = table.remove(fwd_key);
+    table.remove(fwd_key);
 }
 
 /// Moves an embryonic flow's entries to the assured table: replies first, forward last, so a
@@ -359,7 +380,7 @@ fn promote(fwd_key: &CtKey, rw: &Rewrite) {
     move_assured(&CtKey::reversed_of(&v, proto, CT_DIR_EGRESS));
     if rw.flags & CT_F_SNAT != 0 {
         let snat = CtKey::straight_of(&v, proto, CT_DIR_EGRESS);
-        if let Some(sv) = unsafe { CONNTRACK_NEW.get(&snat) } {
+        if let Some(sv) = unsafe { Table::Embryonic.get(&snat) } {
             if sv.flags & CT_F_SNAT_PENDING == 0 {
                 move_assured(&CtKey::reversed_of(sv, proto, CT_DIR_INGRESS));
             }
@@ -372,9 +393,9 @@ fn promote(fwd_key: &CtKey, rw: &Rewrite) {
 
 #[inline(always)]
 fn move_assured(k: &CtKey) {
-    if let Some(v) = unsafe { CONNTRACK_NEW.get(k) } {
+    if let Some(v) = unsafe { Table::Embryonic.get(k) } {
         if CONNTRACK.insert(k, v, 0).is_ok() {
-            let _ = CONNTRACK_NEW.remove(k);
+            embryonic::kpr_ct_new_remove(k);
         } else {
             bump(counter::CT_INSERT_FAILED);
         }
@@ -394,23 +415,57 @@ pub fn random_port(cfg: &DatapathConfig) -> u16 {
     (p as u16).to_be()
 }
 
-/// The embryonic table is full: forgets the oldest flow still embryonic of this CPU's part of
-/// the ring or, if it has none, of the busy CPU's (a flood on one CPU must not keep the others
-/// from opening flows). A part is read from its tail, the oldest key not yet taken; keys whose
-/// flow completed its handshake or expired are skipped, up to a few. A flood fills its CPU's
-/// part with its own flows, so it evicts those, as an LRU would. False: nothing found (the
-/// table is full of flows no part remembers, which the collector times out). Each eviction is
-/// counted (ct_embryonic_evicted). Rare: a subprogram.
+/// Forgets the flows of the entries evicted while this packet's flow was recorded (the
+/// scratch's pending slots), once its own entries are all in, and frees the slots. Each flow
+/// evicted is counted (ct_embryonic_evicted). A subprogram, called after new_flow (see
+/// pipeline::forgetting_evicted) and by finish_snat; its keys live in per-CPU memory (see
+/// forget_with).
 #[inline(never)]
-fn make_room() -> bool {
-    // Few values live across the calls: the frame has 32 bytes (see forget_with).
-    ring::ipv4().evict_oldest(|k| {
-        let Some(v) = (unsafe { CONNTRACK_NEW.get(k) }) else { return false };
-        let Some(keys) = CT_FORGET_KEYS.get_ptr_mut(0).filter(|_| k.role(v) == CtRole::Forward) else { return false };
-        forget_with(Table::Embryonic, k, v, unsafe { &mut *keys });
+pub fn forget_pending(s: *mut CtScratch) {
+    for slot in 0..CT_PENDING_SLOTS {
+        let s = unsafe { &mut *s };
+        if s.pending[slot].key.is_empty() {
+            continue;
+        }
+        forget_evicted(s, slot);
+        embryonic::clear(&raw mut s.pending[slot].key);
+    }
+}
+
+/// The flow of an entry a full embryonic bucket evicted (pending slot `slot`, worked on in
+/// place): its other entries are forgotten too, found through its reverse-DNAT entry, which
+/// names the forward one. Counted where the forward entry goes: one packet's inserts may evict
+/// two entries of one flow, and the flow counts once.
+#[inline(always)]
+fn forget_evicted(s: &mut CtScratch, slot: usize) {
+    let keys = unsafe { &mut *(&raw mut s.forget_keys) };
+    let (key, value) = unsafe { (&mut *(&raw mut s.pending[slot].key), &mut *(&raw mut s.pending[slot].value)) };
+    let proto = key.proto;
+    // An SNAT entry names the flow's reverse-DNAT entry.
+    let via_snat = match key.role(value) {
+        CtRole::Forward => {
+            bump(counter::CT_EMBRYONIC_EVICTED);
+            return forget_with(Table::Embryonic, key, value, keys);
+        }
+        CtRole::ReverseDnat => false,
+        CtRole::Snat => {
+            *key = key.reversed(CT_DIR_EGRESS);
+            true
+        }
+        CtRole::ReverseSnat => {
+            *key = CtKey::straight_of(value, proto, CT_DIR_EGRESS);
+            true
+        }
+    };
+    if via_snat {
+        let Some(rev) = embryonic::get(key) else { return };
+        embryonic::copy(rev, value);
+    }
+    *key = CtKey::reversed_of(value, proto, CT_DIR_INGRESS);
+    if let Some(fwd) = embryonic::get(key) {
         bump(counter::CT_EMBRYONIC_EVICTED);
-        true
-    })
+        forget_with(Table::Embryonic, key, unsafe { &*fwd }, keys);
+    }
 }
 
 /// Claims a new flow's reply tuple (B:b -> C:p at egress) by inserting its reverse-DNAT entry
@@ -422,7 +477,7 @@ fn make_room() -> bool {
 /// tuple; the assured table is probed first. A hairpin flow's port must differ from the
 /// backend's, or its SNAT and reverse-DNAT keys meet. Everything is read back from the scratch
 /// entry, so little stays live across the calls (new_flow's frame counts against 512 bytes).
-/// The embryonic table finds a clash before it makes room: a clash costs no eviction.
+/// The embryonic table finds a clash before it evicts: a clash costs no eviction.
 #[inline(always)]
 fn claim_reply(f: &Flow, be: &Backend, cfg: &DatapathConfig, s: &mut CtScratch) -> Option<u16> {
     s.keys[1] = CtKey { saddr: be.addr[0], daddr: f.saddr, sport: be.port, dport: f.sport, proto: f.proto, dir: CT_DIR_EGRESS, _pad: 0 };
@@ -431,7 +486,7 @@ fn claim_reply(f: &Flow, be: &Backend, cfg: &DatapathConfig, s: &mut CtScratch) 
         let k = &s.keys[1];
         let hairpin_clash = k.saddr == k.daddr && k.dport == k.sport;
         if !hairpin_clash && unsafe { CONNTRACK.get(k) }.is_none() {
-            match Table::NEW.insert(k, &s.values[1], BPF_NOEXIST) {
+            match Table::NEW.insert(&raw const s.keys[1], &raw const s.values[1], BPF_NOEXIST, &raw mut s.pending[0]) {
                 Ok(()) => return Some(s.keys[1].dport),
                 Err(e) if e != -EEXIST => {
                     bump(counter::CT_INSERT_FAILED);
@@ -469,6 +524,7 @@ fn finish_snat(table: Table, key: &CtKey, v: &mut CtValue, cfg: &DatapathConfig,
         return false;
     };
     let s = unsafe { &mut *s };
+    embryonic::clear(&raw mut s.pending[0].key);
     // Reverse SNAT: (backend -> S:s) becomes (backend -> client:p), the packet netfilter saw
     // leave.
     s.values[0] = CtValue {
@@ -487,14 +543,15 @@ fn finish_snat(table: Table, key: &CtKey, v: &mut CtValue, cfg: &DatapathConfig,
     let mut tries = 0;
     while tries < 8 {
         s.keys[0] = CtKey { saddr: key.daddr, daddr: addr, sport: key.dport, dport: random_port(cfg), proto: key.proto, dir: CT_DIR_INGRESS, _pad: 0 };
-        if !taken(&s.keys[0]) {
+        if !taken_elsewhere(table, &s.keys[0]) {
             // BPF_NOEXIST: another CPU may have taken the same port since the probe; its
             // entry must not be overwritten (as `claim_reply` claims a new flow's tuple).
-            match table.insert(&s.keys[0], &s.values[0], BPF_NOEXIST) {
+            match table.insert(&raw const s.keys[0], &raw const s.values[0], BPF_NOEXIST, &raw mut s.pending[0]) {
                 Ok(()) => {
                     v.new_saddr = addr;
                     v.new_sport = s.keys[0].dport;
                     v.flags &= !CT_F_SNAT_PENDING;
+                    forget_pending(s);
                     return true;
                 }
                 Err(e) if e != -EEXIST => {
@@ -516,10 +573,17 @@ fn finish_snat(table: Table, key: &CtKey, v: &mut CtValue, cfg: &DatapathConfig,
 /// protocol starts in. Keys and values are built in a per-CPU scratch entry, not on the 512-byte
 /// stack.
 #[inline(always)]
-pub fn create(f: &Flow, now: u64, backend_id: u32, service_id: u32, be: &Backend, masq: bool, cfg: &DatapathConfig) -> Option<Rewrite> {
+pub fn create(f: &Flow, backend_id: u32, service_id: u32, be: &Backend, masq: bool, cfg: &DatapathConfig) -> Option<Rewrite> {
     let s = unsafe { &mut *CT_SCRATCH.get_ptr_mut(0)? };
+    for slot in 0..CT_PENDING_SLOTS {
+        embryonic::clear(&raw mut s.pending[slot].key);
+    }
     // Reverse DNAT: (B:b -> C:p) becomes (V:v -> C:c).
     let snat = if masq { CT_F_SNAT } else { 0 };
+    // Stamped by the fine clock, not the tick's: a full bucket evicts only entries stamped
+    // before this flow's (embryonic::insert), and so never this flow's own, while every flow
+    // of the same tick stays evictable.
+    let now = unsafe { bpf_ktime_get_ns() };
     s.values[1] = CtValue { last_seen_ns: now, new_saddr: f.daddr, new_daddr: f.saddr, new_sport: f.dport, new_dport: f.sport, backend_id, service_id, flags: snat | CT_F_REPLY, _pad: 0 };
     let port = claim_reply(f, be, cfg, s)?;
     // The other entries read what they share from the reply's: less stays live across the
@@ -536,16 +600,15 @@ pub fn create(f: &Flow, now: u64, backend_id: u32, service_id: u32, be: &Backend
         // SNAT: (C:p -> B:b) becomes (S:s -> B:b) once egress knows S.
         s.keys[2] = CtKey::straight_of(&s.values[0], f.proto, CT_DIR_EGRESS);
         s.values[2] = CtValue { new_saddr: 0, new_daddr: be.addr[0], new_sport: port, new_dport: be.port, flags: CT_F_SNAT | CT_F_SNAT_PENDING, ..blank };
-        if table.insert(&s.keys[2], &s.values[2], 0).is_err() {
+        if table.insert(&raw const s.keys[2], &raw const s.values[2], 0, &raw mut s.pending[1]).is_err() {
             bump(counter::CT_INSERT_FAILED);
             return None;
         }
     }
-    if table.insert(&s.keys[0], &s.values[0], 0).is_err() {
+    if table.insert(&raw const s.keys[0], &raw const s.values[0], 0, &raw mut s.pending[2]).is_err() {
         bump(counter::CT_INSERT_FAILED);
         return None;
     }
-    ring::ipv4().remember(&s.keys[0]);
     Some(Rewrite::of(&s.values[0]))
 }
 
@@ -562,7 +625,7 @@ pub fn for_icmp_error(quoted_reverse: &CtKey, refusal: bool) -> Option<Rewrite> 
     let v = match unsafe { CONNTRACK.get(quoted_reverse) } {
         Some(v) => v,
         None => {
-            let v = unsafe { CONNTRACK_NEW.get(quoted_reverse)? };
+            let v = unsafe { Table::Embryonic.get(quoted_reverse)? };
             if refusal && quoted_reverse.proto == PROTO_TCP {
                 handshake_refused(quoted_reverse, v);
             }

@@ -20,6 +20,7 @@ mod conntrack;
 mod conntrack6;
 mod counters;
 mod csum;
+mod embryonic;
 mod flowcache;
 mod icmp;
 mod icmp6;

@@ -5,7 +5,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
-    ClockCache, CtKey6, CtScratch, CtScratch6, CtValue6, FlowCacheEntry, IfaceInfo, SockRevKey, SockRevValue,
+    ct_buckets, ClockCache, CtBucket, CtKey6, BPF_F_MMAPABLE, CtScratch, CtScratch6, CtValue6, FlowCacheEntry, IfaceInfo, SockRevKey, SockRevValue,
     limits::*, AffinityKey, AffinityValue, Backend, CtKey, CtValue, DatapathConfig, ServiceKey,
     ServiceValue, SetAddr, SetIpPort, SetIpPortIp, SetIpPortNet, SetPort, SlotKey, SourceRangeKey,
 };
@@ -59,35 +59,17 @@ map! {
 }
 
 map! {
-    /// Flows not yet assured (TCP and UDP), same layout, in a table of their own so a flood
-    /// evicts only its kind. A preallocated hash, not an LRU: an insert takes an entry off a per-CPU free list
-    /// instead of the LRU's list upkeep (a new flow's largest cost). A full table evicts the
-    /// oldest flows of CT_NEW_RING (conntrack::make_room).
-    CONNTRACK_NEW: HashMap<CtKey, CtValue> = HashMap::pinned(MAX_CONNTRACK_NEW, 0)
+    /// Flows not yet assured (TCP and UDP), same entries, in a table of their own so a flood
+    /// evicts only its kind: bucket (CtKey::bucket) -> up to four entries (CtBucket). An array,
+    /// not a hash map: a new flow's operations on it (its tuple's probe, its reply tuple's
+    /// claim, its inserts) read one bucket's lines, with no hash helper, chain walk or free-list
+    /// element; each is a BPF global function (embryonic.rs). A full bucket evicts the flow of
+    /// its oldest entry. Mmapable: the agent's collector deletes under the same bucket lock.
+    /// The agent sizes it (ct_buckets) and sets CT_NEW_BUCKET_MASK.
+    CONNTRACK_NEW: Array<CtBucket> = Array::pinned(ct_buckets(MAX_CONNTRACK_NEW), BPF_F_MMAPABLE)
 }
 
-map! {
-    /// CPU c's part (CT_NEW_RING_SLOTS from c x CT_NEW_RING_SLOTS): the forward keys of the
-    /// last embryonic flows that CPU opened (see RingPos). One array, not a per-CPU one, so that
-    /// a CPU whose own part holds nothing to evict takes from a flooded CPU's (before Linux 5.19
-    /// a program cannot read another CPU's per-CPU value). The agent sizes it by the number of
-    /// possible CPUs. Never pinned: an upgrade starts empty, and the flows it does not know
-    /// expire by the collector's timeout.
-    CT_NEW_RING: Array<CtKey> = Array::with_max_entries(CT_NEW_RING_SLOTS, 0)
-}
-
-map! {
-    /// CPU -> its CT_NEW_RING part's positions. Sized like CT_NEW_RING by the agent.
-    CT_NEW_RING_POS: Array<RingPos> = Array::with_max_entries(1, 0)
-}
-
-map! {
-    /// index 0 -> the CPU that last had many embryonic flows to remember: where a CPU with
-    /// none of its own to evict takes one (conntrack::make_room).
-    CT_NEW_RING_BUSY: Array<u32> = Array::with_max_entries(1, 0)
-}
-
-/// A ring part's positions (CT_NEW_RING, CT6_NEW_RING; see ring.rs), counting keys ever
+/// A ring part's positions (CT6_NEW_RING; see ring.rs), counting keys ever
 /// written (wrapping; a key's slot is the count modulo the part's slots). Written by its CPU; another CPU taking from the part moves
 /// `tail` too, and a race between them at worst tries one key twice or skips one. Kernel-only.
 #[repr(C)]
@@ -125,7 +107,12 @@ map! {
 }
 
 map! {
-    /// CT_NEW_RING for IPv6's embryonic flows (CT6_NEW_RING_SLOTS keys a CPU). Never pinned.
+    /// CPU c's part (CT6_NEW_RING_SLOTS from c x CT6_NEW_RING_SLOTS): the forward keys of the
+    /// last IPv6 embryonic flows that CPU opened (see RingPos). One array, not a per-CPU one, so
+    /// that a CPU whose own part holds nothing to evict takes from a flooded CPU's (before Linux
+    /// 5.19 a program cannot read another CPU's per-CPU value). The agent sizes it by the number
+    /// of possible CPUs. Never pinned: an upgrade starts empty, and the flows it does not know
+    /// expire by the collector's timeout.
     CT6_NEW_RING: Array<CtKey6> = Array::with_max_entries(CT6_NEW_RING_SLOTS, 0)
 }
 
@@ -135,7 +122,8 @@ map! {
 }
 
 map! {
-    /// CT_NEW_RING_BUSY for CT6_NEW_RING.
+    /// index 0 -> the CPU that last had many IPv6 embryonic flows to remember: where a CPU with
+    /// none of its own to evict takes one (conntrack6::make_room).
     CT6_NEW_RING_BUSY: Array<u32> = Array::with_max_entries(1, 0)
 }
 

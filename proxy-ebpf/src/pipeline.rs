@@ -21,7 +21,7 @@ use crate::{
     conntrack::{self, Lookup, Tracked},
     counters::{self, bump},
     flowcache, icmp, lb,
-    maps::{CONFIG, IFACES, SOURCE_RANGES},
+    maps::{CONFIG, CT_SCRATCH, IFACES, SOURCE_RANGES},
     nat,
     parse::{self, Flow, Parsed},
     pkt::{Pkt, Verdict},
@@ -127,7 +127,7 @@ pub fn ingress<P: Pkt>(p: &mut P, scope: u8) -> Verdict {
         bump(counter::HANDOVER_PASS);
         return Verdict::Pass;
     }
-    match new_flow(p, &f, &svc, cfg, now) {
+    match forgetting_evicted(new_flow(p, &f, &svc, cfg, now)) {
         NewFlow::Done(v) => v,
         // Here, not in new_flow: the reject's frame then never adds to new_flow's.
         NewFlow::Reject => reject::icmp_port_unreachable(p, &f).unwrap_or_else(|| {
@@ -135,6 +135,17 @@ pub fn ingress<P: Pkt>(p: &mut P, scope: u8) -> Verdict {
             Verdict::Drop
         }),
     }
+}
+
+/// Forgets the flows that new_flow's inserts evicted (conntrack::forget_pending), and hands
+/// its answer back. Here, not in new_flow: that frame never adds to new_flow's in the call
+/// chain, and the hook's keeps nothing across the call.
+#[inline(never)]
+fn forgetting_evicted(answer: NewFlow) -> NewFlow {
+    if let Some(s) = CT_SCRATCH.get_ptr_mut(0) {
+        conntrack::forget_pending(s);
+    }
+    answer
 }
 
 /// What new_flow decided.
@@ -228,7 +239,7 @@ fn new_flow<P: Pkt>(p: &mut P, f: &Flow, svc: &ServiceValue, cfg: &DatapathConfi
         || svc.flags & SVC_F_MASQ != 0
         || cfg.flags & CFG_F_MASQUERADE_ALL != 0
         || off_cluster;
-    let Some(rw) = conntrack::create(f, now, backend_id, svc.service_id, &be, masq, cfg) else {
+    let Some(rw) = conntrack::create(f, backend_id, svc.service_id, &be, masq, cfg) else {
         return NewFlow::Done(Verdict::Drop);
     };
     if masq {

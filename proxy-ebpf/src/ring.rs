@@ -1,14 +1,15 @@
-//! The embryonic tables' rings. An embryonic table is a preallocated hash, which never evicts
-//! by itself: each CPU remembers the forward keys of the last flows it opened in its part of a
+//! IPv6's embryonic table's ring. That table is a preallocated hash, which never evicts by
+//! itself: each CPU remembers the forward keys of the last flows it opened in its part of a
 //! ring, and an insert into the full table forgets the oldest of them still embryonic
-//! (conntrack::make_room, conntrack6::make_room). One ring per family, of that family's keys.
+//! (conntrack6::make_room). (IPv4's table evicts per bucket, embryonic.rs.) Generic over the
+//! key.
 use aya_ebpf::{helpers::bpf_get_smp_processor_id, maps::Array};
 use proxy_common::{
-    limits::{CT6_NEW_RING_SLOTS, CT_NEW_RING_SLOTS},
-    CtKey, CtKey6,
+    limits::CT6_NEW_RING_SLOTS,
+    CtKey6,
 };
 
-use crate::maps::{RingPos, CT6_NEW_RING, CT6_NEW_RING_BUSY, CT6_NEW_RING_POS, CT_NEW_RING, CT_NEW_RING_BUSY, CT_NEW_RING_POS};
+use crate::maps::{RingPos, CT6_NEW_RING, CT6_NEW_RING_BUSY, CT6_NEW_RING_POS};
 
 /// A CPU whose part holds at least this many keys says so in the ring's `busy` word (checked
 /// every this many keys: the shared word is seldom written).
@@ -22,12 +23,6 @@ pub struct Ring<K: 'static> {
     busy: &'static Array<u32>,
     /// A power of two.
     slots: u32,
-}
-
-/// IPv4's (CONNTRACK_NEW's flows).
-#[inline(always)]
-pub fn ipv4() -> Ring<CtKey> {
-    Ring { keys: &CT_NEW_RING, pos: &CT_NEW_RING_POS, busy: &CT_NEW_RING_BUSY, slots: CT_NEW_RING_SLOTS }
 }
 
 /// IPv6's (CONNTRACK6_NEW's flows).

@@ -105,11 +105,16 @@ impl Datapath {
         let mut loader = EbpfLoader::new();
         loader.default_map_pin_directory(pin_dir);
         for (name, n) in sized_maps(&caps) {
-            loader.map_max_entries(name, n);
+            loader.map_max_entries(name, max_entries_for(name, n));
         }
+        // The embryonic table's bucket mask, of the pinned array where there is one (it keeps
+        // its size).
+        let buckets = aya::maps::MapInfo::from_pin(pin_dir.join(map_names::CONNTRACK_NEW))
+            .map(|i| i.max_entries())
+            .unwrap_or_else(|_| max_entries_for(map_names::CONNTRACK_NEW, caps.conntrack_new));
+        let mask = buckets.saturating_sub(1);
+        loader.override_global(CT_NEW_BUCKET_MASK, &mask, true);
         let cpus = possible_cpus();
-        loader.map_max_entries(map_names::CT_NEW_RING, cpus * proxy_common::limits::CT_NEW_RING_SLOTS);
-        loader.map_max_entries(map_names::CT_NEW_RING_POS, cpus);
         loader.map_max_entries(map_names::CT6_NEW_RING, cpus * proxy_common::limits::CT6_NEW_RING_SLOTS);
         loader.map_max_entries(map_names::CT6_NEW_RING_POS, cpus);
         let ebpf = loader.load(EBPF_OBJECT).map_err(KernelError::Load)?;
@@ -297,12 +302,35 @@ pub fn backend_id_limit(pin_dir: &Path, wanted: u32) -> u32 {
     BY_BACKEND_ID.iter().filter_map(|name| aya::maps::MapInfo::from_pin(pin_dir.join(name)).ok()).fold(wanted, |limit, info| limit.min(info.max_entries()))
 }
 
-/// Each pinned map's capacity (max_entries), for `kpr_map_capacity`.
+/// The data path's global that holds the embryonic table's bucket mask (proxy-ebpf's
+/// embryonic.rs).
+const CT_NEW_BUCKET_MASK: &str = "CT_NEW_BUCKET_MASK";
+
+/// A map's max_entries for a capacity of `entries`: IPv4's embryonic table holds buckets of
+/// CT_BUCKET_WAYS (a power of two of them), every other map one entry per value.
+pub fn max_entries_for(map: &str, entries: u32) -> u32 {
+    if map == map_names::CONNTRACK_NEW {
+        proxy_common::ct_buckets(entries)
+    } else {
+        entries
+    }
+}
+
+/// A map's capacity in entries, from its max_entries (see `max_entries_for`).
+pub fn capacity_of(map: &str, max_entries: u32) -> u32 {
+    if map == map_names::CONNTRACK_NEW {
+        max_entries.saturating_mul(proxy_common::CT_BUCKET_WAYS as u32)
+    } else {
+        max_entries
+    }
+}
+
+/// Each pinned map's capacity in entries, for `kpr_map_capacity`.
 pub fn map_capacities(pin_dir: &Path) -> Vec<(&'static str, u32)> {
     map_names::ALL
         .iter()
         .chain(map_names::SETS.iter())
-        .filter_map(|name| aya::maps::MapInfo::from_pin(pin_dir.join(name)).ok().map(|i| (*name, i.max_entries())))
+        .filter_map(|name| aya::maps::MapInfo::from_pin(pin_dir.join(name)).ok().map(|i| (*name, capacity_of(name, i.max_entries()))))
         .collect()
 }
 
@@ -315,7 +343,7 @@ pub fn capacity_mismatches(pin_dir: &Path, caps: &Capacities) -> Vec<(&'static s
         .into_iter()
         .filter_map(|(name, want)| {
             let info = aya::maps::MapInfo::from_pin(pin_dir.join(name)).ok()?;
-            let have = info.max_entries();
+            let (have, want) = (capacity_of(name, info.max_entries()), capacity_of(name, max_entries_for(name, want)));
             let harmless = have > want && info.map_flags() & proxy_common::BPF_F_NO_PREALLOC != 0;
             (have != want && !harmless).then_some((name, have, want))
         })

@@ -14,7 +14,9 @@ use crate::dataplane::ebpf::{
     maps::{ConntrackTables, DatapathMaps, MapError, SrcRange, Table},
 };
 
+mod buckets;
 mod conntrack;
+pub use buckets::Buckets;
 pub use conntrack::{KernelConntrack, KernelEmbryonic6};
 
 pub(crate) fn op(map: &'static str, op: &'static str, e: AyaMapError) -> MapError {

@@ -20,7 +20,8 @@ use super::Capacities;
 /// has (`carry_into`).
 pub(super) struct Retired {
     backends: Option<Carry<u32, proxy_common::Backend>>,
-    embryonic: Option<Carry<proxy_common::CtKey, proxy_common::CtValue>>,
+    /// IPv4's embryonic flows: from the LRU (V1) or the preallocated hash (V2).
+    embryonic: [Option<Carry<proxy_common::CtKey, proxy_common::CtValue>>; 2],
     embryonic6: Option<Carry<proxy_common::CtKey6, proxy_common::CtValue6>>,
     counters: Option<CarryCounts>,
 }
@@ -30,7 +31,8 @@ impl Retired {
     pub(super) fn take(pin_dir: &Path, caps: &Capacities) -> Self {
         let retired = Self {
             backends: earlier_backends(pin_dir, caps.backends),
-            embryonic: earlier_embryonic(pin_dir, map_names::CONNTRACK_NEW_V1, map_names::CONNTRACK_NEW, caps.conntrack_new),
+            embryonic: [map_names::CONNTRACK_NEW_V1, map_names::CONNTRACK_NEW_V2]
+                .map(|from| earlier_embryonic(pin_dir, from, map_names::CONNTRACK_NEW, caps.conntrack_new)),
             embryonic6: earlier_embryonic(pin_dir, map_names::CONNTRACK6_NEW_V1, map_names::CONNTRACK6_NEW, caps.conntrack6_new),
             counters: CarryCounts::read(pin_dir),
         };
@@ -43,8 +45,8 @@ impl Retired {
         if let Some(c) = self.backends {
             c.write(ebpf, pin_dir);
         }
-        if let Some(c) = self.embryonic {
-            c.write(ebpf, pin_dir);
+        for c in self.embryonic.into_iter().flatten() {
+            c.write_buckets(ebpf, pin_dir);
         }
         if let Some(c) = self.embryonic6 {
             c.write(ebpf, pin_dir);
@@ -138,6 +140,27 @@ impl<K: bytemuck::Pod, V: bytemuck::Pod> Carry<K, V> {
     }
 }
 
+impl Carry<proxy_common::CtKey, proxy_common::CtValue> {
+    /// `write` for IPv4's embryonic table, whose entries go into buckets (KPR_CT_NEW_V3): an
+    /// entry whose bucket is full stays behind, and its flow starts over.
+    fn write_buckets(self, ebpf: &Ebpf, pin_dir: &Path) {
+        if !self.entries.is_empty() {
+            let mapped = match ebpf.map(self.to).and_then(map_data) {
+                Some(d) => crate::dataplane::ebpf::kernel_maps::Buckets::map(self.to, d),
+                None => Err(MapError::Missing(self.to)),
+            };
+            match mapped {
+                Ok(buckets) => {
+                    let written = self.entries.iter().filter(|(k, v)| buckets.insert(k, v)).count();
+                    tracing::info!(entries = written, of = self.entries.len(), from = self.from, to = self.to, "carried an earlier release's entries over");
+                }
+                Err(err) => tracing::warn!(from = self.from, to = self.to, error = %err, "carrying an earlier release's entries over failed"),
+            }
+        }
+        unpin(pin_dir, self.from);
+    }
+}
+
 fn unpin(pin_dir: &Path, name: &'static str) {
     if std::fs::remove_file(pin_dir.join(name)).is_ok() {
         tracing::info!(map = name, "removed the pin of a map an earlier version used");
@@ -159,7 +182,8 @@ fn earlier_backends(pin_dir: &Path, capacity: u32) -> Option<Carry<u32, proxy_co
     Carry::read(pin_dir, v2, map_names::BACKENDS, |(id, b): &(u32, proxy_common::Backend)| *id < capacity && b.is_present())
 }
 
-/// The embryonic flows of an earlier release's LRU (KPR_CT_NEW_V1, KPR_CT6_NEW_V1): handshakes
+/// The embryonic flows of an earlier release's table (KPR_CT_NEW_V1, KPR_CT_NEW_V2,
+/// KPR_CT6_NEW_V1): handshakes
 /// under way at the upgrade, whose next packet would otherwise be picked up as a new flow and
 /// maybe meet another backend. Up to the new table's capacity; the collector times them out as
 /// any.

@@ -1,13 +1,14 @@
 //! The conntrack tables' implementations, for the collectors and the views: IPv4's two tables
 //! with the flow cache's generation (`ConntrackTables`), IPv6's embryonic table
-//! (`Embryonic6`). A delete takes the entry out and puts it back when it no longer matches
-//! what the caller read (`take_if`).
+//! (`Embryonic6`). A hash map's delete takes the entry out and puts it back when it no longer
+//! matches what the caller read (`take_if`); IPv4's embryonic buckets check it under the
+//! bucket's lock (buckets.rs).
 use std::path::Path;
 
 use aya::maps::{Array, HashMap, MapData};
 use proxy_common::{map_names, CtKey, CtKey6, CtValue, CtValue6};
 
-use super::{is_enoent, op, open_typed};
+use super::{buckets::Buckets, is_enoent, op, open_typed};
 use crate::dataplane::ebpf::{
     bpf_batch::{self, Batch},
     maps::{same_flow, ConntrackTables, MapError, Table},
@@ -17,7 +18,7 @@ use crate::dataplane::ebpf::{
 /// collector's thread has its own).
 pub struct KernelConntrack {
     assured: HashMap<MapData, CtKey, CtValue>,
-    embryonic: HashMap<MapData, CtKey, CtValue>,
+    embryonic: Buckets,
     flow_cache_gen: Array<MapData, u64>,
 }
 
@@ -25,21 +26,17 @@ impl KernelConntrack {
     pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
         Ok(Self {
             assured: open_typed(pin_dir, map_names::CONNTRACK)?,
-            embryonic: open_typed(pin_dir, map_names::CONNTRACK_NEW)?,
+            embryonic: Buckets::open(pin_dir, map_names::CONNTRACK_NEW)?,
             flow_cache_gen: open_typed(pin_dir, map_names::FLOW_CACHE_GEN)?,
         })
     }
-    fn map(&self, t: Table) -> &HashMap<MapData, CtKey, CtValue> {
-        match t {
-            Table::Assured => &self.assured,
-            Table::Embryonic => &self.embryonic,
-        }
-    }
-}
 
-impl KernelConntrack {
-    fn take_if(&mut self, table: Table, key: &CtKey, keep_out: impl Fn(&CtValue) -> bool) -> Result<bool, MapError> {
-        take_if(table.map_name(), aya::maps::IterableMap::map(self.map(table)), key, keep_out)
+    /// Deletes `key` from `table` if `delete` holds for its entry.
+    fn delete_when(&mut self, table: Table, key: &CtKey, delete: impl Fn(&CtValue) -> bool) -> Result<bool, MapError> {
+        match table {
+            Table::Assured => take_if(table.map_name(), aya::maps::IterableMap::map(&self.assured), key, delete),
+            Table::Embryonic => self.embryonic.delete_if(key, delete),
+        }
     }
 }
 
@@ -95,24 +92,33 @@ impl crate::dataplane::ebpf::conntrack6::Embryonic6 for KernelEmbryonic6 {
 
 impl ConntrackTables for KernelConntrack {
     fn read_batch(&self, table: Table, cursor: Option<u32>, max: usize) -> Result<Batch<CtKey, CtValue>, MapError> {
-        read_batch(table.map_name(), aya::maps::IterableMap::map(self.map(table)), cursor, max)
+        match table {
+            Table::Assured => read_batch(table.map_name(), aya::maps::IterableMap::map(&self.assured), cursor, max),
+            Table::Embryonic => Ok(self.embryonic.read_batch(cursor, max)),
+        }
     }
     fn get(&self, table: Table, key: &CtKey) -> Result<Option<CtValue>, MapError> {
-        lookup(table.map_name(), self.map(table), key)
+        match table {
+            Table::Assured => lookup(table.map_name(), &self.assured, key),
+            Table::Embryonic => Ok(self.embryonic.get(key)),
+        }
     }
     fn set_flags_if(&mut self, table: Table, key: &CtKey, expected: &CtValue, flags: u16) -> Result<bool, MapError> {
+        if table == Table::Embryonic {
+            return self.embryonic.change_if(key, |v| same_flow(v, expected).then_some(CtValue { flags: v.flags | flags, ..*v }));
+        }
         let Some(mut v) = self.get(table, key)?.filter(|v| same_flow(v, expected)) else {
             return Ok(false);
         };
         v.flags |= flags;
-        let fd = aya::maps::IterableMap::map(self.map(table)).fd();
+        let fd = aya::maps::IterableMap::map(&self.assured).fd();
         bpf_batch::update_existing(fd, key, &v).map_err(|source| MapError::Op { map: table.map_name(), op: "update", source })
     }
     fn delete_if(&mut self, table: Table, key: &CtKey, expected: &CtValue) -> Result<bool, MapError> {
-        self.take_if(table, key, |v| v == expected)
+        self.delete_when(table, key, |v| v == expected)
     }
     fn delete_if_same_flow(&mut self, table: Table, key: &CtKey, expected: &CtValue) -> Result<bool, MapError> {
-        self.take_if(table, key, |v| same_flow(v, expected))
+        self.delete_when(table, key, |v| same_flow(v, expected))
     }
     fn invalidate_flow_cache(&mut self) -> Result<(), MapError> {
         let name = map_names::FLOW_CACHE_GEN;

@@ -1,0 +1,247 @@
+//! IPv4's embryonic table (KPR_CT_NEW_V3, proxy_common::CtBucket) mapped into the agent. A read
+//! copies ways without the lock, as the data path's probes do (a way caught mid-write is checked
+//! again under the lock before anything is deleted). A write (the collector's deletes and
+//! flags, an upgrade's carry-over) holds the bucket's lock, which the data path's writers take
+//! with BPF's compare-and-exchange on the same word.
+use std::{
+    os::fd::{AsFd, AsRawFd},
+    ptr::NonNull,
+    sync::atomic::{AtomicU64, Ordering},
+};
+
+use proxy_common::{CtBucket, CtKey, CtValue, CT_BUCKET_WAYS};
+
+use crate::dataplane::ebpf::{bpf_batch::Batch, maps::MapError};
+
+/// How long a writer spins for a bucket's lock before it gives up (the data path holds it for a
+/// few stores, and cannot be preempted meanwhile).
+const LOCK_SPINS: u32 = 100_000;
+
+/// The table's array, mapped shared.
+pub struct Buckets {
+    map: &'static str,
+    base: NonNull<CtBucket>,
+    /// A power of two.
+    count: u32,
+    len: usize,
+}
+
+// The mapping is shared memory whose every write goes through a bucket's lock.
+unsafe impl Send for Buckets {}
+unsafe impl Sync for Buckets {}
+
+/// What `update` does with the entry it found.
+enum Change {
+    Keep,
+    Delete,
+    Write(CtValue),
+}
+
+impl Buckets {
+    /// Maps `data`, the array named `map` (the mapping keeps the map alive).
+    pub fn map(map: &'static str, data: &aya::maps::MapData) -> Result<Self, MapError> {
+        let info = data.info().map_err(|e| MapError::Other { map, message: e.to_string() })?;
+        let fd = data.fd().as_fd();
+        let count = info.max_entries();
+        if info.value_size() as usize != size_of::<CtBucket>() || !count.is_power_of_two() {
+            return Err(MapError::Other { map, message: format!("not a bucket array ({count} values of {} bytes)", info.value_size()) });
+        }
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+        let len = (count as usize * size_of::<CtBucket>()).div_ceil(page) * page;
+        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+        if ptr == libc::MAP_FAILED {
+            return Err(MapError::Op { map, op: "mmap", source: std::io::Error::last_os_error() });
+        }
+        let base = NonNull::new(ptr.cast()).ok_or(MapError::Other { map, message: "mmap gave no address".into() })?;
+        Ok(Self { map, base, count, len })
+    }
+
+    /// Maps the pinned array.
+    pub fn open(pin_dir: &std::path::Path, map: &'static str) -> Result<Self, MapError> {
+        let data = aya::maps::MapData::from_pin(pin_dir.join(map)).map_err(|e| MapError::Other { map, message: format!("cannot open its pin: {e}") })?;
+        Self::map(map, &data)
+    }
+
+    fn bucket(&self, i: u32) -> *mut CtBucket {
+        debug_assert!(i < self.count);
+        unsafe { self.base.as_ptr().add(i as usize) }
+    }
+
+    fn bucket_of(&self, key: &CtKey) -> *mut CtBucket {
+        self.bucket(key.bucket(self.count - 1))
+    }
+
+    /// Way `w`'s entry, None if empty. Unlocked: a way being written may read torn.
+    fn way(b: *mut CtBucket, w: usize) -> Option<(CtKey, CtValue)> {
+        let key = unsafe { std::ptr::read_volatile(&raw const (*b).keys[w]) };
+        (!key.is_empty()).then(|| (key, unsafe { std::ptr::read_volatile(&raw const (*b).values[w]) }))
+    }
+
+    /// Up to about `max` entries from bucket `cursor` on (whole buckets), and the bucket to go on
+    /// from (None: that was the last).
+    pub fn read_batch(&self, cursor: Option<u32>, max: usize) -> Batch<CtKey, CtValue> {
+        let mut out = Vec::new();
+        let mut i = cursor.unwrap_or(0);
+        while i < self.count && out.len() < max.max(1) {
+            let b = self.bucket(i);
+            out.extend((0..CT_BUCKET_WAYS).filter_map(|w| Self::way(b, w)));
+            i += 1;
+        }
+        (out, (i < self.count).then_some(i))
+    }
+
+    pub fn get(&self, key: &CtKey) -> Option<CtValue> {
+        let b = self.bucket_of(key);
+        (0..CT_BUCKET_WAYS).filter_map(|w| Self::way(b, w)).find(|(k, _)| k == key).map(|(_, v)| v)
+    }
+
+    /// Runs `change` on `key`'s entry under its bucket's lock. Ok(false): no such entry, or
+    /// `change` kept it, or the lock stayed held (the collector tries again next round).
+    fn update(&self, key: &CtKey, change: impl FnOnce(&CtValue) -> Change) -> Result<bool, MapError> {
+        let b = self.bucket_of(key);
+        let Some(_held) = Lock::take(b) else {
+            tracing::debug!(map = self.map, "a bucket's lock stayed held: the entry is left for the next round");
+            return Ok(false);
+        };
+        for w in 0..CT_BUCKET_WAYS {
+            match Self::way(b, w) {
+                Some((k, v)) if k == *key => {
+                    match change(&v) {
+                        Change::Keep => return Ok(false),
+                        Change::Delete => unsafe { std::ptr::write_volatile(&raw mut (*b).keys[w], CtKey::default()) },
+                        Change::Write(v) => unsafe { std::ptr::write_volatile(&raw mut (*b).values[w], v) },
+                    }
+                    return Ok(true);
+                }
+                _ => {}
+            }
+        }
+        Ok(false)
+    }
+
+    /// Deletes `key`'s entry if `delete` holds for it.
+    pub fn delete_if(&self, key: &CtKey, delete: impl FnOnce(&CtValue) -> bool) -> Result<bool, MapError> {
+        self.update(key, |v| if delete(v) { Change::Delete } else { Change::Keep })
+    }
+
+    /// Replaces `key`'s entry by what `change` makes of it, if anything.
+    pub fn change_if(&self, key: &CtKey, change: impl FnOnce(&CtValue) -> Option<CtValue>) -> Result<bool, MapError> {
+        self.update(key, |v| change(v).map_or(Change::Keep, Change::Write))
+    }
+
+    /// Inserts `key` -> `value` into a free way of its bucket (an upgrade's carry-over). False:
+    /// the key is there, its bucket is full, or its lock stayed held.
+    pub fn insert(&self, key: &CtKey, value: &CtValue) -> bool {
+        let b = self.bucket_of(key);
+        let Some(_held) = Lock::take(b) else { return false };
+        let ways: Vec<_> = (0..CT_BUCKET_WAYS).map(|w| Self::way(b, w)).collect();
+        if ways.iter().flatten().any(|(k, _)| k == key) {
+            return false;
+        }
+        let Some(w) = ways.iter().position(Option::is_none) else { return false };
+        // The value first, as the data path writes it: a reader that finds the key finds it.
+        unsafe {
+            std::ptr::write_volatile(&raw mut (*b).values[w], *value);
+            std::sync::atomic::fence(Ordering::Release);
+            std::ptr::write_volatile(&raw mut (*b).keys[w], *key);
+        }
+        true
+    }
+}
+
+impl Drop for Buckets {
+    fn drop(&mut self) {
+        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
+    }
+}
+
+/// A bucket's lock, held until dropped.
+struct Lock(*mut CtBucket);
+
+impl Lock {
+    fn take(b: *mut CtBucket) -> Option<Self> {
+        let word = unsafe { AtomicU64::from_ptr(&raw mut (*b).lock) };
+        for _ in 0..LOCK_SPINS {
+            if word.compare_exchange_weak(0, 1, Ordering::Acquire, Ordering::Relaxed).is_ok() {
+                return Some(Self(b));
+            }
+            std::hint::spin_loop();
+        }
+        None
+    }
+}
+
+impl Drop for Lock {
+    fn drop(&mut self) {
+        unsafe { AtomicU64::from_ptr(&raw mut (*self.0).lock) }.store(0, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A Buckets over anonymous memory (the kernel's array behaves the same way for these
+    /// operations; tests/fixtures.rs runs them against it).
+    fn anonymous(count: u32) -> Buckets {
+        let len = count as usize * size_of::<CtBucket>();
+        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_ANONYMOUS, -1, 0) };
+        assert_ne!(ptr, libc::MAP_FAILED);
+        Buckets { map: "test", base: NonNull::new(ptr.cast()).unwrap(), count, len }
+    }
+
+    fn key(port: u16) -> CtKey {
+        CtKey { saddr: 1, daddr: 2, sport: port, dport: 80, proto: 6, dir: 0, _pad: 0 }
+    }
+
+    #[test]
+    fn insert_read_change_delete() {
+        let t = anonymous(4);
+        let v = CtValue { last_seen_ns: 7, backend_id: 3, ..Default::default() };
+        assert!(t.insert(&key(1), &v));
+        assert!(!t.insert(&key(1), &v), "a key is inserted once");
+        assert_eq!(t.get(&key(1)), Some(v));
+        assert_eq!(t.get(&key(2)), None);
+        assert!(t.change_if(&key(1), |v| Some(CtValue { flags: 4, ..*v })).unwrap());
+        assert_eq!(t.get(&key(1)).unwrap().flags, 4);
+        assert!(!t.delete_if(&key(1), |v| v.backend_id == 9).unwrap(), "kept: not what the caller read");
+        assert!(t.delete_if(&key(1), |v| v.backend_id == 3).unwrap());
+        assert_eq!(t.get(&key(1)), None);
+        assert!(!t.delete_if(&key(1), |_| true).unwrap(), "a second delete finds nothing");
+    }
+
+    #[test]
+    fn a_bucket_holds_four_and_batches_cover_every_entry() {
+        let t = anonymous(2);
+        let mut held = Vec::new();
+        for port in 1..=64u16 {
+            if t.insert(&key(port), &CtValue { last_seen_ns: u64::from(port), ..Default::default() }) {
+                held.push(port);
+            }
+        }
+        assert_eq!(held.len(), 8, "two buckets of four: {held:?}");
+        let mut read = Vec::new();
+        let mut cursor = None;
+        loop {
+            let (batch, next) = t.read_batch(cursor, 1);
+            read.extend(batch.into_iter().map(|(k, _)| k.sport));
+            match next {
+                Some(c) => cursor = Some(c),
+                None => break,
+            }
+        }
+        let mut want: Vec<u16> = held.clone();
+        want.sort();
+        read.sort();
+        assert_eq!(read, want);
+    }
+
+    #[test]
+    fn a_held_lock_keeps_writers_out() {
+        let t = anonymous(1);
+        let held = Lock::take(t.bucket(0)).unwrap();
+        assert!(!t.insert(&key(1), &CtValue::default()), "the data path holds the bucket");
+        drop(held);
+        assert!(t.insert(&key(1), &CtValue::default()));
+    }
+}
