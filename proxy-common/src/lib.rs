@@ -37,9 +37,9 @@ macro_rules! map_name {
     // LRU before that).
     (CONNTRACK_NEW) => { "KPR_CT_NEW_V3" };
     (CONNTRACK6) => { "KPR_CT6_V1" };
-    // V2: a preallocated hash (an LRU before), as IPv4's: its evictions from CT6_NEW_RING,
-    // counted, and its idle flows collected by the agent.
-    (CONNTRACK6_NEW) => { "KPR_CT6_NEW_V2" };
+    // V3: an array of 4-way buckets (CtBucket6), as IPv4's (a preallocated hash before, and
+    // an LRU before that).
+    (CONNTRACK6_NEW) => { "KPR_CT6_NEW_V3" };
     (IFACES) => { "KPR_IFACE_V1" };
     (AFFINITY) => { "KPR_AFF_V1" };
     (SOURCE_RANGES) => { "KPR_SRCRNG_V1" };
@@ -62,23 +62,17 @@ macro_rules! map_name {
     (SET_IP_PORT_NET) => { "KPR_SET_IPPN_V2" };
     (SET_PORT) => { "KPR_SET_PORT_V2" };
     (SET_IP) => { "KPR_SET_IP_V2" };
-    // Per-CPU scratch space and the embryonic flows' ring, never pinned.
+    // Per-CPU scratch space, never pinned.
     (CT_SCRATCH) => { "KPR_CT_SCRATCH" };
     (CT_SCRATCH6) => { "KPR_CT_SCRATCH6" };
     (FLOW_CACHE) => { "KPR_FLOW_CACHE" };
     (CLOCK) => { "KPR_CLOCK" };
-    (CT6_NEW_RING) => { "KPR_CTN6_RING" };
-    (CT6_NEW_RING_POS) => { "KPR_CTN6_RING_POS" };
-    (CT6_NEW_RING_BUSY) => { "KPR_CTN6_BUSY" };
     (CT_FORGET_KEYS) => { "KPR_CT_FORGET" };
     (CT_FORGET_KEYS6) => { "KPR_CT_FORGET6" };
 }
 
 /// The map names for user space (see `map_name!`).
 pub mod map_names {
-    /// IPv6's embryonic flows' ring and its positions: the agent sizes both by the possible CPUs.
-    pub const CT6_NEW_RING: &str = map_name!(CT6_NEW_RING);
-    pub const CT6_NEW_RING_POS: &str = map_name!(CT6_NEW_RING_POS);
     pub const SERVICES: &str = map_name!(SERVICES);
     pub const SLOTS: &str = map_name!(SLOTS);
     pub const MAGLEV: &str = map_name!(MAGLEV);
@@ -113,7 +107,7 @@ pub mod map_names {
     pub const SETS: [&str; 5] = [SET_IP_PORT, SET_IP_PORT_IP, SET_IP_PORT_NET, SET_PORT, SET_IP];
     /// Pins of earlier layouts: removed at load, so an upgrade does not keep them (and their
     /// memory) alive next to their successors.
-    pub const RETIRED: [&str; 24] = [
+    pub const RETIRED: [&str; 25] = [
         "KPR_SVC_V1",
         "KPR_SLOT_V1",
         "KPR_BE_V1",
@@ -138,6 +132,7 @@ pub mod map_names {
         COUNTERS_V6,
         CONNTRACK6_NEW_V1,
         CONNTRACK_NEW_V2,
+        CONNTRACK6_NEW_V2,
     ];
     /// The backend map before it was an array (a hash map of the same entries): at load its
     /// entries are carried into KPR_BE_V3 with their ids, then its pin is removed.
@@ -149,13 +144,16 @@ pub mod map_names {
     /// into KPR_CT_NEW_V3's buckets, then its pin is removed.
     pub const CONNTRACK_NEW_V2: &str = "KPR_CT_NEW_V2";
     /// IPv6's embryonic table when it was an LRU: at load its entries are carried into
-    /// KPR_CT6_NEW_V2, then its pin is removed.
+    /// KPR_CT6_NEW_V3's buckets, then its pin is removed.
     pub const CONNTRACK6_NEW_V1: &str = "KPR_CT6_NEW_V1";
+    /// IPv6's embryonic table when it was a preallocated hash: at load its entries are carried
+    /// into KPR_CT6_NEW_V3's buckets, then its pin is removed.
+    pub const CONNTRACK6_NEW_V2: &str = "KPR_CT6_NEW_V2";
     /// The counters when the map held exactly the counters of its day: at load its counts are
     /// added into KPR_CNT_V7's, then its pin is removed.
     pub const COUNTERS_V6: &str = "KPR_CNT_V6";
     /// The retired maps whose entries a load carries over before it removes their pins.
-    pub const CARRIED: [&str; 5] = [BACKENDS_V2, CONNTRACK_NEW_V1, COUNTERS_V6, CONNTRACK6_NEW_V1, CONNTRACK_NEW_V2];
+    pub const CARRIED: [&str; 6] = [BACKENDS_V2, CONNTRACK_NEW_V1, COUNTERS_V6, CONNTRACK6_NEW_V1, CONNTRACK_NEW_V2, CONNTRACK6_NEW_V2];
     /// Every map the fast path pins.
     pub const ALL: [&str; 19] = [
         SERVICES,
@@ -341,7 +339,7 @@ pub mod limits {
     pub const MAX_CONNTRACK_NEW: u32 = 131_072;
     /// IPv6 flows through the packet path (KPR_CT6_V1): two entries a flow.
     pub const MAX_CONNTRACK6: u32 = 65_536;
-    /// IPv6 flows not yet assured (KPR_CT6_NEW_V2): two entries a flow.
+    /// IPv6 flows not yet assured (KPR_CT6_NEW_V3): two entries a flow, 8,192 buckets of four.
     pub const MAX_CONNTRACK6_NEW: u32 = 32_768;
     /// Interfaces with their own masquerade address (KPR_IFACE_V1).
     pub const MAX_IFACES: u32 = 4096;
@@ -353,10 +351,6 @@ pub mod limits {
     pub const MAGLEV_TABLE_SIZE: u32 = 1021;
     /// Backends per service (slots) the data path accepts.
     pub const MAX_BACKENDS_PER_SERVICE: u32 = 65_535;
-    /// The forward keys of the last IPv6 embryonic flows each CPU opened (a power of two; 40-byte
-    /// keys): 80 KiB a possible CPU. A full IPv6 embryonic table evicts the oldest of them (see
-    /// proxy-ebpf's conntrack6.rs).
-    pub const CT6_NEW_RING_SLOTS: u32 = 2048;
     /// Flow cache slots per CPU (a power of two): 96 KiB a CPU.
     pub const FLOW_CACHE_SLOTS: u32 = 2048;
     const _: () = assert!(FLOW_CACHE_SLOTS.is_power_of_two());
@@ -671,12 +665,7 @@ impl CtKey {
     #[inline(always)]
     pub fn bucket(&self, mask: u32) -> u32 {
         let k = self.words();
-        let mut x = k[0] ^ k[1].rotate_left(29);
-        x ^= x >> 33;
-        x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
-        x ^= x >> 33;
-        x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-        (x ^ (x >> 33)) as u32 & mask
+        fmix64(k[0] ^ k[1].rotate_left(29)) as u32 & mask
     }
 
     /// An empty way of a CtBucket holds the zero key (no flow's protocol is 0).
@@ -794,7 +783,36 @@ pub struct CtValue6 {
 }
 const _: () = assert!(core::mem::size_of::<CtValue6>() == 56);
 
+/// MurmurHash3's 64-bit finalizer: every input bit reaches every output bit.
+#[inline(always)]
+fn fmix64(mut x: u64) -> u64 {
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    x ^ (x >> 33)
+}
+
 impl CtKey6 {
+    /// The key as five words.
+    #[inline(always)]
+    pub fn words(&self) -> [u64; 5] {
+        bytemuck::cast(*self)
+    }
+
+    /// The key's bucket of IPv6's embryonic table (CtBucket6), as `CtKey::bucket`.
+    #[inline(always)]
+    pub fn bucket(&self, mask: u32) -> u32 {
+        let w = self.words();
+        fmix64(w[0] ^ w[1].rotate_left(13) ^ w[2].rotate_left(29) ^ w[3].rotate_left(43) ^ w[4].rotate_left(53)) as u32 & mask
+    }
+
+    /// An empty way of a CtBucket6 holds the zero key.
+    #[inline(always)]
+    pub fn is_empty(&self) -> bool {
+        self.words() == [0; 5]
+    }
+
     /// The key of the packet a rewrite produces, travelling the other way (a forward entry's
     /// value gives its reverse-DNAT key).
     #[inline(always)]
@@ -813,7 +831,7 @@ impl CtKey6 {
 /// rounded up to a power of two, which the data path masks an index with.
 pub const CT_PENDING_SLOTS: usize = 4;
 
-/// The ways of a CtBucket.
+/// The ways of a CtBucket (and a CtBucket6).
 pub const CT_BUCKET_WAYS: usize = 4;
 
 /// A bucket of the IPv4 embryonic table (KPR_CT_NEW_V3), an array the data path probes without
@@ -836,7 +854,77 @@ const _: () = assert!(core::mem::size_of::<CtBucket>() == 256);
 const _: () = assert!(core::mem::offset_of!(CtBucket, lock) == 64);
 const _: () = assert!(core::mem::offset_of!(CtBucket, values) == 128);
 
-/// The embryonic table's buckets for a capacity in entries: a power of two, at least one.
+/// A bucket of IPv6's embryonic table (KPR_CT6_NEW_V3), as CtBucket: the keys in the first
+/// lines, the lock in a line of its own, the values after it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct CtBucket6 {
+    /// An empty way's key is zero (`CtKey6::is_empty`).
+    pub keys: [CtKey6; CT_BUCKET_WAYS],
+    pub _pad0: [u64; 4],
+    /// As CtBucket's.
+    pub lock: u64,
+    pub _pad1: [u64; 7],
+    pub values: [CtValue6; CT_BUCKET_WAYS],
+    pub _pad2: [u64; 4],
+}
+const _: () = assert!(core::mem::size_of::<CtBucket6>() == 512);
+const _: () = assert!(core::mem::offset_of!(CtBucket6, lock) == 192);
+const _: () = assert!(core::mem::offset_of!(CtBucket6, values) == 256);
+
+/// What both families' embryonic buckets share (CtBucket, CtBucket6), for the code written once
+/// for either table: proxy-ebpf's embryonic.rs and the agent's mapping of the arrays.
+pub trait CtBuckets: Pod {
+    type Key: Pod + PartialEq + Default + core::fmt::Debug;
+    type Value: Pod + core::fmt::Debug;
+    /// The key's bucket of `mask + 1`.
+    fn bucket(k: &Self::Key, mask: u32) -> u32;
+    /// An empty way's key.
+    fn is_empty(k: &Self::Key) -> bool;
+    fn last_seen(v: &Self::Value) -> u64;
+    /// Way `w`'s key, value and the lock, as raw pointers into a bucket (computed, not read:
+    /// no dereference).
+    fn key(b: *mut Self, w: usize) -> *mut Self::Key;
+    fn value(b: *mut Self, w: usize) -> *mut Self::Value;
+    fn lock(b: *mut Self) -> *mut u64;
+}
+
+macro_rules! ct_buckets_impl {
+    ($bucket:ty, $key:ty, $value:ty) => {
+        impl CtBuckets for $bucket {
+            type Key = $key;
+            type Value = $value;
+            #[inline(always)]
+            fn bucket(k: &$key, mask: u32) -> u32 {
+                k.bucket(mask)
+            }
+            #[inline(always)]
+            fn is_empty(k: &$key) -> bool {
+                k.is_empty()
+            }
+            #[inline(always)]
+            fn last_seen(v: &$value) -> u64 {
+                v.last_seen_ns
+            }
+            #[inline(always)]
+            fn key(b: *mut Self, w: usize) -> *mut $key {
+                b.cast::<u8>().wrapping_add(core::mem::offset_of!($bucket, keys)).cast::<$key>().wrapping_add(w)
+            }
+            #[inline(always)]
+            fn value(b: *mut Self, w: usize) -> *mut $value {
+                b.cast::<u8>().wrapping_add(core::mem::offset_of!($bucket, values)).cast::<$value>().wrapping_add(w)
+            }
+            #[inline(always)]
+            fn lock(b: *mut Self) -> *mut u64 {
+                b.cast::<u8>().wrapping_add(core::mem::offset_of!($bucket, lock)).cast::<u64>()
+            }
+        }
+    };
+}
+ct_buckets_impl!(CtBucket, CtKey, CtValue);
+ct_buckets_impl!(CtBucket6, CtKey6, CtValue6);
+
+/// An embryonic table's buckets for a capacity in entries: a power of two, at least one.
 pub const fn ct_buckets(entries: u32) -> u32 {
     let b = entries.div_ceil(CT_BUCKET_WAYS as u32);
     if b <= 1 {
@@ -870,14 +958,28 @@ pub struct CtScratch {
 }
 const _: () = assert!(core::mem::size_of::<CtScratch>() == 368);
 
-/// `CtScratch` for an IPv6 flow's two entries. Kernel-only.
+/// CtEntry for IPv6. Kernel-only.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct CtEntry6 {
+    pub key: CtKey6,
+    pub value: CtValue6,
+}
+const _: () = assert!(core::mem::size_of::<CtEntry6>() == 96);
+
+/// `CtScratch` for an IPv6 flow's two entries, and the entries their inserts evicted (pending,
+/// one slot per insert, a zero key: none). Kernel-only.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct CtScratch6 {
     pub keys: [CtKey6; 2],
     pub values: [CtValue6; 2],
+    pub pending: [CtEntry6; CT6_PENDING_SLOTS],
 }
-const _: () = assert!(core::mem::size_of::<CtScratch6>() == 192);
+
+/// CtScratch6's pending evictions: one per embryonic insert an IPv6 packet makes.
+pub const CT6_PENDING_SLOTS: usize = 2;
+const _: () = assert!(core::mem::size_of::<CtScratch6>() == 384);
 
 /// Flow cache entry: a per-CPU, direct-mapped copy of an established flow's conntrack rewrite,
 /// in an array the verifier inlines (a hash-map probe is several calls). Valid while its
@@ -1053,8 +1155,8 @@ pub mod counter {
         /// After a switch from IPVS mode: TCP packets of connections IPVS still serves, passed
         /// to it (CFG_F_HANDOVER).
         HANDOVER_PASS = 22, "handover_pass";
-        /// Embryonic flows forgotten to make room in a full embryonic table (a SYN flood, or
-        /// handshakes that never complete): see conntrack::make_room in proxy-ebpf.
+        /// Embryonic flows forgotten to make room in a full bucket of an embryonic table (a SYN
+        /// flood, or handshakes that never complete), one a flow: see proxy-ebpf's embryonic.rs.
         CT_EMBRYONIC_EVICTED = 23, "ct_embryonic_evicted";
     }
 

@@ -6,20 +6,21 @@
 //! Two tables, as IPv4's (conntrack.rs): a flow lives in CONNTRACK6_NEW until it is assured
 //! (the backend's reply was seen and the client sent a packet after it: TCP's handshake, or a
 //! UDP flow's datagram after its first reply), then moves to CONNTRACK6, so a flood from
-//! outside (SYNs, or UDP) evicts only flows not yet assured. CONNTRACK6_NEW is a preallocated
-//! hash with IPv4's eviction (ring.rs, `make_room`), and the agent collects its idle flows; the
-//! assured table is an LRU.
+//! outside (SYNs, or UDP) evicts only flows not yet assured. CONNTRACK6_NEW is an array of
+//! 4-way buckets as IPv4's (embryonic.rs), and the agent collects its idle flows; the assured
+//! table is an LRU.
+use aya_ebpf::helpers::bpf_ktime_get_ns;
 use proxy_common::{
-    counter, Backend, CtKey6, CtValue6, DatapathConfig, CT_DIR_EGRESS, CT_DIR_INGRESS, CT_F_CLOSING, CT_F_REPLY,
+    counter, Backend, CtEntry6, CtKey6, CtScratch6, CtValue6, DatapathConfig, CT6_PENDING_SLOTS, CT_DIR_EGRESS, CT_DIR_INGRESS, CT_F_CLOSING, CT_F_REPLY,
     CT_F_SEEN_REPLY, CT_F_SNAT, PROTO_TCP, PROTO_UDP,
 };
 
 use crate::{
     conntrack::{self, random_port, Table},
     counters::bump,
-    maps::{BPF_NOEXIST, E2BIG, EEXIST, CONNTRACK6, CONNTRACK6_NEW, CT_FORGET_KEYS6, CT_SCRATCH6},
+    embryonic,
+    maps::{BPF_NOEXIST, E2BIG, EEXIST, CONNTRACK6, CT_FORGET_KEYS6, CT_SCRATCH6},
     parse6::Flow6,
-    ring,
 };
 
 /// A closing flow (FIN or RST seen) idle this long is over: a new SYN on its tuple before then
@@ -38,7 +39,7 @@ impl Table {
         unsafe {
             match self {
                 Table::Assured => CONNTRACK6.get(k),
-                Table::Embryonic => CONNTRACK6_NEW.get(k),
+                Table::Embryonic => embryonic::get6(k).map(|v| &*v),
             }
         }
     }
@@ -46,26 +47,37 @@ impl Table {
     fn get_ptr_mut6(self, k: &CtKey6) -> Option<*mut CtValue6> {
         match self {
             Table::Assured => CONNTRACK6.get_ptr_mut(k),
-            Table::Embryonic => CONNTRACK6_NEW.get_ptr_mut(k),
+            Table::Embryonic => embryonic::get6(k),
         }
     }
-    /// A full embryonic table makes room first (`make_room`), as IPv4's.
+    /// As `insert` (conntrack.rs): a full embryonic bucket evicts its oldest entry first, to
+    /// `evicted`, whose flow `forget_pending` forgets once the packet's entries are in.
     #[inline(always)]
-    fn insert6(self, k: &CtKey6, v: &CtValue6, flags: u64) -> Result<(), i32> {
+    fn insert6(self, k: *const CtKey6, v: *const CtValue6, flags: u64, evicted: *mut CtEntry6) -> Result<(), i32> {
         match self {
-            Table::Assured => CONNTRACK6.insert(k, v, flags),
-            Table::Embryonic => match CONNTRACK6_NEW.insert(k, v, flags) {
-                Err(e) if e == -E2BIG && make_room() => CONNTRACK6_NEW.insert(k, v, flags),
-                r => r,
+            Table::Assured => CONNTRACK6.insert(unsafe { &*k }, unsafe { &*v }, flags),
+            Table::Embryonic => match embryonic::kpr_ct6_new_insert(k, v) {
+                0 => Ok(()),
+                e if e == -i64::from(E2BIG) && embryonic::kpr_ct6_new_evict(k, v, evicted) == embryonic::EVICTED => {
+                    match embryonic::kpr_ct6_new_insert(k, v) {
+                        0 => Ok(()),
+                        e => Err(e as i32),
+                    }
+                }
+                e => Err(e as i32),
             },
         }
     }
     #[inline(always)]
     fn remove6(self, k: &CtKey6) {
-        let _ = match self {
-            Table::Assured => CONNTRACK6.remove(k),
-            Table::Embryonic => CONNTRACK6_NEW.remove(k),
-        };
+        match self {
+            Table::Assured => {
+                let _ = CONNTRACK6.remove(k);
+            }
+            Table::Embryonic => {
+                embryonic::kpr_ct6_new_remove(k);
+            }
+        }
     }
 }
 
@@ -119,7 +131,7 @@ fn timeout_ns(cfg: &DatapathConfig, v: &CtValue6, proto: u8, table: Table) -> u6
 pub fn track(f: &Flow6, key: &CtKey6, cfg: &DatapathConfig, now: u64) -> Option<Rewrite6> {
     let (v, table) = match CONNTRACK6.get_ptr_mut(key) {
         Some(v) => (v, Table::Assured),
-        None if f.proto == PROTO_UDP || f.is_tcp_control() => (CONNTRACK6_NEW.get_ptr_mut(key)?, Table::Embryonic),
+        None if f.proto == PROTO_UDP || f.is_tcp_control() => (embryonic::get6(key)?, Table::Embryonic),
         None => return None,
     };
     let v = unsafe { &mut *v };
@@ -136,7 +148,7 @@ pub fn track(f: &Flow6, key: &CtKey6, cfg: &DatapathConfig, now: u64) -> Option<
 /// call chain that counts against 512 bytes.
 #[inline(always)]
 pub fn embryonic_forward(f: &Flow6, key: &CtKey6, cfg: &DatapathConfig, now: u64) -> Option<Rewrite6> {
-    let v = unsafe { &mut *CONNTRACK6_NEW.get_ptr_mut(key)? };
+    let v = unsafe { &mut *embryonic::get6(key)? };
     let rw = entry(f, key, v, Table::Embryonic, cfg, now)?;
     if conntrack::assures(rw.flags, f.is_tcp_control()) {
         promote(key, v);
@@ -179,7 +191,7 @@ fn entry(f: &Flow6, key: &CtKey6, v: &mut CtValue6, table: Table, cfg: &Datapath
 #[inline(never)]
 fn seen_reply(key: &CtKey6, v: &mut CtValue6) {
     v.flags |= CT_F_SEEN_REPLY;
-    if let Some(fwd) = CONNTRACK6_NEW.get_ptr_mut(&CtKey6::reversed_of(v, key.proto, CT_DIR_INGRESS)) {
+    if let Some(fwd) = embryonic::get6(&CtKey6::reversed_of(v, key.proto, CT_DIR_INGRESS)) {
         unsafe { (*fwd).flags |= CT_F_SEEN_REPLY };
     }
 }
@@ -195,9 +207,9 @@ fn promote(fwd_key: &CtKey6, v: &CtValue6) {
 
 #[inline(always)]
 fn move_assured(k: &CtKey6) {
-    if let Some(v) = unsafe { CONNTRACK6_NEW.get(k) } {
+    if let Some(v) = Table::Embryonic.get6(k) {
         if CONNTRACK6.insert(k, v, 0).is_ok() {
-            let _ = CONNTRACK6_NEW.remove(k);
+            embryonic::kpr_ct6_new_remove(k);
         } else {
             bump(counter::CT_INSERT_FAILED);
         }
@@ -216,21 +228,32 @@ fn closing(key: &CtKey6, v: &mut CtValue6, table: Table) {
     }
 }
 
-/// The embryonic table is full: forgets the oldest flow still embryonic of this CPU's part of
-/// CT6_NEW_RING or, if it has none, of the busy CPU's (see conntrack::make_room). False:
-/// nothing found (the table is full of flows no part remembers, which the collector times
-/// out). Each eviction is counted (ct_embryonic_evicted, with IPv4's). Rare: a subprogram.
+/// Forgets the flows of the entries evicted while this packet's flow was recorded (the
+/// scratch's pending slots), once its own entries are in, and frees the slots. Each flow
+/// evicted is counted (ct_embryonic_evicted, with IPv4's), where its forward entry goes. A
+/// subprogram, called after new_flow (see pipeline6); its keys live in per-CPU memory.
 #[inline(never)]
-fn make_room() -> bool {
-    ring::ipv6().evict_oldest(|k| match unsafe { CONNTRACK6_NEW.get(k) } {
-        Some(v) if k.is_forward(v) => {
-            let Some(rev) = CT_FORGET_KEYS6.get_ptr_mut(0) else { return false };
-            forget_with(Table::Embryonic, k, v, unsafe { &mut *rev });
-            bump(counter::CT_EMBRYONIC_EVICTED);
-            true
+pub fn forget_pending(s: *mut CtScratch6) {
+    let Some(rev) = CT_FORGET_KEYS6.get_ptr_mut(0) else { return };
+    for slot in 0..CT6_PENDING_SLOTS {
+        let s = unsafe { &mut *s };
+        if s.pending[slot].key.is_empty() {
+            continue;
         }
-        _ => false,
-    })
+        let (key, value) = unsafe { (&mut *(&raw mut s.pending[slot].key), &mut *(&raw mut s.pending[slot].value)) };
+        if key.is_forward(value) {
+            bump(counter::CT_EMBRYONIC_EVICTED);
+            forget_with(Table::Embryonic, key, value, unsafe { &mut *rev });
+        } else {
+            // The reply's entry names the forward one (worked on in place).
+            *key = CtKey6::reversed_of(value, key.proto, CT_DIR_INGRESS);
+            if let Some(fwd) = embryonic::get6(key) {
+                bump(counter::CT_EMBRYONIC_EVICTED);
+                forget_with(Table::Embryonic, key, unsafe { &*fwd }, unsafe { &mut *rev });
+            }
+        }
+        embryonic::clear(&raw mut s.pending[slot].key);
+    }
 }
 
 /// Deletes a flow's two entries (`v`: the forward one); the reply's only while it is still
@@ -242,8 +265,8 @@ fn forget(table: Table, fwd_key: &CtKey6, v: &CtValue6) {
     forget_with(table, fwd_key, v, &mut rev_key);
 }
 
-/// `forget`'s work, the reply's key built in `rev_key` (per-CPU map memory where `make_room`
-/// calls it, which has no stack to spare).
+/// `forget`'s work, the reply's key built in `rev_key` (per-CPU map memory where
+/// `forget_pending` calls it, which has no stack to spare).
 #[inline(always)]
 fn forget_with(table: Table, fwd_key: &CtKey6, v: &CtValue6, rev_key: &mut CtKey6) {
     *rev_key = CtKey6::reversed_of(v, fwd_key.proto, CT_DIR_EGRESS);
@@ -263,10 +286,15 @@ fn forget_with(table: Table, fwd_key: &CtKey6, v: &CtValue6, rev_key: &mut CtKey
 /// clashing ports. Keys and values are built in a per-CPU scratch entry, not on the 512-byte
 /// stack.
 #[inline(always)]
-pub fn create(f: &Flow6, now: u64, backend_id: u32, service_id: u32, be: &Backend, masq: bool, cfg: &DatapathConfig) -> Option<Rewrite6> {
+pub fn create(f: &Flow6, backend_id: u32, service_id: u32, be: &Backend, masq: bool, cfg: &DatapathConfig) -> Option<Rewrite6> {
     let snat = if masq { CT_F_SNAT } else { 0 };
     let table = Table::NEW;
     let s = unsafe { &mut *CT_SCRATCH6.get_ptr_mut(0)? };
+    embryonic::clear(&raw mut s.pending[0].key);
+    embryonic::clear(&raw mut s.pending[1].key);
+    // The fine clock, as IPv4's (conntrack::create): a full bucket evicts only entries stamped
+    // before this flow's.
+    let now = unsafe { bpf_ktime_get_ns() };
     let blank = CtValue6 { last_seen_ns: now, backend_id, service_id, ..CtValue6::default() };
     // Reverse DNAT: (B:b -> C:p) becomes (V:v -> C:c).
     s.keys[0] = CtKey6 { saddr: be.addr, daddr: f.saddr, sport: be.port, dport: f.sport, proto: f.proto, dir: CT_DIR_EGRESS, _pad: 0 };
@@ -275,7 +303,7 @@ pub fn create(f: &Flow6, now: u64, backend_id: u32, service_id: u32, be: &Backen
     loop {
         // The reply tuple must be free in the assured table too.
         let taken = unsafe { CONNTRACK6.get(&s.keys[0]) }.is_some();
-        match if taken { Err(-EEXIST) } else { table.insert6(&s.keys[0], &s.values[0], BPF_NOEXIST) } {
+        match if taken { Err(-EEXIST) } else { table.insert6(&s.keys[0], &s.values[0], BPF_NOEXIST, &raw mut s.pending[0]) } {
             Ok(()) => break,
             Err(e) if e != -EEXIST => {
                 bump(counter::CT_INSERT_FAILED);
@@ -297,10 +325,9 @@ pub fn create(f: &Flow6, now: u64, backend_id: u32, service_id: u32, be: &Backen
     let picked_up = if f.proto == PROTO_TCP && !f.is_new_tcp_syn() { CT_F_SEEN_REPLY } else { 0 };
     s.keys[1] = key(f, CT_DIR_INGRESS);
     s.values[1] = CtValue6 { new_saddr: f.saddr, new_daddr: be.addr, new_sport: port, new_dport: be.port, flags: snat | picked_up, ..blank };
-    if table.insert6(&s.keys[1], &s.values[1], 0).is_err() {
+    if table.insert6(&s.keys[1], &s.values[1], 0, &raw mut s.pending[1]).is_err() {
         bump(counter::CT_INSERT_FAILED);
         return None;
     }
-    ring::ipv6().remember(&s.keys[1]);
     Some(Rewrite6::of(&s.values[1]))
 }

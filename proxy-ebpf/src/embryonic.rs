@@ -1,15 +1,18 @@
-//! IPv4's embryonic table (CONNTRACK_NEW): 4-way buckets in an array (proxy_common::CtBucket).
+//! The embryonic tables (CONNTRACK_NEW, CONNTRACK6_NEW): 4-way buckets in an array
+//! (proxy_common::CtBucket, CtBucket6), the code written once for both (CtBuckets).
 //! A probe reads its bucket's line of keys, without a helper call. Writers (an insert, an
 //! eviction or a delete here, the agent's collector through its mapping of the array) hold the
 //! bucket's lock; readers never take it. A full bucket gives up its oldest entry, and the caller
 //! then forgets the rest of that flow (conntrack::forget_pending): a flood evicts only flows not
 //! yet assured, the oldest first, as netfilter's early drop does.
 //!
-//! Each operation is a BPF global function (`kpr_ct_new_*`, exported by name): the verifier
+//! Each operation is a BPF global function (`kpr_ct_new_*`, `kpr_ct6_new_*`, exported by name,
+//! each the generic operation for its family's table): the verifier
 //! checks it once, on its own, and at each call site sees one call that returns a number. As
 //! inlined code, the lock, the way search and the pointer per way multiplied the paths it
 //! walked at every one of the dozen sites: more than 1,000,000 instructions on Linux 6.1.
-//! Their pointer arguments must name structs of plain numbers (CtKey, CtValue, CtEntry), and
+//! Their pointer arguments must name structs of plain numbers (CtKey, CtValue, CtEntry and
+//! IPv6's), and
 //! the kernel may pass NULL, which each checks.
 //!
 //! A writer stores a way's value before its key, so a reader that finds the key finds its
@@ -18,66 +21,110 @@
 //! hash could.)
 use core::intrinsics::{atomic_cxchg, atomic_xchg, AtomicOrdering};
 
-use proxy_common::{CtBucket, CtEntry, CtKey, CtValue, CT_BUCKET_WAYS};
+use aya_ebpf::maps::Array;
+use proxy_common::{CtBucket, CtBucket6, CtBuckets, CtEntry, CtEntry6, CtKey, CtKey6, CtValue, CtValue6, CT_BUCKET_WAYS};
 
-use crate::maps::{CONNTRACK_NEW, E2BIG, EEXIST};
+use crate::maps::{CONNTRACK6_NEW, CONNTRACK_NEW, E2BIG, EEXIST};
 
-/// The table's buckets less one (their count is a power of two): the agent sets it at load
+/// IPv4's table's buckets less one (their count is a power of two): the agent sets it at load
 /// from the array's size (a pinned array keeps its size).
 #[no_mangle]
 static CT_NEW_BUCKET_MASK: u32 = 0;
 
-/// `kpr_ct_new_insert`'s answer when it took a full bucket's oldest way (the evicted entry is
-/// in the pending slot that the caller named).
+/// IPv6's, as CT_NEW_BUCKET_MASK.
+#[no_mangle]
+static CT6_NEW_BUCKET_MASK: u32 = 0;
+
+/// `insert`'s answer when it took a full bucket's oldest way (the evicted entry is in the
+/// pending slot that the caller named).
 pub const EVICTED: i64 = 1;
-/// The errno, negated, of an insert that found its bucket's lock held throughout.
+/// The errno, negated, of an insert that found its bucket's lock held.
 const EBUSY: i32 = 16;
 
-#[inline(always)]
-fn bucket(k: &CtKey) -> Option<*mut CtBucket> {
-    // Volatile: the value is the loader's, not the constant the compiler sees.
-    let mask = unsafe { core::ptr::read_volatile(&CT_NEW_BUCKET_MASK) };
-    CONNTRACK_NEW.get_ptr_mut(k.bucket(mask))
+/// A family's table: its array, its mask, and how a way's key is compared, in few registers (a
+/// spill grows the frame at the end of new_flow's call chain).
+trait Table: CtBuckets {
+    fn array() -> &'static Array<Self>;
+    fn mask() -> u32;
+    /// What a key is compared by.
+    type Want: Copy;
+    fn want(k: *const Self::Key) -> Self::Want;
+    /// Whether way `w` holds the key.
+    fn holds(b: *mut Self, w: usize, want: Self::Want) -> bool;
+    /// Whether way `w` is empty.
+    fn empty(b: *mut Self, w: usize) -> bool;
 }
 
-/// Way `w`'s key as two words, read as such (a bucket is 8-byte aligned; a CtKey elsewhere,
-/// such as on the stack, may not be, so `CtKey::words` reads it by halves).
-#[inline(always)]
-fn key_words(b: *mut CtBucket, w: usize) -> [u64; 2] {
-    unsafe { *(&raw const (*b).keys[w]).cast::<[u64; 2]>() }
-}
-
-/// The slot (bucket x ways + way) of `k`'s entry, or -1. A global function: the verifier
-/// checks it once, on its own, and its caller sees one answer, a number, whatever the way.
-#[no_mangle]
-#[inline(never)]
-pub extern "C" fn kpr_ct_new_find(k: *const CtKey) -> i64 {
-    if k.is_null() {
-        return -1;
+/// IPv4's key is two words, held in registers.
+impl Table for CtBucket {
+    type Want = [u64; 2];
+    #[inline(always)]
+    fn want(k: *const CtKey) -> [u64; 2] {
+        unsafe { &*k }.words()
     }
-    let k = unsafe { &*k };
-    let mask = unsafe { core::ptr::read_volatile(&CT_NEW_BUCKET_MASK) };
-    let index = k.bucket(mask);
-    let Some(b) = CONNTRACK_NEW.get_ptr_mut(index) else { return -1 };
-    let want = k.words();
-    for w in 0..CT_BUCKET_WAYS {
-        if key_words(b, w) == want {
-            return i64::from(index) * CT_BUCKET_WAYS as i64 + w as i64;
+    #[inline(always)]
+    fn holds(b: *mut Self, w: usize, want: [u64; 2]) -> bool {
+        way_words(b, w) == want
+    }
+    #[inline(always)]
+    fn empty(b: *mut Self, w: usize) -> bool {
+        way_words(b, w) == [0, 0]
+    }
+    #[inline(always)]
+    fn array() -> &'static Array<Self> {
+        &CONNTRACK_NEW
+    }
+    #[inline(always)]
+    fn mask() -> u32 {
+        // Volatile: the value is the loader's, not the constant the compiler sees.
+        unsafe { core::ptr::read_volatile(&CT_NEW_BUCKET_MASK) }
+    }
+}
+
+/// IPv6's is ten words, compared from memory one way at a time (held in registers, they would
+/// spill), the ports' word first: keys of one client's flows differ there.
+impl Table for CtBucket6 {
+    type Want = *const CtKey6;
+    #[inline(always)]
+    fn want(k: *const CtKey6) -> *const CtKey6 {
+        k
+    }
+    #[inline(always)]
+    fn holds(b: *mut Self, w: usize, want: *const CtKey6) -> bool {
+        let (a, b) = (want.cast::<u32>(), Self::key(b, w).cast::<u32>());
+        // Word by word, leaving at the first difference: few values live at once.
+        for i in (0..size_of::<CtKey6>() / 4).rev() {
+            if unsafe { *a.add(i) != *b.add(i) } {
+                return false;
+            }
         }
+        true
     }
-    -1
+    #[inline(always)]
+    fn empty(b: *mut Self, w: usize) -> bool {
+        // No flow's protocol is 0.
+        unsafe { core::ptr::read_volatile(&raw const (*Self::key(b, w)).proto) == 0 }
+    }
+    #[inline(always)]
+    fn array() -> &'static Array<Self> {
+        &CONNTRACK6_NEW
+    }
+    #[inline(always)]
+    fn mask() -> u32 {
+        unsafe { core::ptr::read_volatile(&CT6_NEW_BUCKET_MASK) }
+    }
 }
 
-/// The entry of `k`, if any.
 #[inline(always)]
-pub fn get(k: &CtKey) -> Option<*mut CtValue> {
-    let slot = kpr_ct_new_find(k);
-    if slot < 0 {
-        return None;
-    }
-    let b = CONNTRACK_NEW.get_ptr_mut((slot as u64 / CT_BUCKET_WAYS as u64) as u32)?;
-    let way = slot as usize % CT_BUCKET_WAYS;
-    Some(unsafe { (&raw mut (*b).values).cast::<CtValue>().add(way) })
+fn bucket<B: Table>(k: &B::Key) -> Option<*mut B> {
+    B::array().get_ptr_mut(B::bucket(k, B::mask()))
+}
+
+/// IPv4's way `w`'s key as two words, read as such (a bucket is 8-byte aligned; a key
+/// elsewhere, such as on the stack, may not be, so `CtKey::words` reads it by halves).
+#[inline(always)]
+fn way_words(b: *mut CtBucket, w: usize) -> [u64; 2] {
+    unsafe { *CtBucket::key(b, w).cast::<[u64; 2]>() }
 }
 
 /// Copies `src` to `dst`, which never overlap, inline: an assignment through raw pointers
@@ -88,51 +135,74 @@ pub fn copy<T>(src: *const T, dst: *mut T) {
     unsafe { core::ptr::copy_nonoverlapping(src, dst, 1) };
 }
 
-/// Zeroes a key (an empty way, or a free pending slot) with four stores, for the reason of `copy`
-/// (memset).
+/// Zeroes a key (an empty way, or a free pending slot) with word stores, for the reason of
+/// `copy` (memset).
 #[inline(always)]
-pub fn clear(k: *mut CtKey) {
+pub fn clear<K>(k: *mut K) {
     let words = k.cast::<u32>();
-    for i in 0..4 {
+    for i in 0..size_of::<K>() / 4 {
         unsafe { core::ptr::write_volatile(words.add(i), 0) };
     }
 }
 
 #[inline(always)]
-fn lock(b: *mut CtBucket) -> bool {
-    unsafe { atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(&raw mut (*b).lock, 0, 1) }.1
+fn lock<B: Table>(b: *mut B) -> bool {
+    unsafe { atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(B::lock(b), 0, 1) }.1
 }
 
 #[inline(always)]
-fn unlock(b: *mut CtBucket) {
-    unsafe { atomic_xchg::<u64, { AtomicOrdering::SeqCst }>(&raw mut (*b).lock, 0) };
+fn unlock<B: Table>(b: *mut B) {
+    unsafe { atomic_xchg::<u64, { AtomicOrdering::SeqCst }>(B::lock(b), 0) };
+}
+
+/// The slot (bucket x ways + way) of `k`'s entry, or -1.
+#[inline(always)]
+fn find<B: Table>(k: *const B::Key) -> i64 {
+    if k.is_null() {
+        return -1;
+    }
+    let k = unsafe { &*k };
+    let index = B::bucket(k, B::mask());
+    let Some(b) = B::array().get_ptr_mut(index) else { return -1 };
+    let want = B::want(k);
+    for w in 0..CT_BUCKET_WAYS {
+        if B::holds(b, w, want) {
+            return i64::from(index) * CT_BUCKET_WAYS as i64 + w as i64;
+        }
+    }
+    -1
+}
+
+/// The entry of `slot` (`find`'s answer), if any.
+#[inline(always)]
+fn value_of<B: Table>(slot: i64) -> Option<*mut B::Value> {
+    if slot < 0 {
+        return None;
+    }
+    let b = B::array().get_ptr_mut((slot as u64 / CT_BUCKET_WAYS as u64) as u32)?;
+    Some(B::value(b, slot as usize % CT_BUCKET_WAYS))
 }
 
 /// Inserts `k` -> `v` into a free way of its bucket, or fails: -EEXIST if `k` has an entry (as
 /// BPF_NOEXIST: a new flow claims its tuples, it never replaces an entry), -E2BIG if the bucket
-/// is full (the caller may `kpr_ct_new_evict` and try again), -EBUSY if its lock stayed held.
-///
-/// A global function, as `kpr_ct_new_find`. Its frame ends new_flow's call chain, which leaves
-/// it 32 of Linux 6.1's 512 bytes: little is live across its one helper call.
-#[no_mangle]
-#[inline(never)]
-pub extern "C" fn kpr_ct_new_insert(k: *const CtKey, v: *const CtValue) -> i64 {
+/// is full (the caller may `evict` and try again), -EBUSY if its lock was held.
+#[inline(always)]
+fn insert<B: Table>(k: *const B::Key, v: *const B::Value) -> i64 {
     if k.is_null() || v.is_null() {
         return -i64::from(E2BIG);
     }
-    let Some(b) = bucket(unsafe { &*k }) else { return -i64::from(E2BIG) };
+    let Some(b) = bucket::<B>(unsafe { &*k }) else { return -i64::from(E2BIG) };
     if !lock(b) {
         return -i64::from(EBUSY);
     }
-    let want = unsafe { &*k }.words();
+    let want = B::want(k);
     let mut way = CT_BUCKET_WAYS;
     for w in 0..CT_BUCKET_WAYS {
-        let have = key_words(b, w);
-        if have == want {
+        if B::holds(b, w, want) {
             unlock(b);
             return -i64::from(EEXIST);
         }
-        if way == CT_BUCKET_WAYS && have == [0, 0] {
+        if way == CT_BUCKET_WAYS && B::empty(b, w) {
             way = w;
         }
     }
@@ -140,34 +210,30 @@ pub extern "C" fn kpr_ct_new_insert(k: *const CtKey, v: *const CtValue) -> i64 {
         unlock(b);
         return -i64::from(E2BIG);
     }
-    unsafe {
-        copy(v, &raw mut (*b).values[way]);
-        copy(k, &raw mut (*b).keys[way]);
-    }
+    copy(v, B::value(b, way));
+    copy(k, B::key(b, way));
     unlock(b);
     0
 }
 
 /// Makes room in `k`'s full bucket: takes out its oldest entry older than `v` (a way stamped as
-/// recently may be this flow's other entry) and puts it in `evicted` (a pending slot of
-/// CT_SCRATCH), whose flow the caller forgets later. EVICTED, or -E2BIG: the bucket holds only
-/// entries as recent as `v`; -EBUSY: its lock stayed held. A global function, as
-/// `kpr_ct_new_insert`.
-#[no_mangle]
-#[inline(never)]
-pub extern "C" fn kpr_ct_new_evict(k: *const CtKey, v: *const CtValue, evicted: *mut CtEntry) -> i64 {
-    if k.is_null() || v.is_null() || evicted.is_null() {
+/// recently may be this flow's other entry) and puts it in `evicted_key` and `evicted_value` (a
+/// pending slot of the scratch entry), whose flow the caller forgets later. EVICTED, or -E2BIG:
+/// the bucket holds only entries as recent as `v`; -EBUSY: its lock was held.
+#[inline(always)]
+fn evict<B: Table>(k: *const B::Key, v: *const B::Value, evicted_key: *mut B::Key, evicted_value: *mut B::Value) -> i64 {
+    if k.is_null() || v.is_null() || evicted_key.is_null() || evicted_value.is_null() {
         return -i64::from(E2BIG);
     }
-    let Some(b) = bucket(unsafe { &*k }) else { return -i64::from(E2BIG) };
+    let Some(b) = bucket::<B>(unsafe { &*k }) else { return -i64::from(E2BIG) };
     if !lock(b) {
         return -i64::from(EBUSY);
     }
-    let mut oldest = unsafe { (*v).last_seen_ns };
+    let mut oldest = B::last_seen(unsafe { &*v });
     let mut way = CT_BUCKET_WAYS;
     for w in 0..CT_BUCKET_WAYS {
-        let seen = unsafe { (*b).values[w].last_seen_ns };
-        if seen < oldest && !unsafe { (*b).keys[w] }.is_empty() {
+        let seen = B::last_seen(unsafe { &*B::value(b, w) });
+        if seen < oldest && !B::empty(b, w) {
             oldest = seen;
             way = w;
         }
@@ -176,36 +242,111 @@ pub extern "C" fn kpr_ct_new_evict(k: *const CtKey, v: *const CtValue, evicted: 
         unlock(b);
         return -i64::from(E2BIG);
     }
-    unsafe {
-        copy(&raw const (*b).keys[way], &raw mut (*evicted).key);
-        copy(&raw const (*b).values[way], &raw mut (*evicted).value);
-        clear(&raw mut (*b).keys[way]);
-    }
+    copy(B::key(b, way), evicted_key);
+    copy(B::value(b, way), evicted_value);
+    clear(B::key(b, way));
     unlock(b);
     EVICTED
 }
 
 /// Deletes `k`'s entry; 0 if there is none (or the bucket's lock was held), 1 if it was.
-#[no_mangle]
-#[inline(never)]
-pub extern "C" fn kpr_ct_new_remove(k: *const CtKey) -> i64 {
+#[inline(always)]
+fn remove<B: Table>(k: *const B::Key) -> i64 {
     if k.is_null() {
         return 0;
     }
     let k = unsafe { &*k };
-    let Some(b) = bucket(k) else { return 0 };
+    let Some(b) = bucket::<B>(k) else { return 0 };
     if !lock(b) {
         return 0;
     }
-    let want = k.words();
+    let want = B::want(k);
     let mut found = false;
     for w in 0..CT_BUCKET_WAYS {
-        if key_words(b, w) == want {
-            clear(unsafe { &raw mut (*b).keys[w] });
+        if B::holds(b, w, want) {
+            clear(B::key(b, w));
             found = true;
             break;
         }
     }
     unlock(b);
     i64::from(found)
+}
+
+// The global functions, each family's. Their frames end call chains that Linux 6.1 counts
+// against 512 bytes (IPv4's insert: new_flow's, which leaves it 32): little is live across
+// their one helper call.
+
+/// `find` in IPv4's table.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn kpr_ct_new_find(k: *const CtKey) -> i64 {
+    find::<CtBucket>(k)
+}
+
+/// `insert` into IPv4's table.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn kpr_ct_new_insert(k: *const CtKey, v: *const CtValue) -> i64 {
+    insert::<CtBucket>(k, v)
+}
+
+/// `evict` from IPv4's table, to `evicted`.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn kpr_ct_new_evict(k: *const CtKey, v: *const CtValue, evicted: *mut CtEntry) -> i64 {
+    if evicted.is_null() {
+        return -i64::from(E2BIG);
+    }
+    evict::<CtBucket>(k, v, unsafe { &raw mut (*evicted).key }, unsafe { &raw mut (*evicted).value })
+}
+
+/// `remove` from IPv4's table.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn kpr_ct_new_remove(k: *const CtKey) -> i64 {
+    remove::<CtBucket>(k)
+}
+
+/// `find` in IPv6's table.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn kpr_ct6_new_find(k: *const CtKey6) -> i64 {
+    find::<CtBucket6>(k)
+}
+
+/// `insert` into IPv6's table.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn kpr_ct6_new_insert(k: *const CtKey6, v: *const CtValue6) -> i64 {
+    insert::<CtBucket6>(k, v)
+}
+
+/// `evict` from IPv6's table, to `evicted`.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn kpr_ct6_new_evict(k: *const CtKey6, v: *const CtValue6, evicted: *mut CtEntry6) -> i64 {
+    if evicted.is_null() {
+        return -i64::from(E2BIG);
+    }
+    evict::<CtBucket6>(k, v, unsafe { &raw mut (*evicted).key }, unsafe { &raw mut (*evicted).value })
+}
+
+/// `remove` from IPv6's table.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn kpr_ct6_new_remove(k: *const CtKey6) -> i64 {
+    remove::<CtBucket6>(k)
+}
+
+/// IPv4's entry of `k`, if any.
+#[inline(always)]
+pub fn get(k: &CtKey) -> Option<*mut CtValue> {
+    value_of::<CtBucket>(kpr_ct_new_find(k))
+}
+
+/// IPv6's entry of `k`, if any.
+#[inline(always)]
+pub fn get6(k: &CtKey6) -> Option<*mut CtValue6> {
+    value_of::<CtBucket6>(kpr_ct6_new_find(k))
 }

@@ -34,7 +34,6 @@ mod pipeline;
 mod pipeline6;
 mod pkt;
 mod reject;
-mod ring;
 mod rewrite;
 mod sock;
 

@@ -5,7 +5,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
-    ct_buckets, ClockCache, CtBucket, CtKey6, BPF_F_MMAPABLE, CtScratch, CtScratch6, CtValue6, FlowCacheEntry, IfaceInfo, SockRevKey, SockRevValue,
+    ct_buckets, ClockCache, CtBucket, CtBucket6, CtKey6, BPF_F_MMAPABLE, CtScratch, CtScratch6, CtValue6, FlowCacheEntry, IfaceInfo, SockRevKey, SockRevValue,
     limits::*, AffinityKey, AffinityValue, Backend, CtKey, CtValue, DatapathConfig, ServiceKey,
     ServiceValue, SetAddr, SetIpPort, SetIpPortIp, SetIpPortNet, SetPort, SlotKey, SourceRangeKey,
 };
@@ -69,26 +69,14 @@ map! {
     CONNTRACK_NEW: Array<CtBucket> = Array::pinned(ct_buckets(MAX_CONNTRACK_NEW), BPF_F_MMAPABLE)
 }
 
-/// A ring part's positions (CT6_NEW_RING; see ring.rs), counting keys ever
-/// written (wrapping; a key's slot is the count modulo the part's slots). Written by its CPU; another CPU taking from the part moves
-/// `tail` too, and a race between them at worst tries one key twice or skips one. Kernel-only.
-#[repr(C)]
-pub struct RingPos {
-    /// Where the next key goes.
-    pub head: u32,
-    /// The oldest key not yet taken for an eviction (at most a part's slots behind `head`).
-    pub tail: u32,
-}
-
 map! {
     /// index 0 -> this CPU's space for the keys of a flow being forgotten (conntrack::forget).
     CT_FORGET_KEYS: PerCpuArray<[CtKey; 2]> = PerCpuArray::with_max_entries(1, 0)
 }
 
 map! {
-    /// index 0 -> this CPU's space for the reply key of an IPv6 flow being evicted
-    /// (conntrack6::make_room, at the end of new_flow's call chain: Linux 6.1 counts its frames
-    /// against 512 bytes).
+    /// index 0 -> this CPU's space for the reply key of an IPv6 flow being forgotten
+    /// (conntrack6::forget_pending, in a call chain that Linux 6.1 counts against 512 bytes).
     CT_FORGET_KEYS6: PerCpuArray<CtKey6> = PerCpuArray::with_max_entries(1, 0)
 }
 
@@ -99,32 +87,11 @@ map! {
 }
 
 map! {
-    /// IPv6 flows not yet assured (TCP and UDP), same layout, in a table of their own so that a
-    /// flood from outside evicts only its kind. A preallocated hash, as IPv4's: a full table
-    /// evicts the oldest flows of CT6_NEW_RING (conntrack6::make_room), counted; the agent's
-    /// collector deletes idle flows.
-    CONNTRACK6_NEW: HashMap<CtKey6, CtValue6> = HashMap::pinned(MAX_CONNTRACK6_NEW, 0)
-}
-
-map! {
-    /// CPU c's part (CT6_NEW_RING_SLOTS from c x CT6_NEW_RING_SLOTS): the forward keys of the
-    /// last IPv6 embryonic flows that CPU opened (see RingPos). One array, not a per-CPU one, so
-    /// that a CPU whose own part holds nothing to evict takes from a flooded CPU's (before Linux
-    /// 5.19 a program cannot read another CPU's per-CPU value). The agent sizes it by the number
-    /// of possible CPUs. Never pinned: an upgrade starts empty, and the flows it does not know
-    /// expire by the collector's timeout.
-    CT6_NEW_RING: Array<CtKey6> = Array::with_max_entries(CT6_NEW_RING_SLOTS, 0)
-}
-
-map! {
-    /// CPU -> its CT6_NEW_RING part's positions. Sized like CT6_NEW_RING by the agent.
-    CT6_NEW_RING_POS: Array<RingPos> = Array::with_max_entries(1, 0)
-}
-
-map! {
-    /// index 0 -> the CPU that last had many IPv6 embryonic flows to remember: where a CPU with
-    /// none of its own to evict takes one (conntrack6::make_room).
-    CT6_NEW_RING_BUSY: Array<u32> = Array::with_max_entries(1, 0)
+    /// IPv6 flows not yet assured (TCP and UDP), same entries, in a table of their own so that
+    /// a flood from outside evicts only its kind: bucket (CtKey6::bucket) -> up to four entries
+    /// (CtBucket6), as IPv4's CONNTRACK_NEW (embryonic.rs); the agent's collector deletes idle
+    /// flows. The agent sizes it (ct_buckets) and sets CT6_NEW_BUCKET_MASK.
+    CONNTRACK6_NEW: Array<CtBucket6> = Array::pinned(ct_buckets(MAX_CONNTRACK6_NEW), BPF_F_MMAPABLE)
 }
 
 map! {

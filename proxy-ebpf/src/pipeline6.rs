@@ -24,7 +24,7 @@ use crate::{
     conntrack6::{self, Rewrite6},
     counters::{self, bump},
     csum, icmp6, lb,
-    maps::{CONFIG, SOURCE_RANGES},
+    maps::{CONFIG, CT_SCRATCH6, SOURCE_RANGES},
     parse::{Flow, IP_OFF},
     parse6::{self, Flow6, Parsed6},
     pipeline::off_cluster6,
@@ -95,7 +95,7 @@ pub fn ingress<P: Pkt>(p: &mut P) -> Verdict {
         bump(counter::HANDOVER_PASS);
         return Verdict::Next;
     }
-    match new_flow(p, &f, &svc, cfg, now) {
+    match forgetting_evicted(new_flow(p, &f, &svc, cfg, now)) {
         Some(v) => v,
         // Here, not in new_flow: the reject's frame then never adds to new_flow's.
         None => reject::icmp6_port_unreachable(p, f.saddr, f.daddr).unwrap_or_else(|| {
@@ -140,6 +140,17 @@ fn tracked<P: Pkt>(p: &mut P, f: &Flow6, cfg: &DatapathConfig, now: u64) -> Opti
 fn embryonic<P: Pkt>(p: &mut P, f: &Flow6, cfg: &DatapathConfig, now: u64) -> Option<Verdict> {
     let rw = conntrack6::embryonic_forward(f, &conntrack6::key(f, INGRESS), cfg, now)?;
     Some(rewrite(p, f, &rw))
+}
+
+/// Forgets the flows that new_flow's inserts evicted (conntrack6::forget_pending), and hands
+/// its answer back: as IPv4's (pipeline::forgetting_evicted), that frame never adds to
+/// new_flow's.
+#[inline(never)]
+fn forgetting_evicted(answer: Option<Verdict>) -> Option<Verdict> {
+    if let Some(s) = CT_SCRATCH6.get_ptr_mut(0) {
+        conntrack6::forget_pending(s);
+    }
+    answer
 }
 
 /// A packet to a frontend that no flow knows: source ranges, backend choice, conntrack, DNAT.
@@ -187,7 +198,7 @@ fn new_flow<P: Pkt>(p: &mut P, f: &Flow6, svc: &ServiceValue, cfg: &DatapathConf
         || svc.flags & SVC_F_MASQ != 0
         || cfg.flags & CFG_F_MASQUERADE_ALL != 0
         || (svc.flags & SVC_F_PRESERVE_SOURCE == 0 && off_cluster6(&f.saddr, p.ifindex(), cfg));
-    let Some(rw) = conntrack6::create(f, now, backend_id, svc.service_id, &be, masq, cfg) else {
+    let Some(rw) = conntrack6::create(f, backend_id, svc.service_id, &be, masq, cfg) else {
         return Some(Verdict::Drop);
     };
     if masq {

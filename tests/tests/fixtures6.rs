@@ -313,9 +313,12 @@ fn an_ipv6_syn_flood_evicts_only_embryonic_flows() {
     }
     assert_eq!(counter_of(&l, counter::NEW_FLOW) - new_flows, 40_000);
     let embryonic = l.maps.ipv6_flows(Table::Embryonic).unwrap().len();
-    assert!((30_000..=proxy_common::limits::MAX_CONNTRACK6_NEW as usize).contains(&embryonic), "the flood fills the embryonic table: {embryonic}");
-    // A full table makes room (its ring's oldest flows), and each eviction is counted: every
-    // flood flow the table no longer holds (two entries a flow) was evicted once.
+    // Its 4-way buckets keep about 80% of the entries under a flood, never under three quarters
+    // (fixtures.rs's flood_fills).
+    let capacity = proxy_common::limits::MAX_CONNTRACK6_NEW as usize;
+    assert!(embryonic * 4 >= capacity * 3 && embryonic <= capacity, "the flood fills the embryonic table: {embryonic}");
+    // A full bucket makes room (its oldest flow), and each eviction is counted: every flood
+    // flow the table no longer holds (two entries a flow) was evicted once.
     assert_eq!(counter_of(&l, counter::CT_INSERT_FAILED), 0);
     assert_eq!(counter_of(&l, counter::CT_EMBRYONIC_EVICTED), 40_000 - embryonic as u64 / 2, "evictions counted");
     let after = assured(&l);

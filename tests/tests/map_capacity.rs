@@ -48,7 +48,8 @@ fn the_ipv6_conntrack_tables_take_their_capacities_from_the_settings() {
     let pins = PinDir::new("ct6cap");
     let sized = Capacities { conntrack6: 256, conntrack6_new: 128, ..caps(64) };
     drop(Datapath::load_object(pins.path(), sized).expect("load the object"));
-    for (name, want) in [(map_names::CONNTRACK6, 256), (map_names::CONNTRACK6_NEW, 128)] {
+    // The embryonic table holds buckets of four.
+    for (name, want) in [(map_names::CONNTRACK6, 256), (map_names::CONNTRACK6_NEW, proxy_common::ct_buckets(128))] {
         assert_eq!(aya::maps::MapInfo::from_pin(pins.path().join(name)).unwrap().max_entries(), want, "{name}");
     }
     // Preallocated (an LRU, a hash): a pinned table keeps its size, and says so.
@@ -198,14 +199,14 @@ fn an_earlier_embryonic_lru_moves_into_the_new_table() {
     assert_eq!(KernelConntrack::open(pins.path()).unwrap().read_batch(Table::Embryonic, None, 1024).unwrap().0.len(), 2);
 }
 
-/// The same for IPv6's embryonic LRU (KPR_CT6_NEW_V1), which became a hash too.
+/// The same for IPv6's embryonic tables (KPR_CT6_NEW_V1, an LRU, and V2, a hash), which became
+/// buckets too.
 #[test]
-fn an_earlier_ipv6_embryonic_lru_moves_into_the_new_table() {
+fn an_earlier_ipv6_embryonic_table_moves_into_the_new_one() {
     use proxy_agent::dataplane::ebpf::{conntrack6::Embryonic6, kernel_maps::KernelEmbryonic6};
     use proxy_common::{CtKey6, CtValue6, CT_DIR_EGRESS, CT_DIR_INGRESS, CT_F_REPLY, PROTO_TCP};
     const LRU_HASH: u64 = 9;
-    let pins = PinDir::new("ct6-new-v1");
-    std::fs::create_dir_all(pins.path()).unwrap();
+    const HASH: u64 = 1;
     let (client, frontend, backend) = ([0x0120_0db8, 0, 0, 5], [0x0120_0db8, 0, 0, 80], [0xfd00, 0, 0, 7]);
     let fwd = CtKey6 { saddr: client, daddr: frontend, sport: 40000u16.to_be(), dport: 80u16.to_be(), proto: PROTO_TCP, dir: CT_DIR_INGRESS, _pad: 0 };
     let fwd_v = CtValue6 { new_saddr: client, new_daddr: backend, new_sport: fwd.sport, new_dport: 8080u16.to_be(), backend_id: 3, ..CtValue6::default() };
@@ -219,17 +220,20 @@ fn an_earlier_ipv6_embryonic_lru_moves_into_the_new_table() {
         flags: CT_F_REPLY,
         ..CtValue6::default()
     };
-    let v1 = pins.path().join(map_names::CONNTRACK6_NEW_V1);
-    pin_map(&v1, LRU_HASH, 0, 64, &[(fwd, fwd_v), (reply, reply_v)]);
-
-    let dp = Datapath::load_object(pins.path(), caps(64)).expect("load the object");
-    assert!(!v1.exists(), "the earlier table's pin is removed");
-    let (mut held, _) = KernelEmbryonic6::open(pins.path()).unwrap().read_batch(None, 1024).unwrap();
-    held.sort_by_key(|(k, _)| *k);
-    let mut want = vec![(fwd, fwd_v), (reply, reply_v)];
-    want.sort_by_key(|(k, _)| *k);
-    assert_eq!(held, want, "the handshake's entries are in the new embryonic table");
-    drop(dp);
+    for (earlier, kind) in [(map_names::CONNTRACK6_NEW_V1, LRU_HASH), (map_names::CONNTRACK6_NEW_V2, HASH)] {
+        let pins = PinDir::new(&format!("ct6-new-{kind}"));
+        std::fs::create_dir_all(pins.path()).unwrap();
+        let from = pins.path().join(earlier);
+        pin_map(&from, kind, 0, 64, &[(fwd, fwd_v), (reply, reply_v)]);
+        let dp = Datapath::load_object(pins.path(), caps(64)).expect("load the object");
+        assert!(!from.exists(), "the earlier table's pin is removed ({earlier})");
+        let (mut held, _) = KernelEmbryonic6::open(pins.path()).unwrap().read_batch(None, 1024).unwrap();
+        held.sort_by_key(|(k, _)| *k);
+        let mut want = vec![(fwd, fwd_v), (reply, reply_v)];
+        want.sort_by_key(|(k, _)| *k);
+        assert_eq!(held, want, "the handshake's entries are in the new embryonic table ({earlier})");
+        drop(dp);
+    }
 }
 
 #[test]

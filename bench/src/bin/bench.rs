@@ -18,11 +18,13 @@ use kpr_lab::{
 };
 use proxy_agent::{
     dataplane::ebpf::kernel::{Capacities, Datapath},
-    dataplane::ebpf::kernel_maps::KernelMaps,
+    dataplane::ebpf::kernel_maps::{Buckets, KernelMaps},
     dataplane::ebpf::sync::Syncer,
     model::{BackendKey, DesiredState, Frontend, FrontendKey, Protocol},
 };
-use proxy_common::{counter, map_names, prog_names, CtKey, CtKey6, CtValue, CtValue6, DatapathConfig, CFG_F_NO_FLOW_CACHE, CT_DIR_EGRESS, CT_DIR_INGRESS};
+use proxy_common::{
+    counter, map_names, prog_names, CtBucket6, CtKey, CtKey6, CtValue, CtValue6, DatapathConfig, CFG_F_NO_FLOW_CACHE, CT_DIR_EGRESS, CT_DIR_INGRESS,
+};
 
 fn vip(i: u32) -> std::net::IpAddr {
     let n = 0x0a60_0000u32 + i; // 10.96.0.0 + i
@@ -168,11 +170,12 @@ fn ping_pong6(ct: &mut AyaHashMap<MapData, CtKey6, CtValue6>, key: CtKey6) -> Ve
 /// SYN-ACK at egress, the client's ACK, which makes it assured), its two entries given mirrors,
 /// both IPv6 tables emptied first (the earlier size's flows must not help, or fill, this one's).
 /// Returns (forward, reply) frames.
-fn ipv6_flow(dp: &mut Datapath, ct6: &mut AyaHashMap<MapData, CtKey6, CtValue6>, ct6_new: &mut AyaHashMap<MapData, CtKey6, CtValue6>) -> (Vec<u8>, Vec<u8>) {
-    for t in [&mut *ct6, &mut *ct6_new] {
-        for (k, _) in t.iter().filter_map(Result::ok).collect::<Vec<_>>() {
-            let _ = t.remove(&k);
-        }
+fn ipv6_flow(dp: &mut Datapath, ct6: &mut AyaHashMap<MapData, CtKey6, CtValue6>, ct6_new: &Buckets<CtBucket6>) -> (Vec<u8>, Vec<u8>) {
+    for (k, _) in ct6.iter().filter_map(Result::ok).collect::<Vec<_>>() {
+        let _ = ct6.remove(&k);
+    }
+    for (k, _) in ct6_new.read_all() {
+        let _ = ct6_new.delete_if(&k, |_| true);
     }
     let (_, fwd) = run(dp, Prog::Tc6, &frame6(CLIENT6, VIP6, TCP, 999, 80, SYN, &[]), 1);
     let f = kpr_lab::packet::parse6(&fwd);
@@ -354,8 +357,7 @@ fn main() {
         proxy_agent::dataplane::ebpf::kernel_maps::open_typed(pins.path(), map_names::CONNTRACK).expect("open conntrack");
     let mut ct6: AyaHashMap<MapData, CtKey6, CtValue6> =
         proxy_agent::dataplane::ebpf::kernel_maps::open_typed(pins.path(), map_names::CONNTRACK6).expect("open IPv6 conntrack");
-    let mut ct6_new: AyaHashMap<MapData, CtKey6, CtValue6> =
-        proxy_agent::dataplane::ebpf::kernel_maps::open_typed(pins.path(), map_names::CONNTRACK6_NEW).expect("open IPv6 embryonic conntrack");
+    let ct6_new = Buckets::<CtBucket6>::open(pins.path(), map_names::CONNTRACK6_NEW).expect("open IPv6 embryonic conntrack");
     // IPv6: a packet of no service and no flow (to a pod).
     let other6 = frame6(CLIENT6, "fd00:244::99", TCP, 1000, 8080, ACK, &[]);
     let counters = |maps: &KernelMaps| proxy_agent::dataplane::ebpf::maps::DatapathMaps::counters(maps).expect("counters");
@@ -437,7 +439,7 @@ fn main() {
             }
             panic!("no client ports whose entries fit distinct flow cache slots");
         })();
-        let (fwd6, rev6) = ipv6_flow(&mut dp, &mut ct6, &mut ct6_new);
+        let (fwd6, rev6) = ipv6_flow(&mut dp, &mut ct6, &ct6_new);
         let mut floor: BTreeMap<bool, [f64; 4]> = BTreeMap::new();
         for p in [
             Prog::TcPass,

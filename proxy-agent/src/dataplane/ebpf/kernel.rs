@@ -107,16 +107,20 @@ impl Datapath {
         for (name, n) in sized_maps(&caps) {
             loader.map_max_entries(name, max_entries_for(name, n));
         }
-        // The embryonic table's bucket mask, of the pinned array where there is one (it keeps
-        // its size).
-        let buckets = aya::maps::MapInfo::from_pin(pin_dir.join(map_names::CONNTRACK_NEW))
-            .map(|i| i.max_entries())
-            .unwrap_or_else(|_| max_entries_for(map_names::CONNTRACK_NEW, caps.conntrack_new));
-        let mask = buckets.saturating_sub(1);
-        loader.override_global(CT_NEW_BUCKET_MASK, &mask, true);
+        // The embryonic tables' bucket masks, of the pinned arrays where there are (they keep
+        // their size).
+        let masks: Vec<(&str, u32)> = BUCKET_TABLES
+            .iter()
+            .map(|t| {
+                let buckets =
+                    aya::maps::MapInfo::from_pin(pin_dir.join(t.map)).map(|i| i.max_entries()).unwrap_or_else(|_| max_entries_for(t.map, (t.capacity)(&caps)));
+                (t.mask_global, buckets.saturating_sub(1))
+            })
+            .collect();
+        for (global, mask) in &masks {
+            loader.override_global(global, mask, true);
+        }
         let cpus = possible_cpus();
-        loader.map_max_entries(map_names::CT6_NEW_RING, cpus * proxy_common::limits::CT6_NEW_RING_SLOTS);
-        loader.map_max_entries(map_names::CT6_NEW_RING_POS, cpus);
         let ebpf = loader.load(EBPF_OBJECT).map_err(KernelError::Load)?;
         for (map, capacity, evicts_from) in small_lru_maps(pin_dir, cpus) {
             tracing::warn!(
@@ -302,14 +306,28 @@ pub fn backend_id_limit(pin_dir: &Path, wanted: u32) -> u32 {
     BY_BACKEND_ID.iter().filter_map(|name| aya::maps::MapInfo::from_pin(pin_dir.join(name)).ok()).fold(wanted, |limit, info| limit.min(info.max_entries()))
 }
 
-/// The data path's global that holds the embryonic table's bucket mask (proxy-ebpf's
-/// embryonic.rs).
-const CT_NEW_BUCKET_MASK: &str = "CT_NEW_BUCKET_MASK";
+/// An embryonic table: an array of buckets of CT_BUCKET_WAYS.
+struct BucketTable {
+    map: &'static str,
+    /// The data path's global that holds its bucket mask (proxy-ebpf's embryonic.rs).
+    mask_global: &'static str,
+    capacity: fn(&Capacities) -> u32,
+}
 
-/// A map's max_entries for a capacity of `entries`: IPv4's embryonic table holds buckets of
+const BUCKET_TABLES: [BucketTable; 2] = [
+    BucketTable { map: map_names::CONNTRACK_NEW, mask_global: "CT_NEW_BUCKET_MASK", capacity: |c| c.conntrack_new },
+    BucketTable { map: map_names::CONNTRACK6_NEW, mask_global: "CT6_NEW_BUCKET_MASK", capacity: |c| c.conntrack6_new },
+];
+
+/// Whether a map is an embryonic table.
+fn is_bucket_array(map: &str) -> bool {
+    BUCKET_TABLES.iter().any(|t| t.map == map)
+}
+
+/// A map's max_entries for a capacity of `entries`: the embryonic tables hold buckets of
 /// CT_BUCKET_WAYS (a power of two of them), every other map one entry per value.
 pub fn max_entries_for(map: &str, entries: u32) -> u32 {
-    if map == map_names::CONNTRACK_NEW {
+    if is_bucket_array(map) {
         proxy_common::ct_buckets(entries)
     } else {
         entries
@@ -318,7 +336,7 @@ pub fn max_entries_for(map: &str, entries: u32) -> u32 {
 
 /// A map's capacity in entries, from its max_entries (see `max_entries_for`).
 pub fn capacity_of(map: &str, max_entries: u32) -> u32 {
-    if map == map_names::CONNTRACK_NEW {
+    if is_bucket_array(map) {
         max_entries.saturating_mul(proxy_common::CT_BUCKET_WAYS as u32)
     } else {
         max_entries

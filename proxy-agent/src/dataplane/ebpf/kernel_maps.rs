@@ -48,7 +48,7 @@ pub struct KernelMaps {
     config: Array<MapData, DatapathConfig>,
     conntrack: KernelConntrack,
     conntrack6: HashMap<MapData, CtKey6, CtValue6>,
-    conntrack6_new: HashMap<MapData, CtKey6, CtValue6>,
+    conntrack6_new: Buckets<proxy_common::CtBucket6>,
     ifaces: HashMap<MapData, u32, proxy_common::IfaceInfo>,
     affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     counters: PerCpuArray<MapData, u64>,
@@ -155,7 +155,7 @@ impl KernelMaps {
             config: open_typed(pin_dir, map_names::CONFIG)?,
             conntrack: KernelConntrack::open(pin_dir)?,
             conntrack6: open_typed(pin_dir, map_names::CONNTRACK6)?,
-            conntrack6_new: open_typed(pin_dir, map_names::CONNTRACK6_NEW)?,
+            conntrack6_new: Buckets::open(pin_dir, map_names::CONNTRACK6_NEW)?,
             ifaces: open_typed(pin_dir, map_names::IFACES)?,
             affinity: open_typed(pin_dir, map_names::AFFINITY)?,
             counters: open_typed(pin_dir, map_names::COUNTERS)?,
@@ -366,7 +366,7 @@ impl DatapathMaps for KernelMaps {
     fn ipv6_flows(&self, table: Table) -> Result<Vec<(CtKey6, CtValue6)>, MapError> {
         match table {
             Table::Assured => read_all(map_names::CONNTRACK6, aya::maps::IterableMap::map(&self.conntrack6), all),
-            Table::Embryonic => read_all(map_names::CONNTRACK6_NEW, aya::maps::IterableMap::map(&self.conntrack6_new), all),
+            Table::Embryonic => Ok(self.conntrack6_new.read_all()),
         }
     }
     fn counters(&self) -> Result<Vec<u64>, MapError> {

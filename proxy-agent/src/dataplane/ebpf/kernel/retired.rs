@@ -22,7 +22,8 @@ pub(super) struct Retired {
     backends: Option<Carry<u32, proxy_common::Backend>>,
     /// IPv4's embryonic flows: from the LRU (V1) or the preallocated hash (V2).
     embryonic: [Option<Carry<proxy_common::CtKey, proxy_common::CtValue>>; 2],
-    embryonic6: Option<Carry<proxy_common::CtKey6, proxy_common::CtValue6>>,
+    /// IPv6's, the same.
+    embryonic6: [Option<Carry<proxy_common::CtKey6, proxy_common::CtValue6>>; 2],
     counters: Option<CarryCounts>,
 }
 
@@ -33,7 +34,8 @@ impl Retired {
             backends: earlier_backends(pin_dir, caps.backends),
             embryonic: [map_names::CONNTRACK_NEW_V1, map_names::CONNTRACK_NEW_V2]
                 .map(|from| earlier_embryonic(pin_dir, from, map_names::CONNTRACK_NEW, caps.conntrack_new)),
-            embryonic6: earlier_embryonic(pin_dir, map_names::CONNTRACK6_NEW_V1, map_names::CONNTRACK6_NEW, caps.conntrack6_new),
+            embryonic6: [map_names::CONNTRACK6_NEW_V1, map_names::CONNTRACK6_NEW_V2]
+                .map(|from| earlier_embryonic(pin_dir, from, map_names::CONNTRACK6_NEW, caps.conntrack6_new)),
             counters: CarryCounts::read(pin_dir),
         };
         map_names::RETIRED.into_iter().filter(|n| !map_names::CARRIED.contains(n)).for_each(|n| unpin(pin_dir, n));
@@ -46,10 +48,10 @@ impl Retired {
             c.write(ebpf, pin_dir);
         }
         for c in self.embryonic.into_iter().flatten() {
-            c.write_buckets(ebpf, pin_dir);
+            c.write_buckets::<proxy_common::CtBucket>(ebpf, pin_dir);
         }
-        if let Some(c) = self.embryonic6 {
-            c.write(ebpf, pin_dir);
+        for c in self.embryonic6.into_iter().flatten() {
+            c.write_buckets::<proxy_common::CtBucket6>(ebpf, pin_dir);
         }
         if let Some(c) = self.counters {
             c.add_into(pin_dir);
@@ -140,13 +142,13 @@ impl<K: bytemuck::Pod, V: bytemuck::Pod> Carry<K, V> {
     }
 }
 
-impl Carry<proxy_common::CtKey, proxy_common::CtValue> {
-    /// `write` for IPv4's embryonic table, whose entries go into buckets (KPR_CT_NEW_V3): an
-    /// entry whose bucket is full stays behind, and its flow starts over.
-    fn write_buckets(self, ebpf: &Ebpf, pin_dir: &Path) {
+impl<K: bytemuck::Pod, V: bytemuck::Pod> Carry<K, V> {
+    /// `write` for an embryonic table, whose entries go into buckets (KPR_CT_NEW_V3,
+    /// KPR_CT6_NEW_V3): an entry whose bucket is full stays behind, and its flow starts over.
+    fn write_buckets<B: proxy_common::CtBuckets<Key = K, Value = V>>(self, ebpf: &Ebpf, pin_dir: &Path) {
         if !self.entries.is_empty() {
             let mapped = match ebpf.map(self.to).and_then(map_data) {
-                Some(d) => crate::dataplane::ebpf::kernel_maps::Buckets::map(self.to, d),
+                Some(d) => crate::dataplane::ebpf::kernel_maps::Buckets::<B>::map(self.to, d),
                 None => Err(MapError::Missing(self.to)),
             };
             match mapped {
@@ -182,8 +184,8 @@ fn earlier_backends(pin_dir: &Path, capacity: u32) -> Option<Carry<u32, proxy_co
     Carry::read(pin_dir, v2, map_names::BACKENDS, |(id, b): &(u32, proxy_common::Backend)| *id < capacity && b.is_present())
 }
 
-/// The embryonic flows of an earlier release's table (KPR_CT_NEW_V1, KPR_CT_NEW_V2,
-/// KPR_CT6_NEW_V1): handshakes
+/// The embryonic flows of an earlier release's table (KPR_CT_NEW_V1 and V2, KPR_CT6_NEW_V1 and
+/// V2): handshakes
 /// under way at the upgrade, whose next packet would otherwise be picked up as a new flow and
 /// maybe meet another backend. Up to the new table's capacity; the collector times them out as
 /// any.

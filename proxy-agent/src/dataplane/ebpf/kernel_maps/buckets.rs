@@ -1,4 +1,6 @@
-//! IPv4's embryonic table (KPR_CT_NEW_V3, proxy_common::CtBucket) mapped into the agent. A read
+//! An embryonic table (IPv4's KPR_CT_NEW_V3, IPv6's KPR_CT6_NEW_V3: arrays of
+//! proxy_common::CtBucket and CtBucket6, one code for both through CtBuckets) mapped into the
+//! agent. A read
 //! copies ways without the lock, as the data path's probes do (a way caught mid-write is checked
 //! again under the lock before anything is deleted). A write (the collector's deletes and
 //! flags, an upgrade's carry-over) holds the bucket's lock, which the data path's writers take
@@ -9,7 +11,7 @@ use std::{
     sync::atomic::{AtomicU64, Ordering},
 };
 
-use proxy_common::{CtBucket, CtKey, CtValue, CT_BUCKET_WAYS};
+use proxy_common::{CtBuckets, CT_BUCKET_WAYS};
 
 use crate::dataplane::ebpf::{bpf_batch::Batch, maps::MapError};
 
@@ -18,36 +20,36 @@ use crate::dataplane::ebpf::{bpf_batch::Batch, maps::MapError};
 const LOCK_SPINS: u32 = 100_000;
 
 /// The table's array, mapped shared.
-pub struct Buckets {
+pub struct Buckets<B: CtBuckets> {
     map: &'static str,
-    base: NonNull<CtBucket>,
+    base: NonNull<B>,
     /// A power of two.
     count: u32,
     len: usize,
 }
 
 // The mapping is shared memory whose every write goes through a bucket's lock.
-unsafe impl Send for Buckets {}
-unsafe impl Sync for Buckets {}
+unsafe impl<B: CtBuckets> Send for Buckets<B> {}
+unsafe impl<B: CtBuckets> Sync for Buckets<B> {}
 
 /// What `update` does with the entry it found.
-enum Change {
+enum Change<V> {
     Keep,
     Delete,
-    Write(CtValue),
+    Write(V),
 }
 
-impl Buckets {
+impl<B: CtBuckets> Buckets<B> {
     /// Maps `data`, the array named `map` (the mapping keeps the map alive).
     pub fn map(map: &'static str, data: &aya::maps::MapData) -> Result<Self, MapError> {
         let info = data.info().map_err(|e| MapError::Other { map, message: e.to_string() })?;
         let fd = data.fd().as_fd();
         let count = info.max_entries();
-        if info.value_size() as usize != size_of::<CtBucket>() || !count.is_power_of_two() {
+        if info.value_size() as usize != size_of::<B>() || !count.is_power_of_two() {
             return Err(MapError::Other { map, message: format!("not a bucket array ({count} values of {} bytes)", info.value_size()) });
         }
         let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
-        let len = (count as usize * size_of::<CtBucket>()).div_ceil(page) * page;
+        let len = (count as usize * size_of::<B>()).div_ceil(page) * page;
         let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
         if ptr == libc::MAP_FAILED {
             return Err(MapError::Op { map, op: "mmap", source: std::io::Error::last_os_error() });
@@ -62,24 +64,24 @@ impl Buckets {
         Self::map(map, &data)
     }
 
-    fn bucket(&self, i: u32) -> *mut CtBucket {
+    fn bucket(&self, i: u32) -> *mut B {
         debug_assert!(i < self.count);
         unsafe { self.base.as_ptr().add(i as usize) }
     }
 
-    fn bucket_of(&self, key: &CtKey) -> *mut CtBucket {
-        self.bucket(key.bucket(self.count - 1))
+    fn bucket_of(&self, key: &B::Key) -> *mut B {
+        self.bucket(B::bucket(key, self.count - 1))
     }
 
     /// Way `w`'s entry, None if empty. Unlocked: a way being written may read torn.
-    fn way(b: *mut CtBucket, w: usize) -> Option<(CtKey, CtValue)> {
-        let key = unsafe { std::ptr::read_volatile(&raw const (*b).keys[w]) };
-        (!key.is_empty()).then(|| (key, unsafe { std::ptr::read_volatile(&raw const (*b).values[w]) }))
+    fn way(b: *mut B, w: usize) -> Option<(B::Key, B::Value)> {
+        let key = unsafe { std::ptr::read_volatile(B::key(b, w)) };
+        (!B::is_empty(&key)).then(|| (key, unsafe { std::ptr::read_volatile(B::value(b, w)) }))
     }
 
     /// Up to about `max` entries from bucket `cursor` on (whole buckets), and the bucket to go on
     /// from (None: that was the last).
-    pub fn read_batch(&self, cursor: Option<u32>, max: usize) -> Batch<CtKey, CtValue> {
+    pub fn read_batch(&self, cursor: Option<u32>, max: usize) -> Batch<B::Key, B::Value> {
         let mut out = Vec::new();
         let mut i = cursor.unwrap_or(0);
         while i < self.count && out.len() < max.max(1) {
@@ -90,14 +92,19 @@ impl Buckets {
         (out, (i < self.count).then_some(i))
     }
 
-    pub fn get(&self, key: &CtKey) -> Option<CtValue> {
+    /// Every entry, bucket by bucket.
+    pub fn read_all(&self) -> Vec<(B::Key, B::Value)> {
+        (0..self.count).flat_map(|i| (0..CT_BUCKET_WAYS).filter_map(move |w| Self::way(self.bucket(i), w))).collect()
+    }
+
+    pub fn get(&self, key: &B::Key) -> Option<B::Value> {
         let b = self.bucket_of(key);
         (0..CT_BUCKET_WAYS).filter_map(|w| Self::way(b, w)).find(|(k, _)| k == key).map(|(_, v)| v)
     }
 
     /// Runs `change` on `key`'s entry under its bucket's lock. Ok(false): no such entry, or
     /// `change` kept it, or the lock stayed held (the collector tries again next round).
-    fn update(&self, key: &CtKey, change: impl FnOnce(&CtValue) -> Change) -> Result<bool, MapError> {
+    fn update(&self, key: &B::Key, change: impl FnOnce(&B::Value) -> Change<B::Value>) -> Result<bool, MapError> {
         let b = self.bucket_of(key);
         let Some(_held) = Lock::take(b) else {
             tracing::debug!(map = self.map, "a bucket's lock stayed held: the entry is left for the next round");
@@ -108,8 +115,8 @@ impl Buckets {
                 Some((k, v)) if k == *key => {
                     match change(&v) {
                         Change::Keep => return Ok(false),
-                        Change::Delete => unsafe { std::ptr::write_volatile(&raw mut (*b).keys[w], CtKey::default()) },
-                        Change::Write(v) => unsafe { std::ptr::write_volatile(&raw mut (*b).values[w], v) },
+                        Change::Delete => unsafe { std::ptr::write_volatile(B::key(b, w), B::Key::default()) },
+                        Change::Write(v) => unsafe { std::ptr::write_volatile(B::value(b, w), v) },
                     }
                     return Ok(true);
                 }
@@ -120,18 +127,18 @@ impl Buckets {
     }
 
     /// Deletes `key`'s entry if `delete` holds for it.
-    pub fn delete_if(&self, key: &CtKey, delete: impl FnOnce(&CtValue) -> bool) -> Result<bool, MapError> {
+    pub fn delete_if(&self, key: &B::Key, delete: impl FnOnce(&B::Value) -> bool) -> Result<bool, MapError> {
         self.update(key, |v| if delete(v) { Change::Delete } else { Change::Keep })
     }
 
     /// Replaces `key`'s entry by what `change` makes of it, if anything.
-    pub fn change_if(&self, key: &CtKey, change: impl FnOnce(&CtValue) -> Option<CtValue>) -> Result<bool, MapError> {
+    pub fn change_if(&self, key: &B::Key, change: impl FnOnce(&B::Value) -> Option<B::Value>) -> Result<bool, MapError> {
         self.update(key, |v| change(v).map_or(Change::Keep, Change::Write))
     }
 
     /// Inserts `key` -> `value` into a free way of its bucket (an upgrade's carry-over). False:
     /// the key is there, its bucket is full, or its lock stayed held.
-    pub fn insert(&self, key: &CtKey, value: &CtValue) -> bool {
+    pub fn insert(&self, key: &B::Key, value: &B::Value) -> bool {
         let b = self.bucket_of(key);
         let Some(_held) = Lock::take(b) else { return false };
         let ways: Vec<_> = (0..CT_BUCKET_WAYS).map(|w| Self::way(b, w)).collect();
@@ -141,29 +148,29 @@ impl Buckets {
         let Some(w) = ways.iter().position(Option::is_none) else { return false };
         // The value first, as the data path writes it: a reader that finds the key finds it.
         unsafe {
-            std::ptr::write_volatile(&raw mut (*b).values[w], *value);
+            std::ptr::write_volatile(B::value(b, w), *value);
             std::sync::atomic::fence(Ordering::Release);
-            std::ptr::write_volatile(&raw mut (*b).keys[w], *key);
+            std::ptr::write_volatile(B::key(b, w), *key);
         }
         true
     }
 }
 
-impl Drop for Buckets {
+impl<B: CtBuckets> Drop for Buckets<B> {
     fn drop(&mut self) {
         unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
     }
 }
 
-/// A bucket's lock, held until dropped.
-struct Lock(*mut CtBucket);
+/// A bucket's lock (its word), held until dropped.
+struct Lock(*mut u64);
 
 impl Lock {
-    fn take(b: *mut CtBucket) -> Option<Self> {
-        let word = unsafe { AtomicU64::from_ptr(&raw mut (*b).lock) };
+    fn take<B: CtBuckets>(b: *mut B) -> Option<Self> {
+        let word = unsafe { AtomicU64::from_ptr(B::lock(b)) };
         for _ in 0..LOCK_SPINS {
             if word.compare_exchange_weak(0, 1, Ordering::Acquire, Ordering::Relaxed).is_ok() {
-                return Some(Self(b));
+                return Some(Self(B::lock(b)));
             }
             std::hint::spin_loop();
         }
@@ -173,18 +180,19 @@ impl Lock {
 
 impl Drop for Lock {
     fn drop(&mut self) {
-        unsafe { AtomicU64::from_ptr(&raw mut (*self.0).lock) }.store(0, Ordering::Release);
+        unsafe { AtomicU64::from_ptr(self.0) }.store(0, Ordering::Release);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proxy_common::{CtBucket, CtBucket6, CtKey, CtKey6, CtValue, CtValue6};
 
     /// A Buckets over anonymous memory (the kernel's array behaves the same way for these
     /// operations; tests/fixtures.rs runs them against it).
-    fn anonymous(count: u32) -> Buckets {
-        let len = count as usize * size_of::<CtBucket>();
+    fn anonymous<B: CtBuckets>(count: u32) -> Buckets<B> {
+        let len = count as usize * size_of::<B>();
         let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_ANONYMOUS, -1, 0) };
         assert_ne!(ptr, libc::MAP_FAILED);
         Buckets { map: "test", base: NonNull::new(ptr.cast()).unwrap(), count, len }
@@ -196,7 +204,7 @@ mod tests {
 
     #[test]
     fn insert_read_change_delete() {
-        let t = anonymous(4);
+        let t = anonymous::<CtBucket>(4);
         let v = CtValue { last_seen_ns: 7, backend_id: 3, ..Default::default() };
         assert!(t.insert(&key(1), &v));
         assert!(!t.insert(&key(1), &v), "a key is inserted once");
@@ -212,7 +220,7 @@ mod tests {
 
     #[test]
     fn a_bucket_holds_four_and_batches_cover_every_entry() {
-        let t = anonymous(2);
+        let t = anonymous::<CtBucket>(2);
         let mut held = Vec::new();
         for port in 1..=64u16 {
             if t.insert(&key(port), &CtValue { last_seen_ns: u64::from(port), ..Default::default() }) {
@@ -238,10 +246,24 @@ mod tests {
 
     #[test]
     fn a_held_lock_keeps_writers_out() {
-        let t = anonymous(1);
+        let t = anonymous::<CtBucket>(1);
         let held = Lock::take(t.bucket(0)).unwrap();
         assert!(!t.insert(&key(1), &CtValue::default()), "the data path holds the bucket");
         drop(held);
         assert!(t.insert(&key(1), &CtValue::default()));
+    }
+
+    #[test]
+    fn ipv6_buckets_hold_four_and_find_their_keys() {
+        let t = anonymous::<CtBucket6>(2);
+        let key = |port: u16| CtKey6 { saddr: [1, 2, 3, 4], daddr: [5, 6, 7, 8], sport: port, dport: 80, proto: 17, dir: 0, _pad: 0 };
+        let held: Vec<u16> = (1..=64u16).filter(|&p| t.insert(&key(p), &CtValue6 { last_seen_ns: u64::from(p), ..Default::default() })).collect();
+        assert_eq!(held.len(), 8, "two buckets of four: {held:?}");
+        for &p in &held {
+            assert_eq!(t.get(&key(p)).map(|v| v.last_seen_ns), Some(u64::from(p)));
+        }
+        assert!(t.delete_if(&key(held[0]), |_| true).unwrap());
+        assert_eq!(t.get(&key(held[0])), None);
+        assert!(t.insert(&key(held[0]), &CtValue6::default()), "a deleted way takes a key again");
     }
 }

@@ -1,12 +1,12 @@
 //! The conntrack tables' implementations, for the collectors and the views: IPv4's two tables
 //! with the flow cache's generation (`ConntrackTables`), IPv6's embryonic table
 //! (`Embryonic6`). A hash map's delete takes the entry out and puts it back when it no longer
-//! matches what the caller read (`take_if`); IPv4's embryonic buckets check it under the
-//! bucket's lock (buckets.rs).
+//! matches what the caller read (`take_if`); the embryonic buckets check it under the bucket's
+//! lock (buckets.rs).
 use std::path::Path;
 
 use aya::maps::{Array, HashMap, MapData};
-use proxy_common::{map_names, CtKey, CtKey6, CtValue, CtValue6};
+use proxy_common::{map_names, CtBucket, CtBucket6, CtKey, CtKey6, CtValue, CtValue6};
 
 use super::{buckets::Buckets, is_enoent, op, open_typed};
 use crate::dataplane::ebpf::{
@@ -18,7 +18,7 @@ use crate::dataplane::ebpf::{
 /// collector's thread has its own).
 pub struct KernelConntrack {
     assured: HashMap<MapData, CtKey, CtValue>,
-    embryonic: Buckets,
+    embryonic: Buckets<CtBucket>,
     flow_cache_gen: Array<MapData, u64>,
 }
 
@@ -55,12 +55,12 @@ fn take_if<K: bytemuck::Pod, V: bytemuck::Pod>(name: &'static str, map: &MapData
     }
 }
 
-/// KPR_CT6_NEW_V2, for its collector (conntrack6.rs).
-pub struct KernelEmbryonic6(HashMap<MapData, CtKey6, CtValue6>);
+/// KPR_CT6_NEW_V3, for its collector (conntrack6.rs).
+pub struct KernelEmbryonic6(Buckets<CtBucket6>);
 
 impl KernelEmbryonic6 {
     pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
-        Ok(Self(open_typed(pin_dir, map_names::CONNTRACK6_NEW)?))
+        Ok(Self(Buckets::open(pin_dir, map_names::CONNTRACK6_NEW)?))
     }
 }
 
@@ -80,13 +80,13 @@ fn lookup<K: aya::Pod, V: aya::Pod>(name: &'static str, map: &HashMap<MapData, K
 
 impl crate::dataplane::ebpf::conntrack6::Embryonic6 for KernelEmbryonic6 {
     fn read_batch(&self, cursor: Option<u32>, max: usize) -> Result<Batch<CtKey6, CtValue6>, MapError> {
-        read_batch(map_names::CONNTRACK6_NEW, aya::maps::IterableMap::map(&self.0), cursor, max)
+        Ok(self.0.read_batch(cursor, max))
     }
     fn get(&self, key: &CtKey6) -> Result<Option<CtValue6>, MapError> {
-        lookup(map_names::CONNTRACK6_NEW, &self.0, key)
+        Ok(self.0.get(key))
     }
     fn delete_if(&mut self, key: &CtKey6, expected: &CtValue6) -> Result<bool, MapError> {
-        take_if(map_names::CONNTRACK6_NEW, aya::maps::IterableMap::map(&self.0), key, |v: &CtValue6| v == expected)
+        self.0.delete_if(key, |v| v == expected)
     }
 }
 
