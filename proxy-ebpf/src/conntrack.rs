@@ -13,7 +13,7 @@
 //! Flows keep their backend whatever happens to the service afterwards.
 use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns, bpf_ktime_get_ns};
 use proxy_common::{
-    counter, Backend, CtEntry, CtKey, CtRole, CtScratch, CtValue, DatapathConfig, CT_DIR_EGRESS, CT_PENDING_SLOTS, CT_DIR_INGRESS,
+    counter, Backend, CtBucket, CtEntry, CtKey, CtRole, CtScratch, CtValue, DatapathConfig, CT_DIR_EGRESS, CT_PENDING_SLOTS, CT_DIR_INGRESS,
     CT_F_CLOSING, CT_F_MAX_AGE, CT_F_REFUSED, CT_F_REPLY, CT_F_SEEN_REPLY, CT_F_SNAT, CT_F_SNAT_PENDING, PROTO_TCP, PROTO_UDP,
     SNAT_PORT_MAX, SNAT_PORT_MIN,
 };
@@ -23,7 +23,7 @@ use crate::{
     flowcache,
     lb,
     embryonic,
-    maps::{BPF_NOEXIST, E2BIG, CLOCK, CONNTRACK, CT_FORGET_KEYS, CT_SCRATCH, EEXIST, IFACES},
+    maps::{BPF_NOEXIST, CLOCK, CONNTRACK, CT_FORGET_KEYS, CT_SCRATCH, EEXIST, IFACES},
     parse::{Flow, TCP_RST},
     rewrite::Rewrite,
 };
@@ -72,16 +72,7 @@ impl Table {
         let (k, v) = unsafe { (&*k, &*v) };
         match self {
             Table::Assured => CONNTRACK.insert(k, v, flags),
-            Table::Embryonic => match embryonic::kpr_ct_new_insert(k, v) {
-                0 => Ok(()),
-                e if e == -i64::from(E2BIG) && embryonic::kpr_ct_new_evict(k, v, evicted) == embryonic::EVICTED => {
-                    match embryonic::kpr_ct_new_insert(k, v) {
-                        0 => Ok(()),
-                        e => Err(e as i32),
-                    }
-                }
-                e => Err(e as i32),
-            },
+            Table::Embryonic => embryonic::insert_evicting::<CtBucket>(k, v, evicted),
         }
     }
     #[inline(always)]

@@ -11,7 +11,7 @@
 //! table is an LRU.
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use proxy_common::{
-    counter, Backend, CtEntry6, CtKey6, CtScratch6, CtValue6, DatapathConfig, CT6_PENDING_SLOTS, CT_DIR_EGRESS, CT_DIR_INGRESS, CT_F_CLOSING, CT_F_REPLY,
+    counter, Backend, CtBucket6, CtEntry6, CtKey6, CtScratch6, CtValue6, DatapathConfig, CT6_PENDING_SLOTS, CT_DIR_EGRESS, CT_DIR_INGRESS, CT_F_CLOSING, CT_F_REPLY,
     CT_F_SEEN_REPLY, CT_F_SNAT, PROTO_TCP, PROTO_UDP,
 };
 
@@ -19,7 +19,7 @@ use crate::{
     conntrack::{self, random_port, Table},
     counters::bump,
     embryonic,
-    maps::{BPF_NOEXIST, E2BIG, EEXIST, CONNTRACK6, CT_FORGET_KEYS6, CT_SCRATCH6},
+    maps::{BPF_NOEXIST, EEXIST, CONNTRACK6, CT_FORGET_KEYS6, CT_SCRATCH6},
     parse6::Flow6,
 };
 
@@ -56,16 +56,7 @@ impl Table {
     fn insert6(self, k: *const CtKey6, v: *const CtValue6, flags: u64, evicted: *mut CtEntry6) -> Result<(), i32> {
         match self {
             Table::Assured => CONNTRACK6.insert(unsafe { &*k }, unsafe { &*v }, flags),
-            Table::Embryonic => match embryonic::kpr_ct6_new_insert(k, v) {
-                0 => Ok(()),
-                e if e == -i64::from(E2BIG) && embryonic::kpr_ct6_new_evict(k, v, evicted) == embryonic::EVICTED => {
-                    match embryonic::kpr_ct6_new_insert(k, v) {
-                        0 => Ok(()),
-                        e => Err(e as i32),
-                    }
-                }
-                e => Err(e as i32),
-            },
+            Table::Embryonic => embryonic::insert_evicting::<CtBucket6>(k, v, evicted),
         }
     }
     #[inline(always)]

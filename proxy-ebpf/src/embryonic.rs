@@ -35,15 +35,15 @@ static CT_NEW_BUCKET_MASK: u32 = 0;
 #[no_mangle]
 static CT6_NEW_BUCKET_MASK: u32 = 0;
 
-/// `insert`'s answer when it took a full bucket's oldest way (the evicted entry is in the
+/// `evict`'s answer when it took a full bucket's oldest way (the evicted entry is in the
 /// pending slot that the caller named).
-pub const EVICTED: i64 = 1;
+const EVICTED: i64 = 1;
 /// The errno, negated, of an insert that found its bucket's lock held.
 const EBUSY: i32 = 16;
 
 /// A family's table: its array, its mask, and how a way's key is compared, in few registers (a
 /// spill grows the frame at the end of new_flow's call chain).
-trait Table: CtBuckets {
+pub(crate) trait Table: CtBuckets {
     fn array() -> &'static Array<Self>;
     fn mask() -> u32;
     /// What a key is compared by.
@@ -273,70 +273,80 @@ fn remove<B: Table>(k: *const B::Key) -> i64 {
     i64::from(found)
 }
 
-// The global functions, each family's. Their frames end call chains that Linux 6.1 counts
-// against 512 bytes (IPv4's insert: new_flow's, which leaves it 32): little is live across
-// their one helper call.
-
-/// `find` in IPv4's table.
-#[no_mangle]
-#[inline(never)]
-pub extern "C" fn kpr_ct_new_find(k: *const CtKey) -> i64 {
-    find::<CtBucket>(k)
+// The global functions, each family's: the same four, named by family. Their frames end call
+// chains that Linux 6.1 counts against 512 bytes (IPv4's insert: new_flow's, which leaves it
+// 32): little is live across their one helper call.
+/// A family's insert and evict, as its global functions.
+pub(crate) trait Globals: Table {
+    /// Its entry (CtEntry, CtEntry6).
+    type Entry;
+    fn insert_global(k: *const Self::Key, v: *const Self::Value) -> i64;
+    fn evict_global(k: *const Self::Key, v: *const Self::Value, evicted: *mut Self::Entry) -> i64;
 }
 
-/// `insert` into IPv4's table.
-#[no_mangle]
-#[inline(never)]
-pub extern "C" fn kpr_ct_new_insert(k: *const CtKey, v: *const CtValue) -> i64 {
-    insert::<CtBucket>(k, v)
+macro_rules! global_functions {
+    ($bucket:ty, $key:ty, $value:ty, $entry:ty, $find:ident, $insert:ident, $evict:ident, $remove:ident) => {
+        /// `find` in this family's table.
+        #[no_mangle]
+        #[inline(never)]
+        pub extern "C" fn $find(k: *const $key) -> i64 {
+            find::<$bucket>(k)
+        }
+
+        /// `insert` into this family's table.
+        #[no_mangle]
+        #[inline(never)]
+        pub extern "C" fn $insert(k: *const $key, v: *const $value) -> i64 {
+            insert::<$bucket>(k, v)
+        }
+
+        /// `evict` from this family's table, to `evicted`.
+        #[no_mangle]
+        #[inline(never)]
+        pub extern "C" fn $evict(k: *const $key, v: *const $value, evicted: *mut $entry) -> i64 {
+            if evicted.is_null() {
+                return -i64::from(E2BIG);
+            }
+            evict::<$bucket>(k, v, unsafe { &raw mut (*evicted).key }, unsafe { &raw mut (*evicted).value })
+        }
+
+        /// `remove` from this family's table.
+        #[no_mangle]
+        #[inline(never)]
+        pub extern "C" fn $remove(k: *const $key) -> i64 {
+            remove::<$bucket>(k)
+        }
+
+        impl Globals for $bucket {
+            type Entry = $entry;
+            #[inline(always)]
+            fn insert_global(k: *const $key, v: *const $value) -> i64 {
+                $insert(k, v)
+            }
+            #[inline(always)]
+            fn evict_global(k: *const $key, v: *const $value, evicted: *mut $entry) -> i64 {
+                $evict(k, v, evicted)
+            }
+        }
+    };
 }
 
-/// `evict` from IPv4's table, to `evicted`.
-#[no_mangle]
-#[inline(never)]
-pub extern "C" fn kpr_ct_new_evict(k: *const CtKey, v: *const CtValue, evicted: *mut CtEntry) -> i64 {
-    if evicted.is_null() {
-        return -i64::from(E2BIG);
+global_functions!(CtBucket, CtKey, CtValue, CtEntry, kpr_ct_new_find, kpr_ct_new_insert, kpr_ct_new_evict, kpr_ct_new_remove);
+global_functions!(CtBucket6, CtKey6, CtValue6, CtEntry6, kpr_ct6_new_find, kpr_ct6_new_insert, kpr_ct6_new_evict, kpr_ct6_new_remove);
+
+/// Inserts `k` -> `v` into a family's table; at a full bucket, evicts its oldest entry to
+/// `evicted` (a pending slot: the caller forgets that flow once the packet's entries are in)
+/// and inserts again. The errno, negated, of what failed.
+#[inline(always)]
+pub(crate) fn insert_evicting<B: Globals>(k: *const B::Key, v: *const B::Value, evicted: *mut B::Entry) -> Result<(), i32> {
+    match B::insert_global(k, v) {
+        0 => Ok(()),
+        e if e == -i64::from(E2BIG) && B::evict_global(k, v, evicted) == EVICTED => match B::insert_global(k, v) {
+            0 => Ok(()),
+            e => Err(e as i32),
+        },
+        e => Err(e as i32),
     }
-    evict::<CtBucket>(k, v, unsafe { &raw mut (*evicted).key }, unsafe { &raw mut (*evicted).value })
-}
-
-/// `remove` from IPv4's table.
-#[no_mangle]
-#[inline(never)]
-pub extern "C" fn kpr_ct_new_remove(k: *const CtKey) -> i64 {
-    remove::<CtBucket>(k)
-}
-
-/// `find` in IPv6's table.
-#[no_mangle]
-#[inline(never)]
-pub extern "C" fn kpr_ct6_new_find(k: *const CtKey6) -> i64 {
-    find::<CtBucket6>(k)
-}
-
-/// `insert` into IPv6's table.
-#[no_mangle]
-#[inline(never)]
-pub extern "C" fn kpr_ct6_new_insert(k: *const CtKey6, v: *const CtValue6) -> i64 {
-    insert::<CtBucket6>(k, v)
-}
-
-/// `evict` from IPv6's table, to `evicted`.
-#[no_mangle]
-#[inline(never)]
-pub extern "C" fn kpr_ct6_new_evict(k: *const CtKey6, v: *const CtValue6, evicted: *mut CtEntry6) -> i64 {
-    if evicted.is_null() {
-        return -i64::from(E2BIG);
-    }
-    evict::<CtBucket6>(k, v, unsafe { &raw mut (*evicted).key }, unsafe { &raw mut (*evicted).value })
-}
-
-/// `remove` from IPv6's table.
-#[no_mangle]
-#[inline(never)]
-pub extern "C" fn kpr_ct6_new_remove(k: *const CtKey6) -> i64 {
-    remove::<CtBucket6>(k)
 }
 
 /// IPv4's entry of `k`, if any.

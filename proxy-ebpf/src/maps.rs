@@ -22,9 +22,11 @@ macro_rules! map {
 
 /// bpf_map_update_elem's flag: fail if the key is there (a new flow claims its reply tuple so).
 pub const BPF_NOEXIST: u64 = aya_ebpf::bindings::BPF_NOEXIST as u64;
-/// The errno, negated, that an update with BPF_NOEXIST returns for a key that is there.
+/// The errno, negated, that an update with BPF_NOEXIST returns for a key that is there (and an
+/// embryonic bucket's insert, which always claims its key: embryonic.rs).
 pub const EEXIST: i32 = 17;
-/// The errno, negated, that an insert into a full preallocated hash returns.
+/// The errno, negated, that an insert into a full embryonic bucket returns (as the kernel's
+/// preallocated hash does when full).
 pub const E2BIG: i32 = 7;
 
 /// The control plane's hash maps allocate per entry (V2 map names: this flag changed).
