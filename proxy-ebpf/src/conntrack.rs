@@ -515,7 +515,6 @@ fn finish_snat(table: Table, key: &CtKey, v: &mut CtValue, cfg: &DatapathConfig,
         return false;
     };
     let s = unsafe { &mut *s };
-    embryonic::clear(&raw mut s.pending[0].key);
     // Reverse SNAT: (backend -> S:s) becomes (backend -> client:p), the packet netfilter saw
     // leave.
     s.values[0] = CtValue {
@@ -531,6 +530,7 @@ fn finish_snat(table: Table, key: &CtKey, v: &mut CtValue, cfg: &DatapathConfig,
     };
     // The port is drawn first thing in each try: Linux 6.1's verifier rejects a loop that
     // starts again right after a helper call ("back-edge").
+    let mut finished = false;
     let mut tries = 0;
     while tries < 8 {
         s.keys[0] = CtKey { saddr: key.daddr, daddr: addr, sport: key.dport, dport: random_port(cfg), proto: key.proto, dir: CT_DIR_INGRESS, _pad: 0 };
@@ -542,12 +542,12 @@ fn finish_snat(table: Table, key: &CtKey, v: &mut CtValue, cfg: &DatapathConfig,
                     v.new_saddr = addr;
                     v.new_sport = s.keys[0].dport;
                     v.flags &= !CT_F_SNAT_PENDING;
-                    forget_pending(s);
-                    return true;
+                    finished = true;
+                    break;
                 }
                 Err(e) if e != -EEXIST => {
                     bump(counter::CT_INSERT_FAILED);
-                    return false;
+                    break;
                 }
                 Err(_) => {}
             }
@@ -555,8 +555,13 @@ fn finish_snat(table: Table, key: &CtKey, v: &mut CtValue, cfg: &DatapathConfig,
         bump(counter::SNAT_PORT_COLLISION);
         tries += 1;
     }
-    bump(counter::SNAT_NO_PORT);
-    false
+    if tries == 8 {
+        bump(counter::SNAT_NO_PORT);
+    }
+    // Whatever came of the tries, the flow of an entry an insert evicted is forgotten now: the
+    // pending slots are empty between packets, so no insert clears them first.
+    forget_pending(s);
+    finished
 }
 
 /// Records a new flow: its reverse-DNAT entry (claiming the reply tuple, see `claim_reply`), its
@@ -566,9 +571,6 @@ fn finish_snat(table: Table, key: &CtKey, v: &mut CtValue, cfg: &DatapathConfig,
 #[inline(always)]
 pub fn create(f: &Flow, backend_id: u32, service_id: u32, be: &Backend, masq: bool, cfg: &DatapathConfig) -> Option<Rewrite> {
     let s = unsafe { &mut *CT_SCRATCH.get_ptr_mut(0)? };
-    for slot in 0..CT_PENDING_SLOTS {
-        embryonic::clear(&raw mut s.pending[slot].key);
-    }
     // Reverse DNAT: (B:b -> C:p) becomes (V:v -> C:c).
     let snat = if masq { CT_F_SNAT } else { 0 };
     // Stamped by the fine clock, not the tick's: a full bucket evicts only entries stamped

@@ -281,8 +281,6 @@ pub fn create(f: &Flow6, backend_id: u32, service_id: u32, be: &Backend, masq: b
     let snat = if masq { CT_F_SNAT } else { 0 };
     let table = Table::NEW;
     let s = unsafe { &mut *CT_SCRATCH6.get_ptr_mut(0)? };
-    embryonic::clear(&raw mut s.pending[0].key);
-    embryonic::clear(&raw mut s.pending[1].key);
     // The fine clock, as IPv4's (conntrack::create): a full bucket evicts only entries stamped
     // before this flow's.
     let now = unsafe { bpf_ktime_get_ns() };
