@@ -140,9 +140,7 @@ impl<K: bytemuck::Pod, V: bytemuck::Pod> Carry<K, V> {
         }
         unpin(pin_dir, self.from);
     }
-}
 
-impl<K: bytemuck::Pod, V: bytemuck::Pod> Carry<K, V> {
     /// `write` for an embryonic table, whose entries go into buckets (KPR_CT_NEW_V3,
     /// KPR_CT6_NEW_V3): an entry whose bucket is full stays behind, and its flow starts over.
     fn write_buckets<B: proxy_common::CtBuckets<Key = K, Value = V>>(self, ebpf: &Ebpf, pin_dir: &Path) {
