@@ -1,7 +1,8 @@
-//! The real kernel side: loading the embedded object with pinned maps, the maps' capacities,
-//! and removing the pins. Attaching the programs with pinned links is kernel/links.rs; earlier
-//! releases' maps at load (removed, or carried over) kernel/retired.rs; the maps' aya
-//! implementations, opened from their pins, are kernel_maps.rs.
+//! The real kernel side: loading the embedded object with pinned maps, and removing the pins.
+//! The maps' capacities (sizes at load, checks of pinned maps) are kernel/capacity.rs;
+//! attaching the programs with pinned links kernel/links.rs; earlier releases' maps at load
+//! (removed, or carried over) kernel/retired.rs; the maps' aya implementations, opened from
+//! their pins, are kernel_maps.rs.
 use std::{
     io,
     path::{Path, PathBuf},
@@ -11,12 +12,15 @@ use aya::{
     programs::{links::FdLink, tc::TcAttachType, CgroupAttachMode, CgroupSockAddr, SchedClassifier, SocketFilter, Xdp},
     Ebpf, EbpfLoader,
 };
-use proxy_common::{map_names, prog_names};
+use proxy_common::prog_names;
 
 use crate::dataplane::ebpf::maps::MapError;
 
+mod capacity;
 mod links;
 mod retired;
+pub use capacity::{backend_id_limit, capacity_mismatches, capacity_of, lru_evicts_early, map_capacities, max_entries_for, small_lru_maps};
+use capacity::{bucket_masks, sized_maps, LRU_CPU_FREE};
 use links::TC_PROGRAMS;
 pub use links::{attached_links, detach, detach_fast_path, detach_tc_filters, keep_tc_ingress_for_drain, link_path, Hook};
 
@@ -107,16 +111,7 @@ impl Datapath {
         for (name, n) in sized_maps(&caps) {
             loader.map_max_entries(name, max_entries_for(name, n));
         }
-        // The embryonic tables' bucket masks, of the pinned arrays where there are (they keep
-        // their size).
-        let masks: Vec<(&str, u32)> = BUCKET_TABLES
-            .iter()
-            .map(|t| {
-                let buckets =
-                    aya::maps::MapInfo::from_pin(pin_dir.join(t.map)).map(|i| i.max_entries()).unwrap_or_else(|_| max_entries_for(t.map, (t.capacity)(&caps)));
-                (t.mask_global, buckets.saturating_sub(1))
-            })
-            .collect();
+        let masks = bucket_masks(pin_dir, &caps);
         for (global, mask) in &masks {
             loader.override_global(global, mask, true);
         }
@@ -278,123 +273,6 @@ pub fn cleanup(pin_dir: &Path) -> io::Result<Vec<PathBuf>> {
     Ok(removed)
 }
 
-/// The maps whose capacity the settings give, with it.
-fn sized_maps(caps: &Capacities) -> [(&'static str, u32); 11] {
-    [
-        (map_names::SERVICES, caps.services),
-        (map_names::RR_STATE, caps.services),
-        (map_names::BACKENDS, caps.backends),
-        (map_names::BACKEND_NEW, caps.backends),
-        (map_names::BACKEND_ACTIVE, caps.backends),
-        (map_names::SLOTS, caps.slots),
-        (map_names::CONNTRACK, caps.conntrack),
-        (map_names::CONNTRACK_NEW, caps.conntrack_new),
-        (map_names::CONNTRACK6, caps.conntrack6),
-        (map_names::CONNTRACK6_NEW, caps.conntrack6_new),
-        (map_names::AFFINITY, caps.affinity),
-    ]
-}
-
-/// The maps indexed by backend id: the backends and their per-backend counters.
-const BY_BACKEND_ID: [&str; 3] = [map_names::BACKENDS, map_names::BACKEND_NEW, map_names::BACKEND_ACTIVE];
-
-/// How many backend ids the pinned maps hold (at most `wanted`): each map indexed by backend id
-/// keeps its capacity when it is pinned (a larger setting applies after `kpr cleanup`), and an
-/// upgrade may have replaced one of them at the new size while the others stayed, so the ids
-/// stay below the smallest. A count past an array's end would be dropped without a word.
-pub fn backend_id_limit(pin_dir: &Path, wanted: u32) -> u32 {
-    BY_BACKEND_ID.iter().filter_map(|name| aya::maps::MapInfo::from_pin(pin_dir.join(name)).ok()).fold(wanted, |limit, info| limit.min(info.max_entries()))
-}
-
-/// An embryonic table: an array of buckets of CT_BUCKET_WAYS.
-struct BucketTable {
-    map: &'static str,
-    /// The data path's global that holds its bucket mask (proxy-ebpf's embryonic.rs).
-    mask_global: &'static str,
-    capacity: fn(&Capacities) -> u32,
-}
-
-const BUCKET_TABLES: [BucketTable; 2] = [
-    BucketTable { map: map_names::CONNTRACK_NEW, mask_global: "CT_NEW_BUCKET_MASK", capacity: |c| c.conntrack_new },
-    BucketTable { map: map_names::CONNTRACK6_NEW, mask_global: "CT6_NEW_BUCKET_MASK", capacity: |c| c.conntrack6_new },
-];
-
-/// Whether a map is an embryonic table.
-fn is_bucket_array(map: &str) -> bool {
-    BUCKET_TABLES.iter().any(|t| t.map == map)
-}
-
-/// A map's max_entries for a capacity of `entries`: the embryonic tables hold buckets of
-/// CT_BUCKET_WAYS (a power of two of them), every other map one entry per value.
-pub fn max_entries_for(map: &str, entries: u32) -> u32 {
-    if is_bucket_array(map) {
-        proxy_common::ct_buckets(entries)
-    } else {
-        entries
-    }
-}
-
-/// A map's capacity in entries, from its max_entries (see `max_entries_for`).
-pub fn capacity_of(map: &str, max_entries: u32) -> u32 {
-    if is_bucket_array(map) {
-        max_entries.saturating_mul(proxy_common::CT_BUCKET_WAYS as u32)
-    } else {
-        max_entries
-    }
-}
-
-/// Each pinned map's capacity in entries, for `kpr_map_capacity`.
-pub fn map_capacities(pin_dir: &Path) -> Vec<(&'static str, u32)> {
-    map_names::ALL
-        .iter()
-        .chain(map_names::SETS.iter())
-        .filter_map(|name| aya::maps::MapInfo::from_pin(pin_dir.join(name)).ok().map(|i| (*name, capacity_of(name, i.max_entries()))))
-        .collect()
-}
-
-/// The maps whose pinned copy holds a different capacity than the settings ask for: a pinned
-/// map keeps its size (the object reuses it), so such a change needs `kpr cleanup` first. A
-/// larger one that allocates per entry (BPF_F_NO_PREALLOC) costs nothing and is left out
-/// (earlier releases made the services map twice the service ids).
-pub fn capacity_mismatches(pin_dir: &Path, caps: &Capacities) -> Vec<(&'static str, u32, u32)> {
-    sized_maps(caps)
-        .into_iter()
-        .filter_map(|(name, want)| {
-            let info = aya::maps::MapInfo::from_pin(pin_dir.join(name)).ok()?;
-            let (have, want) = (capacity_of(name, info.max_entries()), capacity_of(name, max_entries_for(name, want)));
-            let harmless = have > want && info.map_flags() & proxy_common::BPF_F_NO_PREALLOC != 0;
-            (have != want && !harmless).then_some((name, have, want))
-        })
-        .collect()
-}
-
-/// How many free entries the kernel's LRU hash keeps on each CPU's own list, out of the other
-/// CPUs' reach (`LOCAL_FREE_TARGET` in kernel/bpf/bpf_lru_list.c).
-pub const LRU_CPU_FREE: u32 = 128;
-
-/// The fill at which an LRU map of `max_entries` may start evicting on a node of `cpus`
-/// possible CPUs, where the CPUs' own free lists can hold a quarter of it or more (None: they
-/// cannot, and the map fills before it evicts). A CPU whose list runs dry evicts rather than
-/// take another CPU's free entries.
-pub fn lru_evicts_early(max_entries: u32, cpus: u32) -> Option<u32> {
-    let held = LRU_CPU_FREE.saturating_mul(cpus);
-    (held.saturating_mul(4) >= max_entries).then(|| max_entries.saturating_sub(held))
-}
-
-/// The sized maps under `pin_dir` that are LRU hashes too small for `cpus` CPUs: (map, its
-/// capacity, the fill at which it may evict).
-pub fn small_lru_maps(pin_dir: &Path, cpus: u32) -> Vec<(&'static str, u32, u32)> {
-    sized_maps(&Capacities::default())
-        .into_iter()
-        .filter_map(|(name, _)| {
-            let info = aya::maps::MapInfo::from_pin(pin_dir.join(name)).ok()?;
-            let lru = matches!(info.map_type(), Ok(aya::maps::MapType::LruHash));
-            let max = info.max_entries();
-            lru.then(|| lru_evicts_early(max, cpus)).flatten().map(|from| (name, max, from))
-        })
-        .collect()
-}
-
 /// Detaches and unpins every link, and unpins every map, under `pin_dir` (interfaces
 /// untouched). Idempotent.
 pub fn unpin_all(pin_dir: &Path) -> io::Result<Vec<PathBuf>> {
@@ -446,6 +324,8 @@ pub fn cgroup2_root() -> Option<PathBuf> {
 
 #[cfg(test)]
 mod tests {
+    use proxy_common::map_names;
+
     use super::*;
 
     /// Retired pins are removed at every load: a name in use there would unpin a live map.
@@ -456,17 +336,5 @@ mod tests {
             assert!(!in_use.contains(&name), "{name} is retired and in use");
             assert!(!EBPF_OBJECT.windows(name.len()).any(|w| w == name.as_bytes()), "{name} is retired but in the eBPF object");
         }
-    }
-
-    #[test]
-    fn an_lru_map_evicts_early_where_the_cpus_free_lists_hold_a_quarter_of_it() {
-        // The defaults on a 256-CPU node: 32,768 held, fills before it evicts.
-        assert_eq!(lru_evicts_early(524_288, 256), None);
-        // A 32,768-entry map there (IPv6's embryonic default, when it was an LRU): a quarter
-        // and more is on the CPUs' lists.
-        assert_eq!(lru_evicts_early(32_768, 256), Some(0));
-        assert_eq!(lru_evicts_early(32_768, 64), Some(32_768 - 8_192));
-        assert_eq!(lru_evicts_early(32_768, 63), None);
-        assert_eq!(lru_evicts_early(64, 2), Some(0));
     }
 }
