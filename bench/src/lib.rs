@@ -55,6 +55,30 @@ pub fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// A sample's mean and percentiles (nearest rank): what one new flow costs varies with where
+/// its table entries fall (a cold cache line or a warm one), so the mean alone hides the spread.
+#[derive(Clone, Copy, Debug)]
+pub struct Spread {
+    pub mean: f64,
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+}
+
+impl Spread {
+    /// Of a sample that is not empty.
+    pub fn of(mut v: Vec<f64>) -> Self {
+        v.sort_by(f64::total_cmp);
+        let rank = |q: f64| v[((v.len() as f64 * q).ceil() as usize).clamp(1, v.len()) - 1];
+        Spread { mean: v.iter().sum::<f64>() / v.len() as f64, p50: rank(0.5), p90: rank(0.9), p99: rank(0.99) }
+    }
+
+    /// "p50 871 p90 1192 p99 1602" (ns).
+    pub fn percentiles(&self) -> String {
+        format!("p50 {:.0} p90 {:.0} p99 {:.0}", self.p50, self.p90, self.p99)
+    }
+}
+
 /// The kernel's figure for the BPF maps a process holds (`pid`, or "self"): the `memlock` of
 /// each map descriptor in its fdinfo.
 pub fn bpf_map_memlock(pid: &str) -> u64 {
@@ -71,4 +95,18 @@ pub fn bpf_map_memlock(pid: &str) -> u64 {
         }
     }
     by_id.values().sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Spread;
+
+    #[test]
+    fn spread_is_the_mean_and_nearest_rank_percentiles() {
+        let s = Spread::of((1..=100).rev().map(f64::from).collect());
+        assert_eq!((s.mean, s.p50, s.p90, s.p99), (50.5, 50.0, 90.0, 99.0));
+        let one = Spread::of(vec![7.0]);
+        assert_eq!((one.mean, one.p50, one.p99), (7.0, 7.0, 7.0));
+        assert_eq!(s.percentiles(), "p50 50 p90 90 p99 99");
+    }
 }
