@@ -8,7 +8,7 @@ use std::{
     time::{Duration, Instant, SystemTime},
 };
 
-use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
+use prometheus::{GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 
 /// kube-proxy's network programming buckets: 0, 0.25 s, 0.5 s, 1..59 s, 60..115 s by 5,
 /// 2..5 min by 30 s.
@@ -52,6 +52,10 @@ pub struct Metrics {
     pub max_age_flows_total: IntCounter,
     /// Backends ejected by outlier detection.
     pub outlier_ejections_total: IntCounter,
+    /// Passes of the assured tables' hint rebuild, by family.
+    pub hint_passes_total: IntCounterVec,
+    /// The share of a hint's bits set in the half its last pass rebuilt, by family.
+    pub hint_bits_set: GaugeVec,
     /// Frontends that did not fit in a full map, by map.
     pub map_full_total: IntCounterVec,
     /// Kernel writes for one frontend that failed in a sync that went on (each also logged).
@@ -120,6 +124,22 @@ impl Metrics {
                 "After a switch between the eBPF and IPVS modes: connections (fast path flows, or IPVS established connections) the previous mode still serves",
             ),
             gc_flows_total: counter("kpr_conntrack_gc_flows_total", "Flows deleted by the conntrack collector"),
+            hint_passes_total: counter_vec(
+                "kpr_conntrack_hint_passes_total",
+                "Passes of the collector over an assured table that rebuilt half of its hint (which tuples a new flow must look up there)",
+                &["family"],
+            ),
+            hint_bits_set: reg(
+                &registry,
+                GaugeVec::new(
+                    Opts::new(
+                        "kpr_conntrack_hint_bits_set_ratio",
+                        "Share of an assured table's hint bits set, after its last rebuild pass: the share of new flows' tuples looked up in the assured table (1 until two passes after a load)",
+                    ),
+                    &["family"],
+                )
+                .unwrap(),
+            ),
             outlier_ejections_total: counter(
                 "kpr_outlier_ejections_total",
                 "Backends left out of new connections for refusing or letting time out new connections in a row",

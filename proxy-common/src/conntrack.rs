@@ -277,6 +277,58 @@ pub const CT_PENDING_SLOTS: usize = 4;
 /// The ways of a CtBucket (and a CtBucket6).
 pub const CT_BUCKET_WAYS: usize = 4;
 
+/// The assured tables' hints (KPR_CT_HINT_V1, KPR_CT6_HINT_V1): arrays of words that say
+/// which keys an assured table may hold, so that a new flow skips the probes of its tuple and
+/// its reply tuple there (two cold hash-bucket reads) when it cannot. A key has a bit in each
+/// half of one word (`hint_slot`); a bit set in either half: the key may be there; clear in
+/// both: it is not. Whatever puts a key into an assured table sets both bits, before the insert
+/// (a reader never meets the key unhinted) and after it (see the collector's rebuild). Bits
+/// are never cleared one by one: the agent's collector rebuilds one half at a time from a full
+/// read of the table (cleared first, then each key read sets its bit), the other half answering
+/// meanwhile, so bits of keys gone (deleted, or evicted by the LRU) go within two passes. A
+/// load sets every bit: until two passes have run, every probe happens, as without the hint.
+pub trait CtHinted {
+    /// The hint's words (a power of two).
+    const HINT_WORDS: u32;
+    /// The key's word, and its bit in the low half (the high half's is 32 above).
+    fn hint_slot(&self) -> (u32, u32);
+}
+
+/// The two bits of a key's `hint_slot` bit, one a half.
+#[inline(always)]
+pub const fn hint_bits(bit: u32) -> u64 {
+    (1 << bit) | (1 << (bit + 32))
+}
+
+/// The bits of a word's `half` (0: low, 1: high).
+#[inline(always)]
+pub const fn hint_half(half: u32) -> u64 {
+    0xffff_ffff << (32 * (half & 1))
+}
+
+/// 2,097,152 bits a half, 512 KiB: about a fifth of them set with the default assured table
+/// (524,288 entries) full.
+impl CtHinted for CtKey {
+    const HINT_WORDS: u32 = 1 << 16;
+    #[inline(always)]
+    fn hint_slot(&self) -> (u32, u32) {
+        let k = self.words();
+        let h = fmix64(k[0].rotate_left(41) ^ k[1] ^ 0x6a09_e667_f3bc_c909);
+        (h as u32 & (Self::HINT_WORDS - 1), (h >> 59) as u32)
+    }
+}
+
+/// A quarter of IPv4's, for an assured table of an eighth the size (65,536 entries).
+impl CtHinted for CtKey6 {
+    const HINT_WORDS: u32 = 1 << 14;
+    #[inline(always)]
+    fn hint_slot(&self) -> (u32, u32) {
+        let w = self.words();
+        let h = fmix64(w[0].rotate_left(7) ^ w[1].rotate_left(19) ^ w[2].rotate_left(31) ^ w[3].rotate_left(47) ^ w[4] ^ 0x6a09_e667_f3bc_c909);
+        (h as u32 & (Self::HINT_WORDS - 1), (h >> 59) as u32)
+    }
+}
+
 /// A bucket of the IPv4 embryonic table (KPR_CT_NEW_V3), an array the data path probes without
 /// a helper call: up to four entries whose keys hash to it (`CtKey::bucket`). The keys fill
 /// the first cache line, so a probe reads one line; the lock the next, which the CPU fetches

@@ -22,6 +22,8 @@ macro_rules! map_name {
     // V3: an array of 4-way buckets (CtBucket6), as IPv4's (a preallocated hash before, and
     // an LRU before that).
     (CONNTRACK6_NEW) => { "KPR_CT6_NEW_V3" };
+    (CONNTRACK_HINT) => { "KPR_CT_HINT_V1" };
+    (CONNTRACK6_HINT) => { "KPR_CT6_HINT_V1" };
     (IFACES) => { "KPR_IFACE_V1" };
     (AFFINITY) => { "KPR_AFF_V1" };
     (SOURCE_RANGES) => { "KPR_SRCRNG_V1" };
@@ -67,6 +69,9 @@ pub mod map_names {
     pub const CONNTRACK6: &str = map_name!(CONNTRACK6);
     /// IPv6 TCP flows whose handshake has not completed yet (as CONNTRACK_NEW for IPv4).
     pub const CONNTRACK6_NEW: &str = map_name!(CONNTRACK6_NEW);
+    /// Which keys the assured tables may hold (see proxy_common::CtHinted), IPv4's and IPv6's.
+    pub const CONNTRACK_HINT: &str = map_name!(CONNTRACK_HINT);
+    pub const CONNTRACK6_HINT: &str = map_name!(CONNTRACK6_HINT);
     /// Interface index -> what the data path needs to know of it (IfaceInfo).
     pub const IFACES: &str = map_name!(IFACES);
     pub const AFFINITY: &str = map_name!(AFFINITY);
@@ -137,7 +142,7 @@ pub mod map_names {
     /// The retired maps whose entries a load carries over before it removes their pins.
     pub const CARRIED: [&str; 6] = [BACKENDS_V2, CONNTRACK_NEW_V1, COUNTERS_V6, CONNTRACK6_NEW_V1, CONNTRACK_NEW_V2, CONNTRACK6_NEW_V2];
     /// Every map the fast path pins.
-    pub const ALL: [&str; 19] = [
+    pub const ALL: [&str; 21] = [
         SERVICES,
         SLOTS,
         MAGLEV,
@@ -146,6 +151,8 @@ pub mod map_names {
         CONNTRACK_NEW,
         CONNTRACK6,
         CONNTRACK6_NEW,
+        CONNTRACK_HINT,
+        CONNTRACK6_HINT,
         IFACES,
         AFFINITY,
         SOURCE_RANGES,

@@ -18,7 +18,7 @@ use proxy_common::{
 use crate::{
     conntrack::{self, random_port, Table},
     counters::bump,
-    embryonic,
+    embryonic, hint,
     maps::{BPF_NOEXIST, EEXIST, CONNTRACK6, CT_FORGET_KEYS6, CT_SCRATCH6},
     parse6::Flow6,
 };
@@ -55,7 +55,7 @@ impl Table {
     #[inline(always)]
     fn insert6(self, k: *const CtKey6, v: *const CtValue6, flags: u64, evicted: *mut CtEntry6) -> Result<(), i32> {
         match self {
-            Table::Assured => CONNTRACK6.insert(unsafe { &*k }, unsafe { &*v }, flags),
+            Table::Assured => insert_assured(unsafe { &*k }, unsafe { &*v }, flags),
             Table::Embryonic => embryonic::insert_evicting::<CtBucket6>(k, v, evicted),
         }
     }
@@ -69,6 +69,25 @@ impl Table {
                 embryonic::kpr_ct6_new_remove(k);
             }
         }
+    }
+}
+
+/// As IPv4's (conntrack::insert_assured): the hint's bits set around the insert.
+#[inline(always)]
+fn insert_assured(k: &CtKey6, v: &CtValue6, flags: u64) -> Result<(), i32> {
+    hint::note(k);
+    let inserted = CONNTRACK6.insert(k, v, flags);
+    hint::note(k);
+    inserted
+}
+
+/// As IPv4's (conntrack::assured): probed only where the hint says the key may be there.
+#[inline(always)]
+fn assured(k: &CtKey6) -> Option<*mut CtValue6> {
+    if hint::may_hold(k) {
+        CONNTRACK6.get_ptr_mut(k)
+    } else {
+        None
     }
 }
 
@@ -120,9 +139,12 @@ fn timeout_ns(cfg: &DatapathConfig, v: &CtValue6, proto: u8, table: Table) -> u6
 /// the embryonic one. A UDP client's datagram after the first reply makes its flow assured here.
 #[inline(always)]
 pub fn track(f: &Flow6, key: &CtKey6, cfg: &DatapathConfig, now: u64) -> Option<Rewrite6> {
-    let (v, table) = match CONNTRACK6.get_ptr_mut(key) {
+    // As IPv4's (conntrack::track): only a packet that may open a flow asks the hint first.
+    let may_open = f.proto == PROTO_UDP || f.is_tcp_control();
+    let found = if may_open { assured(key) } else { CONNTRACK6.get_ptr_mut(key) };
+    let (v, table) = match found {
         Some(v) => (v, Table::Assured),
-        None if f.proto == PROTO_UDP || f.is_tcp_control() => (embryonic::get6(key)?, Table::Embryonic),
+        None if may_open => (embryonic::get6(key)?, Table::Embryonic),
         None => return None,
     };
     let v = unsafe { &mut *v };
@@ -199,7 +221,7 @@ fn promote(fwd_key: &CtKey6, v: &CtValue6) {
 #[inline(always)]
 fn move_assured(k: &CtKey6) {
     if let Some(v) = Table::Embryonic.get6(k) {
-        if CONNTRACK6.insert(k, v, 0).is_ok() {
+        if insert_assured(k, v, 0).is_ok() {
             embryonic::kpr_ct6_new_remove(k);
         } else {
             bump(counter::CT_INSERT_FAILED);
@@ -290,8 +312,14 @@ pub fn create(f: &Flow6, backend_id: u32, service_id: u32, be: &Backend, masq: b
     s.values[0] = CtValue6 { new_saddr: f.daddr, new_daddr: f.saddr, new_sport: f.dport, new_dport: f.sport, flags: snat | CT_F_REPLY, ..blank };
     let mut tries = 0;
     loop {
+        // A retry draws its port first thing: Linux 6.1's verifier rejects a loop that starts
+        // again right after a helper call ("back-edge"), as the draw at the end of a try did
+        // once the hint's arithmetic led the next.
+        if tries > 0 {
+            s.keys[0].dport = random_port(cfg);
+        }
         // The reply tuple must be free in the assured table too.
-        let taken = unsafe { CONNTRACK6.get(&s.keys[0]) }.is_some();
+        let taken = assured(&s.keys[0]).is_some();
         match if taken { Err(-EEXIST) } else { table.insert6(&s.keys[0], &s.values[0], BPF_NOEXIST, &raw mut s.pending[0]) } {
             Ok(()) => break,
             Err(e) if e != -EEXIST => {
@@ -306,7 +334,6 @@ pub fn create(f: &Flow6, backend_id: u32, service_id: u32, be: &Backend, masq: b
             bump(counter::SNAT_NO_PORT);
             return None;
         }
-        s.keys[0].dport = random_port(cfg);
     }
     let port = s.keys[0].dport;
     // Forward: (C:c -> V:v) becomes (C:p -> B:b). A TCP flow picked up mid-stream (not by a

@@ -22,6 +22,7 @@ mod counters;
 mod csum;
 mod embryonic;
 mod flowcache;
+mod hint;
 mod icmp;
 mod icmp6;
 mod ipset;

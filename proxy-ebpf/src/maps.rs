@@ -83,6 +83,18 @@ map! {
 }
 
 map! {
+    /// Which keys CONNTRACK may hold (proxy_common::CtHinted, hint.rs): a new flow probes
+    /// CONNTRACK for its tuple and its reply tuple only where a bit says the key may be there.
+    /// Mmapable: the agent sets every bit at load and rebuilds a half of each word at a time.
+    CONNTRACK_HINT: Array<u64> = Array::pinned(<CtKey as proxy_common::CtHinted>::HINT_WORDS, BPF_F_MMAPABLE)
+}
+
+map! {
+    /// CONNTRACK6's, as CONNTRACK_HINT.
+    CONNTRACK6_HINT: Array<u64> = Array::pinned(<CtKey6 as proxy_common::CtHinted>::HINT_WORDS, BPF_F_MMAPABLE)
+}
+
+map! {
     /// IPv6 flows from outside to the node's IPv6 NodePorts, externalIPs and LB IPs: (5-tuple,
     /// hook) -> the 4-tuple to rewrite to (see proxy_common::CtKey6). Assured flows (as IPv4's).
     CONNTRACK6: LruHashMap<CtKey6, CtValue6> = LruHashMap::pinned(MAX_CONNTRACK6, 0)

@@ -10,8 +10,10 @@ use kpr_lab::{
     packet::{icmp_error, parse, Frame, ACK, FIN, ICMP, RST, SYN, TCP, UDP},
     Loaded,
 };
-use proxy_agent::{dataplane::ebpf::kernel::Datapath, dataplane::ebpf::maps::DatapathMaps, dataplane::ebpf::maps::Table, model::NodeInfo};
-use proxy_common::{counter, prog_names};
+use proxy_agent::{
+    dataplane::ebpf::kernel::Datapath, dataplane::ebpf::kernel_maps::Hint, dataplane::ebpf::maps::DatapathMaps, dataplane::ebpf::maps::Table, model::NodeInfo,
+};
+use proxy_common::{counter, prog_names, CtKey};
 
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
@@ -536,6 +538,18 @@ fn two_flows_meeting_on_one_backend_with_one_reply_tuple_get_distinct_ports() {
     assert_eq!(counter_of(&l, counter::SNAT), 0, "a port move is not a masquerade");
 }
 
+/// Rebuilds the assured table's hint from the table (both halves, as the collector's passes
+/// do), then checks that it holds every key there and few others: the test that follows then
+/// runs with probes the hint skips.
+fn hint_rebuilt(l: &Loaded) {
+    proxy_agent::dataplane::ebpf::kernel_maps::rebuild_hints_now(l.pins.path()).unwrap();
+    let hint = Hint::<CtKey>::open(l.pins.path(), proxy_common::map_names::CONNTRACK_HINT).unwrap();
+    let held = l.conntrack(Table::Assured);
+    assert!(!held.is_empty() && held.iter().all(|(k, _)| hint.may_hold(k)), "every assured key is hinted");
+    let others = (1..=1000u16).map(|i| CtKey { sport: (20000 + i).to_be(), ..held[0].0 }).filter(|k| hint.may_hold(k)).count();
+    assert!(others < 10, "{others} of 1,000 keys never seen are hinted: the rebuild cleared nothing");
+}
+
 #[test]
 fn a_reply_tuple_held_by_an_assured_flow_or_a_udp_flow_moves_the_new_flows_port() {
     // A new flow claims its reply tuple by inserting it into the table it starts in (the
@@ -546,6 +560,9 @@ fn a_reply_tuple_held_by_an_assured_flow_or_a_udp_flow_moves_the_new_flows_port(
     let a = handshake(&mut l, "10.244.0.21", 51100, "10.96.0.13", 80);
     assert!(assured_has(&l, "10.244.0.21", 51100));
     assert_eq!((a.dst.to_string().as_str(), a.sport), ("10.244.1.1", 51100));
+    // The assured table's hint as the collector keeps it: a new flow probes the table only for
+    // keys it may hold, and the clash below must still be found.
+    hint_rebuilt(&l);
     let collisions = counter_of(&l, counter::SNAT_PORT_COLLISION);
     let (_, b) = tc(&mut l.dp, &Frame::tcp("10.244.0.21", 51100, "10.96.0.16", 80, SYN));
     let b = parse(&b);
@@ -562,6 +579,7 @@ fn a_reply_tuple_held_by_an_assured_flow_or_a_udp_flow_moves_the_new_flows_port(
     // One UDP socket's datagrams to two DNS VIPs with one backend, the first flow assured.
     let u1 = udp_exchange(&mut l, "10.244.0.21", 53000, "10.96.0.15", 53);
     assert!(assured_has(&l, "10.244.0.21", 53000));
+    hint_rebuilt(&l);
     let (_, u2) = tc(&mut l.dp, &Frame::udp("10.244.0.21", 53000, "10.96.0.20", 53, b"q2"));
     let u2 = parse(&u2);
     assert_eq!((u1.dst.to_string().as_str(), u1.sport), ("10.244.1.3", 53000));

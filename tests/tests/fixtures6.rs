@@ -10,10 +10,11 @@ use kpr_lab::{
 };
 use proxy_agent::{
     dataplane::ebpf::kernel::Datapath,
+    dataplane::ebpf::kernel_maps::Hint,
     dataplane::ebpf::maps::{DatapathMaps, Table},
     model::NodeInfo,
 };
-use proxy_common::{counter, prog_names};
+use proxy_common::{counter, prog_names, CtKey6};
 
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
@@ -175,6 +176,32 @@ fn ipv6_one_client_port_to_two_frontends_with_one_backend_gets_two_reply_tuples(
         assert_eq!((r.src, r.sport, r.dport), (frontend.parse().unwrap(), 80, 40100));
         assert!(r.l4_csum_ok);
     }
+}
+
+#[test]
+fn ipv6_a_reply_tuple_held_by_an_assured_flow_moves_the_new_flows_port_through_a_rebuilt_hint() {
+    let mut l = load("fx6-clash-assured");
+    // The assured table's hint as the collector keeps it, rebuilt from the (empty) table: the
+    // handshake's promotion sets the flow's bits (fixtures.rs checks a rebuild that reads them).
+    proxy_agent::dataplane::ebpf::kernel_maps::rebuild_hints_now(l.pins.path()).unwrap();
+    handshake(&mut l, 40200, "2001:db8::80", 80, BACKEND, &[]);
+    let hint = Hint::<CtKey6>::open(l.pins.path(), proxy_common::map_names::CONNTRACK6_HINT).unwrap();
+    let held = l.maps.ipv6_flows(Table::Assured).unwrap();
+    assert!(held.len() == 2 && held.iter().all(|(k, _)| hint.may_hold(k)), "the flow's two entries are assured and hinted");
+    let others = (1..=1000u16).map(|i| CtKey6 { sport: (20000 + i).to_be(), ..held[0].0 }).filter(|k| hint.may_hold(k)).count();
+    assert!(others < 10, "{others} of 1,000 keys never seen are hinted");
+    // The same client port to another frontend with the same backend: the assured flow holds
+    // the reply tuple, so the port moves.
+    let collisions = counter_of(&l, counter::SNAT_PORT_COLLISION);
+    let (_, b) = ingress(&mut l, &frame6(OUTSIDE, "2001:db8:e::10", TCP, 40200, 80, SYN, &[]));
+    let b = parse6(&b);
+    assert_eq!(b.dst, BACKEND.parse::<std::net::Ipv6Addr>().unwrap());
+    assert_ne!(b.sport, 40200, "the assured flow holds the reply tuple");
+    assert!(b.l4_csum_ok);
+    assert_eq!(counter_of(&l, counter::SNAT_PORT_COLLISION), collisions + 1);
+    let (_, r) = egress(&mut l, &frame6(BACKEND, OUTSIDE, TCP, 8080, b.sport, SYN | ACK, &[]));
+    let r = parse6(&r);
+    assert_eq!((r.src, r.sport, r.dport), ("2001:db8:e::10".parse().unwrap(), 80, 40200));
 }
 
 #[test]

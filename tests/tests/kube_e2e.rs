@@ -118,6 +118,11 @@ fn agent_on_the_kubernetes_api_forwards_serves_health_and_metrics_and_survives_a
     assert!(metric(&m, "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds") > 1.0e9, "{m}");
     assert!(metric(&m, "process_resident_memory_bytes") > 1.0e6, "{m}");
     assert!(metric(&m, "kpr_map_capacity{map=\"KPR_SVC_V2\"}") >= 1024.0, "{m}");
+    // The collector rebuilds the assured tables' hints once every packet program is this
+    // agent's: a few flows set a small share of the bits.
+    assert!(metric(&m, "kpr_conntrack_hint_passes_total{family=\"ipv4\"}") >= 2.0, "{m}");
+    assert!(metric(&m, "kpr_conntrack_hint_bits_set_ratio{family=\"ipv4\"}") < 0.01, "{m}");
+    assert!(metric(&m, "kpr_conntrack_hint_passes_total{family=\"ipv6\"}") >= 2.0, "{m}");
     assert!(
         m.contains("# TYPE kubeproxy_network_programming_duration_seconds histogram")
             && m.contains("kubeproxy_network_programming_duration_seconds_bucket{le=\"0.25\"}"),

@@ -18,7 +18,7 @@ use kpr_lab::{
 };
 use proxy_agent::{
     dataplane::ebpf::kernel::{Capacities, Datapath},
-    dataplane::ebpf::kernel_maps::{Buckets, KernelMaps},
+    dataplane::ebpf::kernel_maps::{Buckets, Hint, KernelMaps},
     dataplane::ebpf::sync::Syncer,
     model::{BackendKey, DesiredState, Frontend, FrontendKey, Protocol},
 };
@@ -149,20 +149,25 @@ fn tuple(f: &[u8]) -> (Ipv4Addr, u16, Ipv4Addr, u16) {
 /// rewrites it back: the packet alternates between the two tuples, and every repetition is a
 /// hit with a full NAT rewrite (address and port, L3 and L4 checksums). Returns the frame that
 /// hits `key`.
-fn ping_pong(ct: &mut AyaHashMap<MapData, CtKey, CtValue>, key: CtKey) -> Vec<u8> {
+fn ping_pong(ct: &mut AyaHashMap<MapData, CtKey, CtValue>, hint: &Hint<CtKey>, key: CtKey) -> Vec<u8> {
     let v = ct.get(&key, 0).expect("the measured entry is assured");
     let mirror = CtKey { saddr: v.new_saddr, daddr: v.new_daddr, sport: v.new_sport, dport: v.new_dport, ..key };
     let back = CtValue { new_saddr: key.saddr, new_daddr: key.daddr, new_sport: key.sport, new_dport: key.dport, ..v };
+    // Noted in the hint around the insert, as every writer of the assured table does.
+    hint.note(&mirror);
     ct.insert(mirror, back, 0).expect("insert the mirror");
+    hint.note(&mirror);
     tcp(addr(key.saddr), u16::from_be(key.sport), addr(key.daddr), u16::from_be(key.dport), ACK)
 }
 
 /// `ping_pong` for an IPv6 entry.
-fn ping_pong6(ct: &mut AyaHashMap<MapData, CtKey6, CtValue6>, key: CtKey6) -> Vec<u8> {
+fn ping_pong6(ct: &mut AyaHashMap<MapData, CtKey6, CtValue6>, hint: &Hint<CtKey6>, key: CtKey6) -> Vec<u8> {
     let v = ct.get(&key, 0).expect("the measured IPv6 entry");
     let mirror = CtKey6 { saddr: v.new_saddr, daddr: v.new_daddr, sport: v.new_sport, dport: v.new_dport, ..key };
     let back = CtValue6 { new_saddr: key.saddr, new_daddr: key.daddr, new_sport: key.sport, new_dport: key.dport, ..v };
+    hint.note(&mirror);
     ct.insert(mirror, back, 0).expect("insert the mirror");
+    hint.note(&mirror);
     let a = |w: [u32; 4]| proxy_common::user::words_addr(w).to_string();
     frame6(&a(key.saddr), &a(key.daddr), TCP, u16::from_be(key.sport), u16::from_be(key.dport), ACK, &[])
 }
@@ -171,7 +176,7 @@ fn ping_pong6(ct: &mut AyaHashMap<MapData, CtKey6, CtValue6>, key: CtKey6) -> Ve
 /// SYN-ACK at egress, the client's ACK, which makes it assured), its two entries given mirrors,
 /// both IPv6 tables emptied first (the earlier size's flows must not help, or fill, this one's).
 /// Returns (forward, reply) frames.
-fn ipv6_flow(dp: &mut Datapath, ct6: &mut AyaHashMap<MapData, CtKey6, CtValue6>, ct6_new: &Buckets<CtBucket6>) -> (Vec<u8>, Vec<u8>) {
+fn ipv6_flow(dp: &mut Datapath, ct6: &mut AyaHashMap<MapData, CtKey6, CtValue6>, hint6: &Hint<CtKey6>, ct6_new: &Buckets<CtBucket6>) -> (Vec<u8>, Vec<u8>) {
     for (k, _) in ct6.iter().filter_map(Result::ok).collect::<Vec<_>>() {
         let _ = ct6.remove(&k);
     }
@@ -184,7 +189,7 @@ fn ipv6_flow(dp: &mut Datapath, ct6: &mut AyaHashMap<MapData, CtKey6, CtValue6>,
     run(dp, Prog::Tc6, &frame6(CLIENT6, VIP6, TCP, 999, 80, ACK, &[]), 1);
     let entries: Vec<(CtKey6, CtValue6)> = ct6.iter().filter_map(Result::ok).collect();
     let of = |dir: u8| entries.iter().find(|(k, _)| k.dir == dir).expect("the primed IPv6 flow").0;
-    (ping_pong6(ct6, of(CT_DIR_INGRESS)), ping_pong6(ct6, of(CT_DIR_EGRESS)))
+    (ping_pong6(ct6, hint6, of(CT_DIR_INGRESS)), ping_pong6(ct6, hint6, of(CT_DIR_EGRESS)))
 }
 
 /// Deletes every flow, and every CPU's cached copy.
@@ -359,6 +364,10 @@ fn main() {
     let mut ct6: AyaHashMap<MapData, CtKey6, CtValue6> =
         proxy_agent::dataplane::ebpf::kernel_maps::open_typed(pins.path(), map_names::CONNTRACK6).expect("open IPv6 conntrack");
     let ct6_new = Buckets::<CtBucket6>::open(pins.path(), map_names::CONNTRACK6_NEW).expect("open IPv6 embryonic conntrack");
+    let (hint, hint6) = (
+        Hint::<CtKey>::open(pins.path(), map_names::CONNTRACK_HINT).expect("open the assured table's hint"),
+        Hint::<CtKey6>::open(pins.path(), map_names::CONNTRACK6_HINT).expect("open IPv6's assured table's hint"),
+    );
     // IPv6: a packet of no service and no flow (to a pod).
     let other6 = frame6(CLIENT6, "fd00:244::99", TCP, 1000, 8080, ACK, &[]);
     let counters = |maps: &KernelMaps| proxy_agent::dataplane::ebpf::maps::DatapathMaps::counters(maps).expect("counters");
@@ -434,13 +443,16 @@ fn main() {
                 }
                 // Ingress: DNAT (the pod's flow) and reverse SNAT (the outside client's); egress:
                 // SNAT (the outside client's) and reverse DNAT (the pod's).
-                let fin = (ping_pong(&mut ct, measured[0].0), ping_pong(&mut ct, measured[1].0));
-                let fout = (ping_pong(&mut ct, measured[2].0), ping_pong(&mut ct, measured[3].0));
+                let fin = (ping_pong(&mut ct, &hint, measured[0].0), ping_pong(&mut ct, &hint, measured[1].0));
+                let fout = (ping_pong(&mut ct, &hint, measured[2].0), ping_pong(&mut ct, &hint, measured[3].0));
                 return (fin, fout);
             }
             panic!("no client ports whose entries fit distinct flow cache slots");
         })();
-        let (fwd6, rev6) = ipv6_flow(&mut dp, &mut ct6, &ct6_new);
+        let (fwd6, rev6) = ipv6_flow(&mut dp, &mut ct6, &hint6, &ct6_new);
+        // The assured tables' hints as a running agent's collector keeps them (a load sets every
+        // bit, where every new flow probes the assured table).
+        proxy_agent::dataplane::ebpf::kernel_maps::rebuild_hints_now(pins.path()).expect("rebuild the hints");
         let mut floor: BTreeMap<bool, [f64; 4]> = BTreeMap::new();
         let mut spreads = Vec::new();
         for p in [

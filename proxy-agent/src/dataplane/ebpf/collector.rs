@@ -1,7 +1,8 @@
 //! eBPF mode's collectors on their own thread: the conntrack collector (one bounded round of
 //! each table every GC_INTERVAL, IPv6's embryonic table too), outlier detection from what its
-//! rounds observe, the active-flow counts for least-connection and P2C, the affinity collector,
-//! and at once the cleanup of endpoints that left their service (sent by the syncs).
+//! rounds observe, the active-flow counts for least-connection and P2C, the rebuild of the
+//! assured tables' hints (a batch of each a round), the affinity collector, and at once the
+//! cleanup of endpoints that left their service (sent by the syncs).
 use std::{
     collections::{BTreeSet, HashMap},
     path::PathBuf,
@@ -9,6 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use proxy_common::{map_names, CtHinted, CtKey, CtKey6, CtValue, CtValue6};
 use tracing::{error, info, warn};
 
 use crate::{
@@ -16,8 +18,10 @@ use crate::{
         affinity_gc::AffinityGc,
         conntrack::{Gc, Timeouts},
         conntrack6::Gc6,
-        endpoint_cleanup, kernel,
-        kernel_maps::{KernelBackendLoads, KernelBackendNames, KernelConntrack, KernelEmbryonic6, KernelFailureCounts, KernelSockRev},
+        endpoint_cleanup,
+        hint::Rebuild,
+        kernel,
+        kernel_maps::{Hint, KernelAssured, KernelBackendLoads, KernelBackendNames, KernelConntrack, KernelEmbryonic6, KernelFailureCounts, KernelSockRev},
         maps::write_loads,
         outlier::{self, Outliers},
         sync::RemovedBackend,
@@ -38,6 +42,9 @@ pub(super) enum GcMessage {
     Removed(BTreeSet<RemovedBackend>),
     /// Maximum connection age (seconds) by service id, for every Service that has one.
     MaxAges(HashMap<u32, u32>),
+    /// Every packet program is this agent's: the assured tables' hints may be rebuilt (until
+    /// then a program of an earlier agent may fill a table without setting their bits).
+    RebuildHints,
 }
 
 /// The conntrack collector's thread: one bounded round every GC_INTERVAL, and at once the
@@ -67,11 +74,20 @@ pub(super) fn start(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats, ou
         let mut embryonic6 = KernelEmbryonic6::open(&pin_dir)
             .map_err(|e| warn!(error = %e, "IPv6's embryonic flows are not collected: a table full of flows that never completed admits new IPv6 flows only by eviction"))
             .ok();
+        let mut rebuild_hints = false;
+        let mut hints = (
+            Hinted::<CtKey, CtValue>::open(&pin_dir, "ipv4", map_names::CONNTRACK, map_names::CONNTRACK_HINT),
+            Hinted::<CtKey6, CtValue6>::open(&pin_dir, "ipv6", map_names::CONNTRACK6, map_names::CONNTRACK6_HINT),
+        );
         let mut gc6 = Gc6::new(GC_BATCH);
         let mut gc = Gc::new(timeouts, GC_BATCH);
         let mut last_affinity = Instant::now();
         while !STOP.load(Ordering::Relaxed) {
             match rx.recv_timeout(GC_INTERVAL) {
+                Ok(GcMessage::RebuildHints) => {
+                    info!("every packet program is this agent's: the assured tables' hints are rebuilt from now on");
+                    rebuild_hints = true;
+                }
                 Ok(GcMessage::MaxAges(ages)) => {
                     info!(services = ages.len(), "frontends with a maximum connection age");
                     gc.set_max_ages(ages);
@@ -138,6 +154,14 @@ pub(super) fn start(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats, ou
                     Err(e) => warn!(error = %e, "IPv6 embryonic gc round failed"),
                 }
             }
+            if rebuild_hints {
+                if let Some(h) = hints.0.as_mut() {
+                    h.round(&stats);
+                }
+                if let Some(h) = hints.1.as_mut() {
+                    h.round(&stats);
+                }
+            }
             if last_affinity.elapsed() >= Duration::from_secs(5) {
                 if let Err(e) = affinity.collect(kernel::monotonic_ns()) {
                     warn!(error = %e, "affinity gc failed");
@@ -151,6 +175,40 @@ pub(super) fn start(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats, ou
         Err(e) => {
             error!(error = %e, "cannot start the conntrack collector");
             None
+        }
+    }
+}
+
+/// An assured table with its hint, and the hint's rebuild (dataplane/ebpf/hint.rs).
+struct Hinted<K: CtHinted, V> {
+    family: &'static str,
+    table: KernelAssured<K, V>,
+    hint: Hint<K>,
+    rebuild: Rebuild,
+}
+
+impl<K: CtHinted + aya::Pod + bytemuck::Pod, V: aya::Pod + bytemuck::Pod> Hinted<K, V> {
+    /// None, with a warning, where a map cannot be opened: the hint keeps every bit it has,
+    /// and new flows probe the assured table as often as it says (all of them after a load).
+    fn open(pin_dir: &std::path::Path, family: &'static str, table: &'static str, hint: &'static str) -> Option<Self> {
+        match (KernelAssured::open(pin_dir, table), Hint::open(pin_dir, hint)) {
+            (Ok(table), Ok(hint)) => Some(Self { family, table, hint, rebuild: Rebuild::default() }),
+            (Err(e), _) | (_, Err(e)) => {
+                warn!(error = %e, "the assured table's hint is not rebuilt: new flows probe the table for their tuples every time");
+                None
+            }
+        }
+    }
+
+    fn round(&mut self, stats: &SharedStats) {
+        match self.rebuild.round(&self.table, &mut self.hint, GC_BATCH) {
+            Ok(None) => {}
+            Ok(Some(half)) => {
+                let s = stats.lock().unwrap();
+                s.m.hint_passes_total.with_label_values(&[self.family]).inc();
+                s.m.hint_bits_set.with_label_values(&[self.family]).set(self.hint.share_set(half));
+            }
+            Err(e) => warn!(family = self.family, error = %e, "a round of the assured table's hint rebuild failed; the next round reads the batch again"),
         }
     }
 }

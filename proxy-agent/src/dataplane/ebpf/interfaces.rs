@@ -87,6 +87,14 @@ impl Interfaces {
         wanted
     }
 
+    /// Whether every packet program pinned under the pin directory is one this agent attached:
+    /// no program loaded by an earlier agent (an earlier release's, maybe) runs any more. Until
+    /// then the assured tables' hints are not rebuilt: such a program may fill a table without
+    /// setting the hint's bits (see proxy_common::CtHinted).
+    pub fn all_attached_by_this_agent(&self) -> bool {
+        kernel::attached_links(&self.pin_dir).into_iter().filter(|(_, hook)| *hook != Hook::Cgroup).all(|l| self.attached.contains(&l))
+    }
+
     /// Attaches to interfaces that do not have the programs yet, detaches from interfaces that
     /// are gone, and rewrites KPR_IFACE where it changed. Returns whether anything was attached.
     pub fn reconcile(&mut self, dp: &mut Datapath, maps: &mut KernelMaps) -> bool {

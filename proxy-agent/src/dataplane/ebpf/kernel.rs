@@ -12,9 +12,9 @@ use aya::{
     programs::{links::FdLink, tc::TcAttachType, CgroupAttachMode, CgroupSockAddr, SchedClassifier, SocketFilter, Xdp},
     Ebpf, EbpfLoader,
 };
-use proxy_common::prog_names;
+use proxy_common::{map_names, prog_names, CtKey, CtKey6};
 
-use crate::dataplane::ebpf::maps::MapError;
+use crate::dataplane::ebpf::{kernel_maps::Hint, maps::MapError};
 
 mod capacity;
 mod links;
@@ -128,6 +128,11 @@ impl Datapath {
             );
         }
         retired.carry_into(&ebpf, pin_dir);
+        // Every bit of the assured tables' hints: every probe happens until the collector has
+        // rebuilt them from the tables (programs of an earlier release may have filled those
+        // without a word to the hints).
+        Hint::<CtKey>::open(pin_dir, map_names::CONNTRACK_HINT)?.fill();
+        Hint::<CtKey6>::open(pin_dir, map_names::CONNTRACK6_HINT)?.fill();
         Ok(Self { ebpf, pin_dir: pin_dir.into(), tc_program: prog_names::TC_INGRESS, after_fast_path: false })
     }
 
@@ -324,8 +329,6 @@ pub fn cgroup2_root() -> Option<PathBuf> {
 
 #[cfg(test)]
 mod tests {
-    use proxy_common::map_names;
-
     use super::*;
 
     /// Retired pins are removed at every load: a name in use there would unpin a live map.

@@ -16,8 +16,11 @@ use crate::dataplane::ebpf::{
 
 mod buckets;
 mod conntrack;
+mod hint;
+mod mapped;
 pub use buckets::Buckets;
-pub use conntrack::{KernelConntrack, KernelEmbryonic6};
+pub use conntrack::{KernelAssured, KernelConntrack, KernelEmbryonic6};
+pub use hint::{rebuild_hints_now, Hint};
 
 pub(crate) fn op(map: &'static str, op: &'static str, e: AyaMapError) -> MapError {
     let source = match e {

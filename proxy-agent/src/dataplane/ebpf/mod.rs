@@ -8,6 +8,7 @@ mod collector;
 pub mod conntrack;
 pub mod conntrack6;
 pub mod endpoint_cleanup;
+pub mod hint;
 pub mod ids;
 pub mod interfaces;
 pub mod kernel;

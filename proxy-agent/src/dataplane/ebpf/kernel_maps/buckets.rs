@@ -5,14 +5,11 @@
 //! again under the lock before anything is deleted). A write (the collector's deletes and
 //! flags, an upgrade's carry-over) holds the bucket's lock, which the data path's writers take
 //! with BPF's compare-and-exchange on the same word.
-use std::{
-    os::fd::{AsFd, AsRawFd},
-    ptr::NonNull,
-    sync::atomic::{AtomicU64, Ordering},
-};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use proxy_common::{CtBuckets, CT_BUCKET_WAYS};
 
+use super::mapped::Mapped;
 use crate::dataplane::ebpf::{bpf_batch::Batch, maps::MapError};
 
 /// How long a writer spins for a bucket's lock before it gives up (the data path holds it for a
@@ -20,17 +17,7 @@ use crate::dataplane::ebpf::{bpf_batch::Batch, maps::MapError};
 const LOCK_SPINS: u32 = 100_000;
 
 /// The table's array, mapped shared.
-pub struct Buckets<B: CtBuckets> {
-    map: &'static str,
-    base: NonNull<B>,
-    /// A power of two.
-    count: u32,
-    len: usize,
-}
-
-// The mapping is shared memory whose every write goes through a bucket's lock.
-unsafe impl<B: CtBuckets> Send for Buckets<B> {}
-unsafe impl<B: CtBuckets> Sync for Buckets<B> {}
+pub struct Buckets<B: CtBuckets>(Mapped<B>);
 
 /// What `update` does with the entry it found.
 enum Change<V> {
@@ -42,35 +29,20 @@ enum Change<V> {
 impl<B: CtBuckets> Buckets<B> {
     /// Maps `data`, the array named `map` (the mapping keeps the map alive).
     pub fn map(map: &'static str, data: &aya::maps::MapData) -> Result<Self, MapError> {
-        let info = data.info().map_err(|e| MapError::Other { map, message: e.to_string() })?;
-        let fd = data.fd().as_fd();
-        let count = info.max_entries();
-        if info.value_size() as usize != size_of::<B>() || !count.is_power_of_two() {
-            return Err(MapError::Other { map, message: format!("not a bucket array ({count} values of {} bytes)", info.value_size()) });
-        }
-        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
-        let len = (count as usize * size_of::<B>()).div_ceil(page) * page;
-        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
-        if ptr == libc::MAP_FAILED {
-            return Err(MapError::Op { map, op: "mmap", source: std::io::Error::last_os_error() });
-        }
-        let base = NonNull::new(ptr.cast()).ok_or(MapError::Other { map, message: "mmap gave no address".into() })?;
-        Ok(Self { map, base, count, len })
+        Mapped::map(map, data, "a bucket array").map(Self)
     }
 
     /// Maps the pinned array.
     pub fn open(pin_dir: &std::path::Path, map: &'static str) -> Result<Self, MapError> {
-        let data = aya::maps::MapData::from_pin(pin_dir.join(map)).map_err(|e| MapError::Other { map, message: format!("cannot open its pin: {e}") })?;
-        Self::map(map, &data)
+        Mapped::open(pin_dir, map, "a bucket array").map(Self)
     }
 
     fn bucket(&self, i: u32) -> *mut B {
-        debug_assert!(i < self.count);
-        unsafe { self.base.as_ptr().add(i as usize) }
+        self.0.at(i)
     }
 
     fn bucket_of(&self, key: &B::Key) -> *mut B {
-        self.bucket(B::bucket(key, self.count - 1))
+        self.bucket(B::bucket(key, self.0.count - 1))
     }
 
     /// Way `w`'s entry, None if empty. Unlocked: a way being written may read torn.
@@ -84,12 +56,12 @@ impl<B: CtBuckets> Buckets<B> {
     pub fn read_batch(&self, cursor: Option<u32>, max: usize) -> Batch<B::Key, B::Value> {
         let mut out = Vec::new();
         let mut i = cursor.unwrap_or(0);
-        while i < self.count && out.len() < max.max(1) {
+        while i < self.0.count && out.len() < max.max(1) {
             let b = self.bucket(i);
             out.extend((0..CT_BUCKET_WAYS).filter_map(|w| Self::way(b, w)));
             i += 1;
         }
-        (out, (i < self.count).then_some(i))
+        (out, (i < self.0.count).then_some(i))
     }
 
     /// Every entry: one batch of them all.
@@ -107,7 +79,7 @@ impl<B: CtBuckets> Buckets<B> {
     fn update(&self, key: &B::Key, change: impl FnOnce(&B::Value) -> Change<B::Value>) -> Result<bool, MapError> {
         let b = self.bucket_of(key);
         let Some(_held) = Lock::take(b) else {
-            tracing::debug!(map = self.map, "a bucket's lock stayed held: the entry is left for the next round");
+            tracing::debug!(map = self.0.map, "a bucket's lock stayed held: the entry is left for the next round");
             return Ok(false);
         };
         for w in 0..CT_BUCKET_WAYS {
@@ -156,12 +128,6 @@ impl<B: CtBuckets> Buckets<B> {
     }
 }
 
-impl<B: CtBuckets> Drop for Buckets<B> {
-    fn drop(&mut self) {
-        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
-    }
-}
-
 /// A bucket's lock (its word), held until dropped.
 struct Lock(*mut u64);
 
@@ -189,13 +155,10 @@ mod tests {
     use super::*;
     use proxy_common::{CtBucket, CtBucket6, CtKey, CtKey6, CtValue, CtValue6};
 
-    /// A Buckets over anonymous memory (the kernel's array behaves the same way for these
-    /// operations; tests/fixtures.rs runs them against it).
+    /// A Buckets over anonymous memory (tests/fixtures.rs runs these operations against the
+    /// kernel's array).
     fn anonymous<B: CtBuckets>(count: u32) -> Buckets<B> {
-        let len = count as usize * size_of::<B>();
-        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_ANONYMOUS, -1, 0) };
-        assert_ne!(ptr, libc::MAP_FAILED);
-        Buckets { map: "test", base: NonNull::new(ptr.cast()).unwrap(), count, len }
+        Buckets(Mapped::anonymous(count))
     }
 
     fn key(port: u16) -> CtKey {

@@ -6,11 +6,12 @@
 use std::path::Path;
 
 use aya::maps::{Array, HashMap, MapData};
-use proxy_common::{map_names, CtBucket, CtBucket6, CtKey, CtKey6, CtValue, CtValue6};
+use proxy_common::{map_names, CtBucket, CtBucket6, CtHinted, CtKey, CtKey6, CtValue, CtValue6};
 
-use super::{buckets::Buckets, is_enoent, op, open_typed};
+use super::{buckets::Buckets, hint::Hint, is_enoent, op, open_typed};
 use crate::dataplane::ebpf::{
     bpf_batch::{self, Batch},
+    hint::AssuredKeys,
     maps::{same_flow, ConntrackTables, MapError, Table},
 };
 
@@ -18,6 +19,8 @@ use crate::dataplane::ebpf::{
 /// collector's thread has its own).
 pub struct KernelConntrack {
     assured: HashMap<MapData, CtKey, CtValue>,
+    /// The assured table's hint: a key put back is noted (see proxy_common::CtHinted).
+    hint: Hint<CtKey>,
     embryonic: Buckets<CtBucket>,
     flow_cache_gen: Array<MapData, u64>,
 }
@@ -26,6 +29,7 @@ impl KernelConntrack {
     pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
         Ok(Self {
             assured: open_typed(pin_dir, map_names::CONNTRACK)?,
+            hint: Hint::open(pin_dir, map_names::CONNTRACK_HINT)?,
             embryonic: Buckets::open(pin_dir, map_names::CONNTRACK_NEW)?,
             flow_cache_gen: open_typed(pin_dir, map_names::FLOW_CACHE_GEN)?,
         })
@@ -34,24 +38,53 @@ impl KernelConntrack {
     /// Deletes `key` from `table` if `delete` holds for its entry.
     fn delete_when(&mut self, table: Table, key: &CtKey, delete: impl Fn(&CtValue) -> bool) -> Result<bool, MapError> {
         match table {
-            Table::Assured => take_if(table.map_name(), aya::maps::IterableMap::map(&self.assured), key, delete),
+            Table::Assured => take_if(table.map_name(), aya::maps::IterableMap::map(&self.assured), &self.hint, key, delete),
             Table::Embryonic => self.embryonic.delete_if(key, delete),
         }
     }
 }
 
-/// Takes `key` out of `map` if `keep_out` holds for its entry; else puts the entry back (unless
-/// the data path wrote a newer one in the moment it was out). Returns whether it stayed out.
-fn take_if<K: bytemuck::Pod, V: bytemuck::Pod>(name: &'static str, map: &MapData, key: &K, keep_out: impl Fn(&V) -> bool) -> Result<bool, MapError> {
+/// Takes `key` out of the assured table `map` if `keep_out` holds for its entry; else puts the
+/// entry back (unless the data path wrote a newer one in the moment it was out), its hint's
+/// bits set around the insert as the data path's inserts set them (a rebuild of the hint may
+/// have read the table while the key was out). Returns whether it stayed out.
+fn take_if<K: bytemuck::Pod + CtHinted, V: bytemuck::Pod>(
+    name: &'static str,
+    map: &MapData,
+    hint: &Hint<K>,
+    key: &K,
+    keep_out: impl Fn(&V) -> bool,
+) -> Result<bool, MapError> {
     let fd = map.fd();
     let taken: Option<V> = bpf_batch::lookup_and_delete(fd, key).map_err(|source| MapError::Op { map: name, op: "lookup and delete", source })?;
     match taken {
         None => Ok(false),
         Some(v) if keep_out(&v) => Ok(true),
         Some(v) => {
-            bpf_batch::insert_new(fd, key, &v).map_err(|source| MapError::Op { map: name, op: "update", source })?;
-            Ok(false)
+            hint.note(key);
+            let put_back = bpf_batch::insert_new(fd, key, &v).map_err(|source| MapError::Op { map: name, op: "update", source });
+            hint.note(key);
+            put_back.map(|_| false)
         }
+    }
+}
+
+/// An assured table (IPv4's KPR_CT_V3, IPv6's KPR_CT6_V1), read in batches for the
+/// collector's rebuild of its hint.
+pub struct KernelAssured<K, V> {
+    name: &'static str,
+    map: HashMap<MapData, K, V>,
+}
+
+impl<K: aya::Pod, V: aya::Pod> KernelAssured<K, V> {
+    pub fn open(pin_dir: &Path, name: &'static str) -> Result<Self, MapError> {
+        Ok(Self { name, map: open_typed(pin_dir, name)? })
+    }
+}
+
+impl<K: aya::Pod + bytemuck::Pod, V: aya::Pod + bytemuck::Pod> AssuredKeys<K, V> for KernelAssured<K, V> {
+    fn read_batch(&self, cursor: Option<u32>, max: usize) -> Result<Batch<K, V>, MapError> {
+        read_batch(self.name, aya::maps::IterableMap::map(&self.map), cursor, max)
     }
 }
 

@@ -1,0 +1,172 @@
+//! The collector's rebuild of the assured tables' hints (see proxy_common::CtHinted): a pass
+//! over a table, in bounded batches a round, clears one half of every word first, then sets
+//! the bit of each key it reads; the next pass rebuilds the other half. The half not being
+//! rebuilt answers meanwhile, and the data path sets both halves around each insert, so a key
+//! in the table always has a bit set; a key gone loses its bits within two passes.
+use proxy_common::CtHinted;
+
+use crate::dataplane::ebpf::{bpf_batch::Batch, maps::MapError};
+
+/// A hint's words (kernel_maps/hint.rs, and a fake below).
+pub trait HintWords<K> {
+    fn clear_half(&mut self, half: u32);
+    fn note_in_half(&mut self, key: &K, half: u32);
+}
+
+/// An assured table, read in batches for its hint.
+pub trait AssuredKeys<K, V> {
+    /// Up to `max` entries from `cursor` on (None: the start), and the cursor to go on from
+    /// (None: that was the end).
+    fn read_batch(&self, cursor: Option<u32>, max: usize) -> Result<Batch<K, V>, MapError>;
+}
+
+/// One family's rebuild: which half, and where its pass is.
+#[derive(Debug, Default)]
+pub struct Rebuild {
+    half: u32,
+    /// The pass's next batch (None: a pass starts next round).
+    cursor: Option<u32>,
+    /// Passes completed.
+    pub passes: u64,
+}
+
+impl Rebuild {
+    /// One round: a pass's next batch of `table`, up to `batch` entries (a new pass clears its
+    /// half first). Returns the half rebuilt when the pass ended.
+    pub fn round<K: CtHinted, V>(&mut self, table: &dyn AssuredKeys<K, V>, hint: &mut dyn HintWords<K>, batch: usize) -> Result<Option<u32>, MapError> {
+        if self.cursor.is_none() {
+            hint.clear_half(self.half);
+        }
+        // A failed read leaves the half cleared and the pass where it was: the other half keeps
+        // answering, and the next round reads the same batch again.
+        let (entries, next) = table.read_batch(self.cursor, batch)?;
+        for (key, _) in &entries {
+            hint.note_in_half(key, self.half);
+        }
+        match next {
+            Some(c) => {
+                self.cursor = Some(c);
+                Ok(None)
+            }
+            None => {
+                let rebuilt = self.half;
+                self.cursor = None;
+                self.half ^= 1;
+                self.passes += 1;
+                Ok(Some(rebuilt))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use proxy_common::{hint_bits, hint_half, CtKey, CtValue, CT_DIR_INGRESS, PROTO_TCP};
+
+    use super::*;
+
+    /// The hint's words in memory, with the data path's `note` (both halves).
+    struct FakeHint(Vec<u64>);
+
+    impl FakeHint {
+        fn filled() -> Self {
+            Self(vec![u64::MAX; CtKey::HINT_WORDS as usize])
+        }
+        fn may_hold(&self, k: &CtKey) -> bool {
+            let (w, bit) = k.hint_slot();
+            self.0[w as usize] & hint_bits(bit) != 0
+        }
+        fn note(&mut self, k: &CtKey) {
+            let (w, bit) = k.hint_slot();
+            self.0[w as usize] |= hint_bits(bit);
+        }
+    }
+
+    impl HintWords<CtKey> for FakeHint {
+        fn clear_half(&mut self, half: u32) {
+            self.0.iter_mut().for_each(|w| *w &= !hint_half(half));
+        }
+        fn note_in_half(&mut self, key: &CtKey, half: u32) {
+            let (w, bit) = key.hint_slot();
+            self.0[w as usize] |= hint_bits(bit) & hint_half(half);
+        }
+    }
+
+    /// An assured table whose batches go by client port, as the kernel's go by hash bucket: a
+    /// key inserted or deleted elsewhere moves no other key from one batch to another.
+    struct FakeTable(BTreeMap<CtKey, CtValue>);
+
+    impl AssuredKeys<CtKey, CtValue> for FakeTable {
+        fn read_batch(&self, cursor: Option<u32>, max: usize) -> Result<Batch<CtKey, CtValue>, MapError> {
+            let port = |k: &CtKey| u32::from(u16::from_be(k.sport));
+            let mut rest: Vec<(CtKey, CtValue)> = self.0.iter().filter(|(k, _)| port(k) >= cursor.unwrap_or(0)).map(|(k, v)| (*k, *v)).collect();
+            rest.sort_by_key(|(k, _)| port(k));
+            let more = rest.len() > max;
+            rest.truncate(max);
+            let next = rest.last().map(|(k, _)| port(k) + 1).filter(|_| more);
+            Ok((rest, next))
+        }
+    }
+
+    fn key(port: u16) -> CtKey {
+        CtKey { saddr: 0x0a00_0001, daddr: 0x0a60_000a, sport: port.to_be(), dport: 80u16.to_be(), proto: PROTO_TCP, dir: CT_DIR_INGRESS, _pad: 0 }
+    }
+
+    /// Runs passes until `n` more have ended, `between` run after every round (the data path
+    /// meanwhile).
+    fn passes(r: &mut Rebuild, t: &mut FakeTable, h: &mut FakeHint, n: u64, mut between: impl FnMut(&mut FakeTable, &mut FakeHint)) {
+        let until = r.passes + n;
+        while r.passes < until {
+            r.round(&*t, h, 3).unwrap();
+            between(t, h);
+        }
+    }
+
+    #[test]
+    fn a_key_in_the_table_keeps_a_bit_and_a_key_gone_loses_its_own_within_two_passes() {
+        let mut t = FakeTable((1000..1010).map(|p| (key(p), CtValue::default())).collect());
+        let mut h = FakeHint::filled();
+        let mut r = Rebuild::default();
+        let absent: Vec<CtKey> = (2000..2100).map(key).collect();
+        assert!(absent.iter().all(|k| h.may_hold(k)), "filled at load: every probe happens");
+        // Rounds of 3 of 10 entries: 4 rounds a pass. After every round, every key in the table
+        // may be there (the checks run between rounds, as the data path's probes do).
+        passes(&mut r, &mut t, &mut h, 2, |t, h| assert!(t.0.keys().all(|k| h.may_hold(k))));
+        assert!(absent.iter().all(|k| !h.may_hold(k)), "two passes: no bit of a key never there stays set");
+        // Keys come (the data path notes them around its insert) and go mid-pass.
+        let (come, gone) = (key(3000), key(1004));
+        let mut round = 0;
+        passes(&mut r, &mut t, &mut h, 1, |t, h| {
+            round += 1;
+            if round == 1 {
+                h.note(&come);
+                t.0.insert(come, CtValue::default());
+                h.note(&come);
+                t.0.remove(&gone);
+            }
+            assert!(t.0.keys().all(|k| h.may_hold(k)));
+        });
+        passes(&mut r, &mut t, &mut h, 2, |t, h| assert!(t.0.keys().all(|k| h.may_hold(k))));
+        assert!(h.may_hold(&come));
+        assert!(!h.may_hold(&gone), "a key deleted loses its bits within two passes");
+    }
+
+    #[test]
+    fn a_key_inserted_into_a_batch_already_read_keeps_the_bit_its_insert_set() {
+        // The rebuild has read the batch where the key goes, and cleared its half before; the
+        // data path's note after the insert is what keeps it.
+        let mut t = FakeTable((1000..1006).map(|p| (key(p), CtValue::default())).collect());
+        let mut h = FakeHint::filled();
+        let mut r = Rebuild::default();
+        passes(&mut r, &mut t, &mut h, 2, |_, _| {});
+        let k = key(999);
+        assert!(!h.may_hold(&k));
+        r.round(&t, &mut h, 3).unwrap();
+        h.note(&k);
+        t.0.insert(k, CtValue::default());
+        h.note(&k);
+        passes(&mut r, &mut t, &mut h, 3, |t, h| assert!(t.0.keys().all(|k| h.may_hold(k))));
+    }
+}
