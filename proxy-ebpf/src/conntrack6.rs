@@ -312,14 +312,9 @@ pub fn create(f: &Flow6, backend_id: u32, service_id: u32, be: &Backend, masq: b
     s.values[0] = CtValue6 { new_saddr: f.daddr, new_daddr: f.saddr, new_sport: f.dport, new_dport: f.sport, flags: snat | CT_F_REPLY, ..blank };
     let mut tries = 0;
     loop {
-        // A retry draws its port first thing: Linux 6.1's verifier rejects a loop that starts
-        // again right after a helper call ("back-edge"), as the draw at the end of a try did
-        // once the hint's arithmetic led the next.
-        if tries > 0 {
-            s.keys[0].dport = random_port(cfg);
-        }
-        // The reply tuple must be free in the assured table too.
-        let taken = assured(&s.keys[0]).is_some();
+        // The reply tuple must be free in the assured table too (asked through the hint's
+        // global function, as IPv4's claim does).
+        let taken = hint::kpr_ct6_hint_may_hold(&s.keys[0]) != 0 && unsafe { CONNTRACK6.get(&s.keys[0]) }.is_some();
         match if taken { Err(-EEXIST) } else { table.insert6(&s.keys[0], &s.values[0], BPF_NOEXIST, &raw mut s.pending[0]) } {
             Ok(()) => break,
             Err(e) if e != -EEXIST => {
@@ -334,6 +329,7 @@ pub fn create(f: &Flow6, backend_id: u32, service_id: u32, be: &Backend, masq: b
             bump(counter::SNAT_NO_PORT);
             return None;
         }
+        s.keys[0].dport = random_port(cfg);
     }
     let port = s.keys[0].dport;
     // Forward: (C:c -> V:v) becomes (C:p -> B:b). A TCP flow picked up mid-stream (not by a

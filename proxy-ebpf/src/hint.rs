@@ -51,14 +51,21 @@ pub(crate) fn note<K: Hinted>(k: &K) {
     }
 }
 
-/// `may_hold` as a BPF global function (verified once, on its own), for new_flow's claim of its
-/// reply tuple: inlined there, its registers grow new_flow's frame past what Linux 6.1 allows
-/// the call chain (512 bytes). 1: may hold; 0: does not.
-#[no_mangle]
-#[inline(never)]
-pub extern "C" fn kpr_ct_hint_may_hold(k: *const CtKey) -> i64 {
-    if k.is_null() {
-        return 1;
-    }
-    i64::from(may_hold(unsafe { &*k }))
+/// `may_hold` as BPF global functions (verified once, on their own), for new flows' claims of
+/// their reply tuples: inlined there, the hint's registers grow new_flow's frame past what
+/// Linux 6.1 allows the call chain (512 bytes). 1: may hold; 0: does not.
+macro_rules! may_hold_global {
+    ($name:ident, $key:ty) => {
+        #[no_mangle]
+        #[inline(never)]
+        pub extern "C" fn $name(k: *const $key) -> i64 {
+            if k.is_null() {
+                return 1;
+            }
+            i64::from(may_hold(unsafe { &*k }))
+        }
+    };
 }
+
+may_hold_global!(kpr_ct_hint_may_hold, CtKey);
+may_hold_global!(kpr_ct6_hint_may_hold, CtKey6);
