@@ -71,7 +71,7 @@ impl Table {
     fn insert(self, k: *const CtKey, v: *const CtValue, flags: u64, evicted: *mut CtEntry) -> Result<(), i32> {
         let (k, v) = unsafe { (&*k, &*v) };
         match self {
-            Table::Assured => insert_assured(k, v, flags),
+            Table::Assured => hint::insert_assured(k, v, flags),
             Table::Embryonic => embryonic::insert_evicting::<CtBucket>(k, v, evicted),
         }
     }
@@ -101,34 +101,12 @@ pub fn timeout_ns(cfg: &DatapathConfig, proto: u8) -> u64 {
     u64::from(s) * 1_000_000_000
 }
 
-/// Puts `k` into the assured table, its hint's bits set before the insert (a reader never meets
-/// the key unhinted) and after it (a rebuild of the hint that cleared them meanwhile may have
-/// read the table before the key was in; see proxy_common::CtHinted).
-#[inline(always)]
-fn insert_assured(k: &CtKey, v: &CtValue, flags: u64) -> Result<(), i32> {
-    hint::note(k);
-    let inserted = CONNTRACK.insert(k, v, flags);
-    hint::note(k);
-    inserted
-}
-
-/// The assured table's entry of `k`, probed only where its hint says it may be there (a new
-/// flow's keys seldom are).
-#[inline(always)]
-fn assured(k: &CtKey) -> Option<*mut CtValue> {
-    if hint::may_hold(k) {
-        CONNTRACK.get_ptr_mut(k)
-    } else {
-        None
-    }
-}
-
 /// Whether a table other than `table` (where the caller's insert claims `k`, failing if it is
 /// there) holds `k`: a new flow's keys must be free in both.
 #[inline(always)]
 fn taken_elsewhere(table: Table, k: &CtKey) -> bool {
     match table {
-        Table::Embryonic => assured(k).is_some(),
+        Table::Embryonic => hint::assured(k).is_some(),
         Table::Assured => embryonic::get(k).is_some(),
     }
 }
@@ -167,7 +145,7 @@ pub fn track(f: &Flow, key: &CtKey, cfg: &DatapathConfig, l: &mut Lookup) -> Tra
     // Only a packet that may open a flow asks the hint first: an established TCP packet's key
     // is there (a bit set), and the hint's word would be one more line to read.
     let may_open = f.proto == PROTO_UDP || f.is_tcp_control();
-    let found = if may_open { assured(key) } else { CONNTRACK.get_ptr_mut(key) };
+    let found = if may_open { hint::assured(key) } else { CONNTRACK.get_ptr_mut(key) };
     let (v, table) = if let Some(v) = found {
         (v, Table::Assured)
     } else if may_open {
@@ -411,7 +389,7 @@ fn promote(fwd_key: &CtKey, rw: &Rewrite) {
 #[inline(always)]
 fn move_assured(k: &CtKey) {
     if let Some(v) = unsafe { Table::Embryonic.get(k) } {
-        if insert_assured(k, v, 0).is_ok() {
+        if hint::insert_assured(k, v, 0).is_ok() {
             embryonic::kpr_ct_new_remove(k);
         } else {
             bump(counter::CT_INSERT_FAILED);

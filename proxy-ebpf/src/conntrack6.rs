@@ -55,7 +55,7 @@ impl Table {
     #[inline(always)]
     fn insert6(self, k: *const CtKey6, v: *const CtValue6, flags: u64, evicted: *mut CtEntry6) -> Result<(), i32> {
         match self {
-            Table::Assured => insert_assured(unsafe { &*k }, unsafe { &*v }, flags),
+            Table::Assured => hint::insert_assured(unsafe { &*k }, unsafe { &*v }, flags),
             Table::Embryonic => embryonic::insert_evicting::<CtBucket6>(k, v, evicted),
         }
     }
@@ -69,25 +69,6 @@ impl Table {
                 embryonic::kpr_ct6_new_remove(k);
             }
         }
-    }
-}
-
-/// As IPv4's (conntrack::insert_assured): the hint's bits set around the insert.
-#[inline(always)]
-fn insert_assured(k: &CtKey6, v: &CtValue6, flags: u64) -> Result<(), i32> {
-    hint::note(k);
-    let inserted = CONNTRACK6.insert(k, v, flags);
-    hint::note(k);
-    inserted
-}
-
-/// As IPv4's (conntrack::assured): probed only where the hint says the key may be there.
-#[inline(always)]
-fn assured(k: &CtKey6) -> Option<*mut CtValue6> {
-    if hint::may_hold(k) {
-        CONNTRACK6.get_ptr_mut(k)
-    } else {
-        None
     }
 }
 
@@ -141,7 +122,7 @@ fn timeout_ns(cfg: &DatapathConfig, v: &CtValue6, proto: u8, table: Table) -> u6
 pub fn track(f: &Flow6, key: &CtKey6, cfg: &DatapathConfig, now: u64) -> Option<Rewrite6> {
     // As IPv4's (conntrack::track): only a packet that may open a flow asks the hint first.
     let may_open = f.proto == PROTO_UDP || f.is_tcp_control();
-    let found = if may_open { assured(key) } else { CONNTRACK6.get_ptr_mut(key) };
+    let found = if may_open { hint::assured(key) } else { CONNTRACK6.get_ptr_mut(key) };
     let (v, table) = match found {
         Some(v) => (v, Table::Assured),
         None if may_open => (embryonic::get6(key)?, Table::Embryonic),
@@ -221,7 +202,7 @@ fn promote(fwd_key: &CtKey6, v: &CtValue6) {
 #[inline(always)]
 fn move_assured(k: &CtKey6) {
     if let Some(v) = Table::Embryonic.get6(k) {
-        if insert_assured(k, v, 0).is_ok() {
+        if hint::insert_assured(k, v, 0).is_ok() {
             embryonic::kpr_ct6_new_remove(k);
         } else {
             bump(counter::CT_INSERT_FAILED);

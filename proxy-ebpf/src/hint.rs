@@ -4,17 +4,24 @@
 //! part of what a new flow costs; the hint's words are a few hundred KiB.
 use core::intrinsics::{atomic_or, AtomicOrdering};
 
-use aya_ebpf::maps::Array;
-use proxy_common::{hint_bits, CtHinted, CtKey, CtKey6};
+use aya_ebpf::maps::{Array, LruHashMap};
+use proxy_common::{hint_bits, CtHinted, CtKey, CtKey6, CtValue, CtValue6};
 
-use crate::maps::{CONNTRACK6_HINT, CONNTRACK_HINT};
+use crate::maps::{CONNTRACK, CONNTRACK6, CONNTRACK6_HINT, CONNTRACK_HINT};
 
-/// A family's key, with its hint.
-pub(crate) trait Hinted: CtHinted {
+/// A family's key, with its assured table and that table's hint.
+pub(crate) trait Hinted: CtHinted + Sized + 'static {
+    type Value: 'static;
+    fn assured() -> &'static LruHashMap<Self, Self::Value>;
     fn hint() -> &'static Array<u64>;
 }
 
 impl Hinted for CtKey {
+    type Value = CtValue;
+    #[inline(always)]
+    fn assured() -> &'static LruHashMap<CtKey, CtValue> {
+        &CONNTRACK
+    }
     #[inline(always)]
     fn hint() -> &'static Array<u64> {
         &CONNTRACK_HINT
@@ -22,9 +29,36 @@ impl Hinted for CtKey {
 }
 
 impl Hinted for CtKey6 {
+    type Value = CtValue6;
+    #[inline(always)]
+    fn assured() -> &'static LruHashMap<CtKey6, CtValue6> {
+        &CONNTRACK6
+    }
     #[inline(always)]
     fn hint() -> &'static Array<u64> {
         &CONNTRACK6_HINT
+    }
+}
+
+/// Puts `k` into its assured table, its hint's bits set before the insert (a reader never
+/// meets the key unhinted) and after it (a rebuild of the hint that cleared them meanwhile may
+/// have read the table before the key was in; see proxy_common::CtHinted).
+#[inline(always)]
+pub(crate) fn insert_assured<K: Hinted>(k: &K, v: &K::Value, flags: u64) -> Result<(), i32> {
+    note(k);
+    let inserted = K::assured().insert(k, v, flags);
+    note(k);
+    inserted
+}
+
+/// `k`'s entry in its assured table, looked up only where the hint says it may be there (a new
+/// flow's keys seldom are).
+#[inline(always)]
+pub(crate) fn assured<K: Hinted>(k: &K) -> Option<*mut K::Value> {
+    if may_hold(k) {
+        K::assured().get_ptr_mut(k)
+    } else {
+        None
     }
 }
 
