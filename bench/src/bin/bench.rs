@@ -153,10 +153,7 @@ fn ping_pong(ct: &mut AyaHashMap<MapData, CtKey, CtValue>, hint: &Hint<CtKey>, k
     let v = ct.get(&key, 0).expect("the measured entry is assured");
     let mirror = CtKey { saddr: v.new_saddr, daddr: v.new_daddr, sport: v.new_sport, dport: v.new_dport, ..key };
     let back = CtValue { new_saddr: key.saddr, new_daddr: key.daddr, new_sport: key.sport, new_dport: key.dport, ..v };
-    // Noted in the hint around the insert, as every writer of the assured table does.
-    hint.note(&mirror);
-    ct.insert(mirror, back, 0).expect("insert the mirror");
-    hint.note(&mirror);
+    hint.noting(&mirror, || ct.insert(mirror, back, 0)).expect("insert the mirror");
     tcp(addr(key.saddr), u16::from_be(key.sport), addr(key.daddr), u16::from_be(key.dport), ACK)
 }
 
@@ -165,9 +162,7 @@ fn ping_pong6(ct: &mut AyaHashMap<MapData, CtKey6, CtValue6>, hint: &Hint<CtKey6
     let v = ct.get(&key, 0).expect("the measured IPv6 entry");
     let mirror = CtKey6 { saddr: v.new_saddr, daddr: v.new_daddr, sport: v.new_sport, dport: v.new_dport, ..key };
     let back = CtValue6 { new_saddr: key.saddr, new_daddr: key.daddr, new_sport: key.sport, new_dport: key.dport, ..v };
-    hint.note(&mirror);
-    ct.insert(mirror, back, 0).expect("insert the mirror");
-    hint.note(&mirror);
+    hint.noting(&mirror, || ct.insert(mirror, back, 0)).expect("insert the mirror");
     let a = |w: [u32; 4]| proxy_common::user::words_addr(w).to_string();
     frame6(&a(key.saddr), &a(key.daddr), TCP, u16::from_be(key.sport), u16::from_be(key.dport), ACK, &[])
 }

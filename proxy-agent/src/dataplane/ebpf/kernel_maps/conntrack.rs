@@ -61,10 +61,8 @@ fn take_if<K: bytemuck::Pod + CtHinted, V: bytemuck::Pod>(
         None => Ok(false),
         Some(v) if keep_out(&v) => Ok(true),
         Some(v) => {
-            hint.note(key);
-            let put_back = bpf_batch::insert_new(fd, key, &v).map_err(|source| MapError::Op { map: name, op: "update", source });
-            hint.note(key);
-            put_back.map(|_| false)
+            hint.noting(key, || bpf_batch::insert_new(fd, key, &v)).map_err(|source| MapError::Op { map: name, op: "update", source })?;
+            Ok(false)
         }
     }
 }

@@ -42,11 +42,20 @@ impl<K: CtHinted> Hint<K> {
         });
     }
 
-    /// Sets `key`'s bits in both halves: before and after the agent puts it into the assured
-    /// table (as the data path does).
-    pub fn note(&self, key: &K) {
+    /// Sets `key`'s bits in both halves.
+    fn note(&self, key: &K) {
         let (w, bit) = key.hint_slot();
         self.word(w).fetch_or(hint_bits(bit), Ordering::SeqCst);
+    }
+
+    /// Runs `insert`, which puts `key` into the assured table, with the key's bits set before
+    /// it and after it, as the data path's inserts set them (see CtHinted): every writer of an
+    /// assured table in user space goes through this.
+    pub fn noting<R>(&self, key: &K, insert: impl FnOnce() -> R) -> R {
+        self.note(key);
+        let inserted = insert();
+        self.note(key);
+        inserted
     }
 
     /// The share of `half`'s bits that are set.
