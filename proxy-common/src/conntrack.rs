@@ -103,12 +103,19 @@ impl CtKey {
     }
 
     /// The key's bucket of the embryonic table (see CtBucket), of `mask + 1` buckets: the low
-    /// bits of MurmurHash3's 64-bit finalizer, which every bit of the key reaches. (The flow
-    /// cache's single multiply needs a constant count of slots; this table's is the loader's.)
+    /// bits of its hash. (The flow cache's single multiply needs a constant count of slots;
+    /// this table's is the loader's.)
     #[inline(always)]
     pub fn bucket(&self, mask: u32) -> u32 {
+        self.bucket_hash() as u32 & mask
+    }
+
+    /// MurmurHash3's 64-bit finalizer of the key, which every bit of the key reaches: its low
+    /// bits pick the key's embryonic bucket, its top bits the key's hint bit there (CtHinted).
+    #[inline(always)]
+    fn bucket_hash(&self) -> u64 {
         let k = self.words();
-        fmix64(k[0] ^ k[1].rotate_left(29)) as u32 & mask
+        fmix64(k[0] ^ k[1].rotate_left(29))
     }
 
     /// An empty way of a CtBucket holds the zero key (no flow's protocol is 0).
@@ -246,8 +253,14 @@ impl CtKey6 {
     /// The key's bucket of IPv6's embryonic table (CtBucket6), as `CtKey::bucket`.
     #[inline(always)]
     pub fn bucket(&self, mask: u32) -> u32 {
+        self.bucket_hash() as u32 & mask
+    }
+
+    /// As `CtKey::bucket_hash`.
+    #[inline(always)]
+    fn bucket_hash(&self) -> u64 {
         let w = self.words();
-        fmix64(w[0] ^ w[1].rotate_left(13) ^ w[2].rotate_left(29) ^ w[3].rotate_left(43) ^ w[4].rotate_left(53)) as u32 & mask
+        fmix64(w[0] ^ w[1].rotate_left(13) ^ w[2].rotate_left(29) ^ w[3].rotate_left(43) ^ w[4].rotate_left(53))
     }
 
     /// An empty way of a CtBucket6 holds the zero key.
@@ -277,22 +290,30 @@ pub const CT_PENDING_SLOTS: usize = 4;
 /// The ways of a CtBucket (and a CtBucket6).
 pub const CT_BUCKET_WAYS: usize = 4;
 
-/// The assured tables' hints (KPR_CT_HINT_V1, KPR_CT6_HINT_V1): arrays of words that say
-/// which keys an assured table may hold, so that a new flow skips the probes of its tuple and
-/// its reply tuple there (two cold hash-bucket reads) when it cannot. A key has a bit in each
+/// The assured tables' hints: words in each bucket of the family's embryonic table (`hint` of
+/// CtBucket and CtBucket6) that say which keys the assured table may hold, so that a new flow
+/// skips the lookups of its tuple and its reply tuple there (two cold hash-bucket reads) when it
+/// cannot. A key's bit is in its own embryonic bucket's lock line, which the flow's probe and
+/// insert of that key read anyway: the hint costs no line of its own. The key has a bit in each
 /// half of one word (`hint_slot`); a bit set in either half: the key may be there; clear in
 /// both: it is not. Whatever puts a key into an assured table sets both bits, before the insert
 /// (a reader never meets the key unhinted) and after it (see the collector's rebuild). Bits
 /// are never cleared one by one: the agent's collector rebuilds one half at a time from a full
 /// read of the table (cleared first, then each key read sets its bit), the other half answering
 /// meanwhile, so bits of keys gone (deleted, or evicted by the LRU) go within two passes. A
-/// load sets every bit: until two passes have run, every probe happens, as without the hint.
+/// load sets every bit: until two passes have run, every lookup happens, as without the hint.
 pub trait CtHinted {
-    /// The hint's words (a power of two).
-    const HINT_WORDS: u32;
-    /// The key's word, and its bit in the low half (the high half's is 32 above).
-    fn hint_slot(&self) -> (u32, u32);
+    /// The key's hint word, of a table of `mask + 1` buckets, counted across the buckets
+    /// (bucket x CT_HINT_WORDS + the word in it), and its bit in the word's low half (the high
+    /// half's is 32 above). The bucket is the key's own (`bucket`); the word and the bit come
+    /// from the hash's top bits, which the bucket's index never uses.
+    fn hint_slot(&self, mask: u32) -> (u32, u32);
 }
+
+/// The hint's words in each embryonic bucket: 128 bits a half (IPv4's default table, 32,768
+/// buckets: 4,194,304 a half, about a ninth of them set with the default assured table of
+/// 524,288 entries full; IPv6's 8,192 buckets against 65,536 entries, a sixteenth).
+pub const CT_HINT_WORDS: usize = 4;
 
 /// The two bits of a key's `hint_slot` bit, one a half.
 #[inline(always)]
@@ -306,35 +327,29 @@ pub const fn hint_half(half: u32) -> u64 {
     0xffff_ffff << (32 * (half & 1))
 }
 
-/// 2,097,152 bits a half, 512 KiB: about a fifth of them set with the default assured table
-/// (524,288 entries) full.
-impl CtHinted for CtKey {
-    const HINT_WORDS: u32 = 1 << 16;
-    #[inline(always)]
-    fn hint_slot(&self) -> (u32, u32) {
-        let k = self.words();
-        let h = fmix64(k[0].rotate_left(41) ^ k[1] ^ 0x6a09_e667_f3bc_c909);
-        (h as u32 & (Self::HINT_WORDS - 1), (h >> 59) as u32)
-    }
+macro_rules! ct_hinted_impl {
+    ($key:ty) => {
+        impl CtHinted for $key {
+            #[inline(always)]
+            fn hint_slot(&self, mask: u32) -> (u32, u32) {
+                let h = self.bucket_hash();
+                ((h as u32 & mask) * CT_HINT_WORDS as u32 + (h >> 62) as u32, (h >> 57) as u32 & 31)
+            }
+        }
+    };
 }
-
-/// A quarter of IPv4's, for an assured table of an eighth the size (65,536 entries).
-impl CtHinted for CtKey6 {
-    const HINT_WORDS: u32 = 1 << 14;
-    #[inline(always)]
-    fn hint_slot(&self) -> (u32, u32) {
-        let w = self.words();
-        let h = fmix64(w[0].rotate_left(7) ^ w[1].rotate_left(19) ^ w[2].rotate_left(31) ^ w[3].rotate_left(47) ^ w[4] ^ 0x6a09_e667_f3bc_c909);
-        (h as u32 & (Self::HINT_WORDS - 1), (h >> 59) as u32)
-    }
-}
+ct_hinted_impl!(CtKey);
+ct_hinted_impl!(CtKey6);
+const _: () = assert!(CT_HINT_WORDS == 4, "hint_slot takes the word from the hash's top two bits");
 
 /// A bucket of the IPv4 embryonic table (KPR_CT_NEW_V3), an array the data path probes without
 /// a helper call: up to four entries whose keys hash to it (`CtKey::bucket`). The keys fill
 /// the first cache line, so a probe reads one line; the lock the next, which the CPU fetches
 /// with it; the values the two after. A writer (a CPU inserting or deleting, the agent through
 /// its mapping of the array) holds `lock`; readers do not take it. A full bucket's insert
-/// evicts the flow of its oldest entry.
+/// evicts the flow of its oldest entry. The lock's line also holds the assured table's hint
+/// for the bucket's keys (`hint`, see CtHinted), changed only by atomic ORs and ANDs, without
+/// the lock. (Padding before this layout: a load fills it, so the array's pin is kept.)
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct CtBucket {
@@ -342,12 +357,14 @@ pub struct CtBucket {
     pub keys: [CtKey; CT_BUCKET_WAYS],
     /// 0: free; 1: held. 64 bits: the data path takes it with BPF's 64-bit compare-and-exchange.
     pub lock: u64,
-    pub _pad: [u64; 7],
+    pub hint: [u64; CT_HINT_WORDS],
+    pub _pad: [u64; 3],
     pub values: [CtValue; CT_BUCKET_WAYS],
 }
 const _: () = assert!(core::mem::size_of::<CtBucket>() == 256);
 const _: () = assert!(core::mem::offset_of!(CtBucket, lock) == 64);
 const _: () = assert!(core::mem::offset_of!(CtBucket, values) == 128);
+const _: () = assert!(core::mem::offset_of!(CtBucket, hint) == 72);
 
 /// A bucket of IPv6's embryonic table (KPR_CT6_NEW_V3), as CtBucket: the keys in the first
 /// lines, the lock in a line of its own, the values after it.
@@ -359,18 +376,20 @@ pub struct CtBucket6 {
     pub _pad0: [u64; 4],
     /// As CtBucket's.
     pub lock: u64,
-    pub _pad1: [u64; 7],
+    pub hint: [u64; CT_HINT_WORDS],
+    pub _pad1: [u64; 3],
     pub values: [CtValue6; CT_BUCKET_WAYS],
     pub _pad2: [u64; 4],
 }
 const _: () = assert!(core::mem::size_of::<CtBucket6>() == 512);
 const _: () = assert!(core::mem::offset_of!(CtBucket6, lock) == 192);
 const _: () = assert!(core::mem::offset_of!(CtBucket6, values) == 256);
+const _: () = assert!(core::mem::offset_of!(CtBucket6, hint) == 200);
 
 /// What both families' embryonic buckets share (CtBucket, CtBucket6), for the code written once
 /// for either table: proxy-ebpf's embryonic.rs and the agent's mapping of the arrays.
 pub trait CtBuckets: Pod {
-    type Key: Pod + PartialEq + Default + core::fmt::Debug;
+    type Key: Pod + PartialEq + Default + core::fmt::Debug + CtHinted;
     type Value: Pod + core::fmt::Debug;
     /// The key's bucket of `mask + 1`.
     fn bucket(k: &Self::Key, mask: u32) -> u32;
@@ -382,6 +401,8 @@ pub trait CtBuckets: Pod {
     fn key(b: *mut Self, w: usize) -> *mut Self::Key;
     fn value(b: *mut Self, w: usize) -> *mut Self::Value;
     fn lock(b: *mut Self) -> *mut u64;
+    /// Hint word `w` (of CT_HINT_WORDS).
+    fn hint(b: *mut Self, w: usize) -> *mut u64;
 }
 
 macro_rules! ct_buckets_impl {
@@ -412,6 +433,10 @@ macro_rules! ct_buckets_impl {
             #[inline(always)]
             fn lock(b: *mut Self) -> *mut u64 {
                 b.cast::<u8>().wrapping_add(core::mem::offset_of!($bucket, lock)).cast::<u64>()
+            }
+            #[inline(always)]
+            fn hint(b: *mut Self, w: usize) -> *mut u64 {
+                b.cast::<u8>().wrapping_add(core::mem::offset_of!($bucket, hint)).cast::<u64>().wrapping_add(w)
             }
         }
     };

@@ -16,14 +16,13 @@ macro_rules! map_name {
     // V3: the key carries the hook direction, one flow has up to four entries.
     (CONNTRACK) => { "KPR_CT_V3" };
     // V3: an array of 4-way buckets (CtBucket), mmapable (a preallocated hash before, and an
-    // LRU before that).
+    // LRU before that). Its lock line's padding became the assured table's hint (CtHinted): a
+    // load fills it, an earlier release ignores it, so the layout keeps its name.
     (CONNTRACK_NEW) => { "KPR_CT_NEW_V3" };
     (CONNTRACK6) => { "KPR_CT6_V1" };
     // V3: an array of 4-way buckets (CtBucket6), as IPv4's (a preallocated hash before, and
     // an LRU before that).
     (CONNTRACK6_NEW) => { "KPR_CT6_NEW_V3" };
-    (CONNTRACK_HINT) => { "KPR_CT_HINT_V1" };
-    (CONNTRACK6_HINT) => { "KPR_CT6_HINT_V1" };
     (IFACES) => { "KPR_IFACE_V1" };
     (AFFINITY) => { "KPR_AFF_V1" };
     (SOURCE_RANGES) => { "KPR_SRCRNG_V1" };
@@ -69,9 +68,6 @@ pub mod map_names {
     pub const CONNTRACK6: &str = map_name!(CONNTRACK6);
     /// IPv6 TCP flows whose handshake has not completed yet (as CONNTRACK_NEW for IPv4).
     pub const CONNTRACK6_NEW: &str = map_name!(CONNTRACK6_NEW);
-    /// Which keys the assured tables may hold (see proxy_common::CtHinted), IPv4's and IPv6's.
-    pub const CONNTRACK_HINT: &str = map_name!(CONNTRACK_HINT);
-    pub const CONNTRACK6_HINT: &str = map_name!(CONNTRACK6_HINT);
     /// Interface index -> what the data path needs to know of it (IfaceInfo).
     pub const IFACES: &str = map_name!(IFACES);
     pub const AFFINITY: &str = map_name!(AFFINITY);
@@ -94,7 +90,7 @@ pub mod map_names {
     pub const SETS: [&str; 5] = [SET_IP_PORT, SET_IP_PORT_IP, SET_IP_PORT_NET, SET_PORT, SET_IP];
     /// Pins of earlier layouts: removed at load, so an upgrade does not keep them (and their
     /// memory) alive next to their successors.
-    pub const RETIRED: [&str; 25] = [
+    pub const RETIRED: [&str; 27] = [
         "KPR_SVC_V1",
         "KPR_SLOT_V1",
         "KPR_BE_V1",
@@ -120,6 +116,9 @@ pub mod map_names {
         CONNTRACK6_NEW_V1,
         CONNTRACK_NEW_V2,
         CONNTRACK6_NEW_V2,
+        // The assured tables' hints as arrays of their own: now in the embryonic buckets.
+        "KPR_CT_HINT_V1",
+        "KPR_CT6_HINT_V1",
     ];
     /// The backend map before it was an array (a hash map of the same entries): at load its
     /// entries are carried into KPR_BE_V3 with their ids, then its pin is removed.
@@ -142,7 +141,7 @@ pub mod map_names {
     /// The retired maps whose entries a load carries over before it removes their pins.
     pub const CARRIED: [&str; 6] = [BACKENDS_V2, CONNTRACK_NEW_V1, COUNTERS_V6, CONNTRACK6_NEW_V1, CONNTRACK_NEW_V2, CONNTRACK6_NEW_V2];
     /// Every map the fast path pins.
-    pub const ALL: [&str; 21] = [
+    pub const ALL: [&str; 19] = [
         SERVICES,
         SLOTS,
         MAGLEV,
@@ -151,8 +150,6 @@ pub mod map_names {
         CONNTRACK_NEW,
         CONNTRACK6,
         CONNTRACK6_NEW,
-        CONNTRACK_HINT,
-        CONNTRACK6_HINT,
         IFACES,
         AFFINITY,
         SOURCE_RANGES,

@@ -1,43 +1,50 @@
-//! The assured tables' hints (CONNTRACK_HINT, CONNTRACK6_HINT; see proxy_common::CtHinted):
-//! a new flow's tuple and reply tuple are probed in the assured table only where the hint says
-//! it may hold them. Each such probe of a table of that size is a cold hash bucket, the largest
-//! part of what a new flow costs; the hint's words are a few hundred KiB.
+//! The assured tables' hints (see proxy_common::CtHinted): a new flow's tuple and reply tuple
+//! are looked up in the assured table only where the hint says it may hold them. Each such
+//! lookup of a table of that size reads a cold hash bucket, the largest part of what a new flow
+//! cost; a key's hint word is in its own embryonic bucket's lock line, which the flow's probe
+//! and insert of the same key read anyway.
 use core::intrinsics::{atomic_or, AtomicOrdering};
 
-use aya_ebpf::maps::{Array, LruHashMap};
-use proxy_common::{hint_bits, CtHinted, CtKey, CtKey6, CtValue, CtValue6};
+use aya_ebpf::maps::LruHashMap;
+use proxy_common::{hint_bits, CtBucket, CtBucket6, CtBuckets, CtHinted, CtKey, CtKey6, CtValue, CtValue6, CT_HINT_WORDS};
 
-use crate::maps::{CONNTRACK, CONNTRACK6, CONNTRACK6_HINT, CONNTRACK_HINT};
+use crate::{
+    embryonic::Table,
+    maps::{CONNTRACK, CONNTRACK6},
+};
 
-/// A family's key, with its assured table and that table's hint.
+/// A family's key, with its assured table and the embryonic table whose buckets hold the hint.
 pub(crate) trait Hinted: CtHinted + Sized + 'static {
     type Value: 'static;
+    type Bucket: Table<Key = Self>;
     fn assured() -> &'static LruHashMap<Self, Self::Value>;
-    fn hint() -> &'static Array<u64>;
 }
 
 impl Hinted for CtKey {
     type Value = CtValue;
+    type Bucket = CtBucket;
     #[inline(always)]
     fn assured() -> &'static LruHashMap<CtKey, CtValue> {
         &CONNTRACK
-    }
-    #[inline(always)]
-    fn hint() -> &'static Array<u64> {
-        &CONNTRACK_HINT
     }
 }
 
 impl Hinted for CtKey6 {
     type Value = CtValue6;
+    type Bucket = CtBucket6;
     #[inline(always)]
     fn assured() -> &'static LruHashMap<CtKey6, CtValue6> {
         &CONNTRACK6
     }
-    #[inline(always)]
-    fn hint() -> &'static Array<u64> {
-        &CONNTRACK6_HINT
-    }
+}
+
+/// `k`'s hint word (in its embryonic bucket) and its two bits; None if the bucket cannot be
+/// read.
+#[inline(always)]
+fn word<K: Hinted>(k: &K) -> Option<(*mut u64, u64)> {
+    let (word, bit) = k.hint_slot(K::Bucket::mask());
+    let b = K::Bucket::array().get_ptr_mut(word / CT_HINT_WORDS as u32)?;
+    Some((K::Bucket::hint(b, word as usize % CT_HINT_WORDS), hint_bits(bit)))
 }
 
 /// Puts `k` into its assured table, its hint's bits set before the insert (a reader never
@@ -65,9 +72,8 @@ pub(crate) fn assured<K: Hinted>(k: &K) -> Option<*mut K::Value> {
 /// Whether the assured table may hold `k` (a word it cannot read: it may).
 #[inline(always)]
 pub(crate) fn may_hold<K: Hinted>(k: &K) -> bool {
-    let (word, bit) = k.hint_slot();
-    match K::hint().get_ptr(word) {
-        Some(w) => (unsafe { core::ptr::read_volatile(w) } & hint_bits(bit)) != 0,
+    match word(k) {
+        Some((w, bits)) => (unsafe { core::ptr::read_volatile(w) } & bits) != 0,
         None => true,
     }
 }
@@ -76,9 +82,7 @@ pub(crate) fn may_hold<K: Hinted>(k: &K) -> bool {
 /// CtHinted). A word whose bits are set already is left clean in the other CPUs' caches.
 #[inline(always)]
 pub(crate) fn note<K: Hinted>(k: &K) {
-    let (word, bit) = k.hint_slot();
-    if let Some(w) = K::hint().get_ptr_mut(word) {
-        let bits = hint_bits(bit);
+    if let Some((w, bits)) = word(k) {
         if (unsafe { core::ptr::read_volatile(w) } & bits) != bits {
             unsafe { atomic_or::<u64, u64, { AtomicOrdering::SeqCst }>(w, bits) };
         }

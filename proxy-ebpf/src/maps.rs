@@ -67,7 +67,10 @@ map! {
     /// claim, its inserts) read one bucket's lines, with no hash helper, chain walk or free-list
     /// element; each is a BPF global function (embryonic.rs). A full bucket evicts the flow of
     /// its oldest entry. Mmapable: the agent's collector deletes under the same bucket lock.
-    /// The agent sizes it (ct_buckets) and sets CT_NEW_BUCKET_MASK.
+    /// Each bucket's lock line also holds CONNTRACK's hint for the bucket's keys (hint.rs): a
+    /// new flow looks CONNTRACK up for a key only where its bit is set; the agent sets every bit
+    /// at load and rebuilds a half of each word at a time. The agent sizes it (ct_buckets) and
+    /// sets CT_NEW_BUCKET_MASK.
     CONNTRACK_NEW: Array<CtBucket> = Array::pinned(ct_buckets(MAX_CONNTRACK_NEW), BPF_F_MMAPABLE)
 }
 
@@ -83,18 +86,6 @@ map! {
 }
 
 map! {
-    /// Which keys CONNTRACK may hold (proxy_common::CtHinted, hint.rs): a new flow probes
-    /// CONNTRACK for its tuple and its reply tuple only where a bit says the key may be there.
-    /// Mmapable: the agent sets every bit at load and rebuilds a half of each word at a time.
-    CONNTRACK_HINT: Array<u64> = Array::pinned(<CtKey as proxy_common::CtHinted>::HINT_WORDS, BPF_F_MMAPABLE)
-}
-
-map! {
-    /// CONNTRACK6's, as CONNTRACK_HINT.
-    CONNTRACK6_HINT: Array<u64> = Array::pinned(<CtKey6 as proxy_common::CtHinted>::HINT_WORDS, BPF_F_MMAPABLE)
-}
-
-map! {
     /// IPv6 flows from outside to the node's IPv6 NodePorts, externalIPs and LB IPs: (5-tuple,
     /// hook) -> the 4-tuple to rewrite to (see proxy_common::CtKey6). Assured flows (as IPv4's).
     CONNTRACK6: LruHashMap<CtKey6, CtValue6> = LruHashMap::pinned(MAX_CONNTRACK6, 0)
@@ -103,8 +94,9 @@ map! {
 map! {
     /// IPv6 flows not yet assured (TCP and UDP), same entries, in a table of their own so that
     /// a flood from outside evicts only its kind: bucket (CtKey6::bucket) -> up to four entries
-    /// (CtBucket6), as IPv4's CONNTRACK_NEW (embryonic.rs); the agent's collector deletes idle
-    /// flows. The agent sizes it (ct_buckets) and sets CT6_NEW_BUCKET_MASK.
+    /// (CtBucket6), as IPv4's CONNTRACK_NEW (embryonic.rs), with CONNTRACK6's hint; the agent's
+    /// collector deletes idle flows. The agent sizes it (ct_buckets) and sets
+    /// CT6_NEW_BUCKET_MASK.
     CONNTRACK6_NEW: Array<CtBucket6> = Array::pinned(ct_buckets(MAX_CONNTRACK6_NEW), BPF_F_MMAPABLE)
 }
 

@@ -276,3 +276,36 @@ fn an_earlier_counters_map_adds_its_counts_into_the_new_one() {
     let counts = KernelMaps::open(pins.path()).unwrap().counters().unwrap();
     assert_eq!(counts[counter::NEW_FLOW as usize], before_rollback + 5 * cpus as u64, "the counts from before and since the rollback");
 }
+
+/// The release before kept the assured tables' hints in arrays of their own (KPR_CT_HINT_V1,
+/// KPR_CT6_HINT_V1); they are now in the embryonic buckets' lock lines, which that release
+/// left zero. A load removes the old arrays' pins and sets every hint bit of the embryonic
+/// tables it keeps: until the collector's rebuild, every new flow looks the assured table up.
+#[test]
+fn an_earlier_releases_hint_arrays_are_unpinned_and_the_kept_buckets_hint_is_filled() {
+    use proxy_agent::dataplane::ebpf::kernel_maps::{rebuild_hints_now, Hint};
+    use proxy_common::{CtBucket, CtBucket6, CtKey, CtKey6, PROTO_TCP};
+    const ARRAY: u64 = 2;
+    const MMAPABLE: u64 = 1 << 10;
+    let pins = PinDir::new("hint-v1");
+    drop(Datapath::load_object(pins.path(), caps(64)).expect("load the object"));
+    // Rebuilt from empty assured tables: no bit set, as the earlier release's buckets are.
+    rebuild_hints_now(pins.path()).unwrap();
+    let keys: Vec<CtKey> = (1..=200u16)
+        .map(|p| CtKey { saddr: 0x0a00_0001, daddr: 0x0a60_000a, sport: p.to_be(), dport: 80u16.to_be(), proto: PROTO_TCP, ..CtKey::default() })
+        .collect();
+    let keys6: Vec<CtKey6> = keys.iter().map(|k| CtKey6 { sport: k.sport, dport: k.dport, proto: PROTO_TCP, ..CtKey6::default() }).collect();
+    let held = |pins: &PinDir| {
+        let (h, h6) =
+            (Hint::<CtBucket>::open(pins.path(), map_names::CONNTRACK_NEW).unwrap(), Hint::<CtBucket6>::open(pins.path(), map_names::CONNTRACK6_NEW).unwrap());
+        (keys.iter().filter(|k| h.may_hold(k)).count(), keys6.iter().filter(|k| h6.may_hold(k)).count())
+    };
+    assert_eq!(held(&pins), (0, 0), "rebuilt from empty tables");
+    let old: Vec<std::path::PathBuf> = ["KPR_CT_HINT_V1", "KPR_CT6_HINT_V1"].iter().map(|n| pins.path().join(n)).collect();
+    for path in &old {
+        pin_map::<u32, u64>(path, ARRAY, MMAPABLE, 1024, &[]);
+    }
+    let _dp = Datapath::load_object(pins.path(), caps(64)).expect("load over the earlier release's pins");
+    assert!(old.iter().all(|p| !p.exists()), "the hint arrays' pins are removed");
+    assert_eq!(held(&pins), (200, 200), "every bit set at load");
+}

@@ -23,7 +23,7 @@ use proxy_agent::{
     model::{BackendKey, DesiredState, Frontend, FrontendKey, Protocol},
 };
 use proxy_common::{
-    counter, map_names, prog_names, CtBucket6, CtKey, CtKey6, CtValue, CtValue6, DatapathConfig, CFG_F_NO_FLOW_CACHE, CT_DIR_EGRESS, CT_DIR_INGRESS,
+    counter, map_names, prog_names, CtBucket, CtBucket6, CtKey, CtKey6, CtValue, CtValue6, DatapathConfig, CFG_F_NO_FLOW_CACHE, CT_DIR_EGRESS, CT_DIR_INGRESS,
 };
 
 fn vip(i: u32) -> std::net::IpAddr {
@@ -149,7 +149,7 @@ fn tuple(f: &[u8]) -> (Ipv4Addr, u16, Ipv4Addr, u16) {
 /// rewrites it back: the packet alternates between the two tuples, and every repetition is a
 /// hit with a full NAT rewrite (address and port, L3 and L4 checksums). Returns the frame that
 /// hits `key`.
-fn ping_pong(ct: &mut AyaHashMap<MapData, CtKey, CtValue>, hint: &Hint<CtKey>, key: CtKey) -> Vec<u8> {
+fn ping_pong(ct: &mut AyaHashMap<MapData, CtKey, CtValue>, hint: &Hint<CtBucket>, key: CtKey) -> Vec<u8> {
     let v = ct.get(&key, 0).expect("the measured entry is assured");
     let mirror = CtKey { saddr: v.new_saddr, daddr: v.new_daddr, sport: v.new_sport, dport: v.new_dport, ..key };
     let back = CtValue { new_saddr: key.saddr, new_daddr: key.daddr, new_sport: key.sport, new_dport: key.dport, ..v };
@@ -158,7 +158,7 @@ fn ping_pong(ct: &mut AyaHashMap<MapData, CtKey, CtValue>, hint: &Hint<CtKey>, k
 }
 
 /// `ping_pong` for an IPv6 entry.
-fn ping_pong6(ct: &mut AyaHashMap<MapData, CtKey6, CtValue6>, hint: &Hint<CtKey6>, key: CtKey6) -> Vec<u8> {
+fn ping_pong6(ct: &mut AyaHashMap<MapData, CtKey6, CtValue6>, hint: &Hint<CtBucket6>, key: CtKey6) -> Vec<u8> {
     let v = ct.get(&key, 0).expect("the measured IPv6 entry");
     let mirror = CtKey6 { saddr: v.new_saddr, daddr: v.new_daddr, sport: v.new_sport, dport: v.new_dport, ..key };
     let back = CtValue6 { new_saddr: key.saddr, new_daddr: key.daddr, new_sport: key.sport, new_dport: key.dport, ..v };
@@ -171,7 +171,7 @@ fn ping_pong6(ct: &mut AyaHashMap<MapData, CtKey6, CtValue6>, hint: &Hint<CtKey6
 /// SYN-ACK at egress, the client's ACK, which makes it assured), its two entries given mirrors,
 /// both IPv6 tables emptied first (the earlier size's flows must not help, or fill, this one's).
 /// Returns (forward, reply) frames.
-fn ipv6_flow(dp: &mut Datapath, ct6: &mut AyaHashMap<MapData, CtKey6, CtValue6>, hint6: &Hint<CtKey6>, ct6_new: &Buckets<CtBucket6>) -> (Vec<u8>, Vec<u8>) {
+fn ipv6_flow(dp: &mut Datapath, ct6: &mut AyaHashMap<MapData, CtKey6, CtValue6>, hint6: &Hint<CtBucket6>, ct6_new: &Buckets<CtBucket6>) -> (Vec<u8>, Vec<u8>) {
     for (k, _) in ct6.iter().filter_map(Result::ok).collect::<Vec<_>>() {
         let _ = ct6.remove(&k);
     }
@@ -360,8 +360,8 @@ fn main() {
         proxy_agent::dataplane::ebpf::kernel_maps::open_typed(pins.path(), map_names::CONNTRACK6).expect("open IPv6 conntrack");
     let ct6_new = Buckets::<CtBucket6>::open(pins.path(), map_names::CONNTRACK6_NEW).expect("open IPv6 embryonic conntrack");
     let (hint, hint6) = (
-        Hint::<CtKey>::open(pins.path(), map_names::CONNTRACK_HINT).expect("open the assured table's hint"),
-        Hint::<CtKey6>::open(pins.path(), map_names::CONNTRACK6_HINT).expect("open IPv6's assured table's hint"),
+        Hint::<CtBucket>::open(pins.path(), map_names::CONNTRACK_NEW).expect("open the assured table's hint"),
+        Hint::<CtBucket6>::open(pins.path(), map_names::CONNTRACK6_NEW).expect("open IPv6's assured table's hint"),
     );
     // IPv6: a packet of no service and no flow (to a pod).
     let other6 = frame6(CLIENT6, "fd00:244::99", TCP, 1000, 8080, ACK, &[]);

@@ -10,7 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use proxy_common::{map_names, CtHinted, CtKey, CtKey6, CtValue, CtValue6};
+use proxy_common::{map_names, CtBucket, CtBucket6, CtBuckets, CtValue, CtValue6};
 use tracing::{error, info, warn};
 
 use crate::{
@@ -76,8 +76,8 @@ pub(super) fn start(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats, ou
             .ok();
         let mut rebuild_hints = false;
         let mut hints = (
-            Hinted::<CtKey, CtValue>::open(&pin_dir, "ipv4", map_names::CONNTRACK, map_names::CONNTRACK_HINT),
-            Hinted::<CtKey6, CtValue6>::open(&pin_dir, "ipv6", map_names::CONNTRACK6, map_names::CONNTRACK6_HINT),
+            Hinted::<CtBucket, CtValue>::open(&pin_dir, "ipv4", map_names::CONNTRACK, map_names::CONNTRACK_NEW),
+            Hinted::<CtBucket6, CtValue6>::open(&pin_dir, "ipv6", map_names::CONNTRACK6, map_names::CONNTRACK6_NEW),
         );
         let mut gc6 = Gc6::new(GC_BATCH);
         let mut gc = Gc::new(timeouts, GC_BATCH);
@@ -180,18 +180,18 @@ pub(super) fn start(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats, ou
 }
 
 /// An assured table with its hint, and the hint's rebuild (dataplane/ebpf/hint.rs).
-struct Hinted<K: CtHinted, V> {
+struct Hinted<B: CtBuckets, V> {
     family: &'static str,
-    table: KernelAssured<K, V>,
-    hint: Hint<K>,
+    table: KernelAssured<B::Key, V>,
+    hint: Hint<B>,
     rebuild: Rebuild,
 }
 
-impl<K: CtHinted + aya::Pod + bytemuck::Pod, V: aya::Pod + bytemuck::Pod> Hinted<K, V> {
+impl<B: CtBuckets<Key: aya::Pod>, V: aya::Pod + bytemuck::Pod> Hinted<B, V> {
     /// None, with a warning, where a map cannot be opened: the hint keeps every bit it has,
     /// and new flows probe the assured table as often as it says (all of them after a load).
-    fn open(pin_dir: &std::path::Path, family: &'static str, table: &'static str, hint: &'static str) -> Option<Self> {
-        match (KernelAssured::open(pin_dir, table), Hint::open(pin_dir, hint)) {
+    fn open(pin_dir: &std::path::Path, family: &'static str, table: &'static str, embryonic: &'static str) -> Option<Self> {
+        match (KernelAssured::open(pin_dir, table), Hint::open(pin_dir, embryonic)) {
             (Ok(table), Ok(hint)) => Some(Self { family, table, hint, rebuild: Rebuild::default() }),
             (Err(e), _) | (_, Err(e)) => {
                 warn!(error = %e, "the assured table's hint is not rebuilt: new flows probe the table for their tuples every time");

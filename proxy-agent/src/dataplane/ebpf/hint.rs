@@ -1,4 +1,5 @@
-//! The collector's rebuild of the assured tables' hints (see proxy_common::CtHinted): a pass
+//! The collector's rebuild of the assured tables' hints (see proxy_common::CtHinted; the words
+//! are in the embryonic tables' buckets, kernel_maps/hint.rs): a pass
 //! over a table, in bounded batches a round, clears one half of every word first, then sets
 //! the bit of each key it reads; the next pass rebuilds the other half. The half not being
 //! rebuilt answers meanwhile, and the data path sets both halves around each insert, so a key
@@ -63,23 +64,26 @@ impl Rebuild {
 mod tests {
     use std::collections::BTreeMap;
 
-    use proxy_common::{hint_bits, hint_half, CtKey, CtValue, CT_DIR_INGRESS, PROTO_TCP};
+    use proxy_common::{hint_bits, hint_half, CtKey, CtValue, CT_DIR_INGRESS, CT_HINT_WORDS, PROTO_TCP};
 
     use super::*;
 
-    /// The hint's words in memory, with the data path's `note` (both halves).
+    /// The hint's words in memory (those of 1,024 buckets, counted across them), with the data
+    /// path's `note` (both halves).
     struct FakeHint(Vec<u64>);
+
+    const MASK: u32 = 1023;
 
     impl FakeHint {
         fn filled() -> Self {
-            Self(vec![u64::MAX; CtKey::HINT_WORDS as usize])
+            Self(vec![u64::MAX; (MASK as usize + 1) * CT_HINT_WORDS])
         }
         fn may_hold(&self, k: &CtKey) -> bool {
-            let (w, bit) = k.hint_slot();
+            let (w, bit) = k.hint_slot(MASK);
             self.0[w as usize] & hint_bits(bit) != 0
         }
         fn note(&mut self, k: &CtKey) {
-            let (w, bit) = k.hint_slot();
+            let (w, bit) = k.hint_slot(MASK);
             self.0[w as usize] |= hint_bits(bit);
         }
     }
@@ -89,7 +93,7 @@ mod tests {
             self.0.iter_mut().for_each(|w| *w &= !hint_half(half));
         }
         fn note_in_half(&mut self, key: &CtKey, half: u32) {
-            let (w, bit) = key.hint_slot();
+            let (w, bit) = key.hint_slot(MASK);
             self.0[w as usize] |= hint_bits(bit) & hint_half(half);
         }
     }

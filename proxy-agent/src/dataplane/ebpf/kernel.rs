@@ -12,7 +12,7 @@ use aya::{
     programs::{links::FdLink, tc::TcAttachType, CgroupAttachMode, CgroupSockAddr, SchedClassifier, SocketFilter, Xdp},
     Ebpf, EbpfLoader,
 };
-use proxy_common::{map_names, prog_names, CtKey, CtKey6};
+use proxy_common::{map_names, prog_names, CtBucket, CtBucket6};
 
 use crate::dataplane::ebpf::{kernel_maps::Hint, maps::MapError};
 
@@ -20,7 +20,7 @@ mod capacity;
 mod links;
 mod retired;
 pub use capacity::{backend_id_limit, capacity_mismatches, capacity_of, lru_evicts_early, map_capacities, max_entries_for, small_lru_maps};
-use capacity::{bucket_masks, sized_maps, LRU_CPU_FREE};
+use capacity::{bucket_masks, coarse_hints, sized_maps, LRU_CPU_FREE};
 use links::TC_PROGRAMS;
 pub use links::{attached_links, detach, detach_fast_path, detach_tc_filters, keep_tc_ingress_for_drain, link_path, Hook};
 
@@ -127,12 +127,22 @@ impl Datapath {
                 LRU_CPU_FREE * cpus * 4
             );
         }
+        for (assured, entries, embryonic, embryonic_entries, share) in coarse_hints(pin_dir) {
+            tracing::warn!(
+                assured,
+                entries,
+                embryonic,
+                embryonic_entries,
+                share_when_full = format!("{:.0}%", share * 100.0),
+                "the assured table's hint lives in the embryonic table's buckets, too few for it: once the assured table is full, most new flows look it up for their tuples (slower, still correct); raise the embryonic capacity to an eighth of the assured one or more"
+            );
+        }
         retired.carry_into(&ebpf, pin_dir);
-        // Every bit of the assured tables' hints: every probe happens until the collector has
+        // Every bit of the assured tables' hints: every lookup happens until the collector has
         // rebuilt them from the tables (programs of an earlier release may have filled those
         // without a word to the hints).
-        Hint::<CtKey>::open(pin_dir, map_names::CONNTRACK_HINT)?.fill();
-        Hint::<CtKey6>::open(pin_dir, map_names::CONNTRACK6_HINT)?.fill();
+        Hint::<CtBucket>::open(pin_dir, map_names::CONNTRACK_NEW)?.fill();
+        Hint::<CtBucket6>::open(pin_dir, map_names::CONNTRACK6_NEW)?.fill();
         Ok(Self { ebpf, pin_dir: pin_dir.into(), tc_program: prog_names::TC_INGRESS, after_fast_path: false })
     }
 

@@ -36,17 +36,20 @@ pub fn backend_id_limit(pin_dir: &Path, wanted: u32) -> u32 {
     BY_BACKEND_ID.iter().filter_map(|name| aya::maps::MapInfo::from_pin(pin_dir.join(name)).ok()).fold(wanted, |limit, info| limit.min(info.max_entries()))
 }
 
-/// An embryonic table: an array of buckets of CT_BUCKET_WAYS.
+/// An embryonic table: an array of buckets of CT_BUCKET_WAYS, which also holds its family's
+/// assured table's hint (proxy_common::CtHinted).
 struct BucketTable {
     map: &'static str,
+    /// The assured table it hints.
+    assured: &'static str,
     /// The data path's global that holds its bucket mask (proxy-ebpf's embryonic.rs).
     mask_global: &'static str,
     capacity: fn(&Capacities) -> u32,
 }
 
 const BUCKET_TABLES: [BucketTable; 2] = [
-    BucketTable { map: map_names::CONNTRACK_NEW, mask_global: "CT_NEW_BUCKET_MASK", capacity: |c| c.conntrack_new },
-    BucketTable { map: map_names::CONNTRACK6_NEW, mask_global: "CT6_NEW_BUCKET_MASK", capacity: |c| c.conntrack6_new },
+    BucketTable { map: map_names::CONNTRACK_NEW, assured: map_names::CONNTRACK, mask_global: "CT_NEW_BUCKET_MASK", capacity: |c| c.conntrack_new },
+    BucketTable { map: map_names::CONNTRACK6_NEW, assured: map_names::CONNTRACK6, mask_global: "CT6_NEW_BUCKET_MASK", capacity: |c| c.conntrack6_new },
 ];
 
 /// Each embryonic table's bucket mask, for its data-path global: of the pinned array where
@@ -58,6 +61,29 @@ pub(super) fn bucket_masks(pin_dir: &Path, caps: &Capacities) -> Vec<(&'static s
             let buckets =
                 aya::maps::MapInfo::from_pin(pin_dir.join(t.map)).map(|i| i.max_entries()).unwrap_or_else(|_| max_entries_for(t.map, (t.capacity)(caps)));
             (t.mask_global, buckets.saturating_sub(1))
+        })
+        .collect()
+}
+
+/// The share of an assured table's hint bits set when the table holds `assured` keys: each
+/// sets one bit a half, of 32 x CT_HINT_WORDS a half in each of the embryonic table's
+/// `buckets`. It is the share of new flows that look the assured table up for their tuple.
+pub fn hint_share_set(assured: u32, buckets: u32) -> f64 {
+    let bits = f64::from(buckets.max(1)) * (32 * proxy_common::CT_HINT_WORDS) as f64;
+    1.0 - (-f64::from(assured) / bits).exp()
+}
+
+/// The pinned assured tables whose hint, once the table is full, would send more than half of
+/// new flows to the table anyway (an embryonic table small beside its assured one): (assured
+/// map, its capacity, embryonic map, its capacity, the share).
+pub fn coarse_hints(pin_dir: &Path) -> Vec<(&'static str, u32, &'static str, u32, f64)> {
+    let max_entries = |name: &str| aya::maps::MapInfo::from_pin(pin_dir.join(name)).ok().map(|i| i.max_entries());
+    BUCKET_TABLES
+        .iter()
+        .filter_map(|t| {
+            let (assured, buckets) = (max_entries(t.assured)?, max_entries(t.map)?);
+            let share = hint_share_set(assured, buckets);
+            (share > 0.5).then(|| (t.assured, assured, t.map, capacity_of(t.map, buckets), share))
         })
         .collect()
 }
@@ -141,6 +167,17 @@ pub fn small_lru_maps(pin_dir: &Path, cpus: u32) -> Vec<(&'static str, u32, u32)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_default_capacities_hint_well_and_a_small_embryonic_table_does_not() {
+        let d = Capacities::default();
+        let share = |assured: u32, embryonic: u32| hint_share_set(assured, proxy_common::ct_buckets(embryonic));
+        // IPv4: 524,288 keys in 32,768 buckets of 128 bits a half; IPv6: 65,536 in 8,192.
+        assert!((0.11..0.12).contains(&share(d.conntrack, d.conntrack_new)), "{}", share(d.conntrack, d.conntrack_new));
+        assert!((0.05..0.07).contains(&share(d.conntrack6, d.conntrack6_new)), "{}", share(d.conntrack6, d.conntrack6_new));
+        assert!(share(d.conntrack, 8_192) > 0.5, "an eighth of the buckets: most new flows look the table up");
+        assert_eq!(share(0, d.conntrack_new), 0.0);
+    }
 
     #[test]
     fn an_lru_map_evicts_early_where_the_cpus_free_lists_hold_a_quarter_of_it() {

@@ -6,7 +6,7 @@
 use std::path::Path;
 
 use aya::maps::{Array, HashMap, MapData};
-use proxy_common::{map_names, CtBucket, CtBucket6, CtHinted, CtKey, CtKey6, CtValue, CtValue6};
+use proxy_common::{map_names, CtBucket, CtBucket6, CtBuckets, CtKey, CtKey6, CtValue, CtValue6};
 
 use super::{buckets::Buckets, hint::Hint, is_enoent, op, open_typed};
 use crate::dataplane::ebpf::{
@@ -20,7 +20,7 @@ use crate::dataplane::ebpf::{
 pub struct KernelConntrack {
     assured: HashMap<MapData, CtKey, CtValue>,
     /// The assured table's hint: a key put back is noted (see proxy_common::CtHinted).
-    hint: Hint<CtKey>,
+    hint: Hint<CtBucket>,
     embryonic: Buckets<CtBucket>,
     flow_cache_gen: Array<MapData, u64>,
 }
@@ -29,7 +29,7 @@ impl KernelConntrack {
     pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
         Ok(Self {
             assured: open_typed(pin_dir, map_names::CONNTRACK)?,
-            hint: Hint::open(pin_dir, map_names::CONNTRACK_HINT)?,
+            hint: Hint::open(pin_dir, map_names::CONNTRACK_NEW)?,
             embryonic: Buckets::open(pin_dir, map_names::CONNTRACK_NEW)?,
             flow_cache_gen: open_typed(pin_dir, map_names::FLOW_CACHE_GEN)?,
         })
@@ -48,11 +48,11 @@ impl KernelConntrack {
 /// entry back (unless the data path wrote a newer one in the moment it was out), its hint's
 /// bits set around the insert as the data path's inserts set them (a rebuild of the hint may
 /// have read the table while the key was out). Returns whether it stayed out.
-fn take_if<K: bytemuck::Pod + CtHinted, V: bytemuck::Pod>(
+fn take_if<B: CtBuckets<Key: bytemuck::Pod>, V: bytemuck::Pod>(
     name: &'static str,
     map: &MapData,
-    hint: &Hint<K>,
-    key: &K,
+    hint: &Hint<B>,
+    key: &B::Key,
     keep_out: impl Fn(&V) -> bool,
 ) -> Result<bool, MapError> {
     let fd = map.fd();

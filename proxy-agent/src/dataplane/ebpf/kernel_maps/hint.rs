@@ -1,13 +1,11 @@
-//! An assured table's hint (IPv4's KPR_CT_HINT_V1, IPv6's KPR_CT6_HINT_V1; see
-//! proxy_common::CtHinted) mapped into the agent. Its words are changed only by atomic ORs and
-//! ANDs, as the data path's: set whole at load, a key's bits set around every insert the agent
-//! makes into the assured table, a half rebuilt by the collector (dataplane/ebpf/hint.rs).
-use std::{
-    marker::PhantomData,
-    sync::atomic::{AtomicU64, Ordering},
-};
+//! An assured table's hint (see proxy_common::CtHinted), in the lock lines of its family's
+//! embryonic table (IPv4's KPR_CT_NEW_V3, IPv6's KPR_CT6_NEW_V3), mapped into the agent. Its
+//! words are changed only by atomic ORs and ANDs, as the data path's: set whole at load, a
+//! key's bits set around every insert the agent makes into the assured table, a half rebuilt
+//! by the collector (dataplane/ebpf/hint.rs).
+use std::sync::atomic::{AtomicU64, Ordering};
 
-use proxy_common::{hint_bits, hint_half, map_names, CtHinted, CtKey, CtKey6, CtValue, CtValue6};
+use proxy_common::{hint_bits, hint_half, map_names, CtBucket, CtBucket6, CtBuckets, CtHinted, CtValue, CtValue6, CT_HINT_WORDS};
 
 use super::{mapped::Mapped, KernelAssured};
 use crate::dataplane::ebpf::{
@@ -15,43 +13,50 @@ use crate::dataplane::ebpf::{
     maps::MapError,
 };
 
-pub struct Hint<K: CtHinted> {
-    words: Mapped<u64>,
-    key: PhantomData<K>,
+/// The hint words of an embryonic table's buckets (`B`), for the keys of its family's assured
+/// table.
+pub struct Hint<B: CtBuckets> {
+    buckets: Mapped<B>,
 }
 
-impl<K: CtHinted> Hint<K> {
-    /// Maps the pinned hint.
+impl<B: CtBuckets> Hint<B> {
+    /// Maps the pinned embryonic table (`map`) for its hint words.
     pub fn open(pin_dir: &std::path::Path, map: &'static str) -> Result<Self, MapError> {
-        let words = Mapped::open(pin_dir, map, "a hint")?;
-        if words.count != K::HINT_WORDS {
-            return Err(MapError::Other { map, message: format!("{} words, not {}", words.count, K::HINT_WORDS) });
-        }
-        Ok(Self { words, key: PhantomData })
+        Mapped::open(pin_dir, map, "a bucket array").map(|buckets| Self { buckets })
+    }
+
+    /// The words, counted across the buckets.
+    fn words(&self) -> u32 {
+        self.buckets.count * CT_HINT_WORDS as u32
     }
 
     fn word(&self, i: u32) -> &AtomicU64 {
-        unsafe { AtomicU64::from_ptr(self.words.at(i)) }
+        let b = self.buckets.at(i / CT_HINT_WORDS as u32);
+        unsafe { AtomicU64::from_ptr(B::hint(b, i as usize % CT_HINT_WORDS)) }
+    }
+
+    fn slot(&self, key: &B::Key) -> (u32, u32) {
+        key.hint_slot(self.buckets.count - 1)
     }
 
     /// Sets every bit: every probe happens until the collector has rebuilt both halves. At
     /// each load (an earlier release's programs may have filled the table unhinted).
     pub fn fill(&self) {
-        (0..K::HINT_WORDS).for_each(|i| {
+        (0..self.words()).for_each(|i| {
             self.word(i).fetch_or(u64::MAX, Ordering::SeqCst);
         });
     }
 
     /// Sets `key`'s bits in both halves.
-    fn note(&self, key: &K) {
-        let (w, bit) = key.hint_slot();
+    fn note(&self, key: &B::Key) {
+        let (w, bit) = self.slot(key);
         self.word(w).fetch_or(hint_bits(bit), Ordering::SeqCst);
     }
 
     /// Runs `insert`, which puts `key` into the assured table, with the key's bits set before
     /// it and after it, as the data path's inserts set them (see CtHinted): every writer of an
     /// assured table in user space goes through this.
-    pub fn noting<R>(&self, key: &K, insert: impl FnOnce() -> R) -> R {
+    pub fn noting<R>(&self, key: &B::Key, insert: impl FnOnce() -> R) -> R {
         self.note(key);
         let inserted = insert();
         self.note(key);
@@ -60,25 +65,25 @@ impl<K: CtHinted> Hint<K> {
 
     /// The share of `half`'s bits that are set.
     pub fn share_set(&self, half: u32) -> f64 {
-        let ones: u32 = (0..K::HINT_WORDS).map(|i| (self.word(i).load(Ordering::Relaxed) & hint_half(half)).count_ones()).sum();
-        f64::from(ones) / (f64::from(K::HINT_WORDS) * 32.0)
+        let ones: u64 = (0..self.words()).map(|i| u64::from((self.word(i).load(Ordering::Relaxed) & hint_half(half)).count_ones())).sum();
+        ones as f64 / (f64::from(self.words()) * 32.0)
     }
 
     /// Whether the data path would probe the assured table for `key`.
-    pub fn may_hold(&self, key: &K) -> bool {
-        let (w, bit) = key.hint_slot();
+    pub fn may_hold(&self, key: &B::Key) -> bool {
+        let (w, bit) = self.slot(key);
         self.word(w).load(Ordering::SeqCst) & hint_bits(bit) != 0
     }
 }
 
-impl<K: CtHinted> HintWords<K> for Hint<K> {
+impl<B: CtBuckets> HintWords<B::Key> for Hint<B> {
     fn clear_half(&mut self, half: u32) {
-        (0..K::HINT_WORDS).for_each(|i| {
+        (0..self.words()).for_each(|i| {
             self.word(i).fetch_and(!hint_half(half), Ordering::SeqCst);
         });
     }
-    fn note_in_half(&mut self, key: &K, half: u32) {
-        let (w, bit) = key.hint_slot();
+    fn note_in_half(&mut self, key: &B::Key, half: u32) {
+        let (w, bit) = self.slot(key);
         self.word(w).fetch_or(hint_bits(bit) & hint_half(half), Ordering::SeqCst);
     }
 }
@@ -87,18 +92,18 @@ impl<K: CtHinted> HintWords<K> for Hint<K> {
 /// collector's rounds make within seconds of a load. For the tests and the benchmark, which
 /// run no collector.
 pub fn rebuild_hints_now(pin_dir: &std::path::Path) -> Result<(), MapError> {
-    fn rebuild<K: CtHinted + aya::Pod + bytemuck::Pod, V: aya::Pod + bytemuck::Pod>(
+    fn rebuild<B: CtBuckets<Key: aya::Pod>, V: aya::Pod + bytemuck::Pod>(
         pin_dir: &std::path::Path,
         table: &'static str,
-        hint: &'static str,
+        embryonic: &'static str,
     ) -> Result<(), MapError> {
-        let (table, mut hint) = (KernelAssured::<K, V>::open(pin_dir, table)?, Hint::<K>::open(pin_dir, hint)?);
+        let (table, mut hint) = (KernelAssured::<B::Key, V>::open(pin_dir, table)?, Hint::<B>::open(pin_dir, embryonic)?);
         let mut r = Rebuild::default();
         while r.passes < 2 {
             r.round(&table, &mut hint, 16_384)?;
         }
         Ok(())
     }
-    rebuild::<CtKey, CtValue>(pin_dir, map_names::CONNTRACK, map_names::CONNTRACK_HINT)?;
-    rebuild::<CtKey6, CtValue6>(pin_dir, map_names::CONNTRACK6, map_names::CONNTRACK6_HINT)
+    rebuild::<CtBucket, CtValue>(pin_dir, map_names::CONNTRACK, map_names::CONNTRACK_NEW)?;
+    rebuild::<CtBucket6, CtValue6>(pin_dir, map_names::CONNTRACK6, map_names::CONNTRACK6_NEW)
 }
