@@ -543,7 +543,7 @@ fn two_flows_meeting_on_one_backend_with_one_reply_tuple_get_distinct_ports() {
 /// runs with probes the hint skips.
 fn hint_rebuilt(l: &Loaded) {
     proxy_agent::dataplane::ebpf::kernel_maps::rebuild_hints_now(l.pins.path()).unwrap();
-    let hint = Hint::<proxy_common::CtBucket>::open(l.pins.path(), proxy_common::map_names::CONNTRACK_NEW).unwrap();
+    let hint = Hint::<proxy_common::CtBucket>::open(l.pins.path()).unwrap();
     let held = l.conntrack(Table::Assured);
     assert!(!held.is_empty() && held.iter().all(|(k, _)| hint.may_hold(k)), "every assured key is hinted");
     let others = (1..=1000u16).map(|i| CtKey { sport: (20000 + i).to_be(), ..held[0].0 }).filter(|k| hint.may_hold(k)).count();

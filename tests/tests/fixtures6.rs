@@ -185,7 +185,7 @@ fn ipv6_a_reply_tuple_held_by_an_assured_flow_moves_the_new_flows_port_through_a
     // handshake's promotion sets the flow's bits (fixtures.rs checks a rebuild that reads them).
     proxy_agent::dataplane::ebpf::kernel_maps::rebuild_hints_now(l.pins.path()).unwrap();
     handshake(&mut l, 40200, "2001:db8::80", 80, BACKEND, &[]);
-    let hint = Hint::<proxy_common::CtBucket6>::open(l.pins.path(), proxy_common::map_names::CONNTRACK6_NEW).unwrap();
+    let hint = Hint::<proxy_common::CtBucket6>::open(l.pins.path()).unwrap();
     let held = l.maps.ipv6_flows(Table::Assured).unwrap();
     assert!(held.len() == 2 && held.iter().all(|(k, _)| hint.may_hold(k)), "the flow's two entries are assured and hinted");
     let others = (1..=1000u16).map(|i| CtKey6 { sport: (20000 + i).to_be(), ..held[0].0 }).filter(|k| hint.may_hold(k)).count();

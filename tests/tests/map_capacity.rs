@@ -296,8 +296,7 @@ fn an_earlier_releases_hint_arrays_are_unpinned_and_the_kept_buckets_hint_is_fil
         .collect();
     let keys6: Vec<CtKey6> = keys.iter().map(|k| CtKey6 { sport: k.sport, dport: k.dport, proto: PROTO_TCP, ..CtKey6::default() }).collect();
     let held = |pins: &PinDir| {
-        let (h, h6) =
-            (Hint::<CtBucket>::open(pins.path(), map_names::CONNTRACK_NEW).unwrap(), Hint::<CtBucket6>::open(pins.path(), map_names::CONNTRACK6_NEW).unwrap());
+        let (h, h6) = (Hint::<CtBucket>::open(pins.path()).unwrap(), Hint::<CtBucket6>::open(pins.path()).unwrap());
         (keys.iter().filter(|k| h.may_hold(k)).count(), keys6.iter().filter(|k| h6.may_hold(k)).count())
     };
     assert_eq!(held(&pins), (0, 0), "rebuilt from empty tables");

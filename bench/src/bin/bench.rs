@@ -360,8 +360,8 @@ fn main() {
         proxy_agent::dataplane::ebpf::kernel_maps::open_typed(pins.path(), map_names::CONNTRACK6).expect("open IPv6 conntrack");
     let ct6_new = Buckets::<CtBucket6>::open(pins.path(), map_names::CONNTRACK6_NEW).expect("open IPv6 embryonic conntrack");
     let (hint, hint6) = (
-        Hint::<CtBucket>::open(pins.path(), map_names::CONNTRACK_NEW).expect("open the assured table's hint"),
-        Hint::<CtBucket6>::open(pins.path(), map_names::CONNTRACK6_NEW).expect("open IPv6's assured table's hint"),
+        Hint::<CtBucket>::open(pins.path()).expect("open the assured table's hint"),
+        Hint::<CtBucket6>::open(pins.path()).expect("open IPv6's assured table's hint"),
     );
     // IPv6: a packet of no service and no flow (to a pod).
     let other6 = frame6(CLIENT6, "fd00:244::99", TCP, 1000, 8080, ACK, &[]);

@@ -10,7 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use proxy_common::{map_names, CtBucket, CtBucket6, CtBuckets, CtValue, CtValue6};
+use proxy_common::{CtBucket, CtBucket6};
 use tracing::{error, info, warn};
 
 use crate::{
@@ -21,7 +21,9 @@ use crate::{
         endpoint_cleanup,
         hint::Rebuild,
         kernel,
-        kernel_maps::{Hint, KernelAssured, KernelBackendLoads, KernelBackendNames, KernelConntrack, KernelEmbryonic6, KernelFailureCounts, KernelSockRev},
+        kernel_maps::{
+            Hint, HintedFamily, KernelAssured, KernelBackendLoads, KernelBackendNames, KernelConntrack, KernelEmbryonic6, KernelFailureCounts, KernelSockRev,
+        },
         maps::write_loads,
         outlier::{self, Outliers},
         sync::RemovedBackend,
@@ -76,8 +78,8 @@ pub(super) fn start(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats, ou
             .ok();
         let mut rebuild_hints = false;
         let mut hints = (
-            Hinted::<CtBucket, CtValue>::open(&pin_dir, "ipv4", map_names::CONNTRACK, map_names::CONNTRACK_NEW),
-            Hinted::<CtBucket6, CtValue6>::open(&pin_dir, "ipv6", map_names::CONNTRACK6, map_names::CONNTRACK6_NEW),
+            Hinted::<CtBucket>::open(&pin_dir),
+            Hinted::<CtBucket6>::open(&pin_dir),
         );
         let mut gc6 = Gc6::new(GC_BATCH);
         let mut gc = Gc::new(timeouts, GC_BATCH);
@@ -180,19 +182,18 @@ pub(super) fn start(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats, ou
 }
 
 /// An assured table with its hint, and the hint's rebuild (dataplane/ebpf/hint.rs).
-struct Hinted<B: CtBuckets, V> {
-    family: &'static str,
-    table: KernelAssured<B::Key, V>,
+struct Hinted<B: HintedFamily> {
+    table: KernelAssured<B::Key, B::AssuredValue>,
     hint: Hint<B>,
     rebuild: Rebuild,
 }
 
-impl<B: CtBuckets<Key: aya::Pod>, V: aya::Pod + bytemuck::Pod> Hinted<B, V> {
+impl<B: HintedFamily> Hinted<B> {
     /// None, with a warning, where a map cannot be opened: the hint keeps every bit it has,
     /// and new flows probe the assured table as often as it says (all of them after a load).
-    fn open(pin_dir: &std::path::Path, family: &'static str, table: &'static str, embryonic: &'static str) -> Option<Self> {
-        match (KernelAssured::open(pin_dir, table), Hint::open(pin_dir, embryonic)) {
-            (Ok(table), Ok(hint)) => Some(Self { family, table, hint, rebuild: Rebuild::default() }),
+    fn open(pin_dir: &std::path::Path) -> Option<Self> {
+        match (KernelAssured::open(pin_dir, B::ASSURED), Hint::open(pin_dir)) {
+            (Ok(table), Ok(hint)) => Some(Self { table, hint, rebuild: Rebuild::default() }),
             (Err(e), _) | (_, Err(e)) => {
                 warn!(error = %e, "the assured table's hint is not rebuilt: new flows probe the table for their tuples every time");
                 None
@@ -205,10 +206,10 @@ impl<B: CtBuckets<Key: aya::Pod>, V: aya::Pod + bytemuck::Pod> Hinted<B, V> {
             Ok(None) => {}
             Ok(Some(half)) => {
                 let s = stats.lock().unwrap();
-                s.m.hint_passes_total.with_label_values(&[self.family]).inc();
-                s.m.hint_bits_set.with_label_values(&[self.family]).set(self.hint.share_set(half));
+                s.m.hint_passes_total.with_label_values(&[B::FAMILY]).inc();
+                s.m.hint_bits_set.with_label_values(&[B::FAMILY]).set(self.hint.share_set(half));
             }
-            Err(e) => warn!(family = self.family, error = %e, "a round of the assured table's hint rebuild failed; the next round reads the batch again"),
+            Err(e) => warn!(family = B::FAMILY, error = %e, "a round of the assured table's hint rebuild failed; the next round reads the batch again"),
         }
     }
 }

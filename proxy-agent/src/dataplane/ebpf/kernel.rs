@@ -12,7 +12,7 @@ use aya::{
     programs::{links::FdLink, tc::TcAttachType, CgroupAttachMode, CgroupSockAddr, SchedClassifier, SocketFilter, Xdp},
     Ebpf, EbpfLoader,
 };
-use proxy_common::{map_names, prog_names, CtBucket, CtBucket6};
+use proxy_common::{prog_names, CtBucket, CtBucket6};
 
 use crate::dataplane::ebpf::{kernel_maps::Hint, maps::MapError};
 
@@ -141,8 +141,8 @@ impl Datapath {
         // Every bit of the assured tables' hints: every lookup happens until the collector has
         // rebuilt them from the tables (programs of an earlier release may have filled those
         // without a word to the hints).
-        Hint::<CtBucket>::open(pin_dir, map_names::CONNTRACK_NEW)?.fill();
-        Hint::<CtBucket6>::open(pin_dir, map_names::CONNTRACK6_NEW)?.fill();
+        Hint::<CtBucket>::open(pin_dir)?.fill();
+        Hint::<CtBucket6>::open(pin_dir)?.fill();
         Ok(Self { ebpf, pin_dir: pin_dir.into(), tc_program: prog_names::TC_INGRESS, after_fast_path: false })
     }
 
@@ -339,6 +339,8 @@ pub fn cgroup2_root() -> Option<PathBuf> {
 
 #[cfg(test)]
 mod tests {
+    use proxy_common::map_names;
+
     use super::*;
 
     /// Retired pins are removed at every load: a name in use there would unpin a live map.

@@ -20,7 +20,7 @@ mod hint;
 mod mapped;
 pub use buckets::Buckets;
 pub use conntrack::{KernelAssured, KernelConntrack, KernelEmbryonic6};
-pub use hint::{rebuild_hints_now, Hint};
+pub use hint::{rebuild_hints_now, Hint, HintedFamily};
 
 pub(crate) fn op(map: &'static str, op: &'static str, e: AyaMapError) -> MapError {
     let source = match e {

@@ -4,9 +4,9 @@
 //! too small for them evicts early).
 use std::path::Path;
 
-use proxy_common::map_names;
+use proxy_common::{map_names, CtBucket, CtBucket6};
 
-use crate::settings::Capacities;
+use crate::{dataplane::ebpf::kernel_maps::HintedFamily, settings::Capacities};
 
 /// The maps whose capacity the settings give, with it.
 pub(super) fn sized_maps(caps: &Capacities) -> [(&'static str, u32); 11] {
@@ -48,8 +48,8 @@ struct BucketTable {
 }
 
 const BUCKET_TABLES: [BucketTable; 2] = [
-    BucketTable { map: map_names::CONNTRACK_NEW, assured: map_names::CONNTRACK, mask_global: "CT_NEW_BUCKET_MASK", capacity: |c| c.conntrack_new },
-    BucketTable { map: map_names::CONNTRACK6_NEW, assured: map_names::CONNTRACK6, mask_global: "CT6_NEW_BUCKET_MASK", capacity: |c| c.conntrack6_new },
+    BucketTable { map: CtBucket::EMBRYONIC, assured: CtBucket::ASSURED, mask_global: "CT_NEW_BUCKET_MASK", capacity: |c| c.conntrack_new },
+    BucketTable { map: CtBucket6::EMBRYONIC, assured: CtBucket6::ASSURED, mask_global: "CT6_NEW_BUCKET_MASK", capacity: |c| c.conntrack6_new },
 ];
 
 /// Each embryonic table's bucket mask, for its data-path global: of the pinned array where

@@ -29,7 +29,7 @@ impl KernelConntrack {
     pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
         Ok(Self {
             assured: open_typed(pin_dir, map_names::CONNTRACK)?,
-            hint: Hint::open(pin_dir, map_names::CONNTRACK_NEW)?,
+            hint: Hint::open(pin_dir)?,
             embryonic: Buckets::open(pin_dir, map_names::CONNTRACK_NEW)?,
             flow_cache_gen: open_typed(pin_dir, map_names::FLOW_CACHE_GEN)?,
         })

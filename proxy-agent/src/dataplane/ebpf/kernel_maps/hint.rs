@@ -13,18 +13,46 @@ use crate::dataplane::ebpf::{
     maps::MapError,
 };
 
+/// A family's embryonic table, whose buckets hold its assured table's hint: the pair, named
+/// once for everything that opens a hint.
+pub trait HintedFamily: CtBuckets<Key: aya::Pod> {
+    /// The family's metric label.
+    const FAMILY: &'static str;
+    /// The embryonic table, whose buckets hold the words.
+    const EMBRYONIC: &'static str;
+    /// The assured table they hint, and its value.
+    const ASSURED: &'static str;
+    type AssuredValue: aya::Pod + bytemuck::Pod;
+}
+
+impl HintedFamily for CtBucket {
+    const FAMILY: &'static str = "ipv4";
+    const EMBRYONIC: &'static str = map_names::CONNTRACK_NEW;
+    const ASSURED: &'static str = map_names::CONNTRACK;
+    type AssuredValue = CtValue;
+}
+
+impl HintedFamily for CtBucket6 {
+    const FAMILY: &'static str = "ipv6";
+    const EMBRYONIC: &'static str = map_names::CONNTRACK6_NEW;
+    const ASSURED: &'static str = map_names::CONNTRACK6;
+    type AssuredValue = CtValue6;
+}
+
 /// The hint words of an embryonic table's buckets (`B`), for the keys of its family's assured
 /// table.
 pub struct Hint<B: CtBuckets> {
     buckets: Mapped<B>,
 }
 
-impl<B: CtBuckets> Hint<B> {
-    /// Maps the pinned embryonic table (`map`) for its hint words.
-    pub fn open(pin_dir: &std::path::Path, map: &'static str) -> Result<Self, MapError> {
-        Mapped::open(pin_dir, map, "a bucket array").map(|buckets| Self { buckets })
+impl<B: HintedFamily> Hint<B> {
+    /// Maps the family's pinned embryonic table for its hint words.
+    pub fn open(pin_dir: &std::path::Path) -> Result<Self, MapError> {
+        Mapped::open(pin_dir, B::EMBRYONIC, "a bucket array").map(|buckets| Self { buckets })
     }
+}
 
+impl<B: CtBuckets> Hint<B> {
     /// The words, counted across the buckets.
     fn words(&self) -> u32 {
         self.buckets.count * CT_HINT_WORDS as u32
@@ -92,18 +120,14 @@ impl<B: CtBuckets> HintWords<B::Key> for Hint<B> {
 /// collector's rounds make within seconds of a load. For the tests and the benchmark, which
 /// run no collector.
 pub fn rebuild_hints_now(pin_dir: &std::path::Path) -> Result<(), MapError> {
-    fn rebuild<B: CtBuckets<Key: aya::Pod>, V: aya::Pod + bytemuck::Pod>(
-        pin_dir: &std::path::Path,
-        table: &'static str,
-        embryonic: &'static str,
-    ) -> Result<(), MapError> {
-        let (table, mut hint) = (KernelAssured::<B::Key, V>::open(pin_dir, table)?, Hint::<B>::open(pin_dir, embryonic)?);
+    fn rebuild<B: HintedFamily>(pin_dir: &std::path::Path) -> Result<(), MapError> {
+        let (table, mut hint) = (KernelAssured::<B::Key, B::AssuredValue>::open(pin_dir, B::ASSURED)?, Hint::<B>::open(pin_dir)?);
         let mut r = Rebuild::default();
         while r.passes < 2 {
             r.round(&table, &mut hint, 16_384)?;
         }
         Ok(())
     }
-    rebuild::<CtBucket, CtValue>(pin_dir, map_names::CONNTRACK, map_names::CONNTRACK_NEW)?;
-    rebuild::<CtBucket6, CtValue6>(pin_dir, map_names::CONNTRACK6, map_names::CONNTRACK6_NEW)
+    rebuild::<CtBucket>(pin_dir)?;
+    rebuild::<CtBucket6>(pin_dir)
 }
