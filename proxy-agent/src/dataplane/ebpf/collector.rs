@@ -19,7 +19,7 @@ use crate::{
         conntrack::{Gc, Timeouts},
         conntrack6::Gc6,
         endpoint_cleanup,
-        hint::Rebuild,
+        hint::{PassBatch, Rebuild},
         kernel,
         kernel_maps::{
             Hint, HintedFamily, KernelAssured, KernelBackendLoads, KernelBackendNames, KernelConntrack, KernelEmbryonic6, KernelFailureCounts, KernelSockRev,
@@ -78,8 +78,10 @@ pub(super) fn start(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats, ou
             .ok();
         let mut rebuild_hints = false;
         let mut hints = (
-            Hinted::<CtBucket>::open(&pin_dir),
-            Hinted::<CtBucket6>::open(&pin_dir),
+            // IPv4's follows the collector's passes over its table (`gc` below); IPv6's reads
+            // its own (no collector reads that LRU).
+            Hinted::<CtBucket>::open(&pin_dir, false),
+            Hinted::<CtBucket6>::open(&pin_dir, true),
         );
         let mut gc6 = Gc6::new(GC_BATCH);
         let mut gc = Gc::new(timeouts, GC_BATCH);
@@ -121,8 +123,10 @@ pub(super) fn start(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats, ou
             }
             // One clock reading for the round: both families' tables are judged at one instant.
             let now = kernel::monotonic_ns();
+            let mut assured_batch = None;
             match gc.round(&mut tables, now) {
-                Ok(st) => {
+                Ok(mut st) => {
+                    assured_batch = Some(std::mem::take(&mut st.assured));
                     if st.flows > 0 || st.aged > 0 {
                         tracing::debug!(read = st.read, flows = st.flows, entries = st.entries, kept = st.kept, aged = st.aged, "collected idle flows");
                     }
@@ -158,7 +162,7 @@ pub(super) fn start(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats, ou
             }
             if rebuild_hints {
                 if let Some(h) = hints.0.as_mut() {
-                    h.round(&stats);
+                    h.follow(assured_batch.as_ref(), &stats);
                 }
                 if let Some(h) = hints.1.as_mut() {
                     h.round(&stats);
@@ -181,35 +185,50 @@ pub(super) fn start(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats, ou
     }
 }
 
-/// An assured table with its hint, and the hint's rebuild (dataplane/ebpf/hint.rs).
+/// An assured table's hint and its rebuild (dataplane/ebpf/hint.rs): reading the table itself
+/// (`table`: IPv6's), or following the conntrack collector's passes over it (None: IPv4's,
+/// which the collector reads every round anyway).
 struct Hinted<B: HintedFamily> {
-    table: KernelAssured<B::Key, B::AssuredValue>,
+    table: Option<KernelAssured<B::Key, B::AssuredValue>>,
     hint: Hint<B>,
     rebuild: Rebuild,
 }
 
 impl<B: HintedFamily> Hinted<B> {
     /// None, with a warning, where a map cannot be opened: the hint keeps every bit it has,
-    /// and new flows probe the assured table as often as it says (all of them after a load).
-    fn open(pin_dir: &std::path::Path) -> Option<Self> {
-        match (KernelAssured::open(pin_dir, B::ASSURED), Hint::open(pin_dir)) {
-            (Ok(table), Ok(hint)) => Some(Self { table, hint, rebuild: Rebuild::default() }),
-            (Err(e), _) | (_, Err(e)) => {
-                warn!(error = %e, "the assured table's hint is not rebuilt: new flows probe the table for their tuples every time");
-                None
-            }
+    /// and new flows look the assured table up as often as it says (all of them after a load).
+    fn open(pin_dir: &std::path::Path, own_reads: bool) -> Option<Self> {
+        let opened = (|| {
+            let table = if own_reads { Some(KernelAssured::open(pin_dir, B::ASSURED)?) } else { None };
+            Ok::<_, crate::dataplane::ebpf::maps::MapError>(Self { table, hint: Hint::open(pin_dir)?, rebuild: Rebuild::default() })
+        })();
+        opened
+            .map_err(
+                |e| warn!(family = B::FAMILY, error = %e, "the assured table's hint is not rebuilt: new flows look the table up for their tuples every time"),
+            )
+            .ok()
+    }
+
+    /// A round of its own reads of the table.
+    fn round(&mut self, stats: &SharedStats) {
+        let Some(table) = self.table.as_ref() else { return };
+        match self.rebuild.round(table, &mut self.hint, GC_BATCH) {
+            Ok(rebuilt) => self.report(rebuilt, stats),
+            Err(e) => warn!(family = B::FAMILY, error = %e, "a round of the assured table's hint rebuild failed; the next round reads the batch again"),
         }
     }
 
-    fn round(&mut self, stats: &SharedStats) {
-        match self.rebuild.round(&self.table, &mut self.hint, GC_BATCH) {
-            Ok(None) => {}
-            Ok(Some(half)) => {
-                let s = stats.lock().unwrap();
-                s.m.hint_passes_total.with_label_values(&[B::FAMILY]).inc();
-                s.m.hint_bits_set.with_label_values(&[B::FAMILY]).set(self.hint.share_set(half));
-            }
-            Err(e) => warn!(family = B::FAMILY, error = %e, "a round of the assured table's hint rebuild failed; the next round reads the batch again"),
+    /// The conntrack collector's batch of the table this round (None: its round failed).
+    fn follow(&mut self, batch: Option<&PassBatch<B::Key>>, stats: &SharedStats) {
+        let rebuilt = self.rebuild.follow(&mut self.hint, batch);
+        self.report(rebuilt, stats);
+    }
+
+    fn report(&self, rebuilt: Option<u32>, stats: &SharedStats) {
+        if let Some(half) = rebuilt {
+            let s = stats.lock().unwrap();
+            s.m.hint_passes_total.with_label_values(&[B::FAMILY]).inc();
+            s.m.hint_bits_set.with_label_values(&[B::FAMILY]).set(self.hint.share_set(half));
         }
     }
 }

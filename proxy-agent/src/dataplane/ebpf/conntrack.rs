@@ -9,6 +9,7 @@ use std::collections::{BTreeSet, HashMap};
 use proxy_common::{CtKey, CtRole, CtValue, CT_DIR_EGRESS, CT_DIR_INGRESS, CT_F_CLOSING, CT_F_SNAT_PENDING, PROTO_TCP};
 
 use crate::dataplane::ebpf::{
+    hint::PassBatch,
     maps::{ConntrackTables, MapError, Table},
     observations::Observations,
 };
@@ -182,6 +183,9 @@ pub struct GcStats {
     pub aged: usize,
     /// A pass over a table ended this round: `Gc::active_flows` has a new count.
     pub pass_done: bool,
+    /// The assured table's batch this round, as read: the hint's rebuild follows this pass
+    /// (dataplane/ebpf/hint.rs) instead of reading the table a second time.
+    pub assured: PassBatch<CtKey>,
     /// Backend ids of new TCP flows whose SYN went unanswered for `outlier::SYN_TIMEOUT` (each
     /// flow once): outlier detection counts them as failures.
     pub syn_timeouts: Vec<u32>,
@@ -228,6 +232,9 @@ impl Gc {
             let (batch, next) = t.read_batch(table, cursor, self.batch)?;
             self.cursors.insert(table, next);
             st.read += batch.len();
+            if table == Table::Assured {
+                st.assured = PassBatch { keys: batch.iter().map(|(k, _)| *k).collect(), first: cursor.is_none(), last: next.is_none() };
+            }
             // Entries of flows already deleted this round (a batch may hold several of a flow).
             let mut gone: BTreeSet<CtKey> = BTreeSet::new();
             for (k, v) in batch {

@@ -21,12 +21,29 @@ pub trait AssuredKeys<K, V> {
     fn read_batch(&self, cursor: Option<u32>, max: usize) -> Result<Batch<K, V>, MapError>;
 }
 
-/// One family's rebuild: which half, and where its pass is.
+/// One batch of a pass over an assured table that another reader made (the conntrack
+/// collector's over IPv4's, `Gc::round`): its keys, and where it fell in that pass. The rebuild
+/// follows that pass rather than read the table a second time.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PassBatch<K> {
+    pub keys: Vec<K>,
+    /// The pass's first batch.
+    pub first: bool,
+    /// Its last.
+    pub last: bool,
+}
+
+/// One family's rebuild: which half, and where its pass is. It reads the table itself
+/// (`round`), or follows another reader's passes (`follow`).
 #[derive(Debug, Default)]
 pub struct Rebuild {
     half: u32,
-    /// The pass's next batch (None: a pass starts next round).
+    /// Its own pass's next batch (None: a pass starts next round).
     cursor: Option<u32>,
+    /// `half` was cleared before the batches now read were read: a pass may start.
+    cleared: bool,
+    /// A pass is noting its keys into `half`.
+    in_pass: bool,
     /// Passes completed.
     pub passes: u64,
 }
@@ -35,28 +52,63 @@ impl Rebuild {
     /// One round: a pass's next batch of `table`, up to `batch` entries (a new pass clears its
     /// half first). Returns the half rebuilt when the pass ended.
     pub fn round<K: CtHinted, V>(&mut self, table: &dyn AssuredKeys<K, V>, hint: &mut dyn HintWords<K>, batch: usize) -> Result<Option<u32>, MapError> {
-        if self.cursor.is_none() {
-            hint.clear_half(self.half);
-        }
-        // A failed read leaves the half cleared and the pass where it was: the other half keeps
-        // answering, and the next round reads the same batch again.
+        self.clear_ahead(hint);
+        // A failed read leaves the pass where it was: the other half keeps answering, and the
+        // next round reads the same batch again.
         let (entries, next) = table.read_batch(self.cursor, batch)?;
-        for (key, _) in &entries {
+        let first = self.cursor.is_none();
+        self.cursor = next;
+        Ok(self.take(hint, entries.iter().map(|(k, _)| k), first, next.is_none()))
+    }
+
+    /// A batch of another reader's pass (None: that reader's round failed, and what it read
+    /// is lost to the hint). The half a pass rebuilds must be cleared before the pass's first
+    /// read, so the rebuild clears the next half as soon as a pass ends (and when it starts
+    /// following), and takes up the first pass that starts after that. Returns the half rebuilt
+    /// when the pass ended.
+    pub fn follow<K: CtHinted>(&mut self, hint: &mut dyn HintWords<K>, batch: Option<&PassBatch<K>>) -> Option<u32> {
+        let rebuilt = match batch {
+            Some(b) => self.take(hint, b.keys.iter(), b.first, b.last),
+            None => {
+                // A batch missed: this pass cannot complete the half. The next one starts over
+                // (the half stays cleared; what was noted meanwhile is only extra bits).
+                self.in_pass = false;
+                None
+            }
+        };
+        self.clear_ahead(hint);
+        rebuilt
+    }
+
+    /// Clears `half` for the pass to come, once.
+    fn clear_ahead<K>(&mut self, hint: &mut dyn HintWords<K>) {
+        if !self.cleared {
+            hint.clear_half(self.half);
+            self.cleared = true;
+        }
+    }
+
+    /// Notes a batch's keys into the half being rebuilt; at a pass's end, the half answers and
+    /// the other is rebuilt next.
+    fn take<'a, K: 'a>(&mut self, hint: &mut dyn HintWords<K>, keys: impl Iterator<Item = &'a K>, first: bool, last: bool) -> Option<u32> {
+        if first && self.cleared {
+            self.in_pass = true;
+        }
+        if !self.in_pass {
+            return None;
+        }
+        for key in keys {
             hint.note_in_half(key, self.half);
         }
-        match next {
-            Some(c) => {
-                self.cursor = Some(c);
-                Ok(None)
-            }
-            None => {
-                let rebuilt = self.half;
-                self.cursor = None;
-                self.half ^= 1;
-                self.passes += 1;
-                Ok(Some(rebuilt))
-            }
+        if !last {
+            return None;
         }
+        let rebuilt = self.half;
+        self.half ^= 1;
+        self.cleared = false;
+        self.in_pass = false;
+        self.passes += 1;
+        Some(rebuilt)
     }
 }
 
@@ -70,13 +122,13 @@ mod tests {
 
     /// The hint's words in memory (those of 1,024 buckets, counted across them), with the data
     /// path's `note` (both halves).
-    struct FakeHint(Vec<u64>);
+    struct FakeHint(Vec<u64>, Vec<CtKey>);
 
     const MASK: u32 = 1023;
 
     impl FakeHint {
         fn filled() -> Self {
-            Self(vec![u64::MAX; (MASK as usize + 1) * CT_HINT_WORDS])
+            Self(vec![u64::MAX; (MASK as usize + 1) * CT_HINT_WORDS], Vec::new())
         }
         fn may_hold(&self, k: &CtKey) -> bool {
             let (w, bit) = k.hint_slot(MASK);
@@ -89,8 +141,12 @@ mod tests {
     }
 
     impl HintWords<CtKey> for FakeHint {
+        /// Also checks, right after the clear, that the keys the test says are in the table
+        /// (`.1`) still have a bit (the data path may look at any moment).
         fn clear_half(&mut self, half: u32) {
             self.0.iter_mut().for_each(|w| *w &= !hint_half(half));
+            let lost: Vec<&CtKey> = self.1.iter().filter(|k| !self.may_hold(k)).collect();
+            assert!(lost.is_empty(), "keys in the table unhinted after clearing half {half}: {lost:?}");
         }
         fn note_in_half(&mut self, key: &CtKey, half: u32) {
             let (w, bit) = key.hint_slot(MASK);
@@ -172,5 +228,72 @@ mod tests {
         t.0.insert(k, CtValue::default());
         h.note(&k);
         passes(&mut r, &mut t, &mut h, 3, |t, h| assert!(t.0.keys().all(|k| h.may_hold(k))));
+    }
+
+    /// Another reader's pass over the table (the conntrack collector's), with its own cursor.
+    struct Reader(Option<u32>);
+
+    impl Reader {
+        fn next(&mut self, t: &FakeTable, max: usize) -> PassBatch<CtKey> {
+            let first = self.0.is_none();
+            let (entries, next) = t.read_batch(self.0, max).unwrap();
+            self.0 = next;
+            PassBatch { keys: entries.into_iter().map(|(k, _)| k).collect(), first, last: next.is_none() }
+        }
+    }
+
+    #[test]
+    fn following_another_readers_passes_keeps_every_key_hinted_and_drops_keys_gone() {
+        let mut t = FakeTable((1000..1010).map(|p| (key(p), CtValue::default())).collect());
+        let mut h = FakeHint::filled();
+        let mut r = Rebuild::default();
+        let mut reader = Reader(None);
+        // Following starts with the reader mid-pass: that pass is not taken up.
+        reader.next(&t, 3);
+        let absent: Vec<CtKey> = (2000..2100).map(key).collect();
+        let late = key(999);
+        let mut passes_seen_first = 0;
+        for round in 0..40 {
+            let b = reader.next(&t, 3);
+            // A key put in right after the reader read a pass's first batch, into that batch's
+            // span (port 999 reads first): this pass never reads it, so its own bits (set
+            // around its insert, after the half was cleared) must carry it.
+            if b.first {
+                passes_seen_first += 1;
+                if passes_seen_first == 2 {
+                    h.note(&late);
+                    t.0.insert(late, CtValue::default());
+                    h.note(&late);
+                }
+            }
+            h.1 = t.0.keys().copied().collect();
+            let ended = r.follow(&mut h, Some(&b));
+            assert!(t.0.keys().all(|k| h.may_hold(k)), "round {round}");
+            assert_eq!(ended.is_some(), b.last && passes_seen_first > 0, "a pass the rebuild followed from its start ends with it");
+        }
+        assert!(r.passes >= 8, "{} passes", r.passes);
+        assert!(absent.iter().all(|k| !h.may_hold(k)), "keys never there lose the load's bits");
+        assert!(h.may_hold(&late));
+    }
+
+    #[test]
+    fn a_batch_the_rebuild_missed_abandons_its_pass() {
+        let t = FakeTable((1000..1010).map(|p| (key(p), CtValue::default())).collect());
+        let mut h = FakeHint::filled();
+        let mut r = Rebuild::default();
+        let mut reader = Reader(None);
+        h.1 = t.0.keys().copied().collect();
+        // 4 batches a pass. The first pass is not followed: its first batch was read before
+        // the rebuild cleared a half. In the second, the collector's round failed after it
+        // read the second batch: that pass can no longer complete a half, and ends without a
+        // flip; the third does.
+        let mut ended = Vec::new();
+        for round in 0..12 {
+            let b = reader.next(&t, 3);
+            ended.push(r.follow(&mut h, (round != 5).then_some(&b)).is_some());
+        }
+        assert_eq!(ended.iter().enumerate().filter(|(_, e)| **e).map(|(i, _)| i).collect::<Vec<_>>(), [11]);
+        assert_eq!(r.passes, 1);
+        assert!(t.0.keys().all(|k| h.may_hold(k)));
     }
 }
