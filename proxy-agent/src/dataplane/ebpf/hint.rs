@@ -3,7 +3,9 @@
 //! over a table, in bounded batches a round, clears one half of every word first, then sets
 //! the bit of each key it reads; the next pass rebuilds the other half. The half not being
 //! rebuilt answers meanwhile, and the data path sets both halves around each insert, so a key
-//! in the table always has a bit set; a key gone loses its bits within two passes.
+//! in the table always has a bit set; a key gone loses its bits within two passes. The pass is
+//! the rebuild's own reads (`round`: IPv6's table) or the conntrack collector's, which it
+//! follows (`follow`: IPv4's, read by that collector every round anyway).
 use proxy_common::CtHinted;
 
 use crate::dataplane::ebpf::{bpf_batch::Batch, maps::MapError};
