@@ -480,7 +480,7 @@ fn claim_reply(f: &Flow, be: &Backend, cfg: &DatapathConfig, s: &mut CtScratch) 
     while tries < 4 {
         let k = &s.keys[1];
         let hairpin_clash = k.saddr == k.daddr && k.dport == k.sport;
-        if !hairpin_clash && (hint::kpr_ct_hint_may_hold(k) == 0 || unsafe { CONNTRACK.get(k) }.is_none()) {
+        if !hairpin_clash && !hint::held_asking_globally(k) {
             match Table::NEW.insert(&raw const s.keys[1], &raw const s.values[1], BPF_NOEXIST, &raw mut s.pending[0]) {
                 Ok(()) => return Some(s.keys[1].dport),
                 Err(e) if e != -EEXIST => {

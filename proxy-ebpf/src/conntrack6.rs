@@ -293,9 +293,8 @@ pub fn create(f: &Flow6, backend_id: u32, service_id: u32, be: &Backend, masq: b
     s.values[0] = CtValue6 { new_saddr: f.daddr, new_daddr: f.saddr, new_sport: f.dport, new_dport: f.sport, flags: snat | CT_F_REPLY, ..blank };
     let mut tries = 0;
     loop {
-        // The reply tuple must be free in the assured table too (asked through the hint's
-        // global function, as IPv4's claim does).
-        let taken = hint::kpr_ct6_hint_may_hold(&s.keys[0]) != 0 && unsafe { CONNTRACK6.get(&s.keys[0]) }.is_some();
+        // The reply tuple must be free in the assured table too (as IPv4's claim asks).
+        let taken = hint::held_asking_globally(&s.keys[0]);
         match if taken { Err(-EEXIST) } else { table.insert6(&s.keys[0], &s.values[0], BPF_NOEXIST, &raw mut s.pending[0]) } {
             Ok(()) => break,
             Err(e) if e != -EEXIST => {

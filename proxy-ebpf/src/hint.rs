@@ -13,29 +13,13 @@ use crate::{
     maps::{CONNTRACK, CONNTRACK6},
 };
 
-/// A family's key, with its assured table and the embryonic table whose buckets hold the hint.
+/// A family's key, with its assured table, the embryonic table whose buckets hold the hint, and
+/// `may_hold` as the family's BPF global function.
 pub(crate) trait Hinted: CtHinted + Sized + 'static {
     type Value: 'static;
     type Bucket: Table<Key = Self>;
     fn assured() -> &'static LruHashMap<Self, Self::Value>;
-}
-
-impl Hinted for CtKey {
-    type Value = CtValue;
-    type Bucket = CtBucket;
-    #[inline(always)]
-    fn assured() -> &'static LruHashMap<CtKey, CtValue> {
-        &CONNTRACK
-    }
-}
-
-impl Hinted for CtKey6 {
-    type Value = CtValue6;
-    type Bucket = CtBucket6;
-    #[inline(always)]
-    fn assured() -> &'static LruHashMap<CtKey6, CtValue6> {
-        &CONNTRACK6
-    }
+    fn may_hold_global(k: &Self) -> bool;
 }
 
 /// `k`'s hint word (in its embryonic bucket) and its two bits; None if the bucket cannot be
@@ -89,21 +73,41 @@ pub(crate) fn note<K: Hinted>(k: &K) {
     }
 }
 
-/// `may_hold` as BPF global functions (verified once, on their own), for new flows' claims of
-/// their reply tuples: inlined there, the hint's registers grow new_flow's frame past what
-/// Linux 6.1 allows the call chain (512 bytes). 1: may hold; 0: does not.
-macro_rules! may_hold_global {
-    ($name:ident, $key:ty) => {
+/// Whether the assured table holds `k`, its hint asked through the family's global function:
+/// for new flows' claims of their reply tuples, where the hint's registers, inlined, grow
+/// new_flow's frame past what Linux 6.1 allows the call chain (512 bytes).
+#[inline(always)]
+pub(crate) fn held_asking_globally<K: Hinted>(k: &K) -> bool {
+    K::may_hold_global(k) && unsafe { K::assured().get(k) }.is_some()
+}
+
+/// Each family's `Hinted`, and its `may_hold` as a BPF global function (verified once, on its
+/// own; 1: may hold, 0: does not).
+macro_rules! hinted {
+    ($key:ty, $value:ty, $bucket:ty, $assured:ident, $may_hold:ident) => {
         #[no_mangle]
         #[inline(never)]
-        pub extern "C" fn $name(k: *const $key) -> i64 {
+        pub extern "C" fn $may_hold(k: *const $key) -> i64 {
             if k.is_null() {
                 return 1;
             }
             i64::from(may_hold(unsafe { &*k }))
         }
+
+        impl Hinted for $key {
+            type Value = $value;
+            type Bucket = $bucket;
+            #[inline(always)]
+            fn assured() -> &'static LruHashMap<$key, $value> {
+                &$assured
+            }
+            #[inline(always)]
+            fn may_hold_global(k: &$key) -> bool {
+                $may_hold(k) != 0
+            }
+        }
     };
 }
 
-may_hold_global!(kpr_ct_hint_may_hold, CtKey);
-may_hold_global!(kpr_ct6_hint_may_hold, CtKey6);
+hinted!(CtKey, CtValue, CtBucket, CONNTRACK, kpr_ct_hint_may_hold);
+hinted!(CtKey6, CtValue6, CtBucket6, CONNTRACK6, kpr_ct6_hint_may_hold);
