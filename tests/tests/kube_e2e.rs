@@ -123,6 +123,12 @@ fn agent_on_the_kubernetes_api_forwards_serves_health_and_metrics_and_survives_a
     assert!(metric(&m, "kpr_conntrack_hint_passes_total{family=\"ipv4\"}") >= 2.0, "{m}");
     assert!(metric(&m, "kpr_conntrack_hint_bits_set_ratio{family=\"ipv4\"}") < 0.01, "{m}");
     assert!(metric(&m, "kpr_conntrack_hint_passes_total{family=\"ipv6\"}") >= 2.0, "{m}");
+    // The syncer, both collectors, the hints and the metrics all share one mapping of each
+    // mapped array (the two embryonic tables): each mapping is the whole array in the RSS.
+    let pid = lab.agent_pid().expect("the agent runs");
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let mapped: Vec<&str> = maps.lines().filter(|l| l.ends_with("anon_inode:bpf-map")).collect();
+    assert_eq!(mapped.len(), 2, "IPv4's and IPv6's embryonic tables, once each: {mapped:#?}");
     assert!(
         m.contains("# TYPE kubeproxy_network_programming_duration_seconds histogram")
             && m.contains("kubeproxy_network_programming_duration_seconds_bucket{le=\"0.25\"}"),

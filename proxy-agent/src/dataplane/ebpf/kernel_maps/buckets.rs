@@ -29,12 +29,12 @@ enum Change<V> {
 impl<B: CtBuckets> Buckets<B> {
     /// Maps `data`, the array named `map` (the mapping keeps the map alive).
     pub fn map(map: &'static str, data: &aya::maps::MapData) -> Result<Self, MapError> {
-        Mapped::map(map, data, "a bucket array").map(Self)
+        Mapped::map(map, data).map(Self)
     }
 
     /// Maps the pinned array.
     pub fn open(pin_dir: &std::path::Path, map: &'static str) -> Result<Self, MapError> {
-        Mapped::open(pin_dir, map, "a bucket array").map(Self)
+        Mapped::open(pin_dir, map).map(Self)
     }
 
     fn bucket(&self, i: u32) -> *mut B {

@@ -48,7 +48,7 @@ pub struct Hint<B: CtBuckets> {
 impl<B: HintedFamily> Hint<B> {
     /// Maps the family's pinned embryonic table for its hint words.
     pub fn open(pin_dir: &std::path::Path) -> Result<Self, MapError> {
-        Mapped::open(pin_dir, B::EMBRYONIC, "a bucket array").map(|buckets| Self { buckets })
+        Mapped::open(pin_dir, B::EMBRYONIC).map(|buckets| Self { buckets })
     }
 }
 
