@@ -91,6 +91,7 @@ pub(super) fn start(pin_dir: PathBuf, timeouts: Timeouts, stats: SharedStats, ou
                 Ok(GcMessage::RebuildHints) => {
                     info!("every packet program is this agent's: the assured tables' hints are rebuilt from now on");
                     rebuild_hints = true;
+                    gc.hand_over_assured_keys = hints.0.is_some();
                 }
                 Ok(GcMessage::MaxAges(ages)) => {
                     info!(services = ages.len(), "frontends with a maximum connection age");

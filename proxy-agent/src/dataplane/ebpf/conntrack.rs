@@ -183,8 +183,9 @@ pub struct GcStats {
     pub aged: usize,
     /// A pass over a table ended this round: `Gc::active_flows` has a new count.
     pub pass_done: bool,
-    /// The assured table's batch this round, as read: the hint's rebuild follows this pass
-    /// (dataplane/ebpf/hint.rs) instead of reading the table a second time.
+    /// The assured table's batch this round, as read (with `Gc::hand_over_assured_keys`): the
+    /// hint's rebuild follows this pass (dataplane/ebpf/hint.rs) instead of reading the table
+    /// a second time.
     pub assured: PassBatch<CtKey>,
     /// Backend ids of new TCP flows whose SYN went unanswered for `outlier::SYN_TIMEOUT` (each
     /// flow once): outlier detection counts them as failures.
@@ -199,11 +200,14 @@ pub struct Gc {
     cursors: HashMap<Table, Option<u32>>,
     /// What the passes learn of the flows they keep.
     observed: Observations,
+    /// Hand each assured batch's keys over (`GcStats::assured`): set once the hint's rebuild
+    /// follows these passes; until then the copy would go unread.
+    pub hand_over_assured_keys: bool,
 }
 
 impl Gc {
     pub fn new(timeouts: Timeouts, batch: usize) -> Self {
-        Self { timeouts, batch, cursors: HashMap::new(), observed: Observations::default() }
+        Self { timeouts, batch, cursors: HashMap::new(), observed: Observations::default(), hand_over_assured_keys: false }
     }
 
     /// Open flows by backend id at the last whole pass over each table (what least-connection
@@ -232,7 +236,7 @@ impl Gc {
             let (batch, next) = t.read_batch(table, cursor, self.batch)?;
             self.cursors.insert(table, next);
             st.read += batch.len();
-            if table == Table::Assured {
+            if table == Table::Assured && self.hand_over_assured_keys {
                 st.assured = PassBatch { keys: batch.iter().map(|(k, _)| *k).collect(), first: cursor.is_none(), last: next.is_none() };
             }
             // Entries of flows already deleted this round (a batch may hold several of a flow).

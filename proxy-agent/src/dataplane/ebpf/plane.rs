@@ -66,7 +66,7 @@ pub struct EbpfPlane {
     ipv6: Ipv6Reach,
     /// Whether the collector was told to rebuild the assured tables' hints: once every packet
     /// program is this agent's (Interfaces::all_attached_by_this_agent).
-    hints_rebuilt: bool,
+    hint_rebuild_requested: bool,
 }
 
 /// What KPR_CFG is made of. Both modes write it: IPVS mode's programs read the local-client
@@ -195,7 +195,7 @@ impl EbpfPlane {
             stats,
             read_ahead,
             ipv6,
-            hints_rebuilt: false,
+            hint_rebuild_requested: false,
         })
     }
 }
@@ -231,11 +231,11 @@ impl Dataplane for EbpfPlane {
         if self.interfaces.reconcile(&mut self.dp, &mut self.maps) {
             sysctl::apply(&mut ProcSysctls, &sysctl::FAST_PATH_SYSCTLS);
         }
-        if !self.hints_rebuilt && self.interfaces.all_attached_by_this_agent() {
+        if !self.hint_rebuild_requested && self.interfaces.all_attached_by_this_agent() {
             if let Some(gc) = &self.gc {
                 let _ = gc.send(GcMessage::RebuildHints);
             }
-            self.hints_rebuilt = true;
+            self.hint_rebuild_requested = true;
         }
     }
 

@@ -299,3 +299,25 @@ fn purge_deletes_the_flows_of_removed_backends_at_once() {
     assert_eq!(t.assured.len(), 2);
     assert!(t.assured.values().all(|v| v.backend_id == 9));
 }
+
+/// The assured batches' keys reach the hint's rebuild only once it follows the passes, each
+/// batch with where it falls in its pass.
+#[test]
+fn assured_keys_are_handed_over_only_once_asked_with_their_place_in_the_pass() {
+    let mut t = FakeTables::default();
+    for port in 6000..6002 {
+        t.assured.extend(flow(PROTO_UDP, ("10.244.9.2", port), ("10.96.0.53", 53), ("10.244.2.2", 5353), port, None, 250_000_000_000));
+    }
+    let mut gc = Gc::new(Timeouts::default(), 2);
+    let st = gc.round(&mut t, 250_000_000_000).unwrap();
+    assert_eq!((st.read, st.assured.keys.len()), (2, 0), "not asked: no copy");
+    gc.hand_over_assured_keys = true;
+    let passes: Vec<(usize, bool, bool)> = (0..3)
+        .map(|_| {
+            let a = gc.round(&mut t, 250_000_000_000).unwrap().assured;
+            (a.keys.len(), a.first, a.last)
+        })
+        .collect();
+    // Two batches of two: the pass begun before, its last batch, then a whole pass.
+    assert_eq!(passes, [(2, false, true), (2, true, false), (2, false, true)]);
+}
