@@ -39,8 +39,8 @@ pub(crate) struct Ids {
 /// Dense: at 100,000 Services a million backends are 20 bytes each here and 4 bytes in the
 /// index, where a hash map of backend -> id took 29 bytes a bucket with half the buckets empty.
 struct BackendIds {
-    /// id -> its backend; `Backend::default()` (protocol 0, never a real one) where it is free.
-    by_id: Vec<Backend>,
+    /// id -> its backend (none where it is free).
+    by_id: BackendsById,
     /// The ids in use, found by their backend.
     by_key: HashTable<u32>,
     hasher: RandomState,
@@ -60,7 +60,7 @@ const REUSE_AFTER: Duration = Duration::from_secs(60);
 impl BackendIds {
     fn new(limit: u32) -> Self {
         Self {
-            by_id: Vec::new(),
+            by_id: BackendsById::default(),
             by_key: HashTable::new(),
             hasher: RandomState::default(),
             free: VecDeque::new(),
@@ -72,7 +72,7 @@ impl BackendIds {
     }
 
     fn in_use(&self, id: u32) -> bool {
-        self.by_id.get(id as usize).is_some_and(|b| *b != Backend::default())
+        self.by_id.in_use(id)
     }
 
     fn hash(&self, b: &Backend) -> u64 {
@@ -80,8 +80,8 @@ impl BackendIds {
     }
 
     fn find(&self, hash: u64, b: &Backend) -> Option<u32> {
-        let by_id = &self.by_id;
-        self.by_key.find(hash, |&id| by_id[id as usize] == *b).copied()
+        let (by_id, want) = (&self.by_id, Packed::of(b));
+        self.by_key.find(hash, |&id| by_id.holds(id, want, b)).copied()
     }
 
     fn get(&self, b: &Backend) -> Option<u32> {
@@ -93,21 +93,18 @@ impl BackendIds {
     }
 
     fn assign_hashed(&mut self, id: u32, b: Backend, hash: u64) {
-        if self.by_id.len() <= id as usize {
-            grow(&mut self.by_id, id, self.limit);
-        }
-        self.by_id[id as usize] = b;
+        self.by_id.set(id, b, self.limit);
         let (by_id, hasher) = (&self.by_id, &self.hasher);
-        self.by_key.insert_unique(hash, id, |&i| hasher.hash_one(by_id[i as usize]));
+        self.by_key.insert_unique(hash, id, |&i| hasher.hash_one(by_id.expect(i)));
     }
 
     /// Room for `more` backends than the table holds now, without growing it step by step:
     /// each growth rehashes every entry, reading its backend at a random place of `by_id`.
     fn reserve(&mut self, more: usize) {
         let (by_id, hasher) = (&self.by_id, &self.hasher);
-        self.by_key.reserve(more, |&i| hasher.hash_one(by_id[i as usize]));
+        self.by_key.reserve(more, |&i| hasher.hash_one(by_id.expect(i)));
         let ids = (self.by_key.len() + more + 1).min(self.limit as usize);
-        self.by_id.reserve_exact(ids.saturating_sub(self.by_id.len()));
+        self.by_id.reserve_up_to(ids);
     }
 
     /// `b`'s id, given out now if it has none; None when every id is in use.
@@ -139,8 +136,7 @@ impl BackendIds {
     fn release(&mut self, id: u32) {
         if self.orphans.contains(id) {
             self.orphans.remove(id);
-        } else if self.in_use(id) {
-            let b = std::mem::take(&mut self.by_id[id as usize]);
+        } else if let Some(b) = self.by_id.take(id) {
             if let Ok(entry) = self.by_key.find_entry(self.hasher.hash_one(b), |&i| i == id) {
                 entry.remove();
             }
@@ -228,11 +224,108 @@ impl FromIterator<u32> for IdSet {
 
 /// Makes room for index `id` in an array of at most `limit` entries: doubling, but never past
 /// the limit (an array that doubled from 750,000 to 1.5 million entries would hold 40% slack
-/// where the limit is 1 million).
+/// where the limit is 1 million), nor past room already reserved where `id` fits in it (a
+/// million backends reserved for, then doubled from 524,288 to 1,048,576, moved the array for
+/// 48,575 entries nobody asked for).
 fn grow<T: Copy + Default>(v: &mut Vec<T>, id: u32, limit: u32) {
-    let len = (v.len() * 2).max(id as usize + 1).min(limit.max(id + 1) as usize);
+    let mut len = (v.len() * 2).max(id as usize + 1).min(limit.max(id + 1) as usize);
+    if (id as usize) < v.capacity() {
+        len = len.min(v.capacity());
+    }
     v.reserve_exact(len - v.len());
     v.resize(len, T::default());
+}
+
+/// Backends by id, 8 bytes an id where `Backend` takes 20: an IPv4 backend (what nearly every
+/// id holds) packed whole; any other kept apart, its slot marked. A million backends: 8 MB, not
+/// 21 MB.
+#[derive(Debug, Default)]
+struct BackendsById {
+    slots: Vec<Packed>,
+    wide: HashMap<u32, Backend>,
+}
+
+/// A backend whose address is IPv4's (the rest of `Backend::addr` zero), or `WIDE`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Packed {
+    addr: u32,
+    port: u16,
+    proto: u8,
+    flags: u8,
+}
+
+impl Packed {
+    /// In `proto`: the backend is in `BackendsById::wide` (255 is reserved: no backend has it).
+    const WIDE: Packed = Packed { addr: 0, port: 0, proto: u8::MAX, flags: 0 };
+
+    /// `b` packed, or `WIDE` where it does not fit; `Packed::default()` (protocol 0) is a
+    /// free slot, as `Backend::default()` is no backend.
+    fn of(b: &Backend) -> Packed {
+        match b.addr {
+            [addr, 0, 0, 0] if b.proto != u8::MAX => Packed { addr, port: b.port, proto: b.proto, flags: b.flags },
+            _ => Self::WIDE,
+        }
+    }
+
+    fn unpack(self) -> Backend {
+        Backend { addr: [self.addr, 0, 0, 0], port: self.port, proto: self.proto, flags: self.flags }
+    }
+}
+
+impl BackendsById {
+    /// One past the highest id with a slot.
+    fn len(&self) -> u32 {
+        self.slots.len() as u32
+    }
+
+    fn in_use(&self, id: u32) -> bool {
+        self.slots.get(id as usize).is_some_and(|p| *p != Packed::default())
+    }
+
+    fn get(&self, id: u32) -> Option<Backend> {
+        match *self.slots.get(id as usize)? {
+            p if p == Packed::default() => None,
+            p if p == Packed::WIDE => self.wide.get(&id).copied(),
+            p => Some(p.unpack()),
+        }
+    }
+
+    /// The backend of an id in use (the hash index names only those).
+    fn expect(&self, id: u32) -> Backend {
+        self.get(id).unwrap_or_default()
+    }
+
+    /// Whether `id` holds `b`, packed as `want` (`Packed::of(b)`, made once a search).
+    fn holds(&self, id: u32, want: Packed, b: &Backend) -> bool {
+        let have = self.slots[id as usize];
+        have == want && (want != Packed::WIDE || self.wide.get(&id) == Some(b))
+    }
+
+    fn set(&mut self, id: u32, b: Backend, limit: u32) {
+        if self.slots.len() <= id as usize {
+            grow(&mut self.slots, id, limit);
+        }
+        let p = Packed::of(&b);
+        self.slots[id as usize] = p;
+        if p == Packed::WIDE {
+            self.wide.insert(id, b);
+        } else {
+            self.wide.remove(&id);
+        }
+    }
+
+    /// Frees `id`, handing back its backend if it had one.
+    fn take(&mut self, id: u32) -> Option<Backend> {
+        let b = self.get(id)?;
+        self.slots[id as usize] = Packed::default();
+        self.wide.remove(&id);
+        Some(b)
+    }
+
+    /// Room for ids below `ids`, at once.
+    fn reserve_up_to(&mut self, ids: usize) {
+        self.slots.reserve_exact(ids.saturating_sub(self.slots.len()));
+    }
 }
 
 /// Small values by backend id: an array below the id limit (the ids kpr gives out), a hash map
@@ -375,7 +468,7 @@ impl Ids {
 
     /// The backend `id` is given to, if it is.
     pub fn backend_of(&self, id: u32) -> Option<Backend> {
-        self.backends.by_id.get(id as usize).copied().filter(|b| *b != Backend::default())
+        self.backends.by_id.get(id)
     }
 
     /// `b`'s backend id, given out now if it has none; None when every id is in use (the
@@ -397,7 +490,7 @@ impl Ids {
     /// Frees the backend ids `keep` does not want. An id the backend map still holds must be
     /// kept: it is freed when its entry is deleted (`release_backend`).
     pub fn retain_backends(&mut self, keep: impl Fn(u32) -> bool) {
-        for id in 1..self.backends.by_id.len() as u32 {
+        for id in 1..self.backends.by_id.len() {
             if self.backends.in_use(id) && !keep(id) {
                 self.backends.release(id);
             }
@@ -454,6 +547,27 @@ mod tests {
         assert_eq!(given, (1..=40).collect::<Vec<u32>>());
         assert_eq!(ids.backends.by_key.capacity(), room, "no growth while filling what was reserved");
         assert_eq!(ids.backend(backend(7)), Some(7), "found, not given again");
+    }
+
+    /// IPv4 backends are packed, others kept apart; both are found by value and by id, and
+    /// freed whole.
+    #[test]
+    fn backends_of_either_family_keep_their_ids() {
+        // Ids 1..5: the sixth backend takes a freed one.
+        let mut ids = Ids::new(8, 6, 0);
+        ids.reuse_backend_ids_at_once();
+        let v6 = |last: u32| Backend { addr: [0xfd00_0000u32.to_be(), 0, 0, last.to_be()], port: 8080u16.to_be(), proto: 6, flags: 0 };
+        let odd = Backend { proto: u8::MAX, ..backend(9) };
+        let given: Vec<u32> = [backend(1), v6(1), odd, v6(2), backend(2)].iter().map(|b| ids.backend(*b).unwrap()).collect();
+        assert_eq!(given, [1, 2, 3, 4, 5]);
+        for (b, id) in [(backend(1), 1), (v6(1), 2), (odd, 3), (v6(2), 4), (backend(2), 5)] {
+            assert_eq!((ids.backend(b), ids.backend_of(id)), (Some(id), Some(b)), "{b:?}");
+        }
+        assert_eq!(ids.backends.by_id.wide.len(), 3, "only what does not fit in a slot");
+        ids.release_backend(2);
+        assert_eq!((ids.backend_of(2), ids.backends.by_id.wide.len()), (None, 2));
+        assert_eq!(ids.backend(v6(3)), Some(2), "the freed id, given to another IPv6 backend");
+        assert_eq!((ids.backend_of(2), ids.backend(v6(1))), (Some(v6(3)), None), "v6(1) lost its id with its release, and every id is in use");
     }
 
     #[test]
