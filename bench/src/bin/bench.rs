@@ -45,7 +45,7 @@ fn desired(n: u32) -> DesiredState {
     let backends = BACKENDS6.iter().map(|b| BackendKey { ip: b.parse().unwrap(), port: 8080, proto: Protocol::Tcp }).collect();
     kpr_bench::set_clusterip(&mut d, n, VIP6.parse().unwrap(), backends);
     let (key, fe) = d.frontends.iter().find(|(k, _)| k.ip == vip(n - 1)).map(|(k, f)| (*k, f.clone())).expect("the last service");
-    let udp = Frontend { backends: fe.backends.iter().map(|b| BackendKey { proto: Protocol::Udp, ..*b }).collect(), ..fe };
+    let udp = Frontend { backends: fe.backends.iter().map(|b| BackendKey { proto: Protocol::Udp, ..b }).collect(), ..fe };
     d.frontends.insert(FrontendKey { proto: Protocol::Udp, ..key }, udp);
     d
 }

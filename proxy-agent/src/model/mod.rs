@@ -1,6 +1,7 @@
 //! The desired state: a pure function of Services, EndpointSlices, the node and the
 //! configuration. All Service semantics live here; no I/O.
 pub mod annotations;
+mod backends;
 mod compute;
 mod endpoints;
 pub mod errors;
@@ -26,6 +27,7 @@ pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
 pub(crate) const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10_800;
 
+pub use backends::Backends;
 pub use proxy_common::Protocol;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -149,7 +151,7 @@ pub struct Frontend {
     pub outlier_ejection: bool,
     /// Sorted, deduplicated. Shared: a port's frontends (two scopes, each node address and
     /// load-balancer IP) mostly take the same set.
-    pub backends: Arc<[BackendKey]>,
+    pub backends: Backends,
     /// Shared by the port's frontends, like `backends`.
     pub ipvs: Arc<IpvsOptions>,
 }

@@ -13,7 +13,7 @@ use crate::model::{
     errors::{err, unsupported, ObjectError},
     objects::{ServiceObject, ServiceSpec},
     slice_object::SliceObject,
-    BackendKey, DesiredState, Frontend, FrontendKey, FrontendKind, Ipv6Reach, ModelConfig, NodeInfo, Protocol, Scheduler, Scope, DEFAULT_AFFINITY_TIMEOUT_S,
+    Backends, DesiredState, Frontend, FrontendKey, FrontendKind, Ipv6Reach, ModelConfig, NodeInfo, Protocol, Scheduler, Scope, DEFAULT_AFFINITY_TIMEOUT_S,
     NO_WIRE_FORM,
 };
 
@@ -136,9 +136,9 @@ pub(super) fn service_frontends(
         // Each family's frontends take that family's endpoints (kube-proxy runs a proxier per family).
         let per_family = [true, false].map(|v4| {
             let all: Vec<&Ep> = eps.iter().filter(|e| e.ip.is_ipv4() == v4).collect();
-            let cluster: Arc<[BackendKey]> = to_keys_of(proto, topology_filtered(&all, node, publish_not_ready)).into();
+            let cluster: Backends = to_keys_of(proto, topology_filtered(&all, node, publish_not_ready)).into();
             let local: Vec<&Ep> = all.iter().copied().filter(|e| e.local).collect();
-            let local: Arc<[BackendKey]> = to_keys_of(proto, usable(&local, publish_not_ready)).into();
+            let local: Backends = to_keys_of(proto, usable(&local, publish_not_ready)).into();
             let internal = if itp_local { local.clone() } else { cluster.clone() };
             FamilyBackends { cluster, local, internal }
         });
@@ -179,7 +179,7 @@ pub(super) fn service_frontends(
             };
             // The two scopes' frontends are often one (every ClusterIP, and every other kind
             // under externalTrafficPolicy Cluster): it is then kept once, for both.
-            let same = external.0 == internal.0 && Arc::ptr_eq(backends_of(external.1), backends_of(internal.1));
+            let same = external.0 == internal.0 && Backends::ptr_eq(backends_of(external.1), backends_of(internal.1));
             let scopes: &[(Scope, (Policy, Which))] =
                 if same { &[(Scope::Both, internal)] } else { &[(Scope::External, external), (Scope::Internal, internal)] };
             for (scope, (policy, which)) in scopes {
@@ -248,11 +248,11 @@ pub(super) fn service_frontends(
 /// One family's endpoint sets of a Service port.
 struct FamilyBackends {
     /// Every usable endpoint (topology hints applied).
-    cluster: Arc<[BackendKey]>,
+    cluster: Backends,
     /// This node's usable endpoints.
-    local: Arc<[BackendKey]>,
+    local: Backends,
     /// What internalTrafficPolicy selects.
-    internal: Arc<[BackendKey]>,
+    internal: Backends,
 }
 
 /// Which endpoint set a frontend takes.

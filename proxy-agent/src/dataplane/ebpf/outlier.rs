@@ -88,12 +88,12 @@ pub fn leave_out(desired: &DesiredState, ejected: &BTreeMap<Backend, Ejection>) 
     }
     let mut events: BTreeMap<(String, BackendKey), ObjectError> = BTreeMap::new();
     for (k, f) in desired.frontends.iter().filter(|(_, f)| f.outlier_ejection) {
-        let out: Vec<BackendKey> = f.backends.iter().filter(|b| ejected.contains_key(&wire::backend(b))).take(f.backends.len() / 2).copied().collect();
+        let out: Vec<BackendKey> = f.backends.iter().filter(|b| ejected.contains_key(&wire::backend(b))).take(f.backends.len() / 2).collect();
         if out.is_empty() {
             continue;
         }
         let mut f = f.clone();
-        f.backends = f.backends.iter().filter(|b| !out.contains(b)).copied().collect();
+        f.backends = f.backends.iter().filter(|b| !out.contains(b)).collect();
         for b in out {
             let e = &ejected[&wire::backend(&b)];
             let (name, port) = f.service.rsplit_once(':').unwrap_or((&f.service, ""));
@@ -214,7 +214,7 @@ mod tests {
         let bk = |last: u8| BackendKey { ip: std::net::IpAddr::from([10, 244, 2, last]), port: 8080, proto: Protocol::Tcp };
         let fe = |opt_in: bool| Frontend {
             outlier_ejection: opt_in,
-            backends: [bk(4), bk(5), bk(6)].into(),
+            backends: vec![bk(4), bk(5), bk(6)].into(),
             ..Frontend::for_test(FrontendKind::ClusterIp, &[], Protocol::Tcp)
         };
         let mut d = DesiredState::default();
@@ -222,7 +222,7 @@ mod tests {
         d.frontends.insert(key("10.96.0.10"), fe(true));
         d.frontends.insert(key("10.96.0.11"), fe(false));
         let (left, events) = leave_out(&d, o.ejected());
-        assert_eq!(*left[&key("10.96.0.10")].backends, [bk(4), bk(6)]);
+        assert_eq!(left[&key("10.96.0.10")].backends.to_vec(), [bk(4), bk(6)]);
         assert!(!left.contains_key(&key("10.96.0.11")), "only the frontends that change are copied");
         assert_eq!(events.len(), 1);
         assert!(events[0].message.contains("10.244.2.5:8080") && events[0].reason == OUTLIER_EJECTED, "{events:?}");

@@ -230,18 +230,13 @@ impl Syncer {
         // The frontends of a port share one backend list: counted once, the lists come close
         // to the distinct backends (a table reserved for every slot would keep that room).
         let mut lists = FastSet::default();
-        let distinct: usize = desired
-            .frontends
-            .iter()
-            .map(|(k, f)| &effective(&overrides, k, f).backends)
-            .filter(|b| lists.insert(std::sync::Arc::as_ptr(b) as *const u8 as usize))
-            .map(|b| b.len())
-            .sum();
+        let distinct: usize =
+            desired.frontends.iter().map(|(k, f)| &effective(&overrides, k, f).backends).filter(|b| lists.insert(b.shared_id())).map(|b| b.len()).sum();
         self.ids.reserve_backends(distinct);
         let mut live_backends = IdSet::default();
         for (k, f) in &desired.frontends {
             for b in effective(&overrides, k, f).backends.iter() {
-                let id = self.ids.backend(wire::backend(b));
+                let id = self.ids.backend(wire::backend(&b));
                 ids_in_order.push(id.unwrap_or(0));
                 live_backends.extend(id);
             }
@@ -392,7 +387,7 @@ impl Syncer {
     /// order.
     fn put_backends(&mut self, maps: &mut dyn DatapathMaps, m: &mut Mirror, f: &Frontend, st: &mut SyncStats) -> Result<Vec<u32>, SyncError> {
         let full = || SyncError::Map(MapError::Full { map: map_names::BACKENDS });
-        let ids = f.backends.iter().map(|b| self.ids.backend(wire::backend(b)).ok_or_else(full)).collect::<Result<_, _>>()?;
+        let ids = f.backends.iter().map(|b| self.ids.backend(wire::backend(&b)).ok_or_else(full)).collect::<Result<_, _>>()?;
         Self::put_known_backends(maps, &self.ids, m, f, ids, st)
     }
 
@@ -406,7 +401,7 @@ impl Syncer {
         st: &mut SyncStats,
     ) -> Result<Vec<u32>, SyncError> {
         for (b, id) in f.backends.iter().zip(&ids) {
-            let wire = wire::backend(b);
+            let wire = wire::backend(&b);
             if m.backends.get(given, *id) != Some(wire) {
                 maps.put_backend(*id, wire)?;
                 m.backends.set(given, *id, wire);

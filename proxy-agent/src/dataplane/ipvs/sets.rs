@@ -376,7 +376,7 @@ mod tests {
     fn sctp_node_ports_are_listed_per_node_address_as_kube_proxy_keeps_them() {
         let mut d = DesiredState::default();
         let mut np = fe(FrontendKind::NodePort, false, &[]);
-        np.backends = np.backends.iter().map(|b| crate::model::BackendKey { proto: Protocol::Sctp, ..*b }).collect();
+        np.backends = np.backends.iter().map(|b| crate::model::BackendKey { proto: Protocol::Sctp, ..b }).collect();
         d.frontends.insert(FrontendKey { ip: "198.18.0.1".parse().unwrap(), port: 30090, proto: Protocol::Sctp, scope: Scope::External }, np);
         let nodes: Vec<IpAddr> = ["198.18.0.1", "198.18.0.2"].iter().map(|a| a.parse().unwrap()).collect();
         let list = listing(&compute(&d, &nodes, &BTreeSet::new()));

@@ -173,7 +173,7 @@ fn overridden_frontends_are_programmed_as_overridden_in_full_and_incremental_syn
     // Outlier ejection leaves 10.244.1.2 out of the first frontend only.
     let mut left = d.clone();
     let first = left.frontends.get_mut(&key("10.96.0.1")).unwrap();
-    first.backends = first.backends.iter().filter(|b| b.ip != "10.244.1.2".parse::<std::net::IpAddr>().unwrap()).copied().collect();
+    first.backends = first.backends.iter().filter(|b| b.ip != "10.244.1.2".parse::<std::net::IpAddr>().unwrap()).collect();
     let overrides: HashMap<FrontendKey, Frontend> = [(key("10.96.0.1"), left.frontends[&key("10.96.0.1")].clone())].into();
     let mut want = FakeMaps::default();
     Syncer::default().sync(&mut want, &left, DatapathConfig::default()).unwrap();
