@@ -19,13 +19,13 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 /// jemalloc's options (`_RJEM_MALLOC_CONF` in the environment still overrides them): freed
 /// pages go back to the kernel after 100 ms, by a background thread, not the 10 s default.
 /// The initial list and sync of a large cluster free as much as stays, and what was freed in
-/// the last decay period is still in the peak (kpr-scale at 100,000 Services: peak RSS 393 MB
-/// with the defaults, 351 MB at 1 s; later, 249–255 MB at 1 s against 238–240 MB at 100 ms,
+/// the last decay period is still in the peak (kpr-scale at 100,000 Services: peak RSS 393 MiB
+/// with the defaults, 351 MiB at 1 s; later, 261–267 MB at 1 s against 250–251 MB at 100 ms,
 /// the initial sync 0.1–0.2 s slower, 2.5–2.7 s against 2.7–3.0 s).
 /// One arena, not four per CPU: the few threads that allocate much (the watches, the model's
 /// compute, the writers) otherwise leave what stays spread over arenas that each keep free
 /// pages around it; each thread's cache still spares them the arena's lock (kpr-scale at
-/// 100,000: 246–253 MB with the default on two CPUs, 228–232 MB with one, as fast).
+/// 100,000: 246–253 MiB with the default on two CPUs, 228–232 MiB with one, as fast).
 #[cfg(feature = "jemalloc")]
 #[unsafe(export_name = "_rjem_malloc_conf")]
 static MALLOC_CONF: Option<&'static std::ffi::c_char> = Some(unsafe { &*c"background_thread:true,dirty_decay_ms:100,muzzy_decay_ms:0,narenas:1".as_ptr() });
