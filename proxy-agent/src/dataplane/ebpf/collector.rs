@@ -37,6 +37,10 @@ use crate::{
 const GC_BATCH: usize = 16_384;
 /// ...every this often: a full pass over 524,288 entries takes about 8 s.
 const GC_INTERVAL: Duration = Duration::from_millis(250);
+/// Rounds between two clears of a hint's half once it was rebuilt whole (5 s): a clear writes
+/// every embryonic bucket's lock line, and a small table's pass is one round. A key gone
+/// loses its bits within two passes, about 10 s then.
+const HINT_REST_ROUNDS: u32 = 20;
 
 /// What a sync tells the collector.
 pub(super) enum GcMessage {
@@ -201,7 +205,7 @@ impl<B: HintedFamily> Hinted<B> {
     fn open(pin_dir: &std::path::Path, own_reads: bool) -> Option<Self> {
         let opened = (|| {
             let table = if own_reads { Some(KernelAssured::open(pin_dir, B::ASSURED)?) } else { None };
-            Ok::<_, crate::dataplane::ebpf::maps::MapError>(Self { table, hint: Hint::open(pin_dir)?, rebuild: Rebuild::default() })
+            Ok::<_, crate::dataplane::ebpf::maps::MapError>(Self { table, hint: Hint::open(pin_dir)?, rebuild: Rebuild::resting(HINT_REST_ROUNDS) })
         })();
         opened
             .map_err(

@@ -39,6 +39,12 @@ pub struct PassBatch<K> {
 /// (`round`), or follows another reader's passes (`follow`).
 #[derive(Debug, Default)]
 pub struct Rebuild {
+    /// Rounds that must pass between two clears once the hint was rebuilt whole (two passes):
+    /// a clear writes every bucket's lock line whatever the table holds (32,768 lines for
+    /// IPv4's default table), and a small table's pass takes one round. 0: none (tests).
+    rest: u32,
+    /// Rounds since the last clear.
+    since_clear: u32,
     half: u32,
     /// Its own pass's next batch (None: a pass starts next round).
     cursor: Option<u32>,
@@ -51,10 +57,20 @@ pub struct Rebuild {
 }
 
 impl Rebuild {
+    /// A rebuild that clears at most once every `rest` rounds after its first two passes.
+    pub fn resting(rest: u32) -> Self {
+        Self { rest, ..Self::default() }
+    }
+
     /// One round: a pass's next batch of `table`, up to `batch` entries (a new pass clears its
     /// half first). Returns the half rebuilt when the pass ended.
     pub fn round<K: CtHinted, V>(&mut self, table: &dyn AssuredKeys<K, V>, hint: &mut dyn HintWords<K>, batch: usize) -> Result<Option<u32>, MapError> {
+        self.since_clear = self.since_clear.saturating_add(1);
         self.clear_ahead(hint);
+        if !self.cleared {
+            // Resting between passes: nothing to read for.
+            return Ok(None);
+        }
         // A failed read leaves the pass where it was: the other half keeps answering, and the
         // next round reads the same batch again.
         let (entries, next) = table.read_batch(self.cursor, batch)?;
@@ -69,6 +85,7 @@ impl Rebuild {
     /// following), and takes up the first pass that starts after that. Returns the half rebuilt
     /// when the pass ended.
     pub fn follow<K: CtHinted>(&mut self, hint: &mut dyn HintWords<K>, batch: Option<&PassBatch<K>>) -> Option<u32> {
+        self.since_clear = self.since_clear.saturating_add(1);
         let rebuilt = match batch {
             Some(b) => self.take(hint, b.keys.iter(), b.first, b.last),
             None => {
@@ -82,11 +99,13 @@ impl Rebuild {
         rebuilt
     }
 
-    /// Clears `half` for the pass to come, once.
+    /// Clears `half` for the pass to come, once, and after the rest once the hint was rebuilt
+    /// whole.
     fn clear_ahead<K>(&mut self, hint: &mut dyn HintWords<K>) {
-        if !self.cleared {
+        if !self.cleared && (self.passes < 2 || self.since_clear >= self.rest) {
             hint.clear_half(self.half);
             self.cleared = true;
+            self.since_clear = 0;
         }
     }
 
@@ -230,6 +249,26 @@ mod tests {
         t.0.insert(k, CtValue::default());
         h.note(&k);
         passes(&mut r, &mut t, &mut h, 3, |t, h| assert!(t.0.keys().all(|k| h.may_hold(k))));
+    }
+
+    /// After its first two passes, a rebuild clears at most once every `rest` rounds, reading
+    /// nothing meanwhile; following another reader, it takes up the first pass after its clear.
+    /// Every key in the table keeps a bit throughout.
+    #[test]
+    fn after_two_passes_a_clear_waits_for_the_rest_whether_reading_or_following() {
+        let t = FakeTable((1000..1003).map(|p| (key(p), CtValue::default())).collect());
+        let (mut h, mut r) = (FakeHint::filled(), Rebuild::resting(5));
+        h.1 = t.0.keys().copied().collect();
+        // One batch a pass: a pass a round, until the rest spaces them.
+        let ended: Vec<usize> = (0..30).filter(|_| r.round(&t, &mut h, 3).unwrap().is_some()).collect();
+        assert_eq!(ended, [0, 1, 6, 11, 16, 21, 26]);
+        assert!(t.0.keys().all(|k| h.may_hold(k)));
+        let (mut h, mut r, mut reader) = (FakeHint::filled(), Rebuild::resting(5), Reader(None));
+        h.1 = t.0.keys().copied().collect();
+        let ended: Vec<usize> = (0..30).filter(|_| r.follow(&mut h, Some(&reader.next(&t, 3))).is_some()).collect();
+        // The first clear comes after the reader's first batch: its pass is not taken up.
+        assert_eq!(ended, [1, 2, 7, 12, 17, 22, 27]);
+        assert!(t.0.keys().all(|k| h.may_hold(k)));
     }
 
     /// Another reader's pass over the table (the conntrack collector's), with its own cursor.
