@@ -5,7 +5,9 @@
 //! rebuilt answers meanwhile, and the data path sets both halves around each insert, so a key
 //! in the table always has a bit set; a key gone loses its bits within two passes. The pass is
 //! the rebuild's own reads (`round`: IPv6's table) or the conntrack collector's, which it
-//! follows (`follow`: IPv4's, read by that collector every round anyway).
+//! follows (`follow`: IPv4's, read by that collector every round anyway). Once the hint was
+//! rebuilt whole, clears are spaced (`Rebuild::resting`): a clear's cost is the table's
+//! buckets, not its keys.
 use proxy_common::CtHinted;
 
 use crate::dataplane::ebpf::{bpf_batch::Batch, maps::MapError};
