@@ -388,7 +388,8 @@ fn the_collector_deletes_idle_ipv6_embryonic_flows_from_the_kernel_map() {
     };
     assert_eq!(flows(&l, Table::Embryonic), [40071, 40072]);
     let mut table = KernelEmbryonic6::open(l.pins.path()).unwrap();
-    let (mut gc, timeouts, now) = (Gc6::new(1024), Timeouts::default(), monotonic_ns());
+    // A batch of 2^20 entries reads 2^18 buckets: one round covers the whole table.
+    let (mut gc, timeouts, now) = (Gc6::new(1 << 20), Timeouts::default(), monotonic_ns());
     let s = 1_000_000_000;
     assert_eq!(gc.round(&mut table, &timeouts, now + 20 * s).unwrap(), 0);
     assert_eq!(gc.round(&mut table, &timeouts, now + 31 * s).unwrap(), 1);
