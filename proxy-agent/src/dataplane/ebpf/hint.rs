@@ -83,9 +83,9 @@ impl Rebuild {
 
     /// A batch of another reader's pass (None: that reader's round failed, and what it read
     /// is lost to the hint). The half a pass rebuilds must be cleared before the pass's first
-    /// read, so the rebuild clears the next half as soon as a pass ends (and when it starts
-    /// following), and takes up the first pass that starts after that. Returns the half rebuilt
-    /// when the pass ended.
+    /// read, so the rebuild clears the next half as soon as a pass ends and its rest is over
+    /// (and when it starts following), and takes up the first pass that starts after that.
+    /// Returns the half rebuilt when the pass ended.
     pub fn follow<K: CtHinted>(&mut self, hint: &mut dyn HintWords<K>, batch: Option<&PassBatch<K>>) -> Option<u32> {
         self.since_clear = self.since_clear.saturating_add(1);
         let rebuilt = match batch {

@@ -40,8 +40,9 @@ pub(crate) struct Ids {
 /// backend's flows and affinity entries (by service and backend id, on the collector's thread
 /// after the sync) must not meet its successor's.
 ///
-/// Dense: at 100,000 Services a million backends are 20 bytes each here and 4 bytes in the
-/// index, where a hash map of backend -> id took 29 bytes a bucket with half the buckets empty.
+/// Dense: at 100,000 Services a million backends are 8 bytes each here (IPv4's, packed:
+/// `BackendsById`) and 4 bytes in the index, where a hash map of backend -> id took 29 bytes a
+/// bucket with half the buckets empty.
 struct BackendIds {
     /// id -> its backend (none where it is free).
     by_id: BackendsById,

@@ -5,7 +5,7 @@
 //! One mapping per array and process, shared by every opener (the syncer, the collectors,
 //! the load's fill, each hint): the kernel maps all of an array's pages at mmap time, so
 //! each mapping added the whole array to the agent's RSS again (five of IPv4's 8 MiB table
-//! and three of IPv6's 4 MiB one: 52 MB of a 100,000-Service node's 290 MB).
+//! and three of IPv6's 4 MiB one: 55 MB of a 100,000-Service node's 300 MB).
 use std::{
     collections::HashMap,
     os::fd::{AsFd, AsRawFd},
