@@ -58,13 +58,10 @@ pub fn vm_test(command: Option<String>, timeout: Duration, args: &[String]) -> R
         crate::apt_install(&missing, &format!("vm-test needs, as root: apt-get install -y {}", DEBIAN_PACKAGES.join(" ")))?;
     }
     let (kernel, version) = guest_kernel()?;
-    let command = match command {
-        Some(c) => c,
-        None => {
-            build_vm_tests(&root)?;
-            r#"exec ./target/release/kpr-vm-tests "$@""#.to_string()
-        }
-    };
+    // A command of the caller's runs what target/release holds too: build first, or the guest
+    // runs a kpr older than the tree.
+    build_vm_tests(&root)?;
+    let command = command.unwrap_or_else(|| r#"exec ./target/release/kpr-vm-tests "$@""#.to_string());
 
     let vm_dir = root.join("target/vm");
     let out = vm_dir.join("out");
