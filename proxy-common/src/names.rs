@@ -173,6 +173,7 @@ macro_rules! prog_name {
     (TC_EGRESS) => { "kpr_tc_egress" };
     (TC_INGRESS6) => { "kpr_tc_ingress6" };
     (XDP_INGRESS) => { "kpr_xdp_ingress" };
+    (TC_UPLINK) => { "kpr_tc_uplink" };
     (TC_PASS) => { "kpr_tc_pass" };
     (XDP_PASS) => { "kpr_xdp_pass" };
     (CONNECT4) => { "kpr_connect4" };
@@ -198,6 +199,10 @@ pub mod prog_names {
     /// the node's netfilter, as kube-proxy's POSTROUTING does.
     pub const TC_EGRESS: &str = prog_name!(TC_EGRESS);
     pub const XDP_INGRESS: &str = prog_name!(XDP_INGRESS);
+    /// XDP_INGRESS's work at TC ingress, for uplinks where XDP would cost more than it saves
+    /// (a veth's XDP copies every frame the stack sends through it; generic XDP reallocates
+    /// most heads). What it passes goes on to the hook's next program, as after XDP.
+    pub const TC_UPLINK: &str = prog_name!(TC_UPLINK);
     /// TC ingress on the uplinks, IPv6 only: traffic from outside to the node's IPv6 NodePorts,
     /// externalIPs and LB IPs (XDP passes IPv6 on; the masquerade mark needs an skb).
     pub const TC_INGRESS6: &str = prog_name!(TC_INGRESS6);

@@ -106,6 +106,19 @@ program!("xdp" XDP_INGRESS: fn xdp_ingress(ctx: XdpContext, xdp_md) -> u32 {
     Xdp::action(pipeline::ingress(&mut p, SCOPE_EXTERNAL))
 });
 
+// The same at TC ingress (an uplink without native XDP). XDP_PASS lets the hook's TC programs
+// run; so does this: what it passes goes on to the next one (IPv6's, IPVS mode's during a
+// switch), not straight to the stack.
+program!("classifier" TC_UPLINK: fn tc_uplink(ctx: TcContext, __sk_buff) -> i32 {
+    let mut p = Tc(&mut ctx);
+    p.pull_headers();
+    let v = match pipeline::ingress(&mut p, SCOPE_EXTERNAL) {
+        pkt::Verdict::Pass => pkt::Verdict::Next,
+        v => v,
+    };
+    p.action(v)
+});
+
 program!("cgroup/connect4" CONNECT4: fn connect4(ctx: SockAddrContext, bpf_sock_addr) -> i32 {
     sock::balance(&ctx, Pick::Scheduler)
 });

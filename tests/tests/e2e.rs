@@ -1,5 +1,6 @@
 //! End to end in network namespaces: real TCP and UDP through the programs attached by the real
-//! agent, from a pod (TC) and from outside the node (XDP), to three backend namespaces.
+//! agent, from a pod (TC) and from outside the node (the uplink: TC on the lab's veth, XDP when
+//! asked), to three backend namespaces.
 use std::{
     path::PathBuf,
     time::{Duration, Instant},
@@ -52,7 +53,7 @@ fn clusterip_nodeport_udp_lb_and_reject_on_real_traffic() {
     // East-west from a pod (TC ingress), random and round-robin, 600 connections each.
     assert_even(&lab.peer("pod", &["burst", "10.96.0.10:80", "tcp", "600"]), 600, "pod -> ClusterIP random");
     assert_even(&lab.peer("pod", &["burst", "10.96.0.11:80", "tcp", "600"]), 600, "pod -> ClusterIP round-robin");
-    // North-south from outside the node (XDP on the uplink).
+    // North-south from outside the node (the uplink's TC ingress: a veth under --xdp-mode auto).
     assert_even(&lab.peer("cl", &["burst", &format!("{NODE_IP}:30080"), "tcp", "600"]), 600, "client -> NodePort random");
     assert_even(&lab.peer("cl", &["burst", "10.96.0.10:80", "tcp", "600"]), 600, "client -> ClusterIP random");
     // A pod reaching the NodePort on the node's address goes through TC.
@@ -145,7 +146,36 @@ fn clusterip_nodeport_udp_lb_and_reject_on_real_traffic() {
     // The IPv6 packet path's flows too, masqueraded by netfilter (externalTrafficPolicy Cluster).
     assert!(ct.lines().any(|l| l.contains(&format!("[{NODE_IP6}]:30060")) && l.contains("netfilter")), "{ct}");
     let status = lab.cli(&["status"]);
-    assert!(status.contains("new_flow") && status.contains("xdp on up0") && status.contains("tc_egress on calipod"), "{status}");
+    assert!(status.contains("new_flow") && status.contains("tc_uplink on up0") && status.contains("tc_egress on calipod"), "{status}");
+    assert!(!status.contains("xdp on up0"), "a veth's XDP copies every frame: TC under auto: {status}");
+}
+
+/// The uplink's IPv4 ingress moves between XDP and TC with `--xdp-mode` across restarts; the
+/// other goes once the new one runs, and traffic from outside goes on through either.
+#[test]
+fn uplink_ingress_moves_between_xdp_and_tc_across_restarts() {
+    let mut lab = lab("kpe5");
+    let wait_status = |lab: &Lab, has: &str, lacks: &str| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let s = lab.cli(&["status"]);
+            if s.contains(has) && !s.contains(lacks) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "status never showed {has:?} without {lacks:?}: {s}\n{}", lab.agent_log());
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    wait_status(&lab, "tc_uplink on up0", "xdp on up0");
+    for (mode, has, lacks) in [("native", "xdp on up0", "tc_uplink on up0"), ("auto", "tc_uplink on up0", "xdp on up0")] {
+        lab.kill_agent();
+        lab.agent_args = vec!["--xdp-mode".into(), mode.into()];
+        lab.start_agent();
+        wait_status(&lab, has, lacks);
+        assert_even(&lab.peer("cl", &["burst", &format!("{NODE_IP}:30080"), "tcp", "600"]), 600, &format!("client -> NodePort, --xdp-mode {mode}"));
+        let v = lab.peer("cl", &["burst", "10.96.0.99:80", "tcp", "2"]);
+        assert!(v["first_error"].as_str().unwrap().contains("refused"), "the reject goes back out of the uplink, --xdp-mode {mode}: {v}");
+    }
 }
 
 #[test]

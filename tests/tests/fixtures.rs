@@ -16,6 +16,7 @@ use proxy_agent::{
 use proxy_common::{counter, prog_names, CtKey};
 
 const TC_ACT_OK: u32 = 0;
+const TC_ACT_UNSPEC: u32 = u32::MAX;
 const TC_ACT_SHOT: u32 = 2;
 const TC_ACT_REDIRECT: u32 = 7;
 const XDP_DROP: u32 = 1;
@@ -87,6 +88,18 @@ enum Hook {
     TcIngress,
     TcEgress,
     Xdp,
+    /// The uplinks' IPv4 ingress at TC (`--xdp-mode off`, veths).
+    TcUplink,
+}
+
+/// What the uplinks' IPv4 ingress answers for a packet it passes: XDP_PASS, or at TC "the
+/// next program" (TC_ACT_UNSPEC), as XDP_PASS lets the hook's TC programs run.
+fn passed(hook: Hook) -> u32 {
+    if hook == Hook::Xdp {
+        XDP_PASS
+    } else {
+        TC_ACT_UNSPEC
+    }
 }
 
 fn run_at(dp: &mut Datapath, hook: Hook, frame: &[u8]) -> (u32, Vec<u8>) {
@@ -96,6 +109,7 @@ fn run_at(dp: &mut Datapath, hook: Hook, frame: &[u8]) -> (u32, Vec<u8>) {
         Hook::Xdp => dp.xdp(prog_names::XDP_INGRESS).unwrap().test_run(opts),
         Hook::TcIngress => dp.classifier(prog_names::TC_INGRESS).unwrap().test_run(opts),
         Hook::TcEgress => dp.classifier(prog_names::TC_EGRESS).unwrap().test_run(opts),
+        Hook::TcUplink => dp.classifier(prog_names::TC_UPLINK).unwrap().test_run(opts),
     }
     .expect("BPF_PROG_TEST_RUN");
     let n = r.data_size_out as usize;
@@ -229,11 +243,17 @@ fn flow_keeps_its_backend_after_the_backend_set_changes() {
 }
 
 #[test]
-fn nodeport_from_outside_dnat_at_xdp_masquerade_at_egress_and_back() {
+fn nodeport_from_outside_dnat_at_the_uplink_masquerade_at_egress_and_back() {
+    for uplink in [Hook::Xdp, Hook::TcUplink] {
+        nodeport_from_outside(uplink);
+    }
+}
+
+fn nodeport_from_outside(uplink: Hook) {
     let mut l = load("snat");
     let syn = Frame::tcp("198.18.0.1", 50000, NODE_IP, 30080, SYN);
-    let (v, o) = run(&mut l.dp, true, &syn.bytes());
-    assert_eq!(v, XDP_PASS);
+    let (v, o) = run_at(&mut l.dp, uplink, &syn.bytes());
+    assert_eq!(v, passed(uplink));
     let p = parse(&o);
     // DNAT only: netfilter's FORWARD sees the client, as under kube-proxy.
     assert_eq!((p.src.to_string().as_str(), p.sport, p.dst.to_string().as_str(), p.dport), ("198.18.0.1", 50000, "10.244.1.1", 8080));
@@ -259,17 +279,24 @@ fn nodeport_from_outside_dnat_at_xdp_masquerade_at_egress_and_back() {
     assert_eq!((r.src.to_string().as_str(), r.sport, r.dst.to_string().as_str(), r.dport), (NODE_IP, 30080, "198.18.0.1", 50000));
     assert!(r.ip_csum_ok && r.l4_csum_ok);
     // The client's ACK completes the handshake; the whole flow (four entries) is assured.
-    let (_, o) = run(&mut l.dp, true, &Frame::tcp("198.18.0.1", 50000, NODE_IP, 30080, ACK).bytes());
+    let (_, o) = run_at(&mut l.dp, uplink, &Frame::tcp("198.18.0.1", 50000, NODE_IP, 30080, ACK).bytes());
     let (_, o) = out(&mut l.dp, &o);
     assert_eq!((parse(&o).src.to_string().as_str(), parse(&o).sport), (NODE_IP, m.sport));
     assert_eq!(l.conntrack(Table::Assured).len(), 4, "{:?}", l.conntrack(Table::Assured));
     assert!(l.conntrack(Table::Embryonic).is_empty());
 }
 
-/// A port whose scopes agree has one entry, which XDP takes too; under externalTrafficPolicy
-/// Local its internal entry is marked split and XDP takes the external entry beside it.
+/// A port whose scopes agree has one entry, which the uplinks take too; under
+/// externalTrafficPolicy Local its internal entry is marked split and the uplinks (XDP or TC)
+/// take the external entry beside it.
 #[test]
-fn xdp_takes_a_ports_one_entry_where_its_scopes_agree_and_its_external_entry_where_they_differ() {
+fn uplinks_take_a_ports_one_entry_where_its_scopes_agree_and_its_external_entry_where_they_differ() {
+    for uplink in [Hook::Xdp, Hook::TcUplink] {
+        scopes_at(uplink);
+    }
+}
+
+fn scopes_at(uplink: Hook) {
     let mut y = manifests();
     y += "apiVersion: v1\nkind: Service\nmetadata: {name: np-local, namespace: fx}\nspec:\n  type: NodePort\n  clusterIP: 10.96.0.30\n  externalTrafficPolicy: Local\n  ports: [{name: p, port: 80, protocol: TCP, nodePort: 30081}]\n---\n";
     y += "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: np-local-x, namespace: fx, labels: {kubernetes.io/service-name: np-local}}\naddressType: IPv4\nports: [{name: p, port: 8080, protocol: TCP}]\nendpoints:\n- {addresses: [10.244.4.1], conditions: {ready: true}, nodeName: node-a}\n- {addresses: [10.244.4.2], conditions: {ready: true}, nodeName: node-b}\n---\n";
@@ -288,14 +315,14 @@ fn xdp_takes_a_ports_one_entry_where_its_scopes_agree_and_its_external_entry_whe
     let mut from_outside = std::collections::BTreeSet::new();
     let mut from_pods = std::collections::BTreeSet::new();
     for i in 0..24u16 {
-        // From outside (XDP): the ClusterIP through the fallback, the node port through its own
+        // From outside: the ClusterIP through the fallback, the node port through its own
         // entry (the local endpoint, the client kept).
-        let (v, o) = run(&mut l.dp, true, &Frame::tcp("198.18.0.1", 51000 + i, "10.96.0.10", 80, SYN).bytes());
-        assert_eq!(v, XDP_PASS);
+        let (v, o) = run_at(&mut l.dp, uplink, &Frame::tcp("198.18.0.1", 51000 + i, "10.96.0.10", 80, SYN).bytes());
+        assert_eq!(v, passed(uplink));
         let p = parse(&o);
         assert!(WEB.contains(&p.dst.to_string().as_str()) && p.dport == 8080, "{p:?}");
-        let (v, o) = run(&mut l.dp, true, &Frame::tcp("198.18.0.1", 52000 + i, NODE_IP, 30081, SYN).bytes());
-        assert_eq!(v, XDP_PASS);
+        let (v, o) = run_at(&mut l.dp, uplink, &Frame::tcp("198.18.0.1", 52000 + i, NODE_IP, 30081, SYN).bytes());
+        assert_eq!(v, passed(uplink));
         let p = parse(&o);
         from_outside.insert(p.dst.to_string());
         let (_, o) = out(&mut l.dp, &o);
@@ -374,11 +401,11 @@ fn client_ip_affinity_pins_then_expires_and_follows_backend_removal() {
 fn no_endpoints_rejects_with_icmp_port_unreachable() {
     let mut l = load("reject");
     let syn = Frame::tcp("10.244.0.9", 44000, "10.96.0.12", 80, SYN);
-    for xdp in [false, true] {
-        let (v, out) = run(&mut l.dp, xdp, &syn.bytes());
+    for hook in [Hook::TcIngress, Hook::Xdp, Hook::TcUplink] {
+        let (v, out) = run_at(&mut l.dp, hook, &syn.bytes());
         // Straight back out of the interface it came in by: through the stack, netfilter would
         // find no flow the error is about and drop it as INVALID.
-        assert_eq!(v, if xdp { XDP_TX } else { TC_ACT_REDIRECT });
+        assert_eq!(v, if hook == Hook::Xdp { XDP_TX } else { TC_ACT_REDIRECT });
         let p = parse(&out);
         assert_eq!(p.proto, ICMP);
         assert_eq!((p.src.to_string().as_str(), p.dst.to_string().as_str()), ("10.96.0.12", "10.244.0.9"));
@@ -395,7 +422,7 @@ fn no_endpoints_rejects_with_icmp_port_unreachable() {
     let p = parse(&out);
     assert_eq!(p.icmp.map(|i| (i.0, i.1, i.4, i.5)), Some((3, 3, 44001, 53)));
     assert!(p.ip_csum_ok && p.l4_csum_ok && out.len() == 70, "{p:?}");
-    assert_eq!(counter_of(&l, counter::REJECT_NO_BACKEND), 3);
+    assert_eq!(counter_of(&l, counter::REJECT_NO_BACKEND), 4);
 }
 
 #[test]
@@ -467,10 +494,11 @@ fn non_service_and_malformed_traffic_passes_untouched() {
             f
         }),
     ];
-    for hook in [Hook::TcIngress, Hook::TcEgress, Hook::Xdp] {
+    for hook in [Hook::TcIngress, Hook::TcEgress, Hook::Xdp, Hook::TcUplink] {
         for (name, input) in &cases {
             let (v, out) = run_at(&mut l.dp, hook, input);
-            assert_eq!(v, if hook == Hook::Xdp { XDP_PASS } else { TC_ACT_OK }, "{name}");
+            let expected = if matches!(hook, Hook::Xdp | Hook::TcUplink) { passed(hook) } else { TC_ACT_OK };
+            assert_eq!(v, expected, "{name}");
             assert_eq!(&out, input, "{name} was modified");
         }
     }
@@ -740,7 +768,7 @@ fn icmp_errors_about_translated_flows_are_translated_back() {
 
     // About no flow: untouched.
     let stray = icmp_error("10.244.1.1", "10.244.0.50", 3, 3, &Frame::udp("10.244.0.50", 1, "10.244.1.1", 2, b""), 8);
-    for hook in [Hook::TcIngress, Hook::TcEgress, Hook::Xdp] {
+    for hook in [Hook::TcIngress, Hook::TcEgress, Hook::Xdp, Hook::TcUplink] {
         assert_eq!(run_at(&mut l.dp, hook, &stray).1, stray);
     }
 }
@@ -1244,8 +1272,6 @@ fn a_port_unreachable_answering_a_new_udp_flow_counts_as_a_refusal() {
     out(&mut l.dp, &icmp_error("10.244.1.3", "10.244.0.50", 3, 3, &third, 8));
     assert!(fails(&l).is_empty(), "{:?}", fails(&l));
 }
-
-const TC_ACT_UNSPEC: u32 = u32::MAX;
 
 fn set_flag(l: &mut Loaded, flag: u32) {
     let cfg = l.maps.config().unwrap();

@@ -4,9 +4,11 @@
 //! to the pod IP (the ceiling). Also the control-plane cost of both: programming N services and
 //! applying one change. IPv6 beside them: an IPv6 Service through kpr (eBPF mode balances it at
 //! connect time) against direct to the pod's IPv6 address. Prints a table, writes JSON and an SVG
-//! chart. Figures, not assertions.
+//! chart. Figures, not assertions. Last, north-south bulk transfer through the lab's uplink (a
+//! veth) with the fast path's IPv4 ingress at XDP and at TC, alternated: what `--xdp-mode auto`
+//! picks for a veth.
 //!
-//!   kpr-ab [--sizes 100,1000,10000,30000] [--seconds 3] [--json FILE] [--svg FILE]
+//!   kpr-ab [--sizes 100,1000,10000,30000] [--seconds 3] [--uplink-mib 64] [--json FILE] [--svg FILE]
 use std::time::Instant;
 
 use kpr_lab::{
@@ -88,6 +90,55 @@ fn fresh_conntrack(lab: &Lab) {
 /// sync does); returns its duration.
 fn restore(lab: &Lab, rules: &str) -> f64 {
     lab.iptables_restore_with(&lab.ns("node"), rules, false).as_secs_f64()
+}
+
+/// North-south bulk transfer (one TCP connection, `mib` MiB up and as much down) from the
+/// client namespace to the example NodePort, with the uplink's IPv4 ingress at XDP (`--xdp-mode
+/// native`, on the veth) and at TC (`off`, what auto picks on a veth), three alternated pairs of
+/// three transfers each. Only the upload crosses the uplink's ingress. Returns the medians in
+/// MiB/s (XDP, TC), or None where a side failed.
+fn uplink_bulk(lab: &mut Lab, dir: &std::path::Path, mib: usize) -> Option<(f64, f64)> {
+    let src = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples/web.yaml");
+    for f in ["services.yaml", "v6.yaml"] {
+        let _ = std::fs::remove_file(dir.join(f));
+    }
+    std::fs::copy(src, dir.join("web.yaml")).ok()?;
+    let target = format!("{}:30080", kpr_lab::lab::NODE_IP);
+    let bytes = (mib << 20).to_string();
+    let (mut xdp, mut tc) = (Vec::new(), Vec::new());
+    println!("\nuplink bulk: {mib} MiB up and down through {target}, XDP (native, on the veth) and TC alternated");
+    for _ in 0..3 {
+        for (mode, out) in [("native", &mut xdp), ("off", &mut tc)] {
+            lab.kill_agent();
+            lab.agent_args = vec!["--xdp-mode".into(), mode.into()];
+            lab.start_agent();
+            lab.wait_backends("10.96.0.10:80", 3);
+            // The pinned maps outlive an agent: wait for this one's hook instead.
+            let (hook, other) = if mode == "off" { ("tc_uplink on up0", "xdp on up0") } else { ("xdp on up0", "tc_uplink on up0") };
+            let deadline = Instant::now() + std::time::Duration::from_secs(30);
+            while !lab.cli(&["status"]).contains(hook) || lab.cli(&["status"]).contains(other) {
+                if Instant::now() > deadline {
+                    eprintln!("  --xdp-mode {mode}: {hook} never alone on the uplink");
+                    return None;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            }
+            for _ in 0..3 {
+                let v = lab.peer("cl", &["bulk", &target, &bytes]);
+                if v["errors"] != 0 {
+                    eprintln!("  --xdp-mode {mode}: {v}");
+                    return None;
+                }
+                out.push((2 * mib) as f64 / v["seconds"].as_f64()?);
+            }
+        }
+    }
+    lab.kill_agent();
+    lab.agent_args.clear();
+    lab.cli(&["cleanup"]);
+    println!("  XDP: {}", xdp.iter().map(|r| format!("{r:.0}")).collect::<Vec<_>>().join(" "));
+    println!("  TC:  {}", tc.iter().map(|r| format!("{r:.0}")).collect::<Vec<_>>().join(" "));
+    Some((kpr_bench::median(xdp), kpr_bench::median(tc)))
 }
 
 fn svg(rows: &[Row]) -> String {
@@ -176,6 +227,8 @@ fn main() {
             );
         }
     }
+    let mib: usize = opt("--uplink-mib").map(|s| s.parse().unwrap()).unwrap_or(64);
+    let uplink = uplink_bulk(&mut lab, &dir, mib);
     println!();
     for &n in &sizes {
         let get = |m: &str| rows.iter().find(|r| r.services == n && r.mode == m).map(|r| r.rate).unwrap_or(0.0);
@@ -186,9 +239,17 @@ fn main() {
             100.0 * get("ebpf6") / get("direct6").max(1e-9)
         );
     }
+    if let Some((xdp, tc)) = uplink {
+        println!("uplink (a veth), bulk from outside to a NodePort: TC ingress {tc:.0} MiB/s, {:.2}x XDP's {xdp:.0} MiB/s", tc / xdp.max(1e-9));
+    }
     if let Some(path) = opt("--json") {
         let v: Vec<_> = rows.iter().map(|r| serde_json::json!({"services": r.services, "mode": r.mode, "conn_per_s": r.rate, "p50_us": r.p50, "p99_us": r.p99, "errors": r.errors, "program_s": r.program_s, "one_change_ms": r.change_ms})).collect();
-        std::fs::write(&path, serde_json::to_string_pretty(&serde_json::json!({"kernel": kernel.trim(), "seconds": secs, "results": v})).unwrap()).unwrap();
+        let uplink = uplink.map(|(xdp, tc)| serde_json::json!({"xdp_mib_per_s": xdp, "tc_mib_per_s": tc}));
+        std::fs::write(
+            &path,
+            serde_json::to_string_pretty(&serde_json::json!({"kernel": kernel.trim(), "seconds": secs, "results": v, "uplink_bulk": uplink})).unwrap(),
+        )
+        .unwrap();
         println!("wrote {path}");
     }
     if let Some(path) = opt("--svg") {

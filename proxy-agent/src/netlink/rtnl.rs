@@ -240,11 +240,7 @@ fn addr_from(family: RtAddrFamily, p: &[u8]) -> Option<IpAddr> {
 impl NetlinkLinks {
     /// Interface name -> the name of the bridge (or other master) it is enslaved to.
     pub fn masters(&mut self) -> Result<BTreeMap<String, String>, LinkError> {
-        let msg = IfinfomsgBuilder::default().ifi_family(RtAddrFamily::Unspecified).build().map_err(sock_err)?;
-        let links = self.request(Rtm::Getlink, NlmF::DUMP, msg, "list links", "")?;
-        let name_of = |l: &neli::rtnl::Ifinfomsg| {
-            l.rtattrs().get_attr_handle().get_attr_payload_as_with_len::<String>(Ifla::Ifname).ok().map(|n| n.trim_end_matches('\0').to_string())
-        };
+        let links = self.links()?;
         let names: BTreeMap<i32, String> = links.iter().filter_map(|l| Some((*l.ifi_index(), name_of(l)?))).collect();
         Ok(links
             .iter()
@@ -254,6 +250,29 @@ impl NetlinkLinks {
             })
             .collect())
     }
+
+    /// Interface name -> its kind ("veth", "bond", "vxlan", ...); a NIC has none.
+    pub fn kinds(&mut self) -> Result<BTreeMap<String, String>, LinkError> {
+        Ok(self
+            .links()?
+            .iter()
+            .filter_map(|l| {
+                let attrs = l.rtattrs().get_attr_handle();
+                let info = attrs.get_nested_attributes::<IflaInfo>(Ifla::Linkinfo).ok()?;
+                let kind = info.get_attr_payload_as_with_len::<String>(IflaInfo::Kind).ok()?;
+                Some((name_of(l)?, kind.trim_end_matches('\0').to_string()))
+            })
+            .collect())
+    }
+
+    fn links(&mut self) -> Result<Vec<neli::rtnl::Ifinfomsg>, LinkError> {
+        let msg = IfinfomsgBuilder::default().ifi_family(RtAddrFamily::Unspecified).build().map_err(sock_err)?;
+        self.request(Rtm::Getlink, NlmF::DUMP, msg, "list links", "")
+    }
+}
+
+fn name_of(l: &neli::rtnl::Ifinfomsg) -> Option<String> {
+    l.rtattrs().get_attr_handle().get_attr_payload_as_with_len::<String>(Ifla::Ifname).ok().map(|n| n.trim_end_matches('\0').to_string())
 }
 
 impl Links for NetlinkLinks {

@@ -9,11 +9,17 @@ use kube::core::Duration;
 
 pub use crate::model::annotations::parse_duration;
 
+/// How the uplinks' IPv4 ingress runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum XdpModeArg {
+    /// Native XDP where the driver has it, except on a veth; TC ingress otherwise.
     Auto,
+    /// Native XDP, or the attach fails.
     Native,
+    /// Generic XDP (the kernel reallocates the head of most packets for it).
     Generic,
+    /// No XDP: the same program at TC ingress.
+    Off,
 }
 
 #[derive(Args, Debug, Clone, Default)]
@@ -106,6 +112,9 @@ pub struct Flags {
     /// Service: annotation kpr.io/scheduler) [file: ipvs.scheduler rr, mh or lc; default: random].
     #[arg(long)]
     pub scheduler: Option<String>,
+    /// The uplinks' IPv4 ingress: XDP (auto: native where the driver has it, except on a
+    /// veth, whose XDP copies every frame the stack sends through it), or TC (off) [default:
+    /// auto].
     #[arg(long, value_enum, env = "KPR_XDP_MODE")]
     pub xdp_mode: Option<XdpModeArg>,
     /// After a switch from kube-proxy or between kpr's modes, the longest the previous one keeps

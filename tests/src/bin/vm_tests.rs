@@ -938,7 +938,7 @@ fn mode_switch(lab: &mut Lab) -> Result<()> {
     wait_until("the fast path detached once its flows ended", 90, || {
         for i in ["up0", "hpod", "hb1"] {
             let f = must(&format!("tc -n {n} filter show dev {i} ingress")) + &must(&format!("tc -n {n} filter show dev {i} egress"));
-            ensure!(!f.contains("kpr_tc_ingress") && !f.contains("kpr_tc_egress"), "fast path still on {i}: {f}");
+            ensure!(!["kpr_tc_ingress", "kpr_tc_uplink", "kpr_tc_egress"].iter().any(|p| f.contains(p)), "fast path still on {i}: {f}");
         }
         ensure!(!must(&format!("ip -n {n} link show up0")).contains("xdp"), "XDP still on up0");
         Ok(())

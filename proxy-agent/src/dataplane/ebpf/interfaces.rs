@@ -7,7 +7,10 @@ use std::{
     path::PathBuf,
 };
 
-use aya::programs::XdpMode;
+use aya::programs::{
+    tc::{self, TcAttachType},
+    XdpMode,
+};
 use proxy_common::IfaceInfo;
 use tracing::{error, info, warn};
 
@@ -26,7 +29,10 @@ pub struct Interfaces {
     uplinks: Vec<String>,
     pod_ifaces: Vec<String>,
     pod_iface_prefixes: Vec<String>,
-    xdp_mode: XdpMode,
+    xdp_mode: XdpModeArg,
+    /// Uplinks whose IPv4 ingress runs at TC: `--xdp-mode off`, a veth under auto, or a
+    /// driver that refused native XDP under auto.
+    uplinks_at_tc: BTreeSet<String>,
     detect_local: DetectLocal,
     /// The fast path (XDP + TC both ways, per-interface masquerade) or IPVS mode's set
     /// matching (TC ingress only).
@@ -45,11 +51,8 @@ impl Interfaces {
             uplinks: s.uplinks.clone(),
             pod_ifaces: s.pod_ifaces.clone(),
             pod_iface_prefixes: s.pod_iface_prefixes.clone(),
-            xdp_mode: match s.xdp_mode {
-                XdpModeArg::Auto => XdpMode::Default,
-                XdpModeArg::Native => XdpMode::Driver,
-                XdpModeArg::Generic => XdpMode::Skb,
-            },
+            xdp_mode: s.xdp_mode,
+            uplinks_at_tc: BTreeSet::new(),
             detect_local: s.detect_local.clone(),
             fast_path,
             snat_node_internal_ip: s.snat_node_internal_ip,
@@ -64,13 +67,13 @@ impl Interfaces {
     }
 
     /// The hooks each interface gets: the fast path runs the pipeline's ingress half (XDP on
-    /// uplinks, with TC for their IPv6; TC on pod and tunnel interfaces) and its egress half (TC)
-    /// on all of them; IPVS
-    /// mode the set-matching program at TC ingress everywhere (XDP has no skb mark).
+    /// uplinks, or TC where `uplinks_at_tc` says, with TC for their IPv6; TC on pod and tunnel
+    /// interfaces) and its egress half (TC) on all of them; IPVS mode the set-matching program
+    /// at TC ingress everywhere (XDP has no skb mark).
     fn wanted(&self, present: &[String]) -> Vec<(String, Hook)> {
         let mut wanted = Vec::new();
         for u in &self.uplinks {
-            wanted.push((u.clone(), if self.fast_path { Hook::Xdp } else { Hook::TcIngress }));
+            wanted.push((u.clone(), if !self.fast_path { Hook::TcIngress } else { self.uplink_ingress(u) }));
             if self.fast_path {
                 wanted.push((u.clone(), Hook::TcIngress6));
                 wanted.push((u.clone(), Hook::TcEgress));
@@ -87,6 +90,58 @@ impl Interfaces {
         wanted
     }
 
+    /// The fast path's IPv4 ingress hook on uplink `u`.
+    fn uplink_ingress(&self, u: &str) -> Hook {
+        if self.uplinks_at_tc.contains(u) {
+            Hook::TcUplink
+        } else {
+            Hook::Xdp
+        }
+    }
+
+    /// Notes the uplinks whose IPv4 ingress runs at TC by their kind: every one with
+    /// `--xdp-mode off`; the veths under auto (a veth's XDP copies each frame the stack sends
+    /// through it, which costs more than XDP saves; measured in docs/performance.md).
+    fn note_uplinks_at_tc(&mut self) {
+        match self.xdp_mode {
+            XdpModeArg::Off => self.uplinks_at_tc.extend(self.uplinks.iter().cloned()),
+            XdpModeArg::Auto => {
+                let kinds = crate::netlink::rtnl::NetlinkLinks::connect().and_then(|mut l| l.kinds()).unwrap_or_else(|e| {
+                    warn!(error = %e, "cannot read the uplinks' kinds: XDP on every uplink");
+                    Default::default()
+                });
+                self.uplinks_at_tc.extend(self.uplinks.iter().filter(|u| kinds.get(*u).is_some_and(|k| k == "veth")).cloned());
+            }
+            XdpModeArg::Native | XdpModeArg::Generic => {}
+        }
+    }
+
+    /// The uplink's other way of IPv4 ingress (an earlier agent's, or another --xdp-mode's)
+    /// goes once `running` is attached: until then both ran, the second seeing the first's
+    /// rewritten packets, which no service or flow of its own matches.
+    fn detach_other_uplink_ingress(&self, iface: &str, running: Hook) {
+        let other = if running == Hook::Xdp { Hook::TcUplink } else { Hook::Xdp };
+        if kernel::attached_links(&self.pin_dir).contains(&(iface.to_string(), other)) {
+            match kernel::detach(&self.pin_dir, iface, other) {
+                Ok(()) => info!(iface, hook = other.tag(), "detached: the uplink's IPv4 ingress runs at {}", running.tag()),
+                Err(e) => warn!(iface, hook = other.tag(), error = %e, "detaching the uplink's other IPv4 ingress"),
+            }
+        }
+        // Kernels before TCX: a TC program is a filter, not a pinned link.
+        if other == Hook::TcUplink && tc::qdisc_detach_program(iface, TcAttachType::Ingress, proxy_common::prog_names::TC_UPLINK).is_ok() {
+            info!(iface, hook = other.tag(), "detached: the uplink's IPv4 ingress runs at xdp");
+        }
+    }
+
+    /// The kernel's XDP attach mode for `--xdp-mode` (None: no XDP).
+    fn xdp_attach_mode(&self) -> Option<XdpMode> {
+        match self.xdp_mode {
+            XdpModeArg::Auto | XdpModeArg::Native => Some(XdpMode::Driver),
+            XdpModeArg::Generic => Some(XdpMode::Skb),
+            XdpModeArg::Off => None,
+        }
+    }
+
     /// Whether every packet program pinned under the pin directory is one this agent attached:
     /// no program loaded by an earlier agent (an earlier release's, maybe) runs any more. Until
     /// then the assured tables' hints are not rebuilt: such a program may fill a table without
@@ -99,21 +154,36 @@ impl Interfaces {
     /// are gone, and rewrites KPR_IFACE where it changed. Returns whether anything was attached.
     pub fn reconcile(&mut self, dp: &mut Datapath, maps: &mut KernelMaps) -> bool {
         let present = netif::interfaces();
-        let wanted = self.wanted(&present);
+        if self.fast_path && self.uplinks.iter().any(|u| present.contains(u) && !self.attached.iter().any(|(i, _)| i == u)) {
+            self.note_uplinks_at_tc();
+        }
         let mut attached_any = false;
-        for (iface, hook) in &wanted {
-            if self.attached.contains(&(iface.clone(), *hook)) {
+        let mode = self.xdp_attach_mode().unwrap_or(XdpMode::Driver);
+        for (iface, hook) in self.wanted(&present) {
+            if self.attached.contains(&(iface.clone(), hook)) {
                 continue;
             }
-            match dp.attach(iface, *hook, self.xdp_mode) {
-                Ok(()) => {
+            let attached = match dp.attach(&iface, hook, mode) {
+                Err(e) if hook == Hook::Xdp && self.xdp_mode == XdpModeArg::Auto => {
+                    info!(iface = %iface, error = %e, "no native XDP: the uplink's IPv4 ingress runs at TC");
+                    self.uplinks_at_tc.insert(iface.clone());
+                    dp.attach(&iface, Hook::TcUplink, mode).map(|()| Hook::TcUplink)
+                }
+                r => r.map(|()| hook),
+            };
+            match attached {
+                Ok(hook) => {
                     info!(iface = %iface, hook = hook.tag(), "attached");
-                    self.attached.insert((iface.clone(), *hook));
+                    if matches!(hook, Hook::Xdp | Hook::TcUplink) {
+                        self.detach_other_uplink_ingress(&iface, hook);
+                    }
+                    self.attached.insert((iface, hook));
                     attached_any = true;
                 }
                 Err(e) => error!(iface = %iface, hook = hook.tag(), error = %e, "attach failed"),
             }
         }
+        let wanted = self.wanted(&present);
         for (iface, hook) in kernel::attached_links(&self.pin_dir) {
             if hook != Hook::Cgroup && !present.contains(&iface) {
                 // The interface is gone, and its link with it; the pin is what is left.

@@ -168,7 +168,7 @@ impl Datapath {
 
     /// Verifies and loads the eBPF fast path (TC, XDP, connect-time programs).
     pub fn load_fast_path(&mut self) -> Result<(), KernelError> {
-        for name in [prog_names::TC_INGRESS, prog_names::TC_EGRESS, prog_names::TC_INGRESS6, prog_names::TC_PASS] {
+        for name in [prog_names::TC_INGRESS, prog_names::TC_EGRESS, prog_names::TC_INGRESS6, prog_names::TC_UPLINK, prog_names::TC_PASS] {
             let prog = self.classifier(name)?;
             load(name, || prog.load())?;
         }
@@ -244,7 +244,7 @@ impl Datapath {
     /// allows 1,000,000 a program), as `name count, ...`: kpr-bench and the 6.1 guest print it.
     /// A data path change can multiply it and pass on one kernel, fail on another.
     pub fn verifier_work(&self) -> String {
-        [prog_names::TC_INGRESS, prog_names::TC_EGRESS, prog_names::TC_INGRESS6, prog_names::TC_IPSET, prog_names::XDP_INGRESS]
+        [prog_names::TC_INGRESS, prog_names::TC_EGRESS, prog_names::TC_INGRESS6, prog_names::TC_IPSET, prog_names::XDP_INGRESS, prog_names::TC_UPLINK]
             .iter()
             .filter_map(|name| {
                 let info = self.ebpf.program(name)?.info().ok()?;

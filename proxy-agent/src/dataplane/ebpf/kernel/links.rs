@@ -31,6 +31,9 @@ pub enum Hook {
     /// The fast path's second half (masquerade, reverse DNAT), on every interface it runs on.
     TcEgress,
     Xdp,
+    /// The uplinks' IPv4 ingress at TC (kpr_tc_uplink) where XDP is not used there
+    /// (`--xdp-mode`; auto: veths).
+    TcUplink,
     /// Connect-time programs on a cgroup; the "interface" is the program name.
     Cgroup,
     /// The fast path's TC ingress link, kept in front of IPVS mode's set matching while a
@@ -46,6 +49,7 @@ impl Hook {
             Hook::TcIngress6 => "tc_ingress6",
             Hook::TcEgress => "tc_egress",
             Hook::Xdp => "xdp",
+            Hook::TcUplink => "tc_uplink",
             Hook::Cgroup => "cgroup",
             Hook::TcDrain => "tc_drain",
         }
@@ -74,10 +78,11 @@ impl Datapath {
             None
         };
         match hook {
-            Hook::TcIngress | Hook::TcIngress6 | Hook::TcEgress => {
+            Hook::TcIngress | Hook::TcIngress6 | Hook::TcUplink | Hook::TcEgress => {
                 let (program, attach_type, what) = match hook {
                     Hook::TcIngress => (self.tc_program, TcAttachType::Ingress, "tc ingress"),
                     Hook::TcIngress6 => (prog_names::TC_INGRESS6, TcAttachType::Ingress, "tc ingress (IPv6)"),
+                    Hook::TcUplink => (prog_names::TC_UPLINK, TcAttachType::Ingress, "tc ingress (uplink)"),
                     _ => (prog_names::TC_EGRESS, TcAttachType::Egress, "tc egress"),
                 };
                 if let Some(link) = existing {
@@ -94,12 +99,12 @@ impl Datapath {
                 // Behind a draining fast path, its filter stays and ours goes after it (TCX
                 // links: after by default).
                 let behind = self.after_fast_path && hook == Hook::TcIngress;
-                // The uplinks' IPv6 program shares the hook with whatever TC ingress runs there
-                // (IPVS mode's set matching during a switch): it replaces only itself.
+                // The uplinks' programs share the hook with whatever TC ingress runs there
+                // (IPVS mode's set matching during a switch): each replaces only itself.
                 let ours = |n: &&str| match hook {
-                    Hook::TcIngress6 => *n == prog_names::TC_INGRESS6,
+                    Hook::TcIngress6 | Hook::TcUplink => *n == program,
                     _ if behind => *n == prog_names::TC_IPSET,
-                    _ => *n != prog_names::TC_INGRESS6,
+                    _ => !UPLINK_TC_PROGRAMS.contains(n),
                 };
                 for name in TC_PROGRAMS.into_iter().filter(ours) {
                     let _ = tc::qdisc_detach_program(iface, attach_type, name);
@@ -110,14 +115,15 @@ impl Datapath {
                 let id = if netlink_behind {
                     let options = tc::NlOptions { priority: AFTER_FAST_PATH_PRIORITY, ..Default::default() };
                     prog.attach_with_options(iface, attach_type, tc::TcAttachOptions::Netlink(options))
-                } else if hook == Hook::TcIngress6 {
+                } else if matches!(hook, Hook::TcIngress6 | Hook::TcUplink) {
                     // First on the hook: during a switch from IPVS mode its set matching is
-                    // there too, and the new IPv6 flows must be the fast path's, as XDP makes
-                    // the IPv4 ones (what is not its own goes on to the next program).
+                    // there too, and the new flows must be the fast path's, as XDP makes them
+                    // (what is not its own goes on to the next program).
                     let options = if tcx {
                         tc::TcAttachOptions::TcxOrder(aya::programs::LinkOrder::first())
                     } else {
-                        tc::TcAttachOptions::Netlink(tc::NlOptions { priority: FIRST_PRIORITY, ..Default::default() })
+                        let priority = if hook == Hook::TcUplink { FIRST_PRIORITY - 1 } else { FIRST_PRIORITY };
+                        tc::TcAttachOptions::Netlink(tc::NlOptions { priority, ..Default::default() })
                     };
                     prog.attach_with_options(iface, attach_type, options)
                 } else {
@@ -153,7 +159,10 @@ impl Datapath {
 }
 
 /// Every TC program kpr attaches (what a cleanup removes from pre-TCX kernels' filters).
-pub(super) const TC_PROGRAMS: [&str; 4] = [prog_names::TC_INGRESS, prog_names::TC_INGRESS6, prog_names::TC_EGRESS, prog_names::TC_IPSET];
+pub(super) const TC_PROGRAMS: [&str; 5] = [prog_names::TC_INGRESS, prog_names::TC_INGRESS6, prog_names::TC_UPLINK, prog_names::TC_EGRESS, prog_names::TC_IPSET];
+/// The uplinks' TC ingress programs of the fast path, first on the hook: a TC ingress
+/// attached behind them leaves them there.
+const UPLINK_TC_PROGRAMS: [&str; 2] = [prog_names::TC_INGRESS6, prog_names::TC_UPLINK];
 
 /// bpffs refuses '.' in names, and interface names may hold one (flannel.1); ':' never
 /// appears in an interface name, so it stands for the dot.
@@ -175,6 +184,8 @@ pub fn attached_links(pin_dir: &Path) -> Vec<(String, Hook)> {
             out.push((i.to_string(), Hook::TcIngress6));
         } else if let Some(i) = name.strip_prefix("tc_egress_") {
             out.push((i.to_string(), Hook::TcEgress));
+        } else if let Some(i) = name.strip_prefix("tc_uplink_") {
+            out.push((i.to_string(), Hook::TcUplink));
         } else if let Some(i) = name.strip_prefix("xdp_") {
             out.push((i.to_string(), Hook::Xdp));
         } else if let Some(p) = name.strip_prefix("cgroup_") {
@@ -202,8 +213,8 @@ pub fn detach(pin_dir: &Path, iface: &str, hook: Hook) -> io::Result<()> {
 pub fn keep_tc_ingress_for_drain(pin_dir: &Path) -> io::Result<Vec<String>> {
     let mut kept = Vec::new();
     for (iface, hook) in attached_links(pin_dir) {
-        if hook == Hook::TcIngress {
-            std::fs::rename(link_path(pin_dir, &iface, Hook::TcIngress), link_path(pin_dir, &iface, Hook::TcDrain))?;
+        if matches!(hook, Hook::TcIngress | Hook::TcUplink) {
+            std::fs::rename(link_path(pin_dir, &iface, hook), link_path(pin_dir, &iface, Hook::TcDrain))?;
             kept.push(iface);
         }
     }
@@ -217,7 +228,7 @@ pub fn detach_fast_path(pin_dir: &Path, sock: &[&str]) -> Vec<String> {
     let mut removed = Vec::new();
     for (iface, hook) in attached_links(pin_dir) {
         let fast = match hook {
-            Hook::Xdp | Hook::TcIngress6 | Hook::TcEgress | Hook::TcDrain => true,
+            Hook::Xdp | Hook::TcUplink | Hook::TcIngress6 | Hook::TcEgress | Hook::TcDrain => true,
             Hook::Cgroup => sock.contains(&iface.as_str()),
             Hook::TcIngress => false,
         };
@@ -228,6 +239,7 @@ pub fn detach_fast_path(pin_dir: &Path, sock: &[&str]) -> Vec<String> {
     // Kernels before TCX: the TC filters (no pins).
     removed.extend(detach_tc_filters(TcAttachType::Ingress, prog_names::TC_INGRESS));
     removed.extend(detach_tc_filters(TcAttachType::Ingress, prog_names::TC_INGRESS6));
+    removed.extend(detach_tc_filters(TcAttachType::Ingress, prog_names::TC_UPLINK));
     removed.extend(detach_tc_filters(TcAttachType::Egress, prog_names::TC_EGRESS));
     removed
 }
