@@ -303,7 +303,8 @@ fn a_maximum_connection_age_ends_old_connections_and_rebalances_udp() {
         lab.wait_backends(vip, 3);
     }
     // TCP: a request every 50 ms on one connection for up to 8 s; reset after about 2 s (the
-    // collector counts the age from when it first sees the flow, within a round of 250 ms).
+    // collector counts the age from when it first sees the flow, within a second: its passes
+    // over a small table start once a second).
     let start = Instant::now();
     let held = lab.peer("pod", &["hold", "10.96.0.60:80", "8"]);
     let took = start.elapsed();

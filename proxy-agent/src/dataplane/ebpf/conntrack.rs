@@ -198,6 +198,12 @@ pub struct Gc {
     pub timeouts: Timeouts,
     pub batch: usize,
     cursors: HashMap<Table, Option<u32>>,
+    /// When each table's last pass started (the round's clock).
+    pass_started: HashMap<Table, u64>,
+    /// A pass over a table starts at most this often (0: every round). Where the assured
+    /// table is sparse, its pass is one batch, and that one system call walks every bucket of
+    /// the kernel's hash (524,288 by default) without a break for other work on its CPU.
+    pub pass_every_ns: u64,
     /// What the passes learn of the flows they keep.
     observed: Observations,
     /// Hand each assured batch's keys over (`GcStats::assured`): set once the hint's rebuild
@@ -207,7 +213,15 @@ pub struct Gc {
 
 impl Gc {
     pub fn new(timeouts: Timeouts, batch: usize) -> Self {
-        Self { timeouts, batch, cursors: HashMap::new(), observed: Observations::default(), hand_over_assured_keys: false }
+        Self {
+            timeouts,
+            batch,
+            cursors: HashMap::new(),
+            pass_started: HashMap::new(),
+            pass_every_ns: 0,
+            observed: Observations::default(),
+            hand_over_assured_keys: false,
+        }
     }
 
     /// Open flows by backend id at the last whole pass over each table (what least-connection
@@ -233,6 +247,12 @@ impl Gc {
         let mut st = GcStats::default();
         for table in Table::ALL {
             let cursor = self.cursors.get(&table).copied().flatten();
+            if cursor.is_none() {
+                if self.pass_started.get(&table).is_some_and(|&at| now_ns.saturating_sub(at) < self.pass_every_ns) {
+                    continue;
+                }
+                self.pass_started.insert(table, now_ns);
+            }
             let (batch, next) = t.read_batch(table, cursor, self.batch)?;
             self.cursors.insert(table, next);
             st.read += batch.len();

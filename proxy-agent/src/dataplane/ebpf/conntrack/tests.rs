@@ -321,3 +321,24 @@ fn assured_keys_are_handed_over_only_once_asked_with_their_place_in_the_pass() {
     // Two batches of two: the pass begun before, its last batch, then a whole pass.
     assert_eq!(passes, [(2, false, true), (2, true, false), (2, false, true)]);
 }
+
+/// With `pass_every_ns`, a table whose pass ended starts the next one only that long after the
+/// last one started; a pass under way goes on every round, and the rounds between read nothing
+/// of that table.
+#[test]
+fn a_pass_starts_at_most_every_pass_every_ns() {
+    let s = 1_000_000_000u64;
+    let mut t = FakeTables::default();
+    for port in 6000..6002 {
+        t.assured.extend(flow(PROTO_UDP, ("10.244.9.2", port), ("10.96.0.53", 53), ("10.244.2.2", 5353), port, None, 100 * s));
+    }
+    // Batches of 2 over 4 entries: a pass is two rounds.
+    let mut gc = Gc::new(Timeouts::default(), 2);
+    gc.pass_every_ns = 2 * s;
+    let reads: Vec<usize> =
+        [100.0, 100.25, 100.5, 101.75, 102.0, 102.25, 102.5].iter().map(|&at| gc.round(&mut t, (at * s as f64) as u64).unwrap().read).collect();
+    assert_eq!(reads, [2, 2, 0, 0, 2, 2, 0], "a pass at 100 s (two rounds), none until 102 s, the next at 102 s");
+    // Without it (0), every round reads.
+    let mut gc = Gc::new(Timeouts::default(), 2);
+    assert!((0..4).all(|_| gc.round(&mut t, 100 * s).unwrap().read == 2));
+}
