@@ -457,6 +457,22 @@ impl Lab {
         }
     }
 
+    /// Waits (30 s at most) until `kpr status` shows `has` and not `lacks` (an attached hook,
+    /// say); on a timeout, the last status.
+    pub fn wait_status(&self, has: &str, lacks: &str) -> Result<(), String> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let s = self.cli(&["status"]);
+            if s.contains(has) && !s.contains(lacks) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(s);
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
     /// Waits until `frontend` (ip:port) has `n` backends for internal traffic (scope internal, or both), on every node
     /// that runs an agent.
     pub fn wait_backends(&self, frontend: &str, n: usize) {

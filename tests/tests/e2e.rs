@@ -156,14 +156,8 @@ fn clusterip_nodeport_udp_lb_and_reject_on_real_traffic() {
 fn uplink_ingress_moves_between_xdp_and_tc_across_restarts() {
     let mut lab = lab("kpe5");
     let wait_status = |lab: &Lab, has: &str, lacks: &str| {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let s = lab.cli(&["status"]);
-            if s.contains(has) && !s.contains(lacks) {
-                return;
-            }
-            assert!(Instant::now() < deadline, "status never showed {has:?} without {lacks:?}: {s}\n{}", lab.agent_log());
-            std::thread::sleep(Duration::from_millis(200));
+        if let Err(s) = lab.wait_status(has, lacks) {
+            panic!("status never showed {has:?} without {lacks:?}: {s}\n{}", lab.agent_log());
         }
     };
     wait_status(&lab, "tc_uplink on up0", "xdp on up0");

@@ -30,11 +30,13 @@ fn http(lab: &Lab, addr: &str, path: &str, put: Option<&str>) -> (String, String
 }
 
 fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("metric {name} missing in:\n{text}"))
+    metric_if_any(text, name).unwrap_or_else(|| panic!("metric {name} missing in:\n{text}"))
+}
+
+/// A metric's value; None where it is not exported (yet: a labelled counter appears with its
+/// first increment).
+fn metric_if_any(text: &str, name: &str) -> Option<f64> {
+    text.lines().find(|l| l.starts_with(name) && l[name.len()..].starts_with(' ')).and_then(|l| l.rsplit(' ').next()).and_then(|v| v.parse().ok())
 }
 
 /// The first Event about the object `name`, waited for.
@@ -127,10 +129,7 @@ fn agent_on_the_kubernetes_api_forwards_serves_health_and_metrics_and_survives_a
     // the bits.
     let deadline = Instant::now() + Duration::from_secs(15);
     let mut m = m;
-    let passes = |m: &str, f: &str| {
-        let name = format!("kpr_conntrack_hint_passes_total{{family=\"{f}\"}} ");
-        m.lines().find_map(|l| l.strip_prefix(name.as_str())?.parse::<f64>().ok()).unwrap_or(0.0)
-    };
+    let passes = |m: &str, f: &str| metric_if_any(m, &format!("kpr_conntrack_hint_passes_total{{family=\"{f}\"}}")).unwrap_or(0.0);
     while ["ipv4", "ipv6"].iter().any(|f| passes(&m, f) < 2.0) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(250));
         m = get(&lab, "127.0.0.1:10249", "/metrics").1;

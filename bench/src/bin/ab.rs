@@ -115,13 +115,9 @@ fn uplink_bulk(lab: &mut Lab, dir: &std::path::Path, mib: usize) -> Option<(f64,
             lab.wait_backends("10.96.0.10:80", 3);
             // The pinned maps outlive an agent: wait for this one's hook instead.
             let (hook, other) = if mode == "off" { ("tc_uplink on up0", "xdp on up0") } else { ("xdp on up0", "tc_uplink on up0") };
-            let deadline = Instant::now() + std::time::Duration::from_secs(30);
-            while !lab.cli(&["status"]).contains(hook) || lab.cli(&["status"]).contains(other) {
-                if Instant::now() > deadline {
-                    eprintln!("  --xdp-mode {mode}: {hook} never alone on the uplink");
-                    return None;
-                }
-                std::thread::sleep(std::time::Duration::from_millis(200));
+            if let Err(status) = lab.wait_status(hook, other) {
+                eprintln!("  --xdp-mode {mode}: {hook} never alone on the uplink: {status}");
+                return None;
             }
             for _ in 0..3 {
                 let v = lab.peer("cl", &["bulk", &target, &bytes]);

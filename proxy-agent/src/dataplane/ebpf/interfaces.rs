@@ -133,12 +133,12 @@ impl Interfaces {
         }
     }
 
-    /// The kernel's XDP attach mode for `--xdp-mode` (None: no XDP).
-    fn xdp_attach_mode(&self) -> Option<XdpMode> {
-        match self.xdp_mode {
-            XdpModeArg::Auto | XdpModeArg::Native => Some(XdpMode::Driver),
-            XdpModeArg::Generic => Some(XdpMode::Skb),
-            XdpModeArg::Off => None,
+    /// The kernel's XDP attach mode for `--xdp-mode` (off attaches no XDP).
+    fn xdp_attach_mode(&self) -> XdpMode {
+        if self.xdp_mode == XdpModeArg::Generic {
+            XdpMode::Skb
+        } else {
+            XdpMode::Driver
         }
     }
 
@@ -158,7 +158,7 @@ impl Interfaces {
             self.note_uplinks_at_tc();
         }
         let mut attached_any = false;
-        let mode = self.xdp_attach_mode().unwrap_or(XdpMode::Driver);
+        let mode = self.xdp_attach_mode();
         for (iface, hook) in self.wanted(&present) {
             if self.attached.contains(&(iface.clone(), hook)) {
                 continue;
