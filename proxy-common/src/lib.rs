@@ -487,6 +487,11 @@ pub mod counter {
         /// Embryonic flows forgotten to make room in a full bucket of an embryonic table (a SYN
         /// flood, or handshakes that never complete), one a flow: see proxy-ebpf's embryonic.rs.
         CT_EMBRYONIC_EVICTED = 23, "ct_embryonic_evicted";
+        /// TCP flows started by a packet other than a SYN (netfilter's loose pickup), IPv4 and
+        /// IPv6: a connection older than the tables (a restart without pinned maps) or one
+        /// whose entries were lost. It is balanced anew; a backend other than its own answers
+        /// it with a reset.
+        TCP_MIDSTREAM_PICKUP = 24, "tcp_midstream_pickup";
     }
 
     /// The counters map's capacity: more than COUNT, so that a counter added later fits the map a

@@ -149,8 +149,8 @@ pub fn track(f: &Flow, key: &CtKey, cfg: &DatapathConfig, l: &mut Lookup) -> Tra
     let (v, table) = if let Some(v) = found {
         (v, Table::Assured)
     } else if may_open {
-        match embryonic::get(key) {
-            Some(v) => (v, Table::Embryonic),
+        match after_assured_miss(key) {
+            Some(found) => found,
             None => return Tracked::No,
         }
     } else {
@@ -198,12 +198,29 @@ fn max_age_reached(tcp: bool, key: &CtKey, v: &mut CtValue, table: Table) -> Tra
 /// the assured table. A subprogram: off the established path's stack.
 #[inline(never)]
 pub fn embryonic_forward(f: &Flow, key: &CtKey, cfg: &DatapathConfig, now: u64) -> Option<Rewrite> {
-    let v = unsafe { &mut *embryonic::get(key)? };
-    let rw = entry::<false>(f, key, v, Table::Embryonic, cfg, now, 0)??;
+    let (v, table) = after_assured_miss(key)?;
+    let rw = entry::<false>(f, key, unsafe { &mut *v }, table, cfg, now, 0)??;
+    // Asked of an assured flow too (found on the third lookup): promote then finds nothing
+    // to move. The table, kept for the check, would grow this frame past what 6.1 allows.
     if assures(rw.flags, f.is_tcp_control()) {
         promote(key, &rw);
     }
     Some(rw)
+}
+
+/// `k`'s entry, asked after a miss in the assured table: the embryonic table, then the assured
+/// one again. `promote` puts a key into the assured table before it deletes it from the
+/// embryonic one, so a key that another CPU moved between the caller's lookups is there on the
+/// third. A client's first data packet races its handshake's last ACK so whenever the two leave
+/// on different CPUs (the ACK from the CPU that took the SYN-ACK, the data from the
+/// application's); without the third lookup, it met neither entry and started a new flow,
+/// which its backend answered with a reset.
+#[inline(always)]
+fn after_assured_miss(k: &CtKey) -> Option<(*mut CtValue, Table)> {
+    match embryonic::get(k) {
+        Some(v) => Some((v, Table::Embryonic)),
+        None => hint::assured(k).map(|v| (v, Table::Assured)),
+    }
 }
 
 /// Whether a packet that met its flow's embryonic entry (its rewrite's `flags`) makes the flow
@@ -367,7 +384,10 @@ fn forget_with(table: Table, fwd_key: &CtKey, v: &CtValue, keys: &mut [CtKey; 2]
 }
 
 /// Moves an embryonic flow's entries to the assured table: replies first, forward last, so a
-/// packet never finds the forward entry assured and its reply's missing. Once per flow.
+/// packet never finds the forward entry assured and its reply's missing. Each entry is put into
+/// the assured table before it leaves the embryonic one (see `after_assured_miss`). Two CPUs
+/// may promote one flow at once (its ACK and its data); the flow is counted by the one whose
+/// delete took the forward entry.
 #[inline(never)]
 fn promote(fwd_key: &CtKey, rw: &Rewrite) {
     let proto = fwd_key.proto;
@@ -382,19 +402,21 @@ fn promote(fwd_key: &CtKey, rw: &Rewrite) {
         }
         move_assured(&snat);
     }
-    move_assured(fwd_key);
-    bump(counter::FLOW_ASSURED);
+    if move_assured(fwd_key) {
+        bump(counter::FLOW_ASSURED);
+    }
 }
 
+/// Moves one entry; whether this call took it out of the embryonic table.
 #[inline(always)]
-fn move_assured(k: &CtKey) {
+fn move_assured(k: &CtKey) -> bool {
     if let Some(v) = unsafe { Table::Embryonic.get(k) } {
         if hint::insert_assured(k, v, 0).is_ok() {
-            embryonic::kpr_ct_new_remove(k);
-        } else {
-            bump(counter::CT_INSERT_FAILED);
+            return embryonic::kpr_ct_new_remove(k) == 1;
         }
+        bump(counter::CT_INSERT_FAILED);
     }
+    false
 }
 
 /// A random port of the SNAT range, network order.
@@ -606,6 +628,10 @@ pub fn create(f: &Flow, backend_id: u32, service_id: u32, be: &Backend, masq: bo
         bump(counter::CT_INSERT_FAILED);
         return None;
     }
+    // Read back from the scratch: nothing stays live across the inserts.
+    if s.values[0].flags & CT_F_SEEN_REPLY != 0 {
+        bump(counter::TCP_MIDSTREAM_PICKUP);
+    }
     Some(Rewrite::of(&s.values[0]))
 }
 
@@ -622,8 +648,9 @@ pub fn for_icmp_error(quoted_reverse: &CtKey, refusal: bool) -> Option<Rewrite> 
     let v = match unsafe { CONNTRACK.get(quoted_reverse) } {
         Some(v) => v,
         None => {
-            let v = unsafe { Table::Embryonic.get(quoted_reverse)? };
-            if refusal && quoted_reverse.proto == PROTO_TCP {
+            let (v, table) = after_assured_miss(quoted_reverse)?;
+            let v = unsafe { &*v };
+            if table == Table::Embryonic && refusal && quoted_reverse.proto == PROTO_TCP {
                 handshake_refused(quoted_reverse, v);
             }
             v

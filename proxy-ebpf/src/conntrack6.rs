@@ -125,7 +125,7 @@ pub fn track(f: &Flow6, key: &CtKey6, cfg: &DatapathConfig, now: u64) -> Option<
     let found = if may_open { hint::assured(key) } else { CONNTRACK6.get_ptr_mut(key) };
     let (v, table) = match found {
         Some(v) => (v, Table::Assured),
-        None if may_open => (embryonic::get6(key)?, Table::Embryonic),
+        None if may_open => after_assured_miss(key)?,
         None => return None,
     };
     let v = unsafe { &mut *v };
@@ -142,12 +142,24 @@ pub fn track(f: &Flow6, key: &CtKey6, cfg: &DatapathConfig, now: u64) -> Option<
 /// call chain that counts against 512 bytes.
 #[inline(always)]
 pub fn embryonic_forward(f: &Flow6, key: &CtKey6, cfg: &DatapathConfig, now: u64) -> Option<Rewrite6> {
-    let v = unsafe { &mut *embryonic::get6(key)? };
-    let rw = entry(f, key, v, Table::Embryonic, cfg, now)?;
-    if conntrack::assures(rw.flags, f.is_tcp_control()) {
+    let (v, table) = after_assured_miss(key)?;
+    let v = unsafe { &mut *v };
+    let rw = entry(f, key, v, table, cfg, now)?;
+    if table == Table::Embryonic && conntrack::assures(rw.flags, f.is_tcp_control()) {
         promote(key, v);
     }
     Some(rw)
+}
+
+/// `k`'s entry after a miss in the assured table: the embryonic table, then the assured one
+/// again, for a key another CPU's promotion moved meanwhile (see IPv4's
+/// conntrack::after_assured_miss).
+#[inline(always)]
+pub(crate) fn after_assured_miss(k: &CtKey6) -> Option<(*mut CtValue6, Table)> {
+    match embryonic::get6(k) {
+        Some(v) => Some((v, Table::Embryonic)),
+        None => hint::assured(k).map(|v| (v, Table::Assured)),
+    }
 }
 
 /// One entry's packet: freshness, the handshake's reply, the timestamp, a close. None: not (any
@@ -191,23 +203,27 @@ fn seen_reply(key: &CtKey6, v: &mut CtValue6) {
 }
 
 /// Moves an embryonic flow's entries to the assured table: the reply first, the forward last, so
-/// a packet never finds the forward entry assured and its reply's missing. Once per flow.
+/// a packet never finds the forward entry assured and its reply's missing; each put into the
+/// assured table before it leaves the embryonic one. Counted by the CPU whose delete took the
+/// forward entry (two may promote one flow at once, as IPv4's).
 #[inline(never)]
 fn promote(fwd_key: &CtKey6, v: &CtValue6) {
     move_assured(&CtKey6::reversed_of(v, fwd_key.proto, CT_DIR_EGRESS));
-    move_assured(fwd_key);
-    bump(counter::FLOW_ASSURED);
+    if move_assured(fwd_key) {
+        bump(counter::FLOW_ASSURED);
+    }
 }
 
+/// Moves one entry; whether this call took it out of the embryonic table.
 #[inline(always)]
-fn move_assured(k: &CtKey6) {
+fn move_assured(k: &CtKey6) -> bool {
     if let Some(v) = Table::Embryonic.get6(k) {
         if hint::insert_assured(k, v, 0).is_ok() {
-            embryonic::kpr_ct6_new_remove(k);
-        } else {
-            bump(counter::CT_INSERT_FAILED);
+            return embryonic::kpr_ct6_new_remove(k) == 1;
         }
+        bump(counter::CT_INSERT_FAILED);
     }
+    false
 }
 
 /// The first FIN or RST an entry sees: it is closing, and so is its flow's forward entry when
@@ -320,6 +336,10 @@ pub fn create(f: &Flow6, backend_id: u32, service_id: u32, be: &Backend, masq: b
     if table.insert6(&s.keys[1], &s.values[1], 0, &raw mut s.pending[1]).is_err() {
         bump(counter::CT_INSERT_FAILED);
         return None;
+    }
+    // Read back from the scratch: nothing stays live across the inserts.
+    if s.values[1].flags & CT_F_SEEN_REPLY != 0 {
+        bump(counter::TCP_MIDSTREAM_PICKUP);
     }
     Some(Rewrite6::of(&s.values[1]))
 }

@@ -16,9 +16,9 @@
 use proxy_common::{counter, CtKey6, PROTO_TCP, PROTO_UDP};
 
 use crate::{
+    conntrack6,
     counters::bump,
     csum,
-    embryonic,
     maps::CONNTRACK6,
     parse::IP_OFF,
     pkt::{Pkt, Verdict},
@@ -79,7 +79,7 @@ fn rewrite<P: Pkt>(p: &mut P, off: usize, dir: u8) -> Option<bool> {
     let (Some(q_src), Some(q_dst)) = (p.load::<[u32; 4]>(inner + 8), p.load::<[u32; 4]>(inner + 24)) else { return Some(false) };
     let key = CtKey6 { saddr: q_dst, daddr: q_src, sport: ports[1], dport: ports[0], proto, dir, _pad: 0 };
     // An embryonic flow's too (a SYN's packet too big, or the backend refusing it).
-    let Some(v) = (unsafe { CONNTRACK6.get(&key).or_else(|| embryonic::get6(&key).map(|v| &*v)) }) else { return Some(false) };
+    let Some(v) = (unsafe { CONNTRACK6.get(&key).or_else(|| conntrack6::after_assured_miss(&key).map(|(v, _)| &*v)) }) else { return Some(false) };
     // The quote is the forward packet of the reply the entry rewrites: its source becomes the
     // reply's new destination, its destination the reply's new source. The outer addresses
     // that are the quote's follow it.
