@@ -143,8 +143,9 @@ pub struct Lab {
     /// Appended to `kpr run` (e.g. --mode ipvs).
     pub agent_args: Vec<String>,
     agent: Option<Child>,
-    /// The underlay's "switch" ports run an XDP program, as a NIC peer would take frames.
-    _switch_pins: PinDir,
+    /// The underlay's "switch" ports run an XDP program, as a NIC peer would take frames (and
+    /// the interfaces `replies_on_cpu0` gives one).
+    xdp_pins: PinDir,
     // Dropped last: kills every process in the namespaces, then deletes them.
     _netns: Netns,
 }
@@ -301,7 +302,7 @@ impl Lab {
             peer,
             agent_args: Vec::new(),
             agent: None,
-            _switch_pins: switch_pins,
+            xdp_pins: switch_pins,
             _netns: netns,
         };
         for n in &lab.nodes {
@@ -497,10 +498,7 @@ impl Lab {
     /// Runs kpr-lab-peer in a namespace of the lab and parses its JSON report. Role "host"
     /// is a process of node A itself (its namespace, inside its cgroup).
     pub fn peer(&self, role: &str, args: &[&str]) -> serde_json::Value {
-        let o = self.peer_cmd(role, args).output().unwrap();
-        let out = String::from_utf8_lossy(&o.stdout);
-        let last = out.lines().last().unwrap_or("");
-        serde_json::from_str(last).unwrap_or_else(|_| panic!("peer {args:?} in {role}: {out} {}", String::from_utf8_lossy(&o.stderr)))
+        report(&format!("peer {args:?} in {role}"), self.peer_cmd(role, args).output().unwrap())
     }
 
     /// Starts kpr-lab-peer in the background; `finish` collects its report.
@@ -545,6 +543,39 @@ impl Lab {
         serde_json::from_str(out.lines().last().unwrap_or("")).unwrap_or_else(|_| panic!("peer output: {out}"))
     }
 
+    /// Takes what reaches `role`'s interface `iface` on CPU 0, as a NIC queue whose interrupt
+    /// is bound to one CPU: the pass XDP program on it (a veth then receives through NAPI),
+    /// that NAPI in a thread of its own, pinned to CPU 0. A client there on another CPU
+    /// (`peer_on_cpu`) then sends a handshake's last ACK from CPU 0, where its SYN-ACK was
+    /// taken, while it sends its first data from its own CPU.
+    pub fn replies_on_cpu0(&self, role: &str, iface: &str) {
+        let ns = self.ns(role);
+        if !must(&format!("ip -n {ns} link show {iface}")).contains(" xdp") {
+            crate::xdp_pass_on(&ns, &[iface], self.xdp_pins.path());
+        }
+        must(&format!("ip netns exec {ns} sh -c 'echo 1 > /sys/class/net/{iface}/threaded'"));
+        // The thread is napi/IFACE-ID: another lab's of the same name is pinned too, harmlessly.
+        let threads = must(&format!("pgrep '^napi/{iface}-' || true"));
+        assert!(!threads.trim().is_empty(), "no NAPI thread for {iface} in {ns}");
+        for t in threads.split_whitespace() {
+            must(&format!("taskset -p 1 {t}"));
+        }
+    }
+
+    /// `peer` run on CPU `cpu` only.
+    pub fn peer_on_cpu(&self, role: &str, cpu: u32, args: &[&str]) -> serde_json::Value {
+        let o = Command::new("taskset")
+            .arg("-c")
+            .arg(cpu.to_string())
+            .arg("ip")
+            .args(["netns", "exec", &self.ns(role)])
+            .arg(&self.peer)
+            .args(args)
+            .output()
+            .unwrap();
+        report(&format!("peer {args:?} in {role} on CPU {cpu}"), o)
+    }
+
     /// `kpr` with node A's pins.
     pub fn cli(&self, args: &[&str]) -> String {
         // In node A's namespace: `cleanup` reads and removes interfaces, IPVS and netfilter state there.
@@ -552,6 +583,12 @@ impl Lab {
         assert!(o.status.success(), "kpr {args:?}: {}", String::from_utf8_lossy(&o.stderr));
         String::from_utf8_lossy(&o.stdout).into_owned()
     }
+}
+
+/// A kpr-lab-peer run's JSON report: its last line.
+fn report(what: &str, o: std::process::Output) -> serde_json::Value {
+    let out = String::from_utf8_lossy(&o.stdout);
+    serde_json::from_str(out.lines().last().unwrap_or("")).unwrap_or_else(|_| panic!("{what}: {out} {}", String::from_utf8_lossy(&o.stderr)))
 }
 
 /// A pod's link, in the CNI's shape.

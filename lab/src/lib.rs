@@ -173,7 +173,7 @@ pub fn xdp_pass_on(ns: &str, ifaces: &[&str], pin_dir: &Path) {
         for i in &ifaces {
             let id = prog.attach(i, XdpMode::default()).unwrap_or_else(|e| panic!("attach XDP to {i} in {ns}: {e}"));
             let link = FdLink::try_from(prog.take_link(id).unwrap()).unwrap();
-            link.pin(pin_dir.join("links").join(format!("xdp_{i}"))).expect("pin");
+            link.pin(pin_dir.join("links").join(format!("xdp_{ns}_{i}"))).expect("pin");
         }
     })
     .join()
