@@ -149,7 +149,10 @@ pub fn track(f: &Flow, key: &CtKey, cfg: &DatapathConfig, l: &mut Lookup) -> Tra
     let (v, table) = if let Some(v) = found {
         (v, Table::Assured)
     } else if may_open {
-        match after_assured_miss(key) {
+        // A client's SYN races no promotion of its flow (a SYN comes before the handshake
+        // that assures it): it spares a new flow the third lookup.
+        let found = if f.is_new_tcp_syn() { embryonic::get(key).map(|v| (v, Table::Embryonic)) } else { after_assured_miss(key) };
+        match found {
             Some(found) => found,
             None => return Tracked::No,
         }

@@ -125,6 +125,8 @@ pub fn track(f: &Flow6, key: &CtKey6, cfg: &DatapathConfig, now: u64) -> Option<
     let found = if may_open { hint::assured(key) } else { CONNTRACK6.get_ptr_mut(key) };
     let (v, table) = match found {
         Some(v) => (v, Table::Assured),
+        // A SYN spares a new flow the third lookup, as IPv4's (conntrack::track).
+        None if f.is_new_tcp_syn() => (embryonic::get6(key)?, Table::Embryonic),
         None if may_open => after_assured_miss(key)?,
         None => return None,
     };

@@ -10,7 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use kpr_lab::lab::{errors, per_backend, pod_ip6, Lab, CLIENT_IP};
+use kpr_lab::lab::{errors, per_backend, pod_ip6, Lab, CLIENT_IP, NODE_IP6};
 
 #[allow(clippy::too_many_arguments)] // a manifest's fields, each a test's knob
 fn service(name: &str, vip: &str, port: u16, target: u16, proto: &str, eps: &[(&str, &str)], extra_spec: &str, annotations: &str) -> String {
@@ -54,6 +54,12 @@ fn write_services_with(dir: &PathBuf, dns_backends: &[&str], web_backends: &[&st
     );
     y += "apiVersion: v1\nkind: Service\nmetadata: {name: shop, namespace: fl}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.20\n  loadBalancerSourceRanges: [\"198.18.0.0/24\"]\n  ports: [{name: p, port: 80, targetPort: 8080, nodePort: 30081, protocol: TCP}]\nstatus: {loadBalancer: {ingress: [{ip: 203.0.113.10}]}}\n---\n";
     y += "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: shop-1, namespace: fl, labels: {kubernetes.io/service-name: shop}}\naddressType: IPv4\nports: [{name: p, port: 8080, protocol: TCP}]\nendpoints:\n- {addresses: [\"10.244.2.2\"], conditions: {ready: true}, nodeName: node-a}\n---\n";
+    // IPv6 only, a NodePort (kpr_tc_ingress6 on the uplink for clients outside the node).
+    let web6: String = web_backends.iter().map(|b| format!("- {{addresses: [\"{}\"], conditions: {{ready: true}}, nodeName: {A}}}\n", pod_ip6(b))).collect();
+    y += &format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: web6, namespace: fl}}\nspec:\n  type: NodePort\n  clusterIP: fd00:10:96::70\n  clusterIPs: [\"fd00:10:96::70\"]\n  ipFamilies: [IPv6]\n  ports: [{{name: p, port: 80, targetPort: 8080, nodePort: 30070, protocol: TCP}}]\n---\n\
+         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: web6-1, namespace: fl, labels: {{kubernetes.io/service-name: web6}}}}\naddressType: IPv6\nports: [{{name: p, port: 8080, protocol: TCP}}]\nendpoints:\n{web6}---\n"
+    );
     // internalTrafficPolicy Local whose only endpoint is on another node: dropped here.
     y += &service("itp", "10.96.0.40", 80, 8080, "TCP", &[("10.244.17.2", "node-b")], "  internalTrafficPolicy: Local\n", "");
     std::fs::create_dir_all(dir).unwrap();
@@ -471,13 +477,15 @@ fn a_handshakes_ack_and_its_first_data_on_two_cpus_keep_their_flow() {
     let (lab, _dir) = lab("kpfr", &[]);
     lab.replies_on_cpu0("cl", "c0");
     lab.replies_on_cpu0("pod", "eth0");
-    for role in ["cl", "pod"] {
-        let v = lab.peer_on_cpu(role, 1, &["burst", "10.96.0.10:80", "tcp", "3000"]);
-        assert_eq!(errors(&v), 0, "{role}: {v}");
+    lab.wait_backends(&format!("[{NODE_IP6}]:30070"), 2);
+    let web6 = format!("[{NODE_IP6}]:30070");
+    for (role, target) in [("cl", "10.96.0.10:80"), ("cl", &web6), ("pod", "10.96.0.10:80")] {
+        let v = lab.peer_on_cpu(role, 1, &["burst", target, "tcp", "3000"]);
+        assert_eq!(errors(&v), 0, "{role} -> {target}: {v}");
     }
     let status: serde_json::Value = serde_json::from_str(&lab.cli(&["status", "--json"])).unwrap();
     let counter = |name: &str| status["counters"][name].as_u64().unwrap_or_else(|| panic!("{name}: {status}"));
     assert_eq!(counter("tcp_midstream_pickup"), 0, "{status}");
-    assert_eq!(counter("new_flow"), 6000, "{status}");
-    assert_eq!(counter("flow_assured"), 6000, "{status}");
+    assert_eq!(counter("new_flow"), 9000, "{status}");
+    assert_eq!(counter("flow_assured"), 9000, "{status}");
 }
