@@ -214,9 +214,9 @@ pub fn embryonic_forward(f: &Flow, key: &CtKey, cfg: &DatapathConfig, now: u64) 
 /// `k`'s entry, asked after a miss in the assured table: the embryonic table, then the assured
 /// one again. `promote` puts a key into the assured table before it deletes it from the
 /// embryonic one, so a key that another CPU moved between the caller's lookups is there on the
-/// third. A client's first data packet races its handshake's last ACK so whenever the two leave
+/// third. A client's first data packet races its handshake's last ACK whenever the two leave
 /// on different CPUs (the ACK from the CPU that took the SYN-ACK, the data from the
-/// application's); without the third lookup, it met neither entry and started a new flow,
+/// application's); without the third lookup, it could meet neither entry and start a new flow,
 /// which its backend answered with a reset.
 #[inline(always)]
 fn after_assured_miss(k: &CtKey) -> Option<(*mut CtValue, Table)> {
