@@ -410,14 +410,16 @@ fn promote(fwd_key: &CtKey, rw: &Rewrite) {
     }
 }
 
-/// Moves one entry; whether this call took it out of the embryonic table.
+/// Moves one entry; whether this call took it out of the embryonic table. BPF_NOEXIST: where
+/// another CPU's promotion put the key in first, its element stays (a replaced element is
+/// freed for reuse while that CPU's packets may still write through their pointer to it).
 #[inline(always)]
 fn move_assured(k: &CtKey) -> bool {
     if let Some(v) = unsafe { Table::Embryonic.get(k) } {
-        if hint::insert_assured(k, v, 0).is_ok() {
-            return embryonic::kpr_ct_new_remove(k) == 1;
+        match hint::insert_assured(k, v, BPF_NOEXIST) {
+            Err(e) if e != -EEXIST => bump(counter::CT_INSERT_FAILED),
+            _ => return embryonic::kpr_ct_new_remove(k) == 1,
         }
-        bump(counter::CT_INSERT_FAILED);
     }
     false
 }

@@ -216,14 +216,15 @@ fn promote(fwd_key: &CtKey6, v: &CtValue6) {
     }
 }
 
-/// Moves one entry; whether this call took it out of the embryonic table.
+/// Moves one entry; whether this call took it out of the embryonic table. BPF_NOEXIST, as
+/// IPv4's (conntrack.rs): another CPU's element stays.
 #[inline(always)]
 fn move_assured(k: &CtKey6) -> bool {
     if let Some(v) = Table::Embryonic.get6(k) {
-        if hint::insert_assured(k, v, 0).is_ok() {
-            return embryonic::kpr_ct6_new_remove(k) == 1;
+        match hint::insert_assured(k, v, BPF_NOEXIST) {
+            Err(e) if e != -EEXIST => bump(counter::CT_INSERT_FAILED),
+            _ => return embryonic::kpr_ct6_new_remove(k) == 1,
         }
-        bump(counter::CT_INSERT_FAILED);
     }
     false
 }
