@@ -139,7 +139,8 @@ fn ensure_toolchain() -> Result<()> {
     // for it).
     for (check, pkg) in [
         ("command -v ip", "iproute2"),
-        ("command -v mountpoint && command -v setpriv", "util-linux"),
+        ("command -v mountpoint && command -v setpriv && command -v taskset", "util-linux"),
+        ("command -v pgrep", "procps"),
         ("command -v iptables", "iptables"),
         ("command -v ipset", "ipset"),
         ("command -v conntrack", "conntrack"),
