@@ -74,10 +74,10 @@ fn backend_ids_stay_below_the_smallest_map_indexed_by_them() {
 }
 
 /// One bpf(2) call with a zero-padded attribute.
-fn bpf(cmd: libc::c_long, attr: &[u64]) -> i64 {
+fn bpf(cmd: libc::c_long, attr: &[u64]) -> std::io::Result<i64> {
     let mut buf = [0u64; 16];
     buf[..attr.len()].copy_from_slice(attr);
-    unsafe { libc::syscall(libc::SYS_bpf, cmd, buf.as_mut_ptr(), std::mem::size_of_val(&buf)) }
+    proxy_agent::dataplane::ebpf::bpf_batch::bpf(cmd, &mut buf)
 }
 
 /// Creates and pins a map as an earlier release did: `map_type`, `flags`, these entries.
@@ -87,14 +87,12 @@ fn pin_map<K: Copy, V: Copy>(path: &std::path::Path, map_type: u64, flags: u64, 
     const OBJ_PIN: libc::c_long = 6;
     let (k, v) = (std::mem::size_of::<K>() as u64, std::mem::size_of::<V>() as u64);
     // map_type, key_size | value_size << 32, max_entries | map_flags << 32.
-    let fd = bpf(MAP_CREATE, &[map_type | (k << 32), v | (max_entries << 32), flags]);
-    assert!(fd >= 0, "create a map of type {map_type}: {}", std::io::Error::last_os_error());
+    let fd = bpf(MAP_CREATE, &[map_type | (k << 32), v | (max_entries << 32), flags]).unwrap_or_else(|e| panic!("create a map of type {map_type}: {e}"));
     for (key, value) in entries {
-        let r = bpf(MAP_UPDATE_ELEM, &[fd as u64, key as *const K as u64, value as *const V as u64, 0]);
-        assert_eq!(r, 0, "insert into {path:?}: {}", std::io::Error::last_os_error());
+        bpf(MAP_UPDATE_ELEM, &[fd as u64, key as *const K as u64, value as *const V as u64, 0]).unwrap_or_else(|e| panic!("insert into {path:?}: {e}"));
     }
     let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
-    assert_eq!(bpf(OBJ_PIN, &[c.as_ptr() as u64, fd as u64]), 0, "pin {path:?}: {}", std::io::Error::last_os_error());
+    bpf(OBJ_PIN, &[c.as_ptr() as u64, fd as u64]).unwrap_or_else(|e| panic!("pin {path:?}: {e}"));
     unsafe { libc::close(fd as i32) };
 }
 

@@ -4,7 +4,7 @@
 //! BPF_LINK_DETACH of a pinned link.
 use std::{
     io,
-    os::fd::{AsFd, AsRawFd},
+    os::fd::{AsFd, AsRawFd, FromRawFd},
 };
 
 use bytemuck::Pod;
@@ -43,12 +43,15 @@ struct BatchAttr {
     flags: u64,
 }
 
-fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<()> {
+/// bpf(2) with `attr` as the command's member of `union bpf_attr` (a `#[repr(C)]` struct with no
+/// implicit padding: the kernel rejects nonzero bytes it does not know). Ok holds the call's
+/// result: a new file descriptor for the commands that make one, else 0.
+pub fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<libc::c_long> {
     let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *mut T, std::mem::size_of::<T>()) };
     if rc < 0 {
         Err(io::Error::last_os_error())
     } else {
-        Ok(())
+        Ok(rc)
     }
 }
 
@@ -75,7 +78,7 @@ pub fn lookup_batch<K: Pod, V: Pod>(fd: impl AsFd, cursor: Option<u32>, max: usi
         ..BatchAttr::default()
     };
     let done = match bpf(BPF_MAP_LOOKUP_BATCH, &mut attr) {
-        Ok(()) => false,
+        Ok(_) => false,
         // The end of the map; `count` entries were still returned.
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => true,
         Err(e) => return Err(e),
@@ -106,7 +109,7 @@ pub fn update_batch<K: Pod, V: Pod>(fd: impl AsFd, keys: &[K], values: &[V]) -> 
             ..BatchAttr::default()
         };
         match bpf(BPF_MAP_UPDATE_BATCH, &mut attr) {
-            Ok(()) => done += n,
+            Ok(_) => done += n,
             // `count` says how many went in before the failure.
             Err(e) => return Err((done + attr.count as usize, e)),
         }
@@ -119,7 +122,7 @@ pub fn lookup_and_delete<K: Pod, V: Pod>(fd: impl AsFd, key: &K) -> io::Result<O
     let mut v = V::zeroed();
     let mut attr = ElemAttr { map_fd: fd.as_fd().as_raw_fd() as u32, key: key as *const K as u64, value: &mut v as *mut V as u64, ..ElemAttr::default() };
     match bpf(BPF_MAP_LOOKUP_AND_DELETE_ELEM, &mut attr) {
-        Ok(()) => Ok(Some(v)),
+        Ok(_) => Ok(Some(v)),
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
         Err(e) => Err(e),
     }
@@ -130,7 +133,7 @@ pub fn insert_new<K: Pod, V: Pod>(fd: impl AsFd, key: &K, value: &V) -> io::Resu
     let mut attr =
         ElemAttr { map_fd: fd.as_fd().as_raw_fd() as u32, key: key as *const K as u64, value: value as *const V as u64, flags: NOEXIST, ..ElemAttr::default() };
     match bpf(BPF_MAP_UPDATE_ELEM, &mut attr) {
-        Ok(()) => Ok(true),
+        Ok(_) => Ok(true),
         Err(e) if e.raw_os_error() == Some(libc::EEXIST) => Ok(false),
         Err(e) => Err(e),
     }
@@ -141,7 +144,7 @@ pub fn update_existing<K: Pod, V: Pod>(fd: impl AsFd, key: &K, value: &V) -> io:
     let mut attr =
         ElemAttr { map_fd: fd.as_fd().as_raw_fd() as u32, key: key as *const K as u64, value: value as *const V as u64, flags: EXIST, ..ElemAttr::default() };
     match bpf(BPF_MAP_UPDATE_ELEM, &mut attr) {
-        Ok(()) => Ok(true),
+        Ok(_) => Ok(true),
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(false),
         Err(e) => Err(e),
     }
@@ -167,19 +170,13 @@ struct ObjAttr {
 pub fn detach_pinned_link(path: &std::path::Path) -> io::Result<()> {
     use std::os::unix::ffi::OsStrExt;
     let c = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(io::Error::other)?;
-    let get = ObjAttr { pathname: c.as_ptr() as u64, ..Default::default() };
-    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, &get as *const ObjAttr, std::mem::size_of::<ObjAttr>()) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let attr: [u32; 4] = [fd as u32, 0, 0, 0];
-    let r = unsafe { libc::syscall(libc::SYS_bpf, BPF_LINK_DETACH, attr.as_ptr(), std::mem::size_of_val(&attr)) };
-    let err = (r < 0).then(io::Error::last_os_error);
-    unsafe { libc::close(fd as i32) };
-    match err {
+    let mut get = ObjAttr { pathname: c.as_ptr() as u64, ..Default::default() };
+    let link = unsafe { std::os::fd::OwnedFd::from_raw_fd(bpf(BPF_OBJ_GET, &mut get)? as i32) };
+    let mut attr: [u32; 4] = [link.as_raw_fd() as u32, 0, 0, 0];
+    match bpf(BPF_LINK_DETACH, &mut attr) {
+        Ok(_) => Ok(()),
         // Links of kinds without detach (and kernels before 5.9) go with their last reference.
-        Some(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::EINVAL)) => Ok(()),
-        Some(e) => Err(e),
-        None => Ok(()),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::EINVAL)) => Ok(()),
+        Err(e) => Err(e),
     }
 }
