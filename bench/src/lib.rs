@@ -1,5 +1,6 @@
 //! What the benchmarks share: ClusterIP desired states and manifests, medians, the kernel's
 //! figure for BPF map memory.
+pub mod call_cost;
 pub mod chart;
 
 use std::{fmt::Write as _, net::IpAddr};

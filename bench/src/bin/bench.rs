@@ -349,6 +349,21 @@ fn main() {
     // An older kernel, which prunes less, may refuse what this one accepts (the CI guest's
     // 6.1 prints its own).
     println!("verifier: instructions processed (of 1,000,000 a program): {}", dp.verifier_work());
+    // What the new-flow rows pay for each of their calls on this CPU (its return mitigation
+    // decides much of it): compare machines with it.
+    let calls = match kpr_bench::call_cost::measure(200_000) {
+        Ok((local, helper)) => {
+            println!(
+                "calls: a BPF-to-BPF call and its return {local:.1} ns, a helper call (bpf_get_prandom_u32) {helper:.1} ns ({})",
+                kpr_bench::call_cost::return_mitigations()
+            );
+            serde_json::json!({"bpf_to_bpf_ns": local, "helper_ns": helper})
+        }
+        Err(e) => {
+            println!("calls: not measured: {e}");
+            serde_json::Value::Null
+        }
+    };
     let mut maps = KernelMaps::open(pins.path()).unwrap();
     let mut set_maps = proxy_agent::dataplane::ipvs::sets::KernelSetMaps::open(pins.path()).unwrap();
     let mut syncer = Syncer::new(caps.services, caps.backends, 16);
@@ -619,7 +634,7 @@ fn main() {
     let collector = collector_round(&pins, &mut ct, runs);
     let read = map_read(&pins, &maps, runs);
     if let Some(path) = json_out {
-        let doc = serde_json::json!({"kernel": kernel.trim(), "cpu": cpu, "cpus": ncpu, "repeat": repeat, "new_flows": new_flows, "runs": runs, "results": results, "new_udp_flow": new_udp, "collector": collector, "map_read": read});
+        let doc = serde_json::json!({"kernel": kernel.trim(), "cpu": cpu, "cpus": ncpu, "repeat": repeat, "new_flows": new_flows, "runs": runs, "results": results, "new_udp_flow": new_udp, "collector": collector, "map_read": read, "calls": calls});
         std::fs::write(&path, serde_json::to_string_pretty(&doc).unwrap()).unwrap();
         println!("wrote {path}");
     }
