@@ -478,6 +478,15 @@ pub struct CtScratch {
 }
 const _: () = assert!(core::mem::size_of::<CtScratch>() == 368);
 
+impl CtScratch {
+    /// Whether an insert evicted an entry whose flow is still to be forgotten. By the protocol
+    /// alone (no flow's is 0; a free slot's key is all zero): one branch a slot for the verifier.
+    #[inline(always)]
+    pub fn any_pending(&self) -> bool {
+        self.pending.iter().any(|e| e.key.proto != 0)
+    }
+}
+
 /// CtEntry for IPv6. Kernel-only.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
@@ -495,6 +504,15 @@ pub struct CtScratch6 {
     pub keys: [CtKey6; 2],
     pub values: [CtValue6; 2],
     pub pending: [CtEntry6; CT6_PENDING_SLOTS],
+}
+
+impl CtScratch6 {
+    /// Whether an insert evicted an entry whose flow is still to be forgotten. By the protocol
+    /// alone (no flow's is 0; a free slot's key is all zero): one branch a slot for the verifier.
+    #[inline(always)]
+    pub fn any_pending(&self) -> bool {
+        self.pending.iter().any(|e| e.key.proto != 0)
+    }
 }
 
 /// CtScratch6's pending evictions: one per embryonic insert an IPv6 packet makes.

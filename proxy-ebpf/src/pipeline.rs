@@ -139,11 +139,14 @@ pub fn ingress<P: Pkt>(p: &mut P, scope: u8) -> Verdict {
 
 /// Forgets the flows that new_flow's inserts evicted (conntrack::forget_pending), and hands
 /// its answer back. Here, not in new_flow: that frame never adds to new_flow's in the call
-/// chain, and the hook's keeps nothing across the call.
+/// chain, and the hook's keeps nothing across the call. Most new flows evict nothing, and
+/// skip the call.
 #[inline(never)]
 fn forgetting_evicted(answer: NewFlow) -> NewFlow {
     if let Some(s) = CT_SCRATCH.get_ptr_mut(0) {
-        conntrack::forget_pending(s);
+        if unsafe { (*s).any_pending() } {
+            conntrack::forget_pending(s);
+        }
     }
     answer
 }

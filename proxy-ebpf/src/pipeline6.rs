@@ -148,7 +148,9 @@ fn embryonic<P: Pkt>(p: &mut P, f: &Flow6, cfg: &DatapathConfig, now: u64) -> Op
 #[inline(never)]
 fn forgetting_evicted(answer: Option<Verdict>) -> Option<Verdict> {
     if let Some(s) = CT_SCRATCH6.get_ptr_mut(0) {
-        conntrack6::forget_pending(s);
+        if unsafe { (*s).any_pending() } {
+            conntrack6::forget_pending(s);
+        }
     }
     answer
 }
