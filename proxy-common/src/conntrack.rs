@@ -479,11 +479,11 @@ pub struct CtScratch {
 const _: () = assert!(core::mem::size_of::<CtScratch>() == 368);
 
 impl CtScratch {
-    /// Whether an insert evicted an entry whose flow is still to be forgotten. By the protocol
-    /// alone (no flow's is 0; a free slot's key is all zero): one branch a slot for the verifier.
+    /// Whether an insert evicted an entry whose flow is still to be forgotten (a free slot's
+    /// key is empty, as forget_pending reads it).
     #[inline(always)]
     pub fn any_pending(&self) -> bool {
-        self.pending.iter().any(|e| e.key.proto != 0)
+        self.pending.iter().any(|e| !e.key.is_empty())
     }
 }
 
@@ -507,11 +507,11 @@ pub struct CtScratch6 {
 }
 
 impl CtScratch6 {
-    /// Whether an insert evicted an entry whose flow is still to be forgotten. By the protocol
-    /// alone (no flow's is 0; a free slot's key is all zero): one branch a slot for the verifier.
+    /// Whether an insert evicted an entry whose flow is still to be forgotten (a free slot's
+    /// key is empty, as forget_pending reads it).
     #[inline(always)]
     pub fn any_pending(&self) -> bool {
-        self.pending.iter().any(|e| e.key.proto != 0)
+        self.pending.iter().any(|e| !e.key.is_empty())
     }
 }
 
