@@ -538,9 +538,7 @@ impl Lab {
     }
 
     pub fn finish(c: Child) -> serde_json::Value {
-        let o = c.wait_with_output().unwrap();
-        let out = String::from_utf8_lossy(&o.stdout);
-        serde_json::from_str(out.lines().last().unwrap_or("")).unwrap_or_else(|_| panic!("peer output: {out}"))
+        report("peer", c.wait_with_output().unwrap())
     }
 
     /// Takes what reaches `role`'s interface `iface` on CPU 0, as a NIC queue whose interrupt
@@ -564,15 +562,8 @@ impl Lab {
 
     /// `peer` run on CPU `cpu` only.
     pub fn peer_on_cpu(&self, role: &str, cpu: u32, args: &[&str]) -> serde_json::Value {
-        let o = Command::new("taskset")
-            .arg("-c")
-            .arg(cpu.to_string())
-            .arg("ip")
-            .args(["netns", "exec", &self.ns(role)])
-            .arg(&self.peer)
-            .args(args)
-            .output()
-            .unwrap();
+        let peer = self.peer_cmd(role, args);
+        let o = Command::new("taskset").arg("-c").arg(cpu.to_string()).arg(peer.get_program()).args(peer.get_args()).output().unwrap();
         report(&format!("peer {args:?} in {role} on CPU {cpu}"), o)
     }
 
