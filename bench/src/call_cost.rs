@@ -32,6 +32,8 @@ const MOV64_IMM: u8 = 0xb7;
 const ADD64_IMM: u8 = 0x07;
 const CALL: u8 = 0x85;
 const EXIT: u8 = 0x95;
+/// `return 0`: the end of each program, and the BPF-to-BPF calls' callee.
+const RETURN_0: [Insn; 2] = [insn(MOV64_IMM, 0, 0, 0), insn(EXIT, 0, 0, 0)];
 
 /// `union bpf_attr`'s BPF_PROG_LOAD member, as far as it is used.
 #[repr(C)]
@@ -65,7 +67,7 @@ struct TestRunAttr {
 /// `body`, then `return 0`, then `tail` (where BPF-to-BPF calls land).
 fn load(body: &[Insn], tail: &[Insn]) -> std::io::Result<OwnedFd> {
     let mut insns = body.to_vec();
-    insns.extend([insn(MOV64_IMM, 0, 0, 0), insn(EXIT, 0, 0, 0)]);
+    insns.extend(RETURN_0);
     insns.extend_from_slice(tail);
     let license = CString::new("GPL").expect("no NUL");
     let mut attr = LoadAttr {
@@ -98,11 +100,10 @@ pub fn measure(repeat: u32) -> std::io::Result<(f64, f64)> {
     let plain: Vec<Insn> = (0..CALLS).map(|_| insn(ADD64_IMM, 1, 0, 1)).collect();
     let helper: Vec<Insn> = (0..CALLS).map(|_| insn(CALL, 0, 0, BPF_FUNC_GET_PRANDOM_U32)).collect();
     // A pseudo call's imm is the callee's offset from the next instruction; the callee sits
-    // after the body's `return 0` (two instructions).
-    let local: Vec<Insn> = (0..CALLS).map(|i| insn(CALL, 0, BPF_PSEUDO_CALL, (CALLS - i + 1) as i32)).collect();
-    let callee = [insn(MOV64_IMM, 0, 0, 0), insn(EXIT, 0, 0, 0)];
+    // after the body's `return 0`.
+    let local: Vec<Insn> = (0..CALLS).map(|i| insn(CALL, 0, BPF_PSEUDO_CALL, (CALLS + RETURN_0.len() - (i + 1)) as i32)).collect();
     let floor = time(&load(&plain, &[])?, repeat)?;
-    let local = time(&load(&local, &callee)?, repeat)?;
+    let local = time(&load(&local, &RETURN_0)?, repeat)?;
     let helper = time(&load(&helper, &[])?, repeat)?;
     let each = |t: f64| ((t - floor) / CALLS as f64).max(0.0);
     Ok((each(local), each(helper)))
