@@ -158,8 +158,8 @@ impl CtKey {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct CtValue {
-    /// CLOCK_MONOTONIC ns of the last packet: the coarse clock's, but the fine one's at an
-    /// IPv4 flow's creation (see proxy-ebpf's embryonic.rs).
+    /// CLOCK_MONOTONIC ns of the last packet: the coarse clock's; at a flow's creation, its
+    /// stamp (proxy-ebpf's conntrack::kpr_new_flow_stamp).
     pub last_seen_ns: u64,
     /// Network order.
     pub new_saddr: u32,
@@ -549,5 +549,8 @@ const _: () = assert!(core::mem::size_of::<FlowCacheEntry>() == 48);
 pub struct ClockCache {
     pub jiffies: u64,
     pub coarse_ns: u64,
+    /// This CPU's last new flow's stamp (conntrack::kpr_new_flow_stamp): each later one is at
+    /// least one more, so that a CPU's flows of one tick are stamped apart.
+    pub last_stamp_ns: u64,
 }
-const _: () = assert!(core::mem::size_of::<ClockCache>() == 16);
+const _: () = assert!(core::mem::size_of::<ClockCache>() == 24);

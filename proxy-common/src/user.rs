@@ -22,6 +22,8 @@ unsafe impl aya::Pod for SetIpPortNet {}
 unsafe impl aya::Pod for SetPort {}
 unsafe impl aya::Pod for SetAddr {}
 unsafe impl aya::Pod for IfaceInfo {}
+/// Written by tests only (the data path keeps it).
+unsafe impl aya::Pod for ClockCache {}
 
 fn family(ip: IpAddr) -> u8 {
     if ip.is_ipv4() {

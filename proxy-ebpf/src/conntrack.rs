@@ -44,6 +44,27 @@ pub fn now_ns(jiffies: u64) -> u64 {
     }
 }
 
+/// A new flow's stamp (its entries' `last_seen_ns`): the tick's coarse clock (read by
+/// `now_ns`, which every packet's path calls before it may create a flow), past this CPU's
+/// previous stamp, so that each of the CPU's flows is stamped apart. A full embryonic bucket
+/// spares the entries stamped as the inserting flow, its own (embryonic::evict). Without the
+/// fine clock's helper call (about 20 ns a new flow on the AMD EPYC VM). A BPF global
+/// function, verified once: inlined, its branches multiplied the paths Linux 6.1's verifier
+/// walks after IPv6's site (kpr_tc_ingress6: 184,000 instructions against 116,000).
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn kpr_new_flow_stamp() -> u64 {
+    match CLOCK.get_ptr_mut(0) {
+        Some(c) if unsafe { (*c).coarse_ns } != 0 => {
+            let c = unsafe { &mut *c };
+            let stamp = if c.coarse_ns > c.last_stamp_ns { c.coarse_ns } else { c.last_stamp_ns + 1 };
+            c.last_stamp_ns = stamp;
+            stamp
+        }
+        _ => unsafe { bpf_ktime_get_ns() },
+    }
+}
+
 /// Where an entry lives.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Table {
@@ -604,11 +625,7 @@ pub fn create(f: &Flow, backend_id: u32, service_id: u32, be: &Backend, masq: bo
     let s = unsafe { &mut *CT_SCRATCH.get_ptr_mut(0)? };
     // Reverse DNAT: (B:b -> C:p) becomes (V:v -> C:c).
     let snat = if masq { CT_F_SNAT } else { 0 };
-    // Stamped by the fine clock, not the tick's: a full bucket evicts only entries stamped
-    // before this flow's (embryonic::insert), and so never this flow's own, while every flow
-    // of the same tick stays evictable.
-    let now = unsafe { bpf_ktime_get_ns() };
-    s.values[1] = CtValue { last_seen_ns: now, new_saddr: f.daddr, new_daddr: f.saddr, new_sport: f.dport, new_dport: f.sport, backend_id, service_id, flags: snat | CT_F_REPLY, _pad: 0 };
+    s.values[1] = CtValue { last_seen_ns: kpr_new_flow_stamp(), new_saddr: f.daddr, new_daddr: f.saddr, new_sport: f.dport, new_dport: f.sport, backend_id, service_id, flags: snat | CT_F_REPLY, _pad: 0 };
     let port = claim_reply(f, be, cfg, s)?;
     // The other entries read what they share from the reply's: less stays live across the
     // claim's calls.

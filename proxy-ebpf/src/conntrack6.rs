@@ -9,7 +9,6 @@
 //! outside (SYNs, or UDP) evicts only flows not yet assured. CONNTRACK6_NEW is an array of
 //! 4-way buckets as IPv4's (embryonic.rs), and the agent collects its idle flows; the assured
 //! table is an LRU.
-use aya_ebpf::helpers::bpf_ktime_get_ns;
 use proxy_common::{
     counter, Backend, CtBucket6, CtEntry6, CtKey6, CtScratch6, CtValue6, DatapathConfig, CT6_PENDING_SLOTS, CT_DIR_EGRESS, CT_DIR_INGRESS, CT_F_CLOSING, CT_F_REPLY,
     CT_F_SEEN_REPLY, CT_F_SNAT, PROTO_TCP, PROTO_UDP,
@@ -303,10 +302,8 @@ pub fn create(f: &Flow6, backend_id: u32, service_id: u32, be: &Backend, masq: b
     let snat = if masq { CT_F_SNAT } else { 0 };
     let table = Table::NEW;
     let s = unsafe { &mut *CT_SCRATCH6.get_ptr_mut(0)? };
-    // The fine clock, as IPv4's (conntrack::create): a full bucket evicts only entries stamped
-    // before this flow's.
-    let now = unsafe { bpf_ktime_get_ns() };
-    let blank = CtValue6 { last_seen_ns: now, backend_id, service_id, ..CtValue6::default() };
+    // Stamped as IPv4's (conntrack::kpr_new_flow_stamp).
+    let blank = CtValue6 { last_seen_ns: conntrack::kpr_new_flow_stamp(), backend_id, service_id, ..CtValue6::default() };
     // Reverse DNAT: (B:b -> C:p) becomes (V:v -> C:c).
     s.keys[0] = CtKey6 { saddr: be.addr, daddr: f.saddr, sport: be.port, dport: f.sport, proto: f.proto, dir: CT_DIR_EGRESS, _pad: 0 };
     s.values[0] = CtValue6 { new_saddr: f.daddr, new_daddr: f.saddr, new_sport: f.dport, new_dport: f.sport, flags: snat | CT_F_REPLY, ..blank };

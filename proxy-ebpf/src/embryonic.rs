@@ -216,10 +216,13 @@ fn insert<B: Table>(k: *const B::Key, v: *const B::Value) -> i64 {
     0
 }
 
-/// Makes room in `k`'s full bucket: takes out its oldest entry older than `v` (a way stamped as
-/// recently may be this flow's other entry) and puts it in `evicted_key` and `evicted_value` (a
-/// pending slot of the scratch entry), whose flow the caller forgets later. EVICTED, or -E2BIG:
-/// the bucket holds only entries as recent as `v`; -EBUSY: its lock was held.
+/// Makes room in `k`'s full bucket: takes out its oldest entry not stamped as `v` (a way
+/// stamped so is this flow's other entry: conntrack::kpr_new_flow_stamp stamps a CPU's flows
+/// apart) and puts it in `evicted_key` and `evicted_value` (a pending slot of the scratch
+/// entry), whose flow the caller forgets later. The oldest, even if stamped later than `v`:
+/// another CPU's flows of this tick may be, and a bucket full of them (a flood there) must
+/// still give way. EVICTED, or -E2BIG: the bucket holds only entries stamped as `v`; -EBUSY:
+/// its lock was held.
 #[inline(always)]
 fn evict<B: Table>(k: *const B::Key, v: *const B::Value, evicted_key: *mut B::Key, evicted_value: *mut B::Value) -> i64 {
     if k.is_null() || v.is_null() || evicted_key.is_null() || evicted_value.is_null() {
@@ -229,11 +232,12 @@ fn evict<B: Table>(k: *const B::Key, v: *const B::Value, evicted_key: *mut B::Ke
     if !lock(b) {
         return -i64::from(EBUSY);
     }
-    let mut oldest = B::last_seen(unsafe { &*v });
+    let own = B::last_seen(unsafe { &*v });
+    let mut oldest = u64::MAX;
     let mut way = CT_BUCKET_WAYS;
     for w in 0..CT_BUCKET_WAYS {
         let seen = B::last_seen(unsafe { &*B::value(b, w) });
-        if seen < oldest && !B::empty(b, w) {
+        if seen != own && seen <= oldest && !B::empty(b, w) {
             oldest = seen;
             way = w;
         }

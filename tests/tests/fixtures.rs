@@ -11,9 +11,10 @@ use kpr_lab::{
     Loaded,
 };
 use proxy_agent::{
-    dataplane::ebpf::kernel::Datapath, dataplane::ebpf::kernel_maps::Hint, dataplane::ebpf::maps::DatapathMaps, dataplane::ebpf::maps::Table, model::NodeInfo,
+    dataplane::ebpf::kernel::Datapath, dataplane::ebpf::kernel_maps::Buckets, dataplane::ebpf::kernel_maps::Hint, dataplane::ebpf::maps::DatapathMaps,
+    dataplane::ebpf::maps::Table, model::NodeInfo,
 };
-use proxy_common::{counter, prog_names, CtKey};
+use proxy_common::{counter, map_names, prog_names, ClockCache, CtBucket, CtKey, CtValue, CT_DIR_INGRESS, PROTO_TCP};
 
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_UNSPEC: u32 = u32::MAX;
@@ -867,6 +868,88 @@ fn a_syn_flood_evicts_only_embryonic_flows() {
 /// 256 buckets: 794-842 of 1,024), never under three quarters.
 fn flood_fills(entries: usize, capacity: u32) -> bool {
     entries * 4 >= capacity as usize * 3
+}
+
+#[test]
+fn a_bucket_full_of_another_cpus_flows_of_this_tick_still_gives_way() {
+    // A new flow is stamped by the tick's coarse clock, past its CPU's previous stamp
+    // (conntrack::kpr_new_flow_stamp), so another CPU's flood within the tick stamps its flows
+    // later than this CPU's next one. A bucket full of them must still give way (its oldest),
+    // or a client here fails until the tick ends. Made so: four flows written into the SYN's
+    // bucket stamped just before now, and this CPU's previous stamp just before theirs.
+    let mut l = load("later-stamps");
+    let cpu = allowed_cpus()[0];
+    pin_to_cpu(cpu);
+    let buckets = Buckets::<CtBucket>::open(l.pins.path(), map_names::CONNTRACK_NEW).unwrap();
+    let mask = buckets.buckets() - 1;
+    let word = |a: &str| u32::from_ne_bytes(a.parse::<std::net::Ipv4Addr>().unwrap().octets());
+    let mut stamped_before = 0;
+    for attempt in 0..5u16 {
+        let port = 55_000 + attempt;
+        let key = CtKey {
+            saddr: word("10.244.0.70"),
+            daddr: word("10.96.0.10"),
+            sport: port.to_be(),
+            dport: 80u16.to_be(),
+            proto: PROTO_TCP,
+            dir: CT_DIR_INGRESS,
+            _pad: 0,
+        };
+        let others: Vec<CtKey> = (1..=u16::MAX)
+            .map(|p| CtKey { saddr: word("10.244.9.9"), sport: p.to_be(), ..key })
+            .filter(|k| k.bucket(mask) == key.bucket(mask))
+            .take(4)
+            .collect();
+        let now = monotonic_ns();
+        for (i, k) in others.iter().enumerate() {
+            let v = CtValue {
+                last_seen_ns: now - 4 + i as u64,
+                new_saddr: k.saddr,
+                new_daddr: word(WEB[0]),
+                new_sport: k.sport,
+                new_dport: 8080u16.to_be(),
+                ..Default::default()
+            };
+            assert!(buckets.insert(k, &v), "the bucket takes four entries");
+        }
+        set_last_stamp(&mut l, now - 10);
+        let (evicted, failed) = (counter_of(&l, counter::CT_EMBRYONIC_EVICTED), counter_of(&l, counter::CT_INSERT_FAILED));
+        let (verdict, o) = tc(&mut l.dp, &Frame::tcp("10.244.0.70", port, "10.96.0.10", 80, SYN));
+        assert_eq!(verdict, TC_ACT_OK, "the SYN was dropped: its bucket gave no way");
+        assert!(WEB.contains(&parse(&o).dst.to_string().as_str()));
+        assert_eq!(counter_of(&l, counter::CT_INSERT_FAILED), failed);
+        assert_eq!(counter_of(&l, counter::CT_EMBRYONIC_EVICTED), evicted + 1);
+        assert!(buckets.get(&others[0]).is_none(), "the oldest gives way");
+        assert!(others[1..].iter().all(|k| buckets.get(k).is_some()), "the others stay");
+        assert!(buckets.get(&key).is_some(), "the SYN's flow is tracked");
+        // Stamped before the four (no tick came between): the case this test is for.
+        if last_stamp(&mut l, cpu) == now - 9 {
+            stamped_before += 1;
+        }
+    }
+    assert!(stamped_before > 0, "a tick came between every attempt's setup and its SYN");
+}
+
+fn monotonic_ns() -> u64 {
+    let mut t: libc::timespec = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) }, 0);
+    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+}
+
+fn clock_map(l: &mut Loaded) -> aya::maps::PerCpuArray<&mut aya::maps::MapData, ClockCache> {
+    aya::maps::PerCpuArray::try_from(l.dp.ebpf().map_mut(proxy_common::map_name!(CLOCK)).unwrap()).unwrap()
+}
+
+/// Sets every CPU's previous new-flow stamp (its clock read again at the next packet).
+fn set_last_stamp(l: &mut Loaded, stamp: u64) {
+    let cpus = aya::util::nr_cpus().unwrap();
+    let values = aya::maps::PerCpuValues::try_from(vec![ClockCache { last_stamp_ns: stamp, ..Default::default() }; cpus]).unwrap();
+    clock_map(l).set(0, values, 0).unwrap();
+}
+
+/// `cpu`'s last new flow's stamp.
+fn last_stamp(l: &mut Loaded, cpu: usize) -> u64 {
+    clock_map(l).get(&0, 0).unwrap()[cpu].last_stamp_ns
 }
 
 /// The entries of the flows whose client is `client:port`, in `table`.

@@ -37,6 +37,12 @@ impl<B: CtBuckets> Buckets<B> {
         Mapped::open(pin_dir, map).map(Self)
     }
 
+    /// How many buckets the array has (a power of two): a key's bucket is
+    /// `CtBuckets::bucket(key, buckets - 1)`.
+    pub fn buckets(&self) -> u32 {
+        self.0.count
+    }
+
     fn bucket(&self, i: u32) -> *mut B {
         self.0.at(i)
     }
