@@ -216,7 +216,7 @@ const _: () = assert!(core::mem::size_of::<CtKey6>() == 40);
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct CtValue6 {
-    /// CLOCK_MONOTONIC (coarse) ns of the last packet.
+    /// As CtValue's: the coarse clock's, and at creation the flow's stamp.
     pub last_seen_ns: u64,
     /// Network order.
     pub new_saddr: [u32; 4],
@@ -543,7 +543,8 @@ const _: () = assert!(core::mem::size_of::<FlowCacheEntry>() == 48);
 
 /// Per-CPU clock cache: bpf_ktime_get_coarse_ns as of the jiffy `jiffies`. The coarse clock
 /// only moves on a tick, so re-reading it once per jiffy (bpf_jiffies64 is inlined, the
-/// helper call is not) gives the same stamps for far less per packet. Kernel-only.
+/// helper call is not) gives the same stamps for far less per packet. The data path's (tests
+/// write it, to set a CPU's last stamp).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub struct ClockCache {

@@ -155,7 +155,8 @@ map! {
 }
 
 map! {
-    /// index 0 -> this CPU's jiffy and the coarse clock read at it (conntrack::now_ns).
+    /// index 0 -> this CPU's jiffy, the coarse clock read at it (conntrack::now_ns), and its
+    /// last new flow's stamp (conntrack::kpr_new_flow_stamp).
     CLOCK: PerCpuArray<ClockCache> = PerCpuArray::with_max_entries(1, 0)
 }
 
