@@ -64,19 +64,33 @@ pub struct Spread {
     pub p50: f64,
     pub p90: f64,
     pub p99: f64,
+    /// The mean of the first `Spread::FIRST` samples, in the order taken.
+    pub first: f64,
+    /// The mean of the last half, in the order taken.
+    pub last_half: f64,
 }
 
 impl Spread {
-    /// Of a sample that is not empty.
+    /// How many samples `first` is the mean of.
+    pub const FIRST: usize = 50;
+
+    /// Of a sample that is not empty, in the order taken.
     pub fn of(mut v: Vec<f64>) -> Self {
+        let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len() as f64;
+        let (first, last_half) = (mean(&v[..v.len().min(Self::FIRST)]), mean(&v[v.len() / 2..]));
         v.sort_by(f64::total_cmp);
         let rank = |q: f64| v[((v.len() as f64 * q).ceil() as usize).clamp(1, v.len()) - 1];
-        Spread { mean: v.iter().sum::<f64>() / v.len() as f64, p50: rank(0.5), p90: rank(0.9), p99: rank(0.99) }
+        Spread { mean: mean(&v), p50: rank(0.5), p90: rank(0.9), p99: rank(0.99), first, last_half }
     }
 
     /// "p50 871 p90 1192 p99 1602" (ns).
     pub fn percentiles(&self) -> String {
         format!("p50 {:.0} p90 {:.0} p99 {:.0}", self.p50, self.p90, self.p99)
+    }
+
+    /// "first 50 1254, last half 594" (ns).
+    pub fn in_order(&self) -> String {
+        format!("first {} {:.0}, last half {:.0}", Self::FIRST, self.first, self.last_half)
     }
 }
 
@@ -107,7 +121,10 @@ mod tests {
         let s = Spread::of((1..=100).rev().map(f64::from).collect());
         assert_eq!((s.mean, s.p50, s.p90, s.p99), (50.5, 50.0, 90.0, 99.0));
         let one = Spread::of(vec![7.0]);
-        assert_eq!((one.mean, one.p50, one.p99), (7.0, 7.0, 7.0));
+        assert_eq!((one.mean, one.p50, one.p99, one.first, one.last_half), (7.0, 7.0, 7.0, 7.0, 7.0));
         assert_eq!(s.percentiles(), "p50 50 p90 90 p99 99");
+        // In the order taken: 100 down to 1.
+        assert_eq!((s.first, s.last_half), (75.5, 25.5));
+        assert_eq!(s.in_order(), "first 50 76, last half 26");
     }
 }

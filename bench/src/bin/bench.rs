@@ -465,6 +465,7 @@ fn main() {
         proxy_agent::dataplane::ebpf::kernel_maps::rebuild_hints_now(pins.path()).expect("rebuild the hints");
         let mut floor: BTreeMap<bool, [f64; 4]> = BTreeMap::new();
         let mut spreads = Vec::new();
+        let mut in_order = Vec::new();
         for p in [
             Prog::TcPass,
             Prog::XdpPass,
@@ -560,10 +561,14 @@ fn main() {
                     row.insert(format!("new_flow_{q}_ns"), ns.into());
                 }
                 spreads.push(format!("{} {}", p.name(), s.percentiles()));
+                in_order.push(format!("{} {}", p.name(), s.in_order()));
+                row.insert("new_flow_first_ns".into(), s.first.into());
+                row.insert("new_flow_last_half_ns".into(), s.last_half.into());
             }
             results.push(row);
         }
         println!("{n:>9} new flow, each of {new_flows} SYNs (ns): {}", spreads.join("; "));
+        println!("{n:>9} new flow, in the order sent (ns; the first ones after other work run cold): {}", in_order.join("; "));
         // A new UDP flow: its first datagram; it starts in the embryonic table, as a TCP flow
         // does, and is not cached until assured.
         proxy_agent::dataplane::ebpf::maps::DatapathMaps::set_config(&mut maps, cfg).expect("config");
