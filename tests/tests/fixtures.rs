@@ -14,7 +14,7 @@ use proxy_agent::{
     dataplane::ebpf::kernel::Datapath, dataplane::ebpf::kernel_maps::Buckets, dataplane::ebpf::kernel_maps::Hint, dataplane::ebpf::maps::DatapathMaps,
     dataplane::ebpf::maps::Table, model::NodeInfo,
 };
-use proxy_common::{counter, map_names, prog_names, ClockCache, CtBucket, CtKey, CtValue, CT_DIR_EGRESS, CT_DIR_INGRESS, PROTO_TCP};
+use proxy_common::{counter, map_names, prog_names, user::addr_words, ClockCache, CtBucket, CtKey, CtValue, CT_DIR_EGRESS, CT_DIR_INGRESS, PROTO_TCP};
 
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_UNSPEC: u32 = u32::MAX;
@@ -882,7 +882,7 @@ fn a_bucket_full_of_another_cpus_flows_of_this_tick_still_gives_way() {
     pin_to_cpu(cpu);
     let buckets = Buckets::<CtBucket>::open(l.pins.path(), map_names::CONNTRACK_NEW).unwrap();
     let mask = buckets.buckets() - 1;
-    let word = |a: &str| u32::from_ne_bytes(a.parse::<std::net::Ipv4Addr>().unwrap().octets());
+    let word = |a: &str| addr_words(ip(a))[0];
     let forward = |port: u16| CtKey {
         saddr: word("10.244.0.70"),
         daddr: word("10.96.0.10"),
@@ -914,7 +914,7 @@ fn a_bucket_full_of_another_cpus_flows_of_this_tick_still_gives_way() {
             .filter(|k| k.bucket(mask) == key.bucket(mask))
             .take(4)
             .collect();
-        let now = monotonic_ns();
+        let now = proxy_agent::dataplane::ebpf::kernel::monotonic_ns();
         for (i, k) in others.iter().enumerate() {
             let v = CtValue {
                 last_seen_ns: now - 4 + i as u64,
@@ -943,12 +943,6 @@ fn a_bucket_full_of_another_cpus_flows_of_this_tick_still_gives_way() {
         }
     }
     assert!(stamped_before, "a tick came between every attempt's setup and its SYN");
-}
-
-fn monotonic_ns() -> u64 {
-    let mut t: libc::timespec = unsafe { std::mem::zeroed() };
-    assert_eq!(unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) }, 0);
-    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
 }
 
 fn clock_map(l: &mut Loaded) -> aya::maps::PerCpuArray<&mut aya::maps::MapData, ClockCache> {
