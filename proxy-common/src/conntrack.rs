@@ -33,6 +33,19 @@ pub const CT_F_MAX_AGE: u16 = 1 << 5;
 /// collector does not count it again as an unanswered SYN. On a UDP flow's reverse-DNAT entry:
 /// an ICMP destination unreachable answered it before any reply (counted once).
 pub const CT_F_REFUSED: u16 = 1 << 6;
+/// A TCP reset passed the entry (CT_F_CLOSING is set with it). A masqueraded flow is closed
+/// once either direction's entry has it, or both have CT_F_CLOSING (a FIN each way): a new flow
+/// may then take its SNAT tuple at once, as netfilter's NAT reuses the tuple of a connection in
+/// CLOSE or TIME_WAIT.
+pub const CT_F_RESET: u16 = 1 << 7;
+/// Reverse-SNAT entry of a masqueraded flow whose backend closed first with a FIN, before the
+/// client's: the backend holds TIME_WAIT on the SNAT tuple (BACKEND_TIME_WAIT_S on Linux) and
+/// takes a new SYN on it only when the SYN's timestamp is newer than the old connection's,
+/// which another connection's is only by chance. So the tuple is taken over last, and kept past
+/// the closing timeout for as long as that TIME_WAIT lasts. A reset either way ends it.
+pub const CT_F_TIME_WAIT: u16 = 1 << 8;
+/// How long a backend keeps TIME_WAIT after closing first (Linux's TCP_TIMEWAIT_LEN).
+pub const BACKEND_TIME_WAIT_S: u32 = 60;
 
 /// Source ports for masquerade and for moved ports when the agent sets none
 /// (DatapathConfig::snat_port_min/max): below the NodePort range and the node's default

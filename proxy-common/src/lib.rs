@@ -492,6 +492,9 @@ pub mod counter {
         /// whose entries were lost. It is balanced anew; a backend other than its own answers
         /// it with a reset.
         TCP_MIDSTREAM_PICKUP = 24, "tcp_midstream_pickup";
+        /// Masqueraded flows that took the SNAT tuple of a closed flow (a reset either way, or a
+        /// FIN each way) rather than wait for its closing timeout, as netfilter's NAT does.
+        SNAT_PORT_REUSED = 25, "snat_port_reused";
     }
 
     /// The counters map's capacity: more than COUNT, so that a counter added later fits the map a

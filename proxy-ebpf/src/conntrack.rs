@@ -14,7 +14,7 @@
 use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns, bpf_ktime_get_ns};
 use proxy_common::{
     counter, Backend, CtBucket, CtEntry, CtKey, CtRole, CtScratch, CtValue, DatapathConfig, CT_DIR_EGRESS, CT_PENDING_SLOTS, CT_DIR_INGRESS,
-    CT_F_CLOSING, CT_F_MAX_AGE, CT_F_REFUSED, CT_F_REPLY, CT_F_SEEN_REPLY, CT_F_SNAT, CT_F_SNAT_PENDING, PROTO_TCP, PROTO_UDP,
+    CT_F_CLOSING, CT_F_MAX_AGE, CT_F_REFUSED, CT_F_REPLY, CT_F_RESET, CT_F_SEEN_REPLY, CT_F_TIME_WAIT, CT_F_SNAT, CT_F_SNAT_PENDING, PROTO_TCP, PROTO_UDP,
     SNAT_PORT_MAX, SNAT_PORT_MIN,
 };
 
@@ -295,22 +295,50 @@ fn entry<const SNAT: bool>(f: &Flow, key: &CtKey, v: &mut CtValue, table: Table,
     if now > v.last_seen_ns {
         v.last_seen_ns = now;
     }
-    if f.is_tcp_close() && v.flags & CT_F_CLOSING == 0 {
-        closing(key, v);
+    if f.is_tcp_close() {
+        let seen = if f.tcp_flags & TCP_RST != 0 { CT_F_CLOSING | CT_F_RESET } else { CT_F_CLOSING };
+        if v.flags & seen != seen {
+            closing(key, v, seen);
+        }
     }
     let rw = Rewrite::of(v);
     bump(if rw.reply() { counter::REVERSE_NAT } else { counter::ESTABLISHED });
     Some(Some(rw))
 }
 
-/// The first FIN or RST an entry sees: it is closing; the client's (on the forward entry) means
-/// the flow no longer counts as open on its backend. A subprogram: its map key stays off the
-/// established path's frame (Linux 6.1 counts every frame of the call chain against 512 bytes).
+/// A FIN or RST the entry had not seen (`seen`: CT_F_CLOSING, with CT_F_RESET for a reset):
+/// the first makes it closing, and the client's (on the forward entry) means the flow no
+/// longer counts as open on its backend. The backend's reset (on the reverse-DNAT entry) ends
+/// the connection for both: the forward entry closes too, so that the client's next SYN on
+/// the tuple starts a new flow. The backend's FIN before the client's (on the reverse-SNAT
+/// entry, whose SNAT entry is not closing yet) leaves the backend in TIME_WAIT on the SNAT
+/// tuple (CT_F_TIME_WAIT). A subprogram: its map key stays off the established path's frame
+/// (Linux 6.1 counts every frame of the call chain against 512 bytes).
 #[inline(never)]
-fn closing(key: &CtKey, v: &mut CtValue) {
-    v.flags |= CT_F_CLOSING;
-    if key.role(v) == CtRole::Forward {
-        counters::backend_closed(v.backend_id);
+fn closing(key: &CtKey, v: &mut CtValue, seen: u16) {
+    let first = v.flags & CT_F_CLOSING == 0;
+    v.flags |= seen;
+    match key.role(v) {
+        CtRole::Forward if first => counters::backend_closed(v.backend_id),
+        CtRole::ReverseSnat if first && seen & CT_F_RESET == 0 => {
+            let snat = CtKey::straight_of(v, key.proto, CT_DIR_EGRESS).reversed(CT_DIR_EGRESS);
+            if let Some((sv, _)) = lookup_any(&snat) {
+                if unsafe { (*sv).flags } & CT_F_CLOSING == 0 {
+                    v.flags |= CT_F_TIME_WAIT;
+                }
+            }
+        }
+        CtRole::ReverseDnat if seen & CT_F_RESET != 0 => {
+            let fwd = CtKey::reversed_of(v, key.proto, CT_DIR_INGRESS);
+            if let Some((fv, _)) = after_assured_miss(&fwd) {
+                let fv = unsafe { &mut *fv };
+                if fv.flags & CT_F_CLOSING == 0 {
+                    fv.flags |= CT_F_CLOSING;
+                    counters::backend_closed(fv.backend_id);
+                }
+            }
+        }
+        _ => {}
     }
 }
 
@@ -546,6 +574,80 @@ fn claim_reply(f: &Flow, be: &Backend, cfg: &DatapathConfig, s: &mut CtScratch) 
     None
 }
 
+/// Random SNAT ports a masqueraded flow tries. Netfilter's NAT tries more (up to 128, then
+/// halves), each a hash lookup; here each try is an assured lookup and an embryonic insert, and
+/// a closed flow's tuple is taken over (so only open flows fill the range).
+const SNAT_TRIES: u32 = 8;
+/// The first tries take only a free tuple; the later ones may take a closed flow's
+/// (`reclaim_closed`). A free port first, as netfilter's NAT reuses a closed connection's tuple
+/// only once its tries meet taken ones: the backend may still hold TIME_WAIT on a closed tuple
+/// (it closed first), and a late packet of the old flow could still be on its way.
+const SNAT_FREE_TRIES: u32 = 2;
+
+/// The tries after these may also take a closed flow's tuple whose backend holds TIME_WAIT on
+/// it (CT_F_TIME_WAIT): the last resort, since the backend may answer the new SYN with an ACK
+/// (its timestamp not newer), which makes the client reset and retry after a second.
+const SNAT_CLEAN_TRIES: u32 = 6;
+
+/// Whether a masqueraded flow has closed, from the flags of its reverse-SNAT entry (the
+/// backend's packets) and its SNAT entry (the client's): a reset either way, or a FIN each way;
+/// with `time_wait`, also where the backend closed first and holds TIME_WAIT on the tuple.
+#[inline(always)]
+fn closed(backend: u16, client: u16, time_wait: bool) -> bool {
+    (backend | client) & CT_F_RESET != 0 || (backend & client & CT_F_CLOSING != 0 && (time_wait || backend & CT_F_TIME_WAIT == 0))
+}
+
+/// `k`'s entry in either table, the assured one first.
+#[inline(always)]
+fn lookup_any(k: &CtKey) -> Option<(*mut CtValue, Table)> {
+    match hint::assured(k) {
+        Some(v) => Some((v, Table::Assured)),
+        None => embryonic::get(k).map(|v| (v, Table::Embryonic)),
+    }
+}
+
+/// Frees the tuple a masqueraded flow tries (`s.keys[0]`, a reverse-SNAT key B:b -> S:s) where
+/// a closed flow holds it (see `closed`): its entries are deleted, so the tuple serves a new
+/// flow at once rather than after the closing timeout, as netfilter's NAT reuses the tuple of a
+/// connection in CLOSE or TIME_WAIT. Short connections would otherwise hold the SNAT range with
+/// closed flows. `time_wait`: also a flow whose backend holds TIME_WAIT on the tuple. Whether
+/// it freed the tuple. A subprogram; its keys are the scratch entry's (finish_snat's call chain
+/// counts against 512 bytes).
+#[inline(never)]
+fn reclaim_closed(s: &mut CtScratch, time_wait: bool) -> bool {
+    let proto = s.keys[0].proto;
+    let Some((rv, table)) = lookup_any(&s.keys[0]) else { return false };
+    let rv = unsafe { &*rv };
+    if s.keys[0].role(rv) != CtRole::ReverseSnat {
+        return false;
+    }
+    let backend = rv.flags;
+    // The reverse-SNAT entry names the reverse-DNAT one (B:b -> C:p); the SNAT entry is that
+    // tuple the other way, and must translate to this one (S:s).
+    s.keys[1] = CtKey::straight_of(rv, proto, CT_DIR_EGRESS);
+    s.keys[2] = s.keys[1].reversed(CT_DIR_EGRESS);
+    let Some(sv) = (unsafe { table.get(&s.keys[2]) }) else { return false };
+    if sv.new_saddr != s.keys[0].daddr || sv.new_sport != s.keys[0].dport || !closed(backend, sv.flags, time_wait) {
+        return false;
+    }
+    table.remove(&s.keys[0]);
+    table.remove(&s.keys[2]);
+    // The forward entry, named by the reverse-DNAT one, unless its client has already opened a
+    // new flow on that tuple (its SNAT key is then another).
+    if let Some(rd) = unsafe { table.get(&s.keys[1]) } {
+        s.forget_keys[0] = CtKey::reversed_of(rd, proto, CT_DIR_INGRESS);
+        if let Some(fv) = unsafe { table.get(&s.forget_keys[0]) } {
+            if CtKey::straight_of(fv, proto, CT_DIR_EGRESS) == s.keys[2] {
+                table.remove(&s.forget_keys[0]);
+            }
+        }
+    }
+    table.remove(&s.keys[1]);
+    // No CPU may answer the tuple from its cache for the old flow.
+    flowcache::invalidate();
+    true
+}
+
 /// A masqueraded flow's first packet at egress: the address is the interface's (or the node's),
 /// as MASQUERADE picks the outgoing interface's; the port a free one of the SNAT range, which
 /// the node's own connections never use (unlike the client's port, which may be one of them).
@@ -584,8 +686,11 @@ fn finish_snat(table: Table, key: &CtKey, v: &mut CtValue, cfg: &DatapathConfig,
     // starts again right after a helper call ("back-edge").
     let mut finished = false;
     let mut tries = 0;
-    while tries < 8 {
+    while tries < SNAT_TRIES {
         s.keys[0] = CtKey { saddr: key.daddr, daddr: addr, sport: key.dport, dport: random_port(cfg), proto: key.proto, dir: CT_DIR_INGRESS, _pad: 0 };
+        if tries >= SNAT_FREE_TRIES && reclaim_closed(s, tries >= SNAT_CLEAN_TRIES) {
+            bump(counter::SNAT_PORT_REUSED);
+        }
         if !taken_elsewhere(table, &s.keys[0]) {
             // BPF_NOEXIST: another CPU may have taken the same port since the probe; its
             // entry must not be overwritten (as `claim_reply` claims a new flow's tuple).
@@ -607,7 +712,7 @@ fn finish_snat(table: Table, key: &CtKey, v: &mut CtValue, cfg: &DatapathConfig,
         bump(counter::SNAT_PORT_COLLISION);
         tries += 1;
     }
-    if tries == 8 {
+    if tries == SNAT_TRIES {
         bump(counter::SNAT_NO_PORT);
     }
     // Whatever came of the tries, the flow of an entry an insert evicted is forgotten now: the

@@ -287,6 +287,99 @@ fn nodeport_from_outside(uplink: Hook) {
     assert!(l.conntrack(Table::Embryonic).is_empty());
 }
 
+/// One masqueraded handshake from outside through the NodePort (the uplink at TC, then egress):
+/// the SNAT port, or None where the egress dropped the SYN.
+fn masqueraded_syn(l: &mut Loaded, client_port: u16) -> Option<u16> {
+    let (_, o) = run_at(&mut l.dp, Hook::TcUplink, &Frame::tcp("198.18.0.1", client_port, NODE_IP, 30080, SYN).bytes());
+    let (v, o) = out(&mut l.dp, &o);
+    if v == TC_ACT_SHOT {
+        return None;
+    }
+    let m = parse(&o);
+    assert_eq!((m.src.to_string().as_str(), m.dst.to_string().as_str()), (NODE_IP, "10.244.1.1"));
+    assert!(m.ip_csum_ok && m.l4_csum_ok, "{m:?}");
+    Some(m.sport)
+}
+
+/// A closed masqueraded flow (a reset either way, or a FIN each way) gives its SNAT tuple to
+/// the next flow that needs it, at once, as netfilter's NAT reuses a closed connection's
+/// tuple; an open or half-closed one keeps it. The SNAT range here is one port, so every flow
+/// wants the tuple 10.244.1.1:8080 -> NODE_IP:20000.
+#[test]
+fn a_closed_masqueraded_flow_gives_its_snat_tuple_to_the_next_flow_at_once() {
+    let node = NodeInfo { name: "node-a".into(), nodeport_addresses: vec![ip(NODE_IP)], ..Default::default() };
+    let mut cfg = datapath_config(NODE_IP, Some(("10.244.0.0", 16)));
+    (cfg.snat_port_min, cfg.snat_port_max) = (20000, 20000);
+    let mut l = Loaded::new("snat-reuse", &manifests(), &node, cfg);
+    let reused = || counter::SNAT_PORT_REUSED;
+    let held = masqueraded_syn(&mut l, 50001).expect("the first flow gets the port");
+    assert_eq!(held, 20000);
+    // The backend's packets: reverse SNAT at its interface's ingress, reverse DNAT at the
+    // uplink's egress.
+    let backend = |l: &mut Loaded, flags: u8| {
+        let (_, o) = tc(&mut l.dp, &Frame::tcp("10.244.1.1", 8080, NODE_IP, 20000, flags));
+        out(&mut l.dp, &o)
+    };
+    let client = |l: &mut Loaded, port: u16, flags: u8| {
+        let (_, o) = run_at(&mut l.dp, Hook::TcUplink, &Frame::tcp("198.18.0.1", port, NODE_IP, 30080, flags).bytes());
+        out(&mut l.dp, &o)
+    };
+    backend(&mut l, SYN | ACK);
+    client(&mut l, 50001, ACK);
+    // Open: the next flow finds no port and is dropped (counted), as netfilter's NAT drops
+    // when its range is full.
+    let no_port = counter_of(&l, counter::SNAT_NO_PORT);
+    assert_eq!(masqueraded_syn(&mut l, 50002), None, "an open flow keeps its tuple");
+    assert_eq!(counter_of(&l, counter::SNAT_NO_PORT), no_port + 1);
+    // Half-closed (the client's FIN only; the backend may still send): still held.
+    client(&mut l, 50001, FIN | ACK);
+    assert_eq!(masqueraded_syn(&mut l, 50003), None, "a half-closed flow keeps its tuple");
+    // A FIN each way: closed, the tuple is taken at once.
+    let (_, o) = backend(&mut l, FIN | ACK);
+    assert_eq!(parse(&o).dport, 50001, "the backend's FIN still reaches the first client");
+    client(&mut l, 50001, ACK);
+    let before = counter_of(&l, reused());
+    assert_eq!(masqueraded_syn(&mut l, 50004), Some(20000), "a FIN each way frees the tuple");
+    assert_eq!(counter_of(&l, reused()), before + 1);
+    // Its replies are the new flow's, and the first flow's entries are gone.
+    let (_, o) = backend(&mut l, SYN | ACK);
+    assert_eq!(parse(&o).dport, 50004);
+    assert!(!l
+        .conntrack(Table::Embryonic)
+        .iter()
+        .chain(l.conntrack(Table::Assured).iter())
+        .any(|(k, _)| k.sport == 50001u16.to_be() || k.dport == 50001u16.to_be()));
+    // A reset from the client, in its handshake: closed too.
+    client(&mut l, 50004, RST);
+    assert_eq!(masqueraded_syn(&mut l, 50005), Some(20000), "the client's reset frees the tuple");
+    // The backend refusing (a reset answering the SYN): closed.
+    backend(&mut l, RST | ACK);
+    assert_eq!(masqueraded_syn(&mut l, 50006), Some(20000), "the backend's reset frees the tuple");
+    assert_eq!(counter_of(&l, reused()), before + 3);
+    // An assured flow closed by the backend's reset, with the client reusing its own port at
+    // once: its SYN starts a new flow on the tuple (not the reset one, which any other flow
+    // could take).
+    backend(&mut l, SYN | ACK);
+    client(&mut l, 50006, ACK);
+    assert!(assured_has(&l, "198.18.0.1", 50006));
+    backend(&mut l, RST);
+    assert_eq!(masqueraded_syn(&mut l, 50006), Some(20000), "the client's port, reused at once");
+    backend(&mut l, SYN | ACK);
+    client(&mut l, 50006, ACK);
+    assert!(assured_has(&l, "198.18.0.1", 50006));
+    assert_eq!(masqueraded_syn(&mut l, 50007), None, "the reopened flow is open again");
+    // The backend closes first: it holds TIME_WAIT on the tuple, which is then taken only by
+    // the last tries (after six that met it), and a clean one would be taken first.
+    let (_, o) = backend(&mut l, FIN | ACK);
+    assert_eq!(parse(&o).dport, 50006);
+    client(&mut l, 50006, FIN | ACK);
+    backend(&mut l, ACK);
+    let (collisions, reused_before) = (counter_of(&l, counter::SNAT_PORT_COLLISION), counter_of(&l, reused()));
+    assert_eq!(masqueraded_syn(&mut l, 50008), Some(20000), "the last resort: a tuple in the backend's TIME_WAIT");
+    assert_eq!(counter_of(&l, counter::SNAT_PORT_COLLISION) - collisions, 6, "six tries passed it over");
+    assert_eq!(counter_of(&l, reused()), reused_before + 1);
+}
+
 /// A port whose scopes agree has one entry, which the uplinks take too; under
 /// externalTrafficPolicy Local its internal entry is marked split and the uplinks (XDP or TC)
 /// take the external entry beside it.

@@ -6,7 +6,7 @@
 //! between the read and the delete (traffic came, or the tuple now carries a new flow) is kept.
 use std::collections::{BTreeSet, HashMap};
 
-use proxy_common::{CtKey, CtRole, CtValue, CT_DIR_EGRESS, CT_DIR_INGRESS, CT_F_CLOSING, CT_F_SNAT_PENDING, PROTO_TCP};
+use proxy_common::{CtKey, CtRole, CtValue, CT_DIR_EGRESS, CT_DIR_INGRESS, CT_F_CLOSING, CT_F_RESET, CT_F_SNAT_PENDING, CT_F_TIME_WAIT, PROTO_TCP};
 
 use crate::dataplane::ebpf::{
     hint::PassBatch,
@@ -33,6 +33,11 @@ impl Flow {
     }
     pub fn closing(&self) -> bool {
         self.entries().any(|(_, v)| v.flags & CT_F_CLOSING != 0)
+    }
+    /// A masqueraded flow whose backend closed first and holds TIME_WAIT on its SNAT tuple (no
+    /// reset since): kept for that long, so that no free-looking tuple meets it.
+    pub fn backend_time_wait(&self) -> bool {
+        self.reverse_snat.is_some_and(|(_, v)| v.flags & CT_F_TIME_WAIT != 0) && !self.entries().any(|(_, v)| v.flags & CT_F_RESET != 0)
     }
     pub fn proto(&self) -> u8 {
         self.entries().next().map(|(k, _)| k.proto).unwrap_or(0)
@@ -126,6 +131,8 @@ pub struct Timeouts {
     pub closing: u32,
     /// TCP before its handshake completed.
     pub embryonic: u32,
+    /// A masqueraded flow whose backend closed first (Flow::backend_time_wait).
+    pub time_wait: u32,
 }
 
 impl Default for Timeouts {
@@ -133,7 +140,7 @@ impl Default for Timeouts {
         // kube-proxy's conntrack defaults (tcpEstablishedTimeout 24h, tcpCloseWaitTimeout 1h is
         // the kernel's; a closed flow here only waits for its last packets), the kernel's
         // SYN_RECV timeout for embryonic flows; the kernel's UDP timeouts, stream and not.
-        Self { tcp: 86_400, udp: 120, udp_unassured: 30, closing: 10, embryonic: 60 }
+        Self { tcp: 86_400, udp: 120, udp_unassured: 30, closing: 10, embryonic: 60, time_wait: proxy_common::BACKEND_TIME_WAIT_S }
     }
 }
 
@@ -280,7 +287,11 @@ impl Gc {
                 let Some(flow) = self.flow_of(t, table, k, v)? else {
                     continue;
                 };
-                let timeout = self.timeouts.of(table, flow.proto(), flow.closing());
+                let timeout = if flow.backend_time_wait() {
+                    u64::from(self.timeouts.time_wait.max(self.timeouts.closing)) * 1_000_000_000
+                } else {
+                    self.timeouts.of(table, flow.proto(), flow.closing())
+                };
                 if now_ns.saturating_sub(flow.last_seen_ns()) > timeout {
                     delete_flow(t, table, &flow, Kept::IfChanged, &mut st)?;
                     gone.extend(flow.entries().map(|(k, _)| *k));

@@ -342,3 +342,34 @@ fn a_pass_starts_at_most_every_pass_every_ns() {
     let mut gc = Gc::new(Timeouts::default(), 2);
     assert!((0..4).all(|_| gc.round(&mut t, 100 * s).unwrap().read == 2));
 }
+
+#[test]
+fn a_masqueraded_flow_whose_backend_closed_first_keeps_its_snat_tuple_through_time_wait() {
+    let s = 1_000_000_000u64;
+    let closed = |port: u16, backend_first: bool, reset: bool| {
+        let mut e = flow(PROTO_TCP, ("198.18.0.2", port), ("10.96.0.10", 80), ("10.244.1.2", 8080), port, Some(("198.18.0.1", port)), 0);
+        for (_, v) in e.iter_mut() {
+            v.flags |= proxy_common::CT_F_CLOSING;
+        }
+        if backend_first {
+            e[3].1.flags |= proxy_common::CT_F_TIME_WAIT;
+        }
+        if reset {
+            e[2].1.flags |= proxy_common::CT_F_RESET;
+        }
+        e
+    };
+    let mut t = FakeTables::default();
+    let (client_first, backend_first, reset_after) = (closed(7000, false, false), closed(7001, true, false), closed(7002, true, true));
+    for (k, v) in client_first.iter().chain(&backend_first).chain(&reset_after) {
+        t.assured.insert(*k, *v);
+    }
+    let mut gc = Gc::new(Timeouts::default(), 64);
+    // Quiet past the closing timeout: the client-first flow and the one a reset ended go.
+    gc.round(&mut t, 30 * s).unwrap();
+    assert_eq!(t.assured.len(), 4, "{:?}", t.assured.keys());
+    assert!(t.assured.contains_key(&backend_first[3].0), "the backend's TIME_WAIT holds the tuple");
+    // Quiet past the backend's TIME_WAIT: gone too.
+    gc.round(&mut t, 61 * s).unwrap();
+    assert!(t.assured.is_empty());
+}
