@@ -113,6 +113,9 @@ pub struct Agent<S: Source, D: Dataplane> {
     /// The desired state last programmed, updated per changed service between full syncs.
     last_desired: Option<DesiredState>,
     last_node_version: Option<String>,
+    /// The data path's SNAT drops at the last sync (None before the first: the count outlives
+    /// a restart, so the first sync only reads it).
+    snat_no_port_seen: Option<u64>,
     timing: Timing,
 }
 
@@ -144,6 +147,7 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
             failing: BTreeMap::new(),
             last_desired: None,
             last_node_version: None,
+            snat_no_port_seen: None,
             timing,
         }
     }
@@ -331,6 +335,15 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
             self.reported_full = now_full.collect();
         } else {
             self.reported_full.extend(now_full);
+        }
+        if let Some(seen) = self.snat_no_port_seen.replace(st.snat_no_port) {
+            if st.snat_no_port > seen {
+                let e = model::errors::snat_ports_exhausted(&self.cfg.node_name, st.snat_no_port - seen);
+                warn!(error = %e, "masqueraded connections dropped");
+                if let Some(tx) = &self.events {
+                    let _ = tx.send(e);
+                }
+            }
         }
         if let Some(hc) = &mut self.health_checks {
             let failed = hc.update(&desired.health_checks);

@@ -258,3 +258,25 @@ fn what_is_not_programmed_stays_known_across_incremental_syncs() {
     assert_eq!(a.step(t0 + Duration::from_secs(4), W), Step::Synced { full: false });
     assert_eq!((listed(&a), gauge(&a)), (Vec::<String>::new(), 0));
 }
+
+#[test]
+fn snat_drops_since_the_last_sync_are_an_event_on_the_node() {
+    let mut a = agent(1);
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    a.events = Some(tx);
+    // Drops before this agent started (the count is pinned): read, not reported.
+    a.dataplane.snat_no_port = 7;
+    let t0 = Instant::now();
+    assert_eq!(a.step(t0, W), Step::Synced { full: true });
+    assert!(rx.try_recv().is_err(), "the first sync only reads the count");
+    a.dataplane.snat_no_port = 12;
+    a.source.pending = changed(&["s0"]);
+    assert_eq!(a.step(t0 + Duration::from_secs(2), W), Step::Synced { full: false });
+    let e = rx.try_recv().expect("an Event");
+    assert_eq!((e.reason, e.object.as_str(), e.field.as_str()), (crate::model::errors::SNAT_PORTS_EXHAUSTED, "Node /node-a", "status.addresses"));
+    assert!(e.message.starts_with("5 new masqueraded connections dropped"), "{e}");
+    // No more drops: no more Events.
+    a.source.pending = changed(&["s0"]);
+    assert_eq!(a.step(t0 + Duration::from_secs(4), W), Step::Synced { full: false });
+    assert!(rx.try_recv().is_err());
+}

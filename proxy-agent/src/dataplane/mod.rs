@@ -55,6 +55,9 @@ pub struct SyncStats {
     pub fallback: Vec<(&'static str, String)>,
     /// Backends left out of Services for now (outlier ejection), as Events' content.
     pub ejected: Vec<crate::model::errors::ObjectError>,
+    /// New masqueraded connections the data path dropped for want of a free SNAT port, since
+    /// its maps were created (0 where netfilter masquerades).
+    pub snat_no_port: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -239,6 +242,8 @@ pub struct FakeDataplane {
     pub errors: Vec<String>,
     /// Reported by every sync as one Service's failures.
     pub failed: Vec<crate::model::errors::ObjectError>,
+    /// Reported by every sync as the data path's SNAT drops.
+    pub snat_no_port: u64,
 }
 
 impl Dataplane for FakeDataplane {
@@ -260,6 +265,7 @@ impl Dataplane for FakeDataplane {
             fallback: self.fallback.clone(),
             errors: self.errors.clone(),
             failed: self.failed.clone(),
+            snat_no_port: self.snat_no_port,
             ..Default::default()
         })
     }

@@ -23,8 +23,25 @@ pub const NOT_SUPPORTED: &str = "NotSupported";
 pub const OUTLIER_EJECTED: &str = "OutlierEjected";
 /// A kernel write for a Service failed (the other Services were programmed).
 pub const WRITE_FAILED: &str = "WriteFailed";
-/// Every reason kpr gives an Event.
+/// Every reason an object is not (wholly) programmed, each a label of kpr_not_programmed.
 pub const REASONS: [&str; 5] = [FIELD_NOT_PROGRAMMED, NOT_SUPPORTED, MAP_FULL, OUTLIER_EJECTED, WRITE_FAILED];
+/// The data path dropped new masqueraded connections: no SNAT port towards their backend was
+/// free (the Node's Event; the connections are counted as snat_no_port).
+pub const SNAT_PORTS_EXHAUSTED: &str = "SnatPortsExhausted";
+
+/// The Node's Event for `dropped` new connections that found no free SNAT port since the last
+/// sync.
+pub fn snat_ports_exhausted(node_name: &str, dropped: u64) -> ObjectError {
+    ObjectError {
+        source: "kpr".into(),
+        object: format!("Node /{node_name}"),
+        field: "status.addresses".into(),
+        message: format!(
+            "{dropped} new masqueraded connections dropped since the last sync: every SNAT port of this node's address towards their backend is held by an open flow (kpr_datapath_packets_total{{reason=\"snat_no_port\"}}); spread the load over more backends, or give the node more SNAT room (docs/datapath.md)"
+        ),
+        reason: SNAT_PORTS_EXHAUSTED,
+    }
+}
 
 impl fmt::Display for ObjectError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -284,7 +284,9 @@ impl Dataplane for EbpfPlane {
             }
             self.max_ages = max_ages;
         }
-        Ok(SyncStats { ejected: ejected_events, ..st.plane })
+        // Read once a sync: the Node's Event for connections dropped without a SNAT port.
+        let snat_no_port = self.maps.counters().ok().and_then(|c| c.get(proxy_common::counter::SNAT_NO_PORT as usize).copied()).unwrap_or(0);
+        Ok(SyncStats { ejected: ejected_events, snat_no_port, ..st.plane })
     }
 }
 
