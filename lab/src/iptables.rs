@@ -2,11 +2,14 @@
 //! KUBE-SVC-* -> KUBE-SEP-* with `statistic --mode random --probability`, KUBE-MARK-MASQ,
 //! KUBE-POSTROUTING MASQUERADE, KUBE-NODEPORTS), for the A/B benchmark.
 
-/// One ClusterIP service port.
+/// One service port: its ClusterIP, and its NodePort where it has one.
 pub struct Svc {
     pub name: String,
     pub vip: String,
     pub port: u16,
+    /// "tcp" or "udp".
+    pub proto: &'static str,
+    pub node_port: Option<u16>,
     pub backends: Vec<(String, u16)>,
 }
 
@@ -39,8 +42,17 @@ pub fn render(services: &[Svc], cluster_cidr: &str) -> String {
         let svc = chain("KUBE-SVC", &s.name);
         chains.push(format!(":{svc} - [0:0]"));
         let c = format!("-m comment --comment \"{} cluster IP\"", s.name);
-        rules.push(format!("-A KUBE-SERVICES {c} -m tcp -p tcp -d {}/32 --dport {} -j {svc}", s.vip, s.port));
-        rules.push(format!("-A {svc} {c} -m tcp -p tcp -d {}/32 --dport {} ! -s {cluster_cidr} -j KUBE-MARK-MASQ", s.vip, s.port));
+        let p = s.proto;
+        rules.push(format!("-A KUBE-SERVICES {c} -m {p} -p {p} -d {}/32 --dport {} -j {svc}", s.vip, s.port));
+        rules.push(format!("-A {svc} {c} -m {p} -p {p} -d {}/32 --dport {} ! -s {cluster_cidr} -j KUBE-MARK-MASQ", s.vip, s.port));
+        if let Some(np) = s.node_port {
+            // externalTrafficPolicy Cluster: every external packet is masqueraded.
+            let ext = chain("KUBE-EXT", &s.name);
+            chains.push(format!(":{ext} - [0:0]"));
+            rules.push(format!("-A KUBE-NODEPORTS -m comment --comment \"{}\" -m {p} -p {p} --dport {np} -j {ext}", s.name));
+            rules.push(format!("-A {ext} -m comment --comment \"masquerade traffic for {} external destinations\" -j KUBE-MARK-MASQ", s.name));
+            rules.push(format!("-A {ext} -j {svc}"));
+        }
         let n = s.backends.len();
         for (i, (ip, port)) in s.backends.iter().enumerate() {
             let sep = chain("KUBE-SEP", &format!("{}/{ip}:{port}", s.name));
@@ -56,7 +68,7 @@ pub fn render(services: &[Svc], cluster_cidr: &str) -> String {
                 rules.push(format!("-A {svc} -m comment --comment \"{} -> {ip}:{port}\" -j {sep}", s.name));
             }
             rules.push(format!("-A {sep} -m comment --comment \"{}\" -s {ip}/32 -j KUBE-MARK-MASQ", s.name));
-            rules.push(format!("-A {sep} -m comment --comment \"{}\" -m tcp -p tcp -j DNAT --to-destination {ip}:{port}", s.name));
+            rules.push(format!("-A {sep} -m comment --comment \"{}\" -m {p} -p {p} -j DNAT --to-destination {ip}:{port}", s.name));
         }
     }
     rules.push("-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS".into());

@@ -142,6 +142,8 @@ pub struct Lab {
     peer: PathBuf,
     /// Appended to `kpr run` (e.g. --mode ipvs).
     pub agent_args: Vec<String>,
+    /// The agents' `--cluster-cidr` (CLUSTER_CIDR unless a test moves a client inside it).
+    pub cluster_cidr: String,
     agent: Option<Child>,
     /// The underlay's "switch" ports run an XDP program, as a NIC peer would take frames (and
     /// the interfaces `replies_on_cpu0` gives one).
@@ -301,6 +303,7 @@ impl Lab {
             kpr: sibling_bin("kpr"),
             peer,
             agent_args: Vec::new(),
+            cluster_cidr: CLUSTER_CIDR.into(),
             agent: None,
             xdp_pins: switch_pins,
             _netns: netns,
@@ -397,7 +400,7 @@ impl Lab {
         let n = &self.nodes[i];
         let mut c = Command::new(&self.kpr);
         c.arg("--netns").arg(&n.ns).arg("--pin-dir").arg(n.pins.path()).arg("run").args(source);
-        c.args(["--uplink", "up0", "--pod-iface-prefix", self.spec.cni.prefix(), "--node-name", &n.name, "--cluster-cidr", CLUSTER_CIDR]);
+        c.args(["--uplink", "up0", "--pod-iface-prefix", self.spec.cni.prefix(), "--node-name", &n.name, "--cluster-cidr", &self.cluster_cidr]);
         if self.spec.cni == Cni::Vxlan {
             c.args(["--pod-iface", "flannel.1"]);
         }

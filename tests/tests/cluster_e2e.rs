@@ -213,13 +213,15 @@ fn netfilter_matrix_calico_like_policy_chain() {
 #[test]
 fn netfilter_matrix_kube_proxy_rules_still_loaded_no_double_masquerade() {
     use kpr_lab::iptables::{render, Svc};
-    let svc = |name: &str, vip: &str, bes: &[&str]| Svc {
+    let svc = |name: &str, vip: &str, node_port: Option<u16>, bes: &[&str]| Svc {
         name: format!("e2e/{name}:p"),
         vip: vip.into(),
         port: 80,
+        proto: "tcp",
+        node_port,
         backends: bes.iter().map(|b| (b.to_string(), 8080)).collect(),
     };
-    let rules = render(&[svc("web", "10.96.0.10", &[B1, B2, B3]), svc("only-b1", "10.96.0.21", &[B1])], "10.244.0.0/16");
+    let rules = render(&[svc("web", "10.96.0.10", Some(30080), &[B1, B2, B3]), svc("only-b1", "10.96.0.21", None, &[B1])], "10.244.0.0/16");
     let lab = matrix_cell("kpm5", LabSpec::default(), |lab| {
         // kube-proxy's whole nat table, as during a migration before its cleanup; its
         // KUBE-MARK-MASQ marks and KUBE-POSTROUTING would masquerade again what kpr did.
@@ -255,4 +257,48 @@ fn detect_local_by_interface() {
         let who = lab.peer("cl", &["who", "10.96.0.21:80"]);
         assert_eq!(who["seen"], NODE_IP, "{prefix}: the outside client is not: {who}");
     }
+}
+
+/// Short connections from outside through masqueraded paths, sustained past what the SNAT range
+/// holds, with kube-proxy's INVALID drop on the node: closed flows give their SNAT tuples to new
+/// ones at once (netfilter's NAT does), so no connection fails for want of a port. The node's
+/// ephemeral range leaves kpr 4,096 SNAT ports (1024-5119); the client's resets and FINs send
+/// more connections than that to one backend through one SNAT address within the closing
+/// timeout. Where the server closes first it keeps TIME_WAIT on the tuple: those connections
+/// still all connect.
+#[test]
+fn masqueraded_churn_outlasts_the_snat_range_in_every_close_order() {
+    let lab = matrix_cell("kpch", LabSpec::default(), |lab| {
+        kpr_lab::must(&format!("ip netns exec {} sysctl -qw net.ipv4.ip_local_port_range='5120 60999'", lab.ns("node")));
+    });
+    let status = || -> serde_json::Value { serde_json::from_str(&lab.cli(&["status", "--json"])).unwrap() };
+    let counter = |s: &serde_json::Value, name: &str| s["counters"][name].as_u64().unwrap_or_else(|| panic!("{name}: {s}"));
+    // Outside -> the ClusterIP with one endpoint (off-cluster: masqueraded), and outside -> the
+    // NodePort (externalTrafficPolicy Cluster: masqueraded).
+    for (target, close) in [("10.96.0.21:80", "rst"), ("10.96.0.21:80", "fin"), ("198.18.0.1:30080", "rst")] {
+        let before = status();
+        let mut sent = 0;
+        // Until the range has been used over at least once and a half, 60 s at most.
+        for _ in 0..10 {
+            let v = lab.peer("cl", &["churn", target, "6", close]);
+            assert_eq!(errors(&v), 0, "{target} closed by {close}: {v}");
+            sent += v["connections"].as_u64().unwrap();
+            if sent > 6_144 {
+                break;
+            }
+        }
+        let after = status();
+        assert!(sent > 6_144, "{target} closed by {close}: only {sent} connections in 60 s");
+        assert_eq!(counter(&after, "snat_no_port"), counter(&before, "snat_no_port"), "{target} closed by {close}: {after}");
+        assert!(counter(&after, "snat_port_reused") > counter(&before, "snat_port_reused"), "{target} closed by {close}: no tuple reused: {after}");
+    }
+    let v = lab.peer("cl", &["churn", "10.96.0.21:80", "6", "server"]);
+    assert_eq!(errors(&v), 0, "closed by the server first: {v}");
+    assert!(v["connections"].as_u64().unwrap() > 100, "{v}");
+    // DNS-style UDP, a new socket a query, through the masquerade: the tuples are held for the
+    // UDP timeout, as netfilter holds them. 1,500 queries over three backends stay well inside
+    // the range.
+    let v = lab.peer("cl", &["burst", "10.96.0.53:53", "udp", "1500"]);
+    ok(&v, "outside -> UDP ClusterIP, a socket a query", 1500);
+    assert_eq!(counter(&status(), "snat_no_port"), 0);
 }

@@ -17,7 +17,14 @@ const VIP: &str = "10.96.0.10";
 const HELD: usize = 30;
 
 fn web() -> Vec<Svc> {
-    vec![Svc { name: "demo/web:http".into(), vip: VIP.into(), port: 80, backends: (1..=3).map(|b| (backend_ip(b), 8080)).collect() }]
+    vec![Svc {
+        name: "demo/web:http".into(),
+        vip: VIP.into(),
+        port: 80,
+        proto: "tcp",
+        node_port: None,
+        backends: (1..=3).map(|b| (backend_ip(b), 8080)).collect(),
+    }]
 }
 
 const WEB_YAML: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: demo}\nspec: {clusterIP: 10.96.0.10, ports: [{name: http, port: 80, targetPort: 8080}]}\n---\n\

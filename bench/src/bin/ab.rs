@@ -24,7 +24,16 @@ fn vip(i: u32) -> String {
 }
 
 fn services(n: u32) -> Vec<Svc> {
-    (0..n).map(|i| Svc { name: format!("ab/s{i}:http"), vip: vip(i), port: 80, backends: (1..=3).map(|b| (backend_ip(b), 8080)).collect() }).collect()
+    (0..n)
+        .map(|i| Svc {
+            name: format!("ab/s{i}:http"),
+            vip: vip(i),
+            port: 80,
+            proto: "tcp",
+            node_port: None,
+            backends: (1..=3).map(|b| (backend_ip(b), 8080)).collect(),
+        })
+        .collect()
 }
 
 fn manifests(n: u32) -> String {

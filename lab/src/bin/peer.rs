@@ -11,6 +11,15 @@
 //!   stream IP:PORT SECONDS                 new TCP connections back to back for SECONDS; prints JSON
 //!   rate   IP:PORT SECONDS                 back-to-back short TCP connections; prints JSON with the
 //!                                          rate and the latency percentiles (µs) of a connection
+//!   churn  IP:PORT SECONDS fin|rst|server|udp
+//!                                          back-to-back short connections as a busy client opens
+//!                                          them: TCP with a request line and its answer, closed by
+//!                                          the client (FIN, or RST with SO_LINGER 0) or by the
+//!                                          server first ("server": the backend keeps TIME_WAIT);
+//!                                          udp: a new socket per query (DNS-style). Prints JSON
+//!                                          with the rate, the connect (UDP: answer) latency
+//!                                          percentiles (µs), the connects that took a SYN's
+//!                                          retransmission (>= 900 ms), and the failures
 //!   get    IP:PORT PATH [BODY]             one HTTP/1.0 GET (PUT with a body); prints the status line, then the body
 //!   who    IP:PORT                         one TCP request "who"; prints JSON {name, seen}: whom the backend saw
 //!   bulk   IP:PORT BYTES                   one TCP connection: BYTES up, then BYTES down; prints JSON
@@ -165,6 +174,11 @@ fn answer_all(l: TcpListener, name: String) {
             while r.read_line(&mut line).map(|n| n > 0).unwrap_or(false) {
                 let answer = match line.trim().split_once(' ') {
                     _ if line.trim() == "who" => format!("{name} {peer}\n"),
+                    // The server closes first: its side of the tuple keeps TIME_WAIT.
+                    _ if line.trim() == "bye" => {
+                        let _ = w.write_all(format!("{name}\n").as_bytes());
+                        break;
+                    }
                     Some(("up", n)) => {
                         let n: u64 = n.parse().unwrap_or(0).min(1 << 30);
                         if std::io::copy(&mut (&mut r).take(n), &mut std::io::sink()).map(|got| got != n).unwrap_or(true) {
@@ -219,6 +233,70 @@ fn one_udp(target: SocketAddr) -> Result<String, String> {
         return Err(format!("reply from {from}, not {target}"));
     }
     Ok(String::from_utf8_lossy(&buf[..n]).to_string())
+}
+
+/// How `churn` ends each connection.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Close {
+    /// The client closes first: FIN.
+    Fin,
+    /// The client aborts: RST (SO_LINGER 0), as load generators and health checkers do.
+    Rst,
+    /// The server closes first, then the client.
+    Server,
+    /// UDP: a new socket per query.
+    Udp,
+}
+
+impl Close {
+    fn parse(s: &str) -> Self {
+        match s {
+            "fin" => Close::Fin,
+            "rst" => Close::Rst,
+            "server" => Close::Server,
+            "udp" => Close::Udp,
+            _ => panic!("churn closes by fin, rst, server or udp, not {s:?}"),
+        }
+    }
+}
+
+/// One `churn` connection (or UDP query); how long its connect (UDP: its answer) took.
+fn churn_one(target: SocketAddr, close: Close) -> Result<Duration, String> {
+    let t = Instant::now();
+    if close == Close::Udp {
+        one_udp(target)?;
+        return Ok(t.elapsed());
+    }
+    let mut s = TcpStream::connect_timeout(&target, Duration::from_secs(5)).map_err(|e| e.to_string())?;
+    let connect = t.elapsed();
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok();
+    s.write_all(if close == Close::Server { b"bye\n" } else { b"hi\n" }).map_err(|e| e.to_string())?;
+    // The answer is a short line: one read takes it whole on a loopback-speed path.
+    let mut buf = [0u8; 64];
+    let n = s.read(&mut buf).map_err(|e| e.to_string())?;
+    if n == 0 {
+        return Err("closed before the answer".into());
+    }
+    match close {
+        Close::Rst => {
+            use std::os::fd::AsRawFd;
+            let linger = libc::linger { l_onoff: 1, l_linger: 0 };
+            // SAFETY: setsockopt(2) on our own descriptor with a valid struct linger.
+            unsafe {
+                libc::setsockopt(
+                    s.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    libc::SO_LINGER,
+                    (&linger as *const libc::linger).cast(),
+                    std::mem::size_of::<libc::linger>() as u32,
+                );
+            }
+        }
+        // Wait for the server's FIN before ours.
+        Close::Server => while s.read(&mut buf).map_err(|e| e.to_string())? > 0 {},
+        Close::Fin | Close::Udp => {}
+    }
+    Ok(connect)
 }
 
 /// Answers per backend name, failures, and the first failure's reason: every mode's report.
@@ -348,6 +426,29 @@ fn main() {
                 }
             };
             let v = serde_json::json!({"connections": lat.len(), "rate": lat.len() as f64 / elapsed, "p50_us": pct(0.5), "p99_us": pct(0.99), "errors": errors, "first_error": first});
+            println!("{v}");
+        }
+        "churn" => {
+            let target: SocketAddr = arg(1).parse().unwrap();
+            let secs: f64 = arg(2).parse().unwrap();
+            let close = Close::parse(&arg(3));
+            let start = Instant::now();
+            let deadline = start + Duration::from_secs_f64(secs.min(600.0));
+            let (mut lat, mut errors, mut first) = (Vec::new(), 0u64, None);
+            while Instant::now() < deadline && lat.len() < 20_000_000 {
+                match churn_one(target, close) {
+                    Ok(connect) => lat.push(connect.as_secs_f64() * 1e6),
+                    Err(e) => {
+                        errors += 1;
+                        first.get_or_insert(e);
+                    }
+                }
+            }
+            let elapsed = start.elapsed().as_secs_f64();
+            let slow = lat.iter().filter(|&&us| us >= 900_000.0).count();
+            lat.sort_by(f64::total_cmp);
+            let pct = |p: f64| if lat.is_empty() { 0.0 } else { lat[((lat.len() - 1) as f64 * p) as usize] };
+            let v = serde_json::json!({"connections": lat.len(), "rate": lat.len() as f64 / elapsed, "p50_us": pct(0.5), "p99_us": pct(0.99), "slow_connects": slow, "errors": errors, "first_error": first});
             println!("{v}");
         }
         "get" => {
