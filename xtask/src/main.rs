@@ -40,13 +40,13 @@ enum Cmd {
     },
     /// Per-packet cost vs. the pass-only floor at several service counts (kpr-bench), the
     /// control plane at scale (kpr-scale), the A/B against kube-proxy's iptables rules (kpr-ab),
-    /// and the IPVS sides in the QEMU guest (kpr-vm-bench) (root). Results: target/bench/.
+    /// short connections on the users' paths against the same rules (kpr-churn), and the IPVS sides in the QEMU guest (kpr-vm-bench) (root). Results: target/bench/.
     Bench {
         /// Small sizes and counts: proves the harness runs (what CI runs).
         #[arg(long)]
         smoke: bool,
-        /// Which parts: packet, scale, ab, vm (comma-separated).
-        #[arg(long, value_delimiter = ',', default_value = "packet,scale,ab,vm")]
+        /// Which parts: packet, scale, ab, churn, vm (comma-separated).
+        #[arg(long, value_delimiter = ',', default_value = "packet,scale,ab,churn,vm")]
         parts: Vec<String>,
         /// A/B sizes (services) for kpr-ab [default: 100,1000,10000,30000].
         #[arg(long)]
@@ -264,8 +264,8 @@ fn real_main() -> Result<()> {
             ensure_toolchain()?;
             mount_bpffs();
             let part = |p: &str| parts.iter().any(|x| x == p);
-            if let Some(unknown) = parts.iter().find(|p| !["packet", "scale", "ab", "vm"].contains(&p.as_str())) {
-                bail!("unknown bench part {unknown:?} (packet, scale, ab, vm)");
+            if let Some(unknown) = parts.iter().find(|p| !["packet", "scale", "ab", "churn", "vm"].contains(&p.as_str())) {
+                bail!("unknown bench part {unknown:?} (packet, scale, ab, churn, vm)");
             }
             let mut b = cargo();
             b.args(["build", "--release", "-p", "kpr-bench", "-p", "kpr-lab", "-p", "proxy-agent", "--bins"]);
@@ -305,6 +305,14 @@ fn real_main() -> Result<()> {
                     (None, false) => &mut ab,
                 };
                 run(ab, "A/B: eBPF vs kube-proxy's iptables rules vs direct, in the namespace lab")?;
+            }
+            if part("churn") {
+                let mut c = Command::new(root().join("target/release/kpr-churn"));
+                c.current_dir(root()).arg("--json").arg(out.join("churn.json"));
+                if smoke {
+                    c.args(["--sizes", "1", "--seconds", "1"]);
+                }
+                run(c, "short connections on the users' paths: direct vs kube-proxy's iptables rules vs kpr, in the namespace lab")?;
             }
             if part("vm") {
                 let (cp, tr, rest) = if smoke {
