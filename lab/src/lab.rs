@@ -142,7 +142,8 @@ pub struct Lab {
     peer: PathBuf,
     /// Appended to `kpr run` (e.g. --mode ipvs).
     pub agent_args: Vec<String>,
-    /// The agents' `--cluster-cidr` (CLUSTER_CIDR unless a test moves a client inside it).
+    /// The agents' `--cluster-cidr` (CLUSTER_CIDR unless a test moves a client inside it; empty:
+    /// none).
     pub cluster_cidr: String,
     agent: Option<Child>,
     /// The underlay's "switch" ports run an XDP program, as a NIC peer would take frames (and
@@ -400,7 +401,10 @@ impl Lab {
         let n = &self.nodes[i];
         let mut c = Command::new(&self.kpr);
         c.arg("--netns").arg(&n.ns).arg("--pin-dir").arg(n.pins.path()).arg("run").args(source);
-        c.args(["--uplink", "up0", "--pod-iface-prefix", self.spec.cni.prefix(), "--node-name", &n.name, "--cluster-cidr", &self.cluster_cidr]);
+        c.args(["--uplink", "up0", "--pod-iface-prefix", self.spec.cni.prefix(), "--node-name", &n.name]);
+        if !self.cluster_cidr.is_empty() {
+            c.args(["--cluster-cidr", &self.cluster_cidr]);
+        }
         if self.spec.cni == Cni::Vxlan {
             c.args(["--pod-iface", "flannel.1"]);
         }

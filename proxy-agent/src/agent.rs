@@ -68,7 +68,7 @@ impl LoopSettings {
             primary_ip: s.primary_ip,
             node_port_addresses: s.node_port_addresses.clone(),
             uplinks: s.uplinks.clone(),
-            model: ModelConfig { default_scheduler: s.scheduler, ..ModelConfig::default() },
+            model: ModelConfig { default_scheduler: s.scheduler, masquerade_all: s.masquerade_all, ..ModelConfig::default() },
         }
     }
 }

@@ -371,6 +371,63 @@ endpoints: [{addresses: [10.244.1.31], conditions: {ready: true}}]
     assert_eq!(d.problems().map(|e| e.field.as_str()).collect::<Vec<_>>(), ["spec.ports[0].protocol"]);
 }
 
+/// kube-proxy's masqueradeAll masquerades traffic to a ClusterIP, and only that: a NodePort's
+/// traffic keeps its externalTrafficPolicy's (Local: the client's address, from outside and
+/// from pods alike; Cluster: masqueraded anyway).
+#[test]
+fn masquerade_all_masquerades_cluster_ips_only() {
+    let text = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: local, namespace: g}
+spec: {type: NodePort, clusterIP: 10.96.4.1, externalTrafficPolicy: Local, ports: [{name: p, port: 80, targetPort: 8080, nodePort: 30091}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: cluster, namespace: g}
+spec: {type: NodePort, clusterIP: 10.96.4.2, ports: [{name: p, port: 80, targetPort: 8080, nodePort: 30092}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: local-1, namespace: g, labels: {kubernetes.io/service-name: local}}
+addressType: IPv4
+ports: [{name: p, port: 8080}]
+endpoints: [{addresses: [10.244.1.41], conditions: {ready: true}, nodeName: me}, {addresses: [10.244.2.41], conditions: {ready: true}, nodeName: other}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: cluster-1, namespace: g, labels: {kubernetes.io/service-name: cluster}}
+addressType: IPv4
+ports: [{name: p, port: 8080}]
+endpoints: [{addresses: [10.244.1.42], conditions: {ready: true}, nodeName: me}]
+"#;
+    let mut r = LoadReport::default();
+    load_text("masq-all.yaml", text, &mut r);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    let node = NodeInfo { name: "me".into(), nodeport_addresses: vec!["198.18.0.1".parse().unwrap()], zone: None };
+    // "scope flags" of each of a frontend's entries, sorted.
+    let flags = |d: &proxy_agent::model::DesiredState, frontend: &str| -> Vec<String> {
+        let mut v: Vec<String> = d
+            .dump()
+            .lines()
+            .filter(|l| l.starts_with(&format!("frontend {frontend} ")))
+            .map(|l| format!("{} {}", l.split_whitespace().nth(2).unwrap(), l.split("flags=").nth(1).unwrap().split(' ').next().unwrap()))
+            .collect();
+        v.sort();
+        v
+    };
+    for masquerade_all in [false, true] {
+        let d = compute(&r.objects, &node, &ModelConfig { masquerade_all, ..ModelConfig::default() });
+        let cluster_ip = if masquerade_all { "both masq" } else { "both -" };
+        assert_eq!(flags(&d, "10.96.4.1:80/TCP"), [cluster_ip], "masqueradeAll {masquerade_all}");
+        assert_eq!(flags(&d, "10.96.4.2:80/TCP"), [cluster_ip], "masqueradeAll {masquerade_all}");
+        // externalTrafficPolicy Local: the external entry keeps the client, the internal one
+        // (pods) is not masqueraded either.
+        assert_eq!(flags(&d, "198.18.0.1:30091/TCP"), ["external preserve-source", "internal -"], "masqueradeAll {masquerade_all}");
+        assert_eq!(flags(&d, "198.18.0.1:30092/TCP"), ["both masq"], "masqueradeAll {masquerade_all}");
+    }
+}
+
 /// Where the data plane serves IPv6 (IPVS mode): a dual-stack Service gets frontends of both
 /// families, each with its own family's endpoints, NodePorts on the node's addresses of each
 /// family, and each LoadBalancer IP its own family's source ranges. An IPv6 address of a Service

@@ -250,6 +250,9 @@ pub const BPF_F_NO_PREALLOC: u32 = 1;
 pub const BPF_F_MMAPABLE: u32 = 1 << 10;
 
 /// DatapathConfig::flags.
+/// masqueradeAll, for IPVS mode's set matching (every packet to a ClusterIP is marked); the fast
+/// path has it from its ClusterIP frontends' SVC_F_MASQ, as kube-proxy masquerades only traffic
+/// to a ClusterIP.
 pub const CFG_F_MASQUERADE_ALL: u32 = 1 << 0;
 /// Every established packet probes conntrack (the benchmark's baseline; a troubleshooting aid).
 pub const CFG_F_NO_FLOW_CACHE: u32 = 1 << 1;
@@ -263,6 +266,11 @@ pub const CFG_F_NO_NEW_FLOWS: u32 = 1 << 3;
 /// A switch from IPVS mode: a TCP packet without SYN that no flow knows is part of a
 /// connection IPVS still serves, so it goes to the stack, not to a new flow.
 pub const CFG_F_HANDOVER: u32 = 1 << 4;
+/// No local-traffic detector (detectLocalMode ClusterCIDR without an IPv4 cluster CIDR, or
+/// NodeCIDR without the Node's pod CIDR): as under kube-proxy's no-op detector, a pod's traffic
+/// is external traffic like any other, so the pod interfaces' ingress takes a port's external
+/// entry where its scopes differ (externalTrafficPolicy Local: this node's endpoints only).
+pub const CFG_F_NO_LOCAL_DETECTOR: u32 = 1 << 5;
 
 /// IfaceInfo::flags: traffic arriving on this interface comes from local pods.
 pub const IFACE_F_LOCAL: u32 = 1 << 0;

@@ -10,9 +10,9 @@
 //! kube-proxy, and conntrack state rules (ctstate INVALID drops, CNI policy chains) hold.
 use aya_ebpf::helpers::bpf_jiffies64;
 use proxy_common::{
-    counter, DatapathConfig, ServiceValue, SourceRangeKey, CFG_F_LOCAL_BY_IFACE, CFG_F_MASQUERADE_ALL,
+    counter, DatapathConfig, ServiceValue, SourceRangeKey, CFG_F_LOCAL_BY_IFACE, CFG_F_NO_LOCAL_DETECTOR,
     CFG_F_HANDOVER, CFG_F_NO_FLOW_CACHE, CFG_F_NO_NEW_FLOWS, CtKey, IFACE_F_LOCAL,
-    PROTO_TCP, SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT, SVC_F_PRESERVE_SOURCE,
+    PROTO_TCP, SCOPE_EXTERNAL, SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT, SVC_F_PRESERVE_SOURCE,
     SVC_F_SOURCE_RANGES,
 };
 use aya_ebpf::maps::lpm_trie::Key;
@@ -109,6 +109,7 @@ pub fn ingress<P: Pkt>(p: &mut P, scope: u8) -> Verdict {
     // Draining after a switch to IPVS mode: no new flow; IPVS mode's program after this one
     // serves what no flow of ours knows.
     let draining = cfg.flags & CFG_F_NO_NEW_FLOWS != 0;
+    let scope = if cfg.flags & CFG_F_NO_LOCAL_DETECTOR != 0 { SCOPE_EXTERNAL } else { scope };
     let svc = lb::lookup_service(&f, scope);
     if svc.is_none() && !draining {
         return Verdict::Pass;
@@ -234,14 +235,12 @@ fn new_flow<P: Pkt>(p: &mut P, f: &Flow, svc: &ServiceValue, cfg: &DatapathConfi
         return NewFlow::Done(Verdict::Drop);
     };
 
-    // Masquerade exactly where kube-proxy would: hairpin, external traffic policy Cluster,
-    // masqueradeAll, and clients outside the cluster CIDR (unless the source is preserved).
+    // Masquerade exactly where kube-proxy would: hairpin, the frontend's own (external traffic
+    // policy Cluster; masqueradeAll on a ClusterIP), and clients outside the cluster CIDR
+    // (unless the source is preserved).
     let hairpin = be.addr[0] == f.saddr;
     let off_cluster = svc.flags & SVC_F_PRESERVE_SOURCE == 0 && off_cluster(f.saddr, p.ifindex(), cfg);
-    let masq = hairpin
-        || svc.flags & SVC_F_MASQ != 0
-        || cfg.flags & CFG_F_MASQUERADE_ALL != 0
-        || off_cluster;
+    let masq = hairpin || svc.flags & SVC_F_MASQ != 0 || off_cluster;
     let Some(rw) = conntrack::create(f, backend_id, svc.service_id, &be, masq, cfg) else {
         return NewFlow::Done(Verdict::Drop);
     };

@@ -14,7 +14,7 @@
 use aya_ebpf::helpers::bpf_jiffies64;
 use aya_ebpf::maps::lpm_trie::Key;
 use proxy_common::{
-    counter, DatapathConfig, ServiceValue, SourceRangeKey, CFG_F_HANDOVER, CFG_F_MASQUERADE_ALL, CFG_F_NO_NEW_FLOWS,
+    counter, DatapathConfig, ServiceValue, SourceRangeKey, CFG_F_HANDOVER, CFG_F_NO_NEW_FLOWS,
     MARK_MASQ, PROTO_TCP, PROTO_UDP, SCOPE_EXTERNAL, SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT, SVC_F_PRESERVE_SOURCE,
     SVC_F_SOURCE_RANGES,
 };
@@ -194,12 +194,10 @@ fn new_flow<P: Pkt>(p: &mut P, f: &Flow6, svc: &ServiceValue, cfg: &DatapathConf
         bump(counter::MISS_BACKEND);
         return Some(Verdict::Drop);
     };
-    // Masquerade where kube-proxy would: external traffic policy Cluster, masqueradeAll,
-    // clients outside the cluster CIDR (unless the source is preserved), hairpin.
-    let masq = be.addr == f.saddr
-        || svc.flags & SVC_F_MASQ != 0
-        || cfg.flags & CFG_F_MASQUERADE_ALL != 0
-        || (svc.flags & SVC_F_PRESERVE_SOURCE == 0 && off_cluster6(&f.saddr, p.ifindex(), cfg));
+    // Masquerade where kube-proxy would: the frontend's own (external traffic policy Cluster;
+    // masqueradeAll on a ClusterIP), clients outside the cluster CIDR (unless the source is
+    // preserved), hairpin.
+    let masq = be.addr == f.saddr || svc.flags & SVC_F_MASQ != 0 || (svc.flags & SVC_F_PRESERVE_SOURCE == 0 && off_cluster6(&f.saddr, p.ifindex(), cfg));
     let Some(rw) = conntrack6::create(f, backend_id, svc.service_id, &be, masq, cfg) else {
         return Some(Verdict::Drop);
     };

@@ -4,7 +4,7 @@
 //! tunnel. Real TCP and UDP, zero failed connections where traffic should pass.
 use std::path::PathBuf;
 
-use kpr_lab::lab::{errors, per_backend, Cni, Iptables, Lab, LabSpec, NODE_B_IP, NODE_IP};
+use kpr_lab::lab::{errors, per_backend, Cni, Iptables, Lab, LabSpec, NODE_B_IP, NODE_IP, POD_IP};
 
 /// A Service and its EndpointSlice: (address, node) endpoints, each on `target`.
 fn service(name: &str, vip: &str, port: u16, target: u16, proto: &str, eps: &[(&str, &str)], extra_spec: &str) -> String {
@@ -301,4 +301,46 @@ fn masqueraded_churn_outlasts_the_snat_range_in_every_close_order() {
     let v = lab.peer("cl", &["burst", "10.96.0.53:53", "udp", "1500"]);
     ok(&v, "outside -> UDP ClusterIP, a socket a query", 1500);
     assert_eq!(counter(&status(), "snat_no_port"), 0);
+}
+
+/// kube-proxy's masqueradeAll masquerades traffic to a ClusterIP only: an externalTrafficPolicy
+/// Local NodePort keeps the client's address, from outside and from a pod.
+#[test]
+fn masquerade_all_leaves_external_traffic_policy_local_alone() {
+    let dir = std::env::temp_dir().join(format!("kpr-cluster-kpma-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    manifests(&dir);
+    let mut lab = Lab::build("kpma", &dir);
+    lab.agent_args = vec!["--masquerade-all".into()];
+    lab.start_agent();
+    lab.wait_backends("10.96.0.21:80", 1);
+    let seen = |role: &str, target: &str| lab.peer(role, &["who", target])["seen"].as_str().unwrap_or_default().to_string();
+    let local = format!("{NODE_IP}:30091");
+    assert_eq!(seen("cl", &local), kpr_lab::lab::CLIENT_IP, "outside -> externalTrafficPolicy Local NodePort");
+    assert_eq!(seen("pod", &local), POD_IP, "pod -> externalTrafficPolicy Local NodePort");
+    assert_ne!(seen("pod", "10.96.0.21:80"), POD_IP, "pod -> ClusterIP: masqueraded");
+}
+
+/// Without a local-traffic detector (no cluster CIDR) kube-proxy tells no pod from any other
+/// client: a pod's traffic to an externalTrafficPolicy Local NodePort takes the node's own
+/// endpoints (none on node B: dropped, as from outside), and nobody is masqueraded for being
+/// outside the cluster.
+#[test]
+fn without_a_local_detector_pods_are_external_clients() {
+    let dir = std::env::temp_dir().join(format!("kpr-cluster-kpnd-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    manifests(&dir);
+    let mut lab = Lab::build_with("kpnd", &dir, LabSpec { nodes: 2, ..LabSpec::default() });
+    lab.cluster_cidr = String::new();
+    lab.start_agents();
+    lab.wait_backends("10.96.1.10:80", 1);
+    let v = lab.peer("pod2", &["burst", &format!("{NODE_B_IP}:30091"), "tcp", "1"]);
+    assert_eq!(errors(&v), 1, "no endpoint on node B: dropped as for an outside client: {v}");
+    let who = |role: &str, target: &str| lab.peer(role, &["who", target]);
+    let v = who("pod", &format!("{NODE_IP}:30091"));
+    assert_eq!((v["name"].as_str(), v["seen"].as_str()), (Some("b1"), Some(POD_IP)), "{v}");
+    let v = who("cl", "10.96.0.21:80");
+    assert_eq!(v["seen"].as_str(), Some(kpr_lab::lab::CLIENT_IP), "no detector: not masqueraded for being off-cluster: {v}");
+    // ClusterIPs from pods are unchanged: every endpoint, wherever it runs.
+    ok(&lab.peer("pod2", &["burst", "10.96.0.10:80", "tcp", "30"]), "pod on B -> ClusterIP", 30);
 }

@@ -243,6 +243,10 @@ pub struct ModelConfig {
     /// The data plane ejects outliers (`Dataplane::ejects_outliers`); otherwise the annotation
     /// is reported as not supported.
     pub outlier_ejection: bool,
+    /// kube-proxy's masqueradeAll: every connection to a ClusterIP is masqueraded (and only to a
+    /// ClusterIP: a NodePort's, an externalIP's or a load-balancer IP's traffic keeps its
+    /// externalTrafficPolicy's).
+    pub masquerade_all: bool,
 }
 
 #[derive(Clone, Debug, Default)]

@@ -211,8 +211,9 @@ pub(super) fn service_frontends(
         let int_ext = (if etp_local { Policy::Plain } else { Policy::Masquerade }, Which::Cluster);
         // internalTrafficPolicy applies to all ClusterIP traffic, also what a router sends to the
         // node from outside (kube-proxy's KUBE-SVL chain has no source condition).
+        let cluster_ip = (if cfg.masquerade_all { Policy::Masquerade } else { Policy::Plain }, Which::Internal);
         for ip in &addrs.cluster {
-            add(*ip, svc_port, FrontendKind::ClusterIp, (Policy::Plain, Which::Internal), (Policy::Plain, Which::Internal));
+            add(*ip, svc_port, FrontendKind::ClusterIp, cluster_ip, cluster_ip);
         }
         if matches!(svc_type, "NodePort" | "LoadBalancer") {
             if let Some(np) = port.node_port {

@@ -273,6 +273,14 @@ pub fn resolve(f: &Flags, file: Option<(&str, KubeProxyConfiguration)>) -> Resul
         }
     }
     let cluster_cidrs = pick((!f.cluster_cidr.is_empty()).then(|| f.cluster_cidr.clone()), (!file_cidrs.is_empty()).then_some(file_cidrs), vec![]);
+    if matches!(detect, DetectLocal::ClusterCidr) && !cluster_cidrs.iter().any(|n| n.addr().is_ipv4()) {
+        notes.push(
+            "detectLocalMode ClusterCIDR without an IPv4 clusterCIDR: no local-traffic detector (as kube-proxy's): a pod's traffic counts as external \
+             (externalTrafficPolicy Local NodePorts and load-balancer IPs take this node's endpoints only) and no client is masqueraded for being \
+             outside the cluster; give clusterCIDR (--cluster-cidr)"
+                .into(),
+        );
+    }
 
     let mut filters = Vec::new();
     for (i, s) in node_port_addresses.iter().flatten().enumerate() {

@@ -240,3 +240,12 @@ fn the_mode_handover_limit_is_a_flag_with_a_default_of_an_hour() {
     assert_eq!(settings(&["--mode-handover-limit", "10m"], None).handover_limit, secs(600));
     assert!(Cli::try_parse_from(["kpr", "--mode-handover-limit", "soon"]).is_err(), "a duration, or an error naming the flag");
 }
+
+#[test]
+fn no_local_traffic_detector_is_said() {
+    let detector = |args: &[&str]| resolved(args, None).1.iter().any(|n| n.contains("no local-traffic detector"));
+    assert!(detector(&[]), "ClusterCIDR without a cluster CIDR");
+    assert!(detector(&["--cluster-cidr", "fd00:10:244::/56"]), "an IPv6 CIDR only");
+    assert!(!detector(&["--cluster-cidr", "10.244.0.0/16"]));
+    assert!(!detector(&["--detect-local-mode", "InterfaceNamePrefix", "--pod-interface-name-prefix", "cali"]));
+}

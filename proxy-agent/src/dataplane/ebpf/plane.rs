@@ -7,7 +7,7 @@ use std::{
     time::Duration,
 };
 
-use proxy_common::{user::addr_words, DatapathConfig, CFG_F_LOCAL_BY_IFACE, CFG_F_MASQUERADE_ALL};
+use proxy_common::{user::addr_words, DatapathConfig, CFG_F_LOCAL_BY_IFACE, CFG_F_MASQUERADE_ALL, CFG_F_NO_LOCAL_DETECTOR};
 use tracing::{error, info, warn};
 
 use crate::{
@@ -115,13 +115,17 @@ impl ConfigInputs {
             None => ([0; 4], 0),
         };
         let ((cidr, len), (cluster_cidr6, len6)) = (of_family(true), of_family(false));
+        // The pod interfaces' traffic is IPv4 (IPv6 from pods is balanced at connect time).
+        let no_detector = !self.detect_local.by_interface() && len == 0;
         Ok(DatapathConfig {
             snat_addr: snat.map(addr_words).unwrap_or_default(),
             cluster_cidr: cidr,
             cluster_cidr_len: len,
             cluster_cidr6,
             cluster_cidr6_len: len6,
-            flags: if self.masquerade_all { CFG_F_MASQUERADE_ALL } else { 0 } | if self.detect_local.by_interface() { CFG_F_LOCAL_BY_IFACE } else { 0 },
+            flags: if self.masquerade_all { CFG_F_MASQUERADE_ALL } else { 0 }
+                | if self.detect_local.by_interface() { CFG_F_LOCAL_BY_IFACE } else { 0 }
+                | if no_detector { CFG_F_NO_LOCAL_DETECTOR } else { 0 },
             ct_tcp_timeout_s: self.timeouts.tcp,
             ct_udp_timeout_s: self.timeouts.udp,
             snat_port_min: self.snat_ports.0,
