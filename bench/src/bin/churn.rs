@@ -11,8 +11,8 @@
 //! measured Service has one endpoint, so every masqueraded connection of a cell needs a SNAT
 //! tuple towards the same backend and address. Prints connections/s, failed connections,
 //! connect latency p50/p99 (UDP: the answer's), the connects that waited for a SYN's
-//! retransmission, kpr's SNAT counters over the cell, and the goals' ratios. Figures, not
-//! assertions.
+//! retransmission, the agent's CPU and kpr's SNAT counters over the cell, and the goals'
+//! ratios. Figures, not assertions.
 //!
 //!   kpr-churn [--sizes 1,30000] [--seconds 30] [--only TEXT] [--json FILE]
 //!
@@ -127,13 +127,27 @@ struct Cell {
     slow: u64,
 }
 
-/// kpr's SNAT counters over a cell.
+/// kpr's SNAT counters over a cell, and the agent's CPU (% of one core) over it.
 #[derive(Clone, Copy, Debug, Default)]
 struct Snat {
     snat: u64,
     reused: u64,
     collisions: u64,
     no_port: u64,
+    agent_cpu_pct: f64,
+}
+
+/// The agent's CPU time so far (user and system, every thread), in seconds.
+fn agent_cpu_s(lab: &Lab) -> f64 {
+    let Some(pid) = lab.agent_pid() else { return 0.0 };
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The fields after the command's closing parenthesis: the state is the first, utime the
+    // 12th, stime the 13th (proc(5)'s fields 3, 14 and 15).
+    let fields: Vec<&str> = stat.rsplit_once(')').map(|(_, rest)| rest.split_whitespace().collect()).unwrap_or_default();
+    let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // SAFETY: sysconf(3) has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    (ticks(11) + ticks(12)) / hz
 }
 
 const MODES: [&str; 3] = ["direct", "iptables", "kpr"];
@@ -168,7 +182,7 @@ fn churn(lab: &Lab, p: &Path, mode: &str, target: &str, secs: f64) -> Cell {
 fn snat_counters(lab: &Lab) -> Snat {
     let v: serde_json::Value = serde_json::from_str(&lab.cli(&["status", "--json"])).unwrap_or_default();
     let c = |k: &str| v["counters"][k].as_u64().unwrap_or(0);
-    Snat { snat: c("snat"), reused: c("snat_port_reused"), collisions: c("snat_port_collision"), no_port: c("snat_no_port") }
+    Snat { snat: c("snat"), reused: c("snat_port_reused"), collisions: c("snat_port_collision"), no_port: c("snat_no_port"), agent_cpu_pct: 0.0 }
 }
 
 fn fresh_conntrack(lab: &Lab) {
@@ -196,7 +210,7 @@ fn main() {
     let mut results = Vec::new();
     println!(
         "{:>8} {:<29} {:<5} {:<9} {:>9} {:>7} {:>9} {:>9} {:>6}  {}",
-        "services", "path", "close", "mode", "conn/s", "failed", "p50 µs", "p99 µs", "slow", "kpr SNAT: new, reused, collisions, no port"
+        "services", "path", "close", "mode", "conn/s", "failed", "p50 µs", "p99 µs", "slow", "agent %cpu  kpr SNAT: new, reused, collisions, no port"
     );
     for &n in &sizes {
         std::fs::write(dir.join("services.yaml"), manifests(n)).unwrap();
@@ -219,9 +233,13 @@ fn main() {
                         lab.start_agent();
                         lab.wait_backends(&format!("{WEB}:80"), 1);
                         lab.wait_backends(&format!("{DNS}:53"), 1);
-                        let before = snat_counters(&lab);
+                        // A node's agent runs long before its traffic: its start (programs,
+                        // the first sync, the collector's first passes) is not the cell's.
+                        std::thread::sleep(std::time::Duration::from_secs(2));
+                        let (before, cpu_before, t) = (snat_counters(&lab), agent_cpu_s(&lab), std::time::Instant::now());
                         let cell = churn(&lab, &p, mode, &p.service, secs);
                         let after = snat_counters(&lab);
+                        let agent_cpu_pct = 100.0 * (agent_cpu_s(&lab) - cpu_before) / t.elapsed().as_secs_f64();
                         lab.kill_agent();
                         lab.cli(&["cleanup"]);
                         let d = Snat {
@@ -229,11 +247,13 @@ fn main() {
                             reused: after.reused - before.reused,
                             collisions: after.collisions - before.collisions,
                             no_port: after.no_port - before.no_port,
+                            agent_cpu_pct,
                         };
                         (cell, Some(d))
                     }
                 };
-                let snat_text = snat.map(|s| format!("{}, {}, {}, {}", s.snat, s.reused, s.collisions, s.no_port)).unwrap_or_default();
+                let snat_text =
+                    snat.map(|s| format!("{:>7.1}  {}, {}, {}, {}", s.agent_cpu_pct, s.snat, s.reused, s.collisions, s.no_port)).unwrap_or_default();
                 println!(
                     "{n:>8} {:<29} {:<5} {mode:<9} {:>9.0} {:>7} {:>9.0} {:>9.0} {:>6}  {snat_text}",
                     p.name, p.close, cell.rate, cell.failed, cell.p50_us, cell.p99_us, cell.slow
@@ -301,6 +321,7 @@ fn main() {
                 row.iter().map(move |(mode, c, s)| {
                     serde_json::json!({"services": n, "path": p.name, "close": p.close, "masqueraded": p.masqueraded, "mode": mode,
                         "conn_per_s": c.rate, "failed": c.failed, "p50_us": c.p50_us, "p99_us": c.p99_us, "slow_connects": c.slow,
+                        "agent_cpu_pct": s.map(|s| s.agent_cpu_pct),
                         "snat": s.map(|s| serde_json::json!({"new": s.snat, "reused": s.reused, "collisions": s.collisions, "no_port": s.no_port}))})
                 })
             })
