@@ -45,8 +45,22 @@ pub fn clusterip_manifests(n: u32, namespace: &str, vip: impl Fn(u32) -> String)
     y
 }
 
-/// One of issue 16's goals against this run's figure, printed beside the figures it reads. A
-/// benchmark reports a goal; it never fails on one.
+/// The Services of `clusterip_manifests` as kube-proxy's iptables renderer takes them.
+pub fn clusterip_rules(n: u32, namespace: &str, vip: impl Fn(u32) -> String) -> Vec<kpr_lab::iptables::Svc> {
+    (0..n)
+        .map(|i| kpr_lab::iptables::Svc {
+            name: format!("{namespace}/s{i}:http"),
+            vip: vip(i),
+            port: 80,
+            proto: "tcp",
+            node_port: None,
+            backends: (1..=3).map(|b| (backend_ip(b), 8080)).collect(),
+        })
+        .collect()
+}
+
+/// A goal against this run's figure, printed beside the figures it reads. A benchmark reports a
+/// goal; it never fails on one.
 pub fn print_goal(goal: &str, figure: &str, met: bool) {
     println!("goal: {goal}: {figure}: {}", if met { "met" } else { "NOT met" });
 }

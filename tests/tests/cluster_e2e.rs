@@ -275,7 +275,12 @@ fn masqueraded_churn_outlasts_the_snat_range_in_every_close_order() {
     let counter = |s: &serde_json::Value, name: &str| s["counters"][name].as_u64().unwrap_or_else(|| panic!("{name}: {s}"));
     // Outside -> the ClusterIP with one endpoint (off-cluster: masqueraded), and outside -> the
     // NodePort (externalTrafficPolicy Cluster: masqueraded).
-    for (target, close) in [("10.96.0.21:80", "rst"), ("10.96.0.21:80", "fin"), ("198.18.0.1:30080", "rst")] {
+    // The NodePort's client ports are not the ClusterIP's: a client port reused towards another
+    // frontend with the same backend meets its closed flow's reply tuple, which is not taken
+    // over (docs/limitations.md), unlike the SNAT tuple this test is about.
+    for (target, close, ports) in [("10.96.0.21:80", "rst", "10000 39999"), ("10.96.0.21:80", "fin", "10000 39999"), ("198.18.0.1:30080", "rst", "40000 65000")]
+    {
+        kpr_lab::must(&format!("ip netns exec {} sysctl -qw net.ipv4.ip_local_port_range='{ports}'", lab.ns("cl")));
         let before = status();
         let mut sent = 0;
         // Until the range has been used over at least once and a half, 60 s at most.
@@ -292,6 +297,7 @@ fn masqueraded_churn_outlasts_the_snat_range_in_every_close_order() {
         assert_eq!(counter(&after, "snat_no_port"), counter(&before, "snat_no_port"), "{target} closed by {close}: {after}");
         assert!(counter(&after, "snat_port_reused") > counter(&before, "snat_port_reused"), "{target} closed by {close}: no tuple reused: {after}");
     }
+    kpr_lab::must(&format!("ip netns exec {} sysctl -qw net.ipv4.ip_local_port_range='1024 9999'", lab.ns("cl")));
     let v = lab.peer("cl", &["churn", "10.96.0.21:80", "6", "server"]);
     assert_eq!(errors(&v), 0, "closed by the server first: {v}");
     assert!(v["connections"].as_u64().unwrap() > 100, "{v}");

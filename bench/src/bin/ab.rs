@@ -24,16 +24,7 @@ fn vip(i: u32) -> String {
 }
 
 fn services(n: u32) -> Vec<Svc> {
-    (0..n)
-        .map(|i| Svc {
-            name: format!("ab/s{i}:http"),
-            vip: vip(i),
-            port: 80,
-            proto: "tcp",
-            node_port: None,
-            backends: (1..=3).map(|b| (backend_ip(b), 8080)).collect(),
-        })
-        .collect()
+    kpr_bench::clusterip_rules(n, "ab", vip)
 }
 
 fn manifests(n: u32) -> String {

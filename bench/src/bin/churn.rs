@@ -50,16 +50,7 @@ fn manifests(n: u32) -> String {
 /// The same Services as kube-proxy's iptables rules.
 fn rules(n: u32, cluster_cidr: &str) -> String {
     let b1 = backend_ip(1);
-    let mut svcs: Vec<Svc> = (0..n.saturating_sub(1))
-        .map(|i| Svc {
-            name: format!("churn/s{i}:http"),
-            vip: filler_vip(i),
-            port: 80,
-            proto: "tcp",
-            node_port: None,
-            backends: (1..=3).map(|b| (backend_ip(b), 8080)).collect(),
-        })
-        .collect();
+    let mut svcs = kpr_bench::clusterip_rules(n.saturating_sub(1), "churn", filler_vip);
     svcs.push(Svc {
         name: "churn/web:http".into(),
         vip: WEB.into(),
