@@ -200,8 +200,8 @@ fn main() {
     kpr_lab::must(&format!("ip -n {} route add 10.244.0.0/16 via {NODE_IP}", lab.ns("cl")));
     let mut results = Vec::new();
     println!(
-        "{:>8} {:<29} {:<5} {:<9} {:>9} {:>7} {:>9} {:>9} {:>6}  {}",
-        "services", "path", "close", "mode", "conn/s", "failed", "p50 µs", "p99 µs", "slow", "agent %cpu  kpr SNAT: new, reused, collisions, no port"
+        "{:>8} {:<29} {:<5} {:<9} {:>9} {:>7} {:>9} {:>9} {:>6}  agent %cpu  kpr SNAT: new, reused, collisions, no port",
+        "services", "path", "close", "mode", "conn/s", "failed", "p50 µs", "p99 µs", "slow"
     );
     for &n in &sizes {
         std::fs::write(dir.join("services.yaml"), manifests(n)).unwrap();

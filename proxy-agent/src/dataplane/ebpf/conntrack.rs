@@ -163,6 +163,17 @@ impl Timeouts {
         self.of(table, proto, false).min(self.of(table, proto, true))
     }
 
+    /// A flow's timeout: its table's, protocol's and state's, and for a masqueraded flow whose
+    /// backend closed first at least the backend's TIME_WAIT.
+    fn of_flow(&self, table: Table, flow: &Flow) -> u64 {
+        let timeout = self.of(table, flow.proto(), flow.closing());
+        if flow.backend_time_wait() {
+            timeout.max(u64::from(self.time_wait) * 1_000_000_000)
+        } else {
+            timeout
+        }
+    }
+
     pub(crate) fn of(&self, table: Table, proto: u8, closing: bool) -> u64 {
         let s = match (table, proto == PROTO_TCP, closing) {
             (Table::Embryonic, true, _) => self.embryonic,
@@ -287,11 +298,7 @@ impl Gc {
                 let Some(flow) = self.flow_of(t, table, k, v)? else {
                     continue;
                 };
-                let timeout = if flow.backend_time_wait() {
-                    u64::from(self.timeouts.time_wait.max(self.timeouts.closing)) * 1_000_000_000
-                } else {
-                    self.timeouts.of(table, flow.proto(), flow.closing())
-                };
+                let timeout = self.timeouts.of_flow(table, &flow);
                 if now_ns.saturating_sub(flow.last_seen_ns()) > timeout {
                     delete_flow(t, table, &flow, Kept::IfChanged, &mut st)?;
                     gone.extend(flow.entries().map(|(k, _)| *k));
