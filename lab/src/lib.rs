@@ -1,5 +1,6 @@
 //! The lab and the tests' shared harness: root/bpffs checks, pin-directory and namespace guards
 //! that clean up on drop (also when a test fails), and the packet builder.
+pub mod conformance;
 pub mod fake_api;
 pub mod iptables;
 pub mod lab;

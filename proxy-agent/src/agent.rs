@@ -241,6 +241,7 @@ impl<S: Source, D: Dataplane> Agent<S, D> {
             let info = node_info(cfg, input.node, &addresses);
             let node = NodeContext {
                 nodeport_addresses: info.nodeport_addresses.clone(),
+                addresses: addresses.clone(),
                 primary_ip: addresses.iter().find(|a| a.is_ipv4()).copied(),
                 pod_cidrs: pod_cidrs(input.node),
             };

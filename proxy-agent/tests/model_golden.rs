@@ -698,3 +698,39 @@ fn incremental_compute_equals_full_compute() {
     d.recompute_services(&c_removed, &node, &cfg, &c_only);
     assert!(d.dump().contains("10.96.2.2:80/TCP both clusterip i/b:http"), "c's removal keeps b's frontends:\n{}", d.dump());
 }
+
+/// A load balancer that puts its IP on the node loops the node's own requests back with that IP
+/// as the source: where a loadBalancerSourceRanges entry admits the node, kube-proxy admits the
+/// LB IP itself too ("same node to LB, SNATted to LB" in its tests); otherwise it does not.
+#[test]
+fn source_ranges_admit_the_lb_ip_itself_where_they_admit_the_node() {
+    let text = |ranges: &str| {
+        format!(
+            r#"
+apiVersion: v1
+kind: Service
+metadata: {{name: lb, namespace: g}}
+spec: {{type: LoadBalancer, clusterIP: 10.96.5.1, loadBalancerSourceRanges: [{ranges}], ports: [{{name: p, port: 80, nodePort: 30093}}]}}
+status: {{loadBalancer: {{ingress: [{{ip: 1.2.3.4}}]}}}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: lb-1, namespace: g, labels: {{kubernetes.io/service-name: lb}}}}
+addressType: IPv4
+ports: [{{name: p, port: 80}}]
+endpoints: [{{addresses: [10.244.1.51], conditions: {{ready: true}}, nodeName: me}}]
+"#
+        )
+    };
+    let node = NodeInfo { name: "me".into(), nodeport_addresses: vec!["192.168.0.2".parse().unwrap()], zone: None };
+    let ranges_of = |yaml: &str| -> Vec<String> {
+        let mut r = LoadReport::default();
+        load_text("lb.yaml", yaml, &mut r);
+        assert!(r.errors.is_empty(), "{:?}", r.errors);
+        let d = compute(&r.objects, &node, &ModelConfig::default());
+        let fe = d.frontends.iter().find(|(k, _)| k.ip.to_string() == "1.2.3.4").expect("the LB frontend").1;
+        fe.source_ranges.iter().map(|n| n.to_string()).collect()
+    };
+    assert_eq!(ranges_of(&text("192.168.0.0/24, ' 203.0.113.0/25'")), ["192.168.0.0/24", "203.0.113.0/25", "1.2.3.4/32"]);
+    assert_eq!(ranges_of(&text("203.0.113.0/25")), ["203.0.113.0/25"]);
+}

@@ -36,6 +36,12 @@
 //!   hold-many IP:PORT N                    N TCP connections, one request each; prints "ready"; half
 //!                                          of them stay busy, half idle; on a stdin line, one more
 //!                                          request on each: JSON {same, moved, errors}
+//!   serve-at NAME ADDRS PORTS              the conformance suite's server: TCP and UDP on each of
+//!                                          PORTS at each of ADDRS (comma-separated); answers
+//!                                          "NAME LOCAL PEER"
+//!   probe  SRC FIRST_PORT IP:PORT tcp|udp|sctp COUNT ENOUGH
+//!                                          the conformance suite's client: up to COUNT connections
+//!                                          from SRC:FIRST_PORT.. ; prints JSON {answers, failures}
 //!   synflood IP:PORT COUNT                 COUNT TCP SYNs from random spoofed sources in
 //!                                          10.244.128.0/17 (raw socket); prints JSON
 //!   udpflood IP:PORT COUNT                 the same with UDP datagrams (4 bytes each)
@@ -340,6 +346,15 @@ fn main() {
     let cmd = arg(0);
     match cmd.as_str() {
         "serve" => serve(arg(1), arg(2).parse().unwrap(), arg(3).parse().unwrap()),
+        "serve-at" => {
+            let ports: Vec<u16> = arg(3).split(',').map(|p| p.parse().unwrap()).collect();
+            let addrs: Vec<std::net::Ipv4Addr> = arg(2).split(',').map(|a| a.parse().unwrap()).collect();
+            kpr_lab::conformance::probe::serve_at(&arg(1), &addrs, &ports)
+        }
+        "probe" => {
+            let (count, enough) = (arg(5).parse::<u16>().unwrap().min(100), arg(6).parse().unwrap());
+            kpr_lab::conformance::probe::probe(arg(1).parse().unwrap(), arg(2).parse().unwrap(), arg(3).parse().unwrap(), kpr_lab::conformance::probe::Proto::parse(&arg(4)).expect("tcp, udp or sctp"), count, enough)
+        }
         "burst" => {
             let target: SocketAddr = arg(1).parse().unwrap();
             let proto = arg(2);

@@ -31,6 +31,9 @@ use crate::{
 pub struct NodeContext {
     /// The addresses NodePorts answer on, both families.
     pub nodeport_addresses: Vec<IpAddr>,
+    /// Every address of the node (NodePorts on any of them are kpr's, also those a narrower
+    /// nodePortAddresses left behind).
+    pub addresses: Vec<IpAddr>,
     /// The node's primary IPv4 address (the fast path's masquerade address where no interface
     /// gives one).
     pub primary_ip: Option<IpAddr>,

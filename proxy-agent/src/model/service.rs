@@ -173,7 +173,14 @@ pub(super) fn service_frontends(
                 Which::External => &family.cluster,
             };
             let ranges: Vec<IpNet> = if kind == FrontendKind::LoadBalancer {
-                addrs.source_ranges.iter().filter(|n| n.addr().is_ipv4() == ip.is_ipv4()).copied().collect()
+                let mut r: Vec<IpNet> = addrs.source_ranges.iter().filter(|n| n.addr().is_ipv4() == ip.is_ipv4()).copied().collect();
+                // A load balancer that puts its IP on the node loops the node's own requests
+                // back with that IP as the source: kube-proxy lets them in where a range admits
+                // the node.
+                if r.iter().any(|n| node.nodeport_addresses.iter().any(|a| n.contains(a))) {
+                    r.push(IpNet::from(ip));
+                }
+                r
             } else {
                 vec![]
             };

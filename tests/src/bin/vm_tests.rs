@@ -954,6 +954,30 @@ fn mode_switch(lab: &mut Lab) -> Result<()> {
     Ok(())
 }
 
+/// kube-proxy's packet-flow tables sent through kpr in IPVS mode (the host sends them through
+/// eBPF mode): every row agrees or is a difference `tests/conformance/differences.yaml` lists
+/// for IPVS with its reason. The matrix goes to KPR_VM_OUT/conformance-ipvs.md.
+fn conformance_ipvs() -> Result<()> {
+    use kpr_lab::conformance::{self, topology::ConformanceLab};
+    let dir = conformance::data_dir();
+    let runs = conformance::suite(&dir);
+    let known = conformance::differences(&dir);
+    let mut lab = ConformanceLab::build("kcv", &runs, &["--mode", "ipvs"]);
+    let outcomes = lab.run_all(&runs, "ipvs", &known);
+    let matrix = conformance::matrix("IPVS", &outcomes);
+    if let Some(out) = std::env::var_os("KPR_VM_OUT") {
+        std::fs::write(Path::new(&out).join("conformance-ipvs.md"), &matrix)?;
+    }
+    let mut failures: Vec<String> = outcomes
+        .iter()
+        .filter_map(|o| o.failure().map(|why| format!("{} [{}] {:?}: {why}", o.row.table, o.row.case, o.row.flow.name)))
+        .collect();
+    failures.extend(conformance::stale(&known, "ipvs", &outcomes));
+    println!("{}", matrix.lines().last().unwrap_or(""));
+    ensure!(failures.is_empty(), "{} rows fail:\n{}", failures.len(), failures.join("\n"));
+    Ok(())
+}
+
 fn manifests_copy() -> Result<PathBuf> {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("vm-manifests");
     let dst = std::env::temp_dir().join(format!("kpr-vm-{}", std::process::id()));
@@ -1007,6 +1031,9 @@ fn main() {
     }
     if wanted("pipelined_writes") {
         run("pipelined_writes", pipelined_writes());
+    }
+    if wanted("conformance") {
+        run("conformance", conformance_ipvs());
     }
     // `lab:NAME`: the lab, then only that check (a quicker turn while working on one).
     let lab_only = filter.strip_prefix("lab:").map(str::to_string);

@@ -164,7 +164,8 @@ impl Dataplane for IpvsPlane {
 
     fn sync(&mut self, desired: &DesiredState, node: &NodeContext, touched: Option<&BTreeSet<FrontendKey>>) -> Result<SyncStats, DataplaneError> {
         let node_addrs: &[IpAddr] = &node.nodeport_addresses;
-        self.syncer.settings.node_addresses = node_addrs.to_vec();
+        // Which virtual servers are NodePorts (kpr's): those on any address of the node.
+        self.syncer.settings.node_addresses = node.addresses.iter().chain(node_addrs).copied().collect();
         let vs = desired_virtual_servers(desired, &self.syncer.settings);
         let only: Option<BTreeSet<ServiceId>> =
             touched.map(|t| t.iter().map(|k| ServiceId::Addr { proto: k.proto.number(), addr: k.ip, port: k.port }).collect());
