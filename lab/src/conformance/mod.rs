@@ -337,42 +337,68 @@ pub fn documented(list: &[Difference], row: &Row, mode: &str, got: &Answer) -> O
     list.iter().find(|d| matches(d, row, mode, got)).map(|d| d.reason.clone())
 }
 
-/// The matrix as Markdown: table, case, row, kube-proxy's answer (and the other proxier's where
-/// it differs), kpr's, and the verdict.
-pub fn matrix(mode: &str, outcomes: &[Outcome]) -> String {
-    let mut s = format!("| table | case | row | source → destination | kube-proxy | kpr ({mode}) | |\n|---|---|---|---|---|---|---|\n");
-    let mut by_table: BTreeMap<(String, String), Vec<&Outcome>> = BTreeMap::new();
-    for o in outcomes {
-        by_table.entry((o.row.table.clone(), o.row.case.clone())).or_default().push(o);
-    }
+/// The modes, in the matrix's column order.
+pub const MODES: [(&str, &str); 2] = [("ebpf", "eBPF"), ("ipvs", "IPVS")];
+
+/// The matrix as Markdown: every row with kube-proxy's answer (the other proxier's beside where
+/// it differs) and kpr's in each mode: `measured` from this run's outcomes, the other mode as
+/// `differences.yaml` says its run answers (its own run checks that). A difference's cell holds
+/// the answer and a note number; the notes follow the table.
+pub fn matrix(measured: &str, outcomes: &[Outcome], known: &[Difference]) -> String {
+    let mut notes: Vec<String> = Vec::new();
+    let mut note = |reason: &str| -> usize {
+        match notes.iter().position(|n| n == reason) {
+            Some(i) => i + 1,
+            None => {
+                notes.push(reason.to_string());
+                notes.len()
+            }
+        }
+    };
+    let mut s = String::from("| table | case | row | packet | kube-proxy | kpr eBPF | kpr IPVS |\n|---|---|---|---|---|---|---|\n");
+    let mut tally: BTreeMap<&str, (usize, usize, usize)> = BTreeMap::new();
     for o in outcomes {
         let f = &o.row.flow;
         let mut want = format!("{} ({})", expected_text(f), o.row.follows);
         if let Some((name, other)) = &o.row.other {
             want += &format!("; {name}: {}", expected_text(other));
         }
-        let verdict = match (&o.documented, o.agrees) {
-            (_, true) => "agrees".to_string(),
-            (Some(r), false) => format!("differs: {r}"),
-            (None, false) => "**FAILS**".to_string(),
-        };
-        s += &format!(
-            "| {} | {} | {} | {} {} → {}:{} | {} | {} | {} |\n",
-            o.row.table,
-            o.row.case,
-            f.name,
-            f.protocol,
-            f.source,
-            f.destination,
-            f.port,
-            want,
-            o.got,
-            verdict
-        );
+        let mut cells = Vec::new();
+        for (mode, _) in MODES {
+            let t = tally.entry(mode).or_default();
+            let cell = if mode == measured {
+                match (&o.documented, o.agrees) {
+                    (_, true) => "agrees".to_string(),
+                    (Some(r), false) => format!("{} [{}]", o.got, note(r)),
+                    (None, false) => format!("**{}: FAILS**", o.got),
+                }
+            } else {
+                let listed = known.iter().find(|d| d.modes.iter().any(|m| m == mode) && d.table == o.row.table && d.case.as_ref().is_none_or(|c| *c == o.row.case) && d.row == f.name);
+                // A listed answer that is kube-proxy's is this row's other copy agreeing.
+                match listed.filter(|d| Output::parse(&f.output).to_string() != d.observed) {
+                    Some(d) => format!("{} [{}]", d.observed, note(&d.reason)),
+                    None => "agrees".to_string(),
+                }
+            };
+            t.0 += 1;
+            if cell == "agrees" {
+                t.1 += 1;
+            } else if !cell.contains("FAILS") {
+                t.2 += 1;
+            }
+            cells.push(cell);
+        }
+        s += &format!("| {} | {} | {} | {} {} → {}:{} | {} | {} | {} |\n", o.row.table, o.row.case, f.name, f.protocol, f.source, f.destination, f.port, want, cells[0], cells[1]);
     }
-    let agree = outcomes.iter().filter(|o| o.agrees).count();
-    let doc = outcomes.iter().filter(|o| !o.agrees && o.documented.is_some()).count();
-    s += &format!("\n{agree} of {} rows agree, {doc} documented differences, {} tables.\n", outcomes.len(), by_table.len());
+    s += "\n";
+    for (mode, title) in MODES {
+        let (n, agree, differ) = tally.get(mode).copied().unwrap_or_default();
+        s += &format!("- {title}: {agree} of {n} rows agree, {differ} differ as noted{}.\n", if mode == measured { " (measured by this run)" } else { " (as its own run checks)" });
+    }
+    s += "\nNotes:\n\n";
+    for (i, n) in notes.iter().enumerate() {
+        s += &format!("{}. {n}\n", i + 1);
+    }
     s
 }
 
