@@ -276,8 +276,8 @@ fn real_main() -> Result<()> {
                 let mut c = Command::new(root().join("target/release/kpr-bench"));
                 c.current_dir(root()).arg("--json").arg(out.join("packet.json"));
                 if smoke {
-                    // As many new flows as the full run: 200 were mostly the first ones after
-                    // other work, which run cold (performance.md, session 34); 2,000 take a
+                    // As many new flows as the full run: 200 are mostly the first ones after
+                    // other work, which run cold (performance.md, cold and warm); 2,000 take a
                     // fraction of a second.
                     c.args(["--sizes", "1,1000", "--repeat", "20000", "--new-flows", "2000", "--runs", "3"]);
                 }
@@ -285,7 +285,7 @@ fn real_main() -> Result<()> {
                 run(c, "data plane: per-packet cost")?;
             }
             if part("scale") {
-                // Issue 16's goal 1 names both sizes; the smoke size only shows it runs.
+                // The control plane's goals name both sizes; the smoke size only shows it runs.
                 let sizes: &[&str] = if smoke { &["500"] } else { &["10000", "100000"] };
                 for n in sizes {
                     let mut s = Command::new(root().join("target/release/kpr-scale"));
@@ -319,7 +319,8 @@ fn real_main() -> Result<()> {
                     ("100".to_string(), "100".to_string(), "--seconds 1 --runs 1")
                 } else {
                     (
-                        // 30,000: issue 16's goal 3 (several minutes in the emulated guest).
+                        // 30,000: the IPVS programming goal, under 60 s (several minutes in the
+                        // emulated guest).
                         vm_cp_sizes.clone().unwrap_or_else(|| "1000,10000,30000".into()),
                         vm_traffic_sizes.clone().unwrap_or_else(|| "100,10000".into()),
                         "--seconds 3 --runs 3",

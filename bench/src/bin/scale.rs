@@ -226,11 +226,11 @@ fn main() {
         percentile(&mut lat.clone(), 0.5),
         percentile(&mut lat, 1.0)
     );
-    // VmHWM is in KiB; the goals are in MB (10^6 bytes). (Until session 30 this line printed
-    // MiB under the name MB: 4.9% less than the MB it claimed.)
+    // VmHWM is in KiB; the goals are in MB (10^6 bytes): the same memory reads 4.9% more in MB
+    // than in MiB.
     let rss_mb = hwm as f64 * 1024.0 / 1e6;
     println!("agent peak RSS: {rss_mb:.1} MB ({:.1} MiB); BPF maps (kernel memlock, map info): {:.1} MiB", hwm as f64 / 1024.0, maps_bytes as f64 / 1048576.0);
-    // Issue 16's goal 1, at the sizes it names.
+    // The control plane's goals, at the sizes they name.
     match (n, e) {
         (100_000, 10) => {
             let s = initial.as_secs_f64();
