@@ -42,29 +42,36 @@ pub enum Scheduler {
     PowerOfTwo,
 }
 
+/// Each scheduler once: its name, the other names it answers to, and the IPVS scheduler it is the
+/// fast path's counterpart of.
+const SCHEDULERS: [(Scheduler, &str, &[&str], Option<&str>); 5] = [
+    (Scheduler::Random, "random", &[], None),
+    (Scheduler::RoundRobin, "round-robin", &["rr"], Some("rr")),
+    (Scheduler::Maglev, "maglev", &["mh"], Some("mh")),
+    (Scheduler::LeastConnection, "least-connection", &["lc"], Some("lc")),
+    (Scheduler::PowerOfTwo, "p2c", &["power-of-two"], None),
+];
+
 impl Scheduler {
+    pub const ALL: [Scheduler; 5] = [SCHEDULERS[0].0, SCHEDULERS[1].0, SCHEDULERS[2].0, SCHEDULERS[3].0, SCHEDULERS[4].0];
+
     pub fn name(self) -> &'static str {
-        match self {
-            Scheduler::Random => "random",
-            Scheduler::RoundRobin => "round-robin",
-            Scheduler::Maglev => "maglev",
-            Scheduler::LeastConnection => "least-connection",
-            Scheduler::PowerOfTwo => "p2c",
-        }
+        SCHEDULERS.iter().find(|s| s.0 == self).map(|s| s.1).expect("every scheduler is in the table")
+    }
+
+    /// The fast path's counterpart of an IPVS scheduler (rr, mh, lc), if it has one.
+    pub fn of_ipvs(ipvs: &str) -> Option<Scheduler> {
+        SCHEDULERS.iter().find(|s| s.3 == Some(ipvs)).map(|s| s.0)
     }
 }
 
 impl FromStr for Scheduler {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "random" => Ok(Scheduler::Random),
-            "round-robin" | "rr" => Ok(Scheduler::RoundRobin),
-            "maglev" | "mh" => Ok(Scheduler::Maglev),
-            "least-connection" | "lc" => Ok(Scheduler::LeastConnection),
-            "p2c" | "power-of-two" => Ok(Scheduler::PowerOfTwo),
-            other => Err(format!("unknown scheduler {other:?} (expected random, round-robin, maglev, least-connection or p2c)")),
-        }
+        SCHEDULERS.iter().find(|(_, name, aliases, _)| *name == s || aliases.contains(&s)).map(|e| e.0).ok_or_else(|| {
+            let names: Vec<&str> = SCHEDULERS.iter().map(|e| e.1).collect();
+            format!("unknown scheduler {s:?} (expected {})", names.join(", "))
+        })
     }
 }
 

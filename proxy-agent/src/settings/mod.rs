@@ -312,9 +312,7 @@ pub fn resolve(f: &Flags, file: Option<(&str, KubeProxyConfiguration)>) -> Resul
     f.ipvs_scheduler.as_deref().map(check_ipvs_scheduler).transpose().map_err(|e| flag_err("ipvs-scheduler", e))?;
     // The fast path's counterpart of an IPVS scheduler: rr, mh and lc have one.
     let file_fast_scheduler = match file_scheduler.as_deref() {
-        Some("rr") => Some(Scheduler::RoundRobin),
-        Some("mh") => Some(Scheduler::Maglev),
-        Some("lc") => Some(Scheduler::LeastConnection),
+        Some(ipvs) if Scheduler::of_ipvs(ipvs).is_some() => Scheduler::of_ipvs(ipvs),
         Some(other) => {
             if the_mode != Mode::Ipvs {
                 notes.push(format!("{name}: ipvs.scheduler {other:?} applies to IPVS mode only; the eBPF fast path uses random"));

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use proxy_common::{
     counter,
     user::{port_host, proto_name, v4_addr, words_addr},
-    CT_F_CLOSING, CT_F_SEEN_REPLY, CT_F_SNAT, CT_F_SNAT_PENDING, PROTO_TCP, SCHED_MAGLEV, SCHED_ROUND_ROBIN, SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT,
+    CT_F_CLOSING, CT_F_SEEN_REPLY, CT_F_SNAT, CT_F_SNAT_PENDING, PROTO_TCP, SVC_F_MASQ, SVC_F_NO_LOCAL_ENDPOINT,
     SVC_F_PRESERVE_SOURCE, SVC_F_SOURCE_RANGES,
 };
 use serde::Serialize;
@@ -61,12 +61,7 @@ pub fn services(maps: &dyn DatapathMaps) -> Result<Vec<ServiceRow>, MapError> {
             proto: proto_name(k.proto).into(),
             scope: wire::scope_of(&k, &v).name().into(),
             service_id: v.service_id,
-            scheduler: match v.scheduler {
-                SCHED_MAGLEV => "maglev",
-                SCHED_ROUND_ROBIN => "round-robin",
-                _ => "random",
-            }
-            .into(),
+            scheduler: wire::scheduler_of(v.scheduler).map_or_else(|| format!("unknown ({})", v.scheduler), |s| s.name().to_string()),
             affinity_timeout_s: v.affinity_timeout_s,
             flags,
             backends: be,

@@ -34,6 +34,11 @@ pub fn backend(b: &BackendKey) -> Backend {
     Backend::new(b.ip, b.port, b.proto.number())
 }
 
+/// The scheduler a ServiceValue names (None: a code this release does not know).
+pub fn scheduler_of(code: u8) -> Option<Scheduler> {
+    Scheduler::ALL.into_iter().find(|s| scheduler(*s) == code)
+}
+
 pub fn scheduler(s: Scheduler) -> u8 {
     match s {
         Scheduler::Random => SCHED_RANDOM,
@@ -72,5 +77,15 @@ mod tests {
             let v = ServiceValue { flags: service_flags(&k, &f), ..Default::default() };
             assert_eq!(scope_of(&service_key(&k), &v), scope);
         }
+    }
+
+    /// Every scheduler reads back from its code: what `kpr services` shows is what was written.
+    #[test]
+    fn every_scheduler_reads_back_from_its_code() {
+        for s in Scheduler::ALL {
+            assert_eq!(scheduler_of(scheduler(s)), Some(s), "{}", s.name());
+            assert_eq!(s.name().parse::<Scheduler>(), Ok(s));
+        }
+        assert_eq!(scheduler_of(200), None);
     }
 }
