@@ -177,7 +177,18 @@ fn agent_on_the_kubernetes_api_forwards_serves_health_and_metrics_and_survives_a
     let status = String::from_utf8_lossy(&status.stdout).to_string();
     assert!(status.contains("last sync: 20") && status.contains("new_flow"), "{status}");
 
-    // The log level changes at run time, as kube-proxy's does.
+    // The log level changes at run time, as kube-proxy's does, where enableProfiling serves the
+    // debug handlers; without it, the metrics port takes no such request.
+    let (status, _) = http(&lab, "127.0.0.1:10249", "/debug/flags/v", Some("4"));
+    assert!(status.contains("404") || status.contains("405"), "debug handlers served without --profiling: {status}");
+    lab.kill_agent();
+    let profiling: Vec<&std::ffi::OsStr> = agent_args.iter().copied().chain(["--profiling".as_ref()]).collect();
+    lab.start_agent_with(&profiling);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !get(&lab, "127.0.0.1:10256", "/livez").1.contains("\"lastUpdated\":\"2") {
+        assert!(std::time::Instant::now() < deadline, "no sync after the restart");
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let (status, body) = http(&lab, "127.0.0.1:10249", "/debug/flags/v", Some("4"));
     assert!(status.contains("200") && body.contains("debug"), "{status} {body}");
     let (status, _) = http(&lab, "127.0.0.1:10249", "/debug/flags/v", Some("no such level ["));

@@ -188,7 +188,8 @@ pub struct BindError {
 
 /// Binds the health and metrics listeners now (so a port in use is a start-up error) and
 /// serves them on the current runtime.
-pub async fn serve(healthz_addr: Option<SocketAddr>, metrics_addr: Option<SocketAddr>, stats: SharedStats, pin_dir: PathBuf) -> Result<(), BindError> {
+/// The debug handlers only where `debug` (kube-proxy's enableProfiling).
+pub async fn serve(healthz_addr: Option<SocketAddr>, metrics_addr: Option<SocketAddr>, debug: bool, stats: SharedStats, pin_dir: PathBuf) -> Result<(), BindError> {
     let app = App { stats, pin_dir };
     if let Some(addr) = healthz_addr {
         let l = tokio::net::TcpListener::bind(addr).await.map_err(|err| BindError { addr, what: "/healthz", flag: "healthz-bind-address", err })?;
@@ -205,13 +206,15 @@ pub async fn serve(healthz_addr: Option<SocketAddr>, metrics_addr: Option<Socket
     }
     if let Some(addr) = metrics_addr {
         let l = tokio::net::TcpListener::bind(addr).await.map_err(|err| BindError { addr, what: "/metrics", flag: "metrics-bind-address", err })?;
-        let r = Router::new()
+        let mut r = Router::new()
             .route("/metrics", get(metrics))
             .route("/proxyMode", get(proxy_mode))
             .route(NOT_PROGRAMMED_PATH, get(not_programmed))
-            .route("/healthz", get(|s| healthz(s, false)))
-            .route("/debug/flags/v", axum::routing::put(set_verbosity))
-            .with_state(app);
+            .route("/healthz", get(|s| healthz(s, false)));
+        if debug {
+            r = r.route("/debug/flags/v", axum::routing::put(set_verbosity));
+        }
+        let r = r.with_state(app);
         tokio::spawn(async move {
             if let Err(e) = axum::serve(l, r).await {
                 error!(error = %e, "metrics server stopped");

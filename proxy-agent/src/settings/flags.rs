@@ -105,6 +105,10 @@ pub struct Flags {
     /// detectLocalMode InterfaceNamePrefix [file: detectLocal.interfaceNamePrefix].
     #[arg(long)]
     pub pod_interface_name_prefix: Option<String>,
+    /// Serve the debug handlers on the metrics port (`PUT /debug/flags/v`: the log verbosity)
+    /// [file: enableProfiling; default: false].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub profiling: Option<bool>,
     /// Masquerade all traffic to ClusterIPs [file: masqueradeAll of the mode's section].
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub masquerade_all: Option<bool>,

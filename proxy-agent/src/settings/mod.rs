@@ -86,6 +86,10 @@ pub struct Settings {
     pub api_qps: f64,
     pub api_burst: u32,
     pub healthz_bind_address: Option<SocketAddr>,
+    /// kube-proxy's enableProfiling: the metrics port also serves the debug handlers
+    /// (`PUT /debug/flags/v`, the log verbosity). Off, anyone who reaches the port could turn on
+    /// trace logging.
+    pub enable_profiling: bool,
     pub metrics_bind_address: Option<SocketAddr>,
     pub bind_address_hard_fail: bool,
     pub oom_score_adj: i32,
@@ -152,7 +156,7 @@ pub fn resolve(f: &Flags, file: Option<(&str, KubeProxyConfiguration)>) -> Resul
         note_ignored(&mut notes, "featureGates", "names kube-proxy's feature gates; kpr has none");
     }
     if enable_profiling == Some(true) {
-        note_ignored(&mut notes, "enableProfiling", "is kube-proxy's pprof; kpr serves none");
+        notes.push(format!("{name}: enableProfiling serves /debug/flags/v on the metrics port; kpr has no pprof handlers"));
     }
     if set_str(&show_hidden_metrics_for_version).is_some() {
         note_ignored(&mut notes, "showHiddenMetricsForVersion", "applies to kube-proxy's metrics registry");
@@ -428,6 +432,7 @@ pub fn resolve(f: &Flags, file: Option<(&str, KubeProxyConfiguration)>) -> Resul
         api_qps: pick(f.kube_api_qps, file_qps, 5.0),
         api_burst: pick(f.kube_api_burst, file_burst, 10),
         healthz_bind_address: healthz,
+        enable_profiling: pick(f.profiling, enable_profiling, false),
         metrics_bind_address: metrics,
         bind_address_hard_fail: pick(f.bind_address_hard_fail, bind_address_hard_fail, false),
         oom_score_adj: pick(f.oom_score_adj, oom_score_adj, -999),

@@ -172,7 +172,7 @@ fn fields_kpr_does_not_use_are_named() {
     );
     for field in [
         "featureGates",
-        "enableProfiling",
+        "enableProfiling serves /debug/flags/v",
         "showHiddenMetricsForVersion",
         "winkernel",
         "windowsRunAsService",

@@ -59,7 +59,7 @@ pub fn run(pin_dir: PathBuf, log_format: LogFormat, flags: &settings::Flags) -> 
     .context("starting the data plane")?;
     tracing::info!(mode = mode.name(), requested = s.mode.name(), "data plane mode");
 
-    match rt.block_on(metrics::serve(s.healthz_bind_address, s.metrics_bind_address, stats.clone(), pin_dir)) {
+    match rt.block_on(metrics::serve(s.healthz_bind_address, s.metrics_bind_address, s.enable_profiling, stats.clone(), pin_dir)) {
         Ok(()) => {}
         Err(e) if s.bind_address_hard_fail => return Err(e.into()),
         Err(e) => tracing::error!(error = %e, "serving without it (bindAddressHardFail is off)"),
