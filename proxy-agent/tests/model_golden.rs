@@ -734,3 +734,32 @@ endpoints: [{{addresses: [10.244.1.51], conditions: {{ready: true}}, nodeName: m
     assert_eq!(ranges_of(&text("192.168.0.0/24, ' 203.0.113.0/25'")), ["192.168.0.0/24", "203.0.113.0/25", "1.2.3.4/32"]);
     assert_eq!(ranges_of(&text("203.0.113.0/25")), ["203.0.113.0/25"]);
 }
+
+/// `ipMode: Proxy` (KEP-1860): the load balancer proxies that address itself, so kube-proxy
+/// programs nothing for it; a `VIP` address beside it is served as before.
+#[test]
+fn an_ip_mode_proxy_address_is_left_to_the_load_balancer() {
+    let text = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: lb, namespace: g}
+spec: {type: LoadBalancer, clusterIP: 10.96.6.1, ports: [{name: p, port: 80, nodePort: 30094}]}
+status: {loadBalancer: {ingress: [{ip: 1.2.3.4, ipMode: Proxy}, {ip: 5.6.7.8, ipMode: VIP}, {ip: 9.10.11.12}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: lb-1, namespace: g, labels: {kubernetes.io/service-name: lb}}
+addressType: IPv4
+ports: [{name: p, port: 80}]
+endpoints: [{addresses: [10.244.1.61], conditions: {ready: true}, nodeName: me}]
+"#;
+    let mut r = LoadReport::default();
+    load_text("ip-mode.yaml", text, &mut r);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    let node = NodeInfo { name: "me".into(), nodeport_addresses: vec!["192.168.0.2".parse().unwrap()], zone: None };
+    let d = compute(&r.objects, &node, &ModelConfig::default());
+    let addrs: std::collections::BTreeSet<String> = d.frontends.keys().map(|k| k.ip.to_string()).collect();
+    assert!(!addrs.contains("1.2.3.4"), "{addrs:?}");
+    assert!(addrs.contains("5.6.7.8") && addrs.contains("9.10.11.12") && addrs.contains("10.96.6.1"), "{addrs:?}");
+    assert!(d.problems().next().is_none());
+}

@@ -203,6 +203,9 @@ fn panic(_info: &core::panic::PanicInfo) -> ! {
     loop {}
 }
 
+/// The kernel's view of the programs' license: the GPL-2.0 side of their dual license
+/// (Apache-2.0 OR GPL-2.0-only; LICENSE-GPL-2.0 here, LICENSE at the root), which the
+/// GPL-only helpers require.
 #[link_section = "license"]
 #[no_mangle]
 static LICENSE: [u8; 4] = *b"GPL\0";

@@ -1,5 +1,5 @@
-//! The collector of IPv6's embryonic table (KPR_CT6_NEW_V2). It is a preallocated hash, as
-//! IPv4's: nothing leaves it by itself, so the flows that never complete (a SYN never answered,
+//! The collector of IPv6's embryonic table (`map_names::CONNTRACK6_NEW`, 4-way buckets as
+//! IPv4's): nothing leaves it by itself, so the flows that never complete (a SYN never answered,
 //! a UDP query answered once) are deleted here once every entry is idle past its timeout (TCP
 //! 60 s, UDP the plain UDP timeout, as IPv4's embryonic flows: `Timeouts`). One batch a round,
 //! and only what it read: an entry that changed since is kept. IPv6's assured table is an LRU,

@@ -86,7 +86,8 @@ pub trait DatapathMaps {
     fn affinity(&self) -> Result<Vec<(AffinityKey, AffinityValue)>, MapError>;
     fn del_affinity(&mut self, k: AffinityKey) -> Result<(), MapError>;
 
-    /// The IPv6 packet path's flows in `table` (KPR_CT6_V1, KPR_CT6_NEW_V2): read by the views;
+    /// The IPv6 packet path's flows in `table` (`map_names::CONNTRACK6`, `CONNTRACK6_NEW`): read
+    /// by the views;
     /// the data path ages them.
     fn ipv6_flows(&self, table: Table) -> Result<Vec<(CtKey6, CtValue6)>, MapError>;
 
@@ -237,10 +238,10 @@ impl DatapathMaps for FakeMaps {
 /// The two conntrack maps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Table {
-    /// UDP flows and TCP flows past their handshake (KPR_CT_V3).
+    /// UDP flows and TCP flows past their handshake (`map_names::CONNTRACK`).
     Assured,
     /// Flows not yet assured: TCP before its handshake completed, UDP before its client sent
-    /// after an answer (KPR_CT_NEW_V2).
+    /// after an answer (`map_names::CONNTRACK_NEW`).
     Embryonic,
 }
 
