@@ -65,6 +65,46 @@ pub fn addresses(iface: &str) -> Vec<IpAddr> {
     out
 }
 
+/// The host-side pod interfaces of the common CNIs, by name prefix: Calico (`cali`), Cilium
+/// (`lxc`), the bridge, ptp and flannel CNIs and kindnet (`veth`), the AWS VPC CNI (`eni`), Azure
+/// CNI (`azv`), GKE (`gke`); and the Ethernet-framed tunnels pods' traffic arrives by (flannel's
+/// VXLAN `flannel.1`, Calico's `vxlan.calico`).
+pub const KNOWN_POD_IFACE_PREFIXES: [&str; 8] = ["cali", "lxc", "veth", "eni", "azv", "gke", "flannel.", "vxlan.calico"];
+
+/// The interfaces of this namespace's default routes, IPv4's first (what a node's uplinks are
+/// where none is named), from /proc/net (this namespace's view).
+pub fn default_route_interfaces() -> Vec<String> {
+    let v4 = std::fs::read_to_string("/proc/net/route").unwrap_or_default();
+    let v6 = std::fs::read_to_string("/proc/net/ipv6_route").unwrap_or_default();
+    default_routes_in(&v4, &v6)
+}
+
+/// `default_route_interfaces` of /proc/net/route's and /proc/net/ipv6_route's text.
+pub fn default_routes_in(route: &str, ipv6_route: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    let mut add = |iface: &str| {
+        if iface != "lo" && !out.iter().any(|o| o == iface) {
+            out.push(iface.to_string());
+        }
+    };
+    // Iface Destination Gateway Flags RefCnt Use Metric Mask ...: destination and mask 0.
+    for l in route.lines().skip(1) {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        if f.len() >= 8 && f[1] == "00000000" && f[7] == "00000000" {
+            add(f[0]);
+        }
+    }
+    // Destination, prefix length, source, its length, next hop, metric, refcnt, use, flags, iface.
+    // The unreachable default of a namespace without IPv6 routes is on lo.
+    for l in ipv6_route.lines() {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        if f.len() >= 10 && f[0].bytes().all(|b| b == b'0') && f[1] == "00" {
+            add(f[9]);
+        }
+    }
+    out
+}
+
 /// Moves the calling thread into the named network namespace (/var/run/netns/NAME), before
 /// any other thread exists. bpffs stays the host's, unlike under `ip netns exec`.
 pub fn enter_netns(name: &str) -> std::io::Result<()> {
@@ -91,5 +131,24 @@ pub fn netns_cookie() -> Option<u64> {
         let rc = libc::getsockopt(fd, libc::SOL_SOCKET, SO_NETNS_COOKIE, (&mut cookie as *mut u64).cast(), &mut len);
         libc::close(fd);
         (rc == 0 && cookie != 0).then_some(cookie)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_routes_name_the_uplinks() {
+        let route = "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n\
+eth0\t00000000\t0102A8C0\t0003\t0\t0\t100\t00000000\t0\t0\t0\n\
+eth0\t0002A8C0\t00000000\t0001\t0\t0\t100\t00FFFFFF\t0\t0\t0\n\
+cali1\t0200000A\t00000000\t0005\t0\t0\t0\tFFFFFFFF\t0\t0\t0\n\
+bond1\t00000000\t0102A8C1\t0003\t0\t0\t200\t00000000\t0\t0\t0\n";
+        let v6 = "00000000000000000000000000000000 00 00000000000000000000000000000000 00 fe800000000000000000000000000001 00000400 00000001 00000000 00000003     eth1\n\
+20010db8000000000000000000000000 40 00000000000000000000000000000000 00 00000000000000000000000000000000 00000100 00000001 00000000 00000001     eth1\n\
+00000000000000000000000000000000 00 00000000000000000000000000000000 00 00000000000000000000000000000000 ffffffff 00000001 00000000 00200200       lo\n";
+        assert_eq!(default_routes_in(route, v6), ["eth0", "bond1", "eth1"]);
+        assert!(default_routes_in("Iface\tDestination\n", "").is_empty());
     }
 }

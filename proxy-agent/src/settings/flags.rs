@@ -60,13 +60,15 @@ pub struct Flags {
     /// Full resync period, e.g. 30s [file: syncPeriod of the mode's section; default: 30s].
     #[arg(long, value_parser = parse_duration)]
     pub sync_period: Option<Duration>,
-    /// Uplink interface(s): XDP for traffic from outside the node.
+    /// Uplink interface(s): XDP for traffic from outside the node [default: the interfaces of
+    /// the node's default routes].
     #[arg(long = "uplink", env = "KPR_UPLINKS", value_delimiter = ',')]
     pub uplinks: Vec<String>,
     /// Pod-facing interface(s) and tunnel devices: TC.
     #[arg(long = "pod-iface", env = "KPR_POD_IFACES", value_delimiter = ',')]
     pub pod_ifaces: Vec<String>,
-    /// TC on every interface whose name starts with this (e.g. veth, cali, lxc).
+    /// TC on every interface whose name starts with this (e.g. veth, cali, lxc) [default, with
+    /// no --pod-iface either: cali, lxc, veth, eni, azv, gke, flannel., vxlan.calico].
     #[arg(long = "pod-iface-prefix", env = "KPR_POD_IFACE_PREFIXES", value_delimiter = ',')]
     pub pod_iface_prefixes: Vec<String>,
     /// cgroup v2 whose processes get connect-time balancing (the node's own traffic to

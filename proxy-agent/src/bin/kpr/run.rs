@@ -11,7 +11,10 @@ use proxy_agent::{
     agent::{Agent, LoopSettings},
     dataplane::ebpf::kernel,
     dataplane::{self, ebpf::maps::DatapathMaps, ebpf::plane::EbpfPlane, handover, ipvs::plane::IpvsPlane, Dataplane},
-    host::sysctl::{self, ProcSysctls, Sysctls},
+    host::{
+        netif,
+        sysctl::{self, ProcSysctls, Sysctls},
+    },
     serve::metrics,
     settings,
     source::kube as kube_source,
@@ -23,11 +26,12 @@ use proxy_agent::{
 use crate::{init_logs, LogFormat};
 /// `kpr run`: settings, host setup, the data plane, the servers, then the loop.
 pub fn run(pin_dir: PathBuf, log_format: LogFormat, flags: &settings::Flags) -> Result<()> {
-    let (s, notes) = read_settings(flags)?;
+    let (mut s, notes) = read_settings(flags)?;
     init_logs(log_format, s.verbosity);
     for n in &notes {
         tracing::warn!("{n}");
     }
+    find_interfaces(&mut s)?;
     host_setup(&s);
     let node_name = s.node_name.clone().unwrap_or_else(hostname);
     let cgroup = match &s.cgroup {
@@ -96,6 +100,28 @@ enum Input {
     Manifests(PathBuf),
     /// The API client and the watches' shared state.
     Kube(kube::Client, Arc<kube_source::Shared>),
+}
+
+/// What a node's settings left unnamed, found on it: its uplinks (the interface of its primary
+/// IP and those of its default routes) and its pods' interfaces (the common CNIs' prefixes).
+fn find_interfaces(s: &mut settings::Settings) -> Result<()> {
+    if s.uplinks.is_empty() {
+        // The one holding the node's primary IP (bindAddress), then the default routes'.
+        let primary = s.primary_ip.and_then(|ip| netif::interfaces().into_iter().find(|i| netif::addresses(i).contains(&ip)));
+        s.uplinks = primary.into_iter().collect();
+        for i in netif::default_route_interfaces() {
+            if !s.uplinks.contains(&i) {
+                s.uplinks.push(i);
+            }
+        }
+        anyhow::ensure!(!s.uplinks.is_empty(), "no uplink: this node has no default route; name its uplinks (--uplink, KPR_UPLINKS)");
+        tracing::info!(uplinks = s.uplinks.join(","), "uplinks: the primary IP's and the default routes' interfaces");
+    }
+    if s.pod_iface_prefixes.is_empty() && s.pod_ifaces.is_empty() {
+        s.pod_iface_prefixes = netif::KNOWN_POD_IFACE_PREFIXES.iter().map(|p| p.to_string()).collect();
+        tracing::info!(prefixes = s.pod_iface_prefixes.join(","), "pod interfaces: the common CNIs' prefixes");
+    }
+    Ok(())
 }
 
 fn read_settings(flags: &settings::Flags) -> Result<(settings::Settings, Vec<String>)> {
