@@ -100,22 +100,48 @@ fn daemonset_privileges_ports_and_mounts() {
     let modules = mounts.iter().find(|m| m.mount_path == "/lib/modules").expect("/lib/modules mounted");
     assert_eq!(modules.read_only, Some(true));
 
-    // Ports and probes agree with the configuration the ConfigMap gives the agent.
-    let cm: ConfigMap = one();
-    let text = cm.data.unwrap()["config.conf"].clone();
-    let kp = proxy_agent::settings::kube_proxy::parse("configmap", &text).expect("the ConfigMap's KubeProxyConfiguration is valid");
-    // It resolves without a note: every field it sets is one kpr uses.
-    let (_, notes) = proxy_agent::settings::resolve(&Default::default(), Some(("configmap", kp.clone()))).expect("it resolves");
-    assert!(notes.is_empty(), "{notes:?}");
-    // The init container prepares the host from the same configuration, in the same image.
+    // kube-proxy's own ConfigMap, mounted unchanged where its kubeconfig expects to be: every
+    // path the agent reads is under the mount, in both containers.
+    let cm = kubeadm_configmap();
+    let data = cm.data.clone().unwrap();
+    let text = data["config.conf"].clone();
+    let kp = proxy_agent::settings::kube_proxy::parse("configmap", &text).expect("kubeadm's KubeProxyConfiguration is valid");
+    let (resolved, notes) = proxy_agent::settings::resolve(&Default::default(), Some(("configmap", kp.clone()))).expect("it resolves");
+    assert!(notes.iter().all(|n| !n.contains("error")), "{notes:?}");
+    let volumes = spec.volumes.clone().unwrap();
     let ds: DaemonSet = one();
-    let init = &ds.spec.as_ref().unwrap().template.spec.as_ref().unwrap().init_containers.as_ref().unwrap()[0];
-    assert_eq!(init.image, c.image);
-    assert_eq!(init.args.clone().unwrap(), vec!["prepare-host".to_string(), "--config=/etc/kpr/config.conf".into()]);
-    assert!(mounts.iter().any(|m| m.mount_path == "/run/xtables.lock"), "iptables' lock is the host's");
-    let port_of = |a: &Option<String>| a.as_deref().unwrap().rsplit(':').next().unwrap().parse::<i32>().unwrap();
-    let healthz = port_of(&kp.healthz_bind_address);
-    let metrics = port_of(&kp.metrics_bind_address);
+    let pod = ds.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+    let init = &pod.init_containers.as_ref().unwrap()[0];
+    assert_eq!(init.image, c.image, "the init container prepares the host from the same image");
+    for (who, args, mounts) in [("kpr", c.args.clone().unwrap(), mounts.clone()), ("prepare-host", init.args.clone().unwrap(), init.volume_mounts.clone().unwrap())] {
+        let config = args.iter().find_map(|a| a.strip_prefix("--config=")).unwrap_or_else(|| panic!("{who}: --config"));
+        let kubeconfig = resolved.kubeconfig.clone().expect("kubeadm's config names its kubeconfig");
+        for (path, key) in [(std::path::Path::new(config), "config.conf"), (kubeconfig.as_path(), "kubeconfig.conf")] {
+            let m = mounts.iter().find(|m| path.starts_with(&m.mount_path)).unwrap_or_else(|| panic!("{who}: {} is on no mount", path.display()));
+            assert_eq!(m.read_only, Some(true));
+            let v = volumes.iter().find(|v| v.name == m.name).unwrap();
+            assert_eq!(v.config_map.as_ref().map(|c| c.name.as_str()), Some("kube-proxy"), "{who}: {} comes from kube-proxy's ConfigMap", path.display());
+            assert_eq!(path.strip_prefix(&m.mount_path).unwrap().to_str(), Some(key), "{who}: the ConfigMap's key {key}");
+        }
+    }
+    // The API server's address comes from kube-proxy's kubeconfig: nothing names it by hand.
+    let kc = kube::config::Kubeconfig::from_yaml(&data["kubeconfig.conf"]).expect("kubeadm's kubeconfig.conf parses");
+    assert_eq!(kc.clusters[0].cluster.as_ref().unwrap().server.as_deref(), Some("https://control-plane.example:6443"));
+    assert!(kc.auth_infos[0].auth_info.as_ref().unwrap().token_file.is_some(), "the service account's token");
+    assert!(c.env.clone().unwrap_or_default().iter().all(|e| e.name != "KPR_K8S_API_SERVER"), "no address by hand");
+    // Nothing per node by hand: uplinks and pod interfaces are found on the node.
+    assert!(c.args.clone().unwrap().iter().all(|a| !a.starts_with("--uplink") && !a.starts_with("--pod-iface")), "{:?}", c.args);
+    // The node's resolver: the cluster's DNS is a Service not yet programmed on a cold node.
+    assert_eq!(pod.dns_policy.as_deref(), Some("Default"));
+    // The maps are charged to the container's cgroup: the limit holds them (about 200 MiB at the
+    // default capacities, docs/configuration.md) and the agent (its goal at 100,000 Services:
+    // 250 MB).
+    let limit = c.resources.clone().unwrap().limits.unwrap()["memory"].0.clone();
+    let mib: u64 = limit.strip_suffix("Gi").map(|g| g.parse::<u64>().unwrap() * 1024).or_else(|| limit.strip_suffix("Mi").map(|m| m.parse().unwrap())).unwrap();
+    assert!(mib >= 200 + 250 * 1_000_000 / (1 << 20), "memory limit {limit}");
+    // Ports and probes agree with what the configuration resolves to.
+    let healthz = i32::from(resolved.healthz_bind_address.expect("health served").port());
+    let metrics = i32::from(resolved.metrics_bind_address.expect("metrics served").port());
     let ports: BTreeSet<i32> = c.ports.clone().unwrap().iter().map(|p| p.container_port).collect();
     assert_eq!(ports, [healthz, metrics].into_iter().collect());
     for (probe, path) in [(&c.liveness_probe, "/livez"), (&c.readiness_probe, "/healthz")] {
@@ -123,7 +149,54 @@ fn daemonset_privileges_ports_and_mounts() {
         assert_eq!(g.path.as_deref(), Some(path));
         assert_eq!(g.port, k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(healthz));
     }
-    assert!(c.args.clone().unwrap().iter().any(|a| a == "--config=/etc/kpr/config.conf"));
-    let cfg_mount = mounts.iter().find(|m| m.mount_path == "/etc/kpr").expect("config mounted");
-    assert_eq!(cfg_mount.read_only, Some(true));
+}
+
+/// kube-system/kube-proxy as kubeadm writes it.
+fn kubeadm_configmap() -> ConfigMap {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/kubeadm-kube-proxy-configmap.yaml")).unwrap();
+    serde_yaml::from_str(&text).unwrap()
+}
+
+/// `kubectl apply -k` renders the base and each overlay (Debian's kubectl and its kustomize),
+/// and every object it renders decodes into its k8s-openapi type.
+#[test]
+fn the_kustomizations_render_and_decode() {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy");
+    for dir in ["kubernetes", "overlays/ipvs", "overlays/without-kube-proxy"] {
+        let o = std::process::Command::new("kubectl").args(["kustomize", &format!("{root}/{dir}")]).output().expect("kubectl (Debian: kubernetes-client)");
+        assert!(o.status.success(), "{dir}: {}", String::from_utf8_lossy(&o.stderr));
+        let text = String::from_utf8(o.stdout).unwrap();
+        let mut kinds = BTreeSet::new();
+        for d in serde_yaml::Deserializer::from_str(&text) {
+            let v: serde_yaml::Value = serde::Deserialize::deserialize(d).unwrap();
+            let kind = v["kind"].as_str().unwrap().to_string();
+            let ok = match kind.as_str() {
+                "DaemonSet" => serde_yaml::from_value::<DaemonSet>(v.clone()).is_ok(),
+                "ServiceAccount" => serde_yaml::from_value::<ServiceAccount>(v.clone()).is_ok(),
+                "ClusterRole" => serde_yaml::from_value::<ClusterRole>(v.clone()).is_ok(),
+                "ClusterRoleBinding" => serde_yaml::from_value::<ClusterRoleBinding>(v.clone()).is_ok(),
+                "ConfigMap" => serde_yaml::from_value::<ConfigMap>(v.clone()).is_ok(),
+                _ => false,
+            };
+            assert!(ok, "{dir}: {kind} does not decode: {v:?}");
+            kinds.insert(kind);
+        }
+        assert!(["DaemonSet", "ServiceAccount", "ClusterRole", "ClusterRoleBinding"].iter().all(|k| kinds.contains(*k)), "{dir}: {kinds:?}");
+        match dir {
+            "overlays/ipvs" => assert!(text.contains("--mode=ipvs")),
+            "overlays/without-kube-proxy" => {
+                // Its own KubeProxyConfiguration, under the name the DaemonSet mounts.
+                let cm: ConfigMap = serde_yaml::Deserializer::from_str(&text)
+                    .map(|d| <serde_yaml::Value as serde::Deserialize>::deserialize(d).unwrap())
+                    .filter(|v| v["kind"] == "ConfigMap" && v["metadata"]["name"] == "kube-proxy")
+                    .map(|v| serde_yaml::from_value(v).unwrap())
+                    .next()
+                    .expect("a kube-proxy ConfigMap");
+                let kp = proxy_agent::settings::kube_proxy::parse("overlay", &cm.data.unwrap()["config.conf"]).unwrap();
+                let (_, notes) = proxy_agent::settings::resolve(&Default::default(), Some(("overlay", kp))).unwrap();
+                assert!(notes.is_empty(), "{notes:?}");
+            }
+            _ => assert!(!kinds.contains("ConfigMap"), "the base brings no configuration of its own: kube-proxy's is read"),
+        }
+    }
 }

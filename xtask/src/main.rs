@@ -149,6 +149,8 @@ fn ensure_toolchain() -> Result<()> {
         ("command -v kmod", "kmod"),
         ("command -v buildah", "buildah"),
         ("command -v bpftool", "bpftool"),
+        // The deploy test renders the kustomizations.
+        ("command -v kubectl", "kubernetes-client"),
         ("ldd /bin/busybox 2>&1 | grep -q 'not a dynamic'", "busybox-static"),
     ] {
         if !Command::new("sh").arg("-c").arg(format!("{check} >/dev/null 2>&1")).status().map(|s| s.success()).unwrap_or(false) {
