@@ -51,6 +51,8 @@ pub struct ConformanceLab {
     agent: Option<Child>,
     log: PathBuf,
     next_port: u16,
+    /// The world's pass program (unpinned on drop).
+    _switch: PinDir,
     // Dropped last.
     _netns: Netns,
 }
@@ -163,7 +165,6 @@ impl ConformanceLab {
         let pins = PinDir::new(prefix);
         let switch = PinDir::new(&format!("{prefix}-switch"));
         crate::xdp_pass_on(&world, &["w0"], switch.path());
-        std::mem::forget(switch);
 
         let root = proxy_agent::dataplane::ebpf::kernel::cgroup2_root().expect("cgroup v2 hierarchy");
         let cgroup = root.join(format!("kpr-{prefix}"));
@@ -184,6 +185,7 @@ impl ConformanceLab {
             agent: None,
             log,
             next_port: FIRST_PORT,
+            _switch: switch,
             _netns: netns,
         }
     }
