@@ -516,14 +516,7 @@ impl Lab {
     /// Like `peer`, but the process also joins node A's cgroup (where the connect-time programs
     /// are attached), as a pod's processes sit under the cgroup root on a real node.
     pub fn peer_in_cgroup(&self, role: &str, args: &[&str]) -> serde_json::Value {
-        let o = Command::new("sh")
-            .args(["-c", "echo $$ > \"$0/cgroup.procs\" && exec ip netns exec \"$@\""])
-            .arg(&self.cgroup)
-            .arg(self.ns(role))
-            .arg(&self.peer)
-            .args(args)
-            .output()
-            .unwrap();
+        let o = crate::in_cgroup_and_netns(&self.cgroup, &self.ns(role)).arg(&self.peer).args(args).output().unwrap();
         let out = String::from_utf8_lossy(&o.stdout);
         serde_json::from_str(out.lines().last().unwrap_or(""))
             .unwrap_or_else(|_| panic!("peer {args:?} in {role} (cgroup): {out} {}", String::from_utf8_lossy(&o.stderr)))
@@ -531,16 +524,14 @@ impl Lab {
 
     /// The command running kpr-lab-peer in a lab namespace ("host": node A's processes).
     pub fn peer_cmd(&self, role: &str, args: &[&str]) -> Command {
-        let mut c;
-        if role == "host" {
-            // Join the cgroup before `ip netns exec`, which remounts /sys and hides it.
-            c = Command::new("sh");
-            c.args(["-c", "echo $$ > \"$0/cgroup.procs\" && exec ip netns exec \"$@\""]).arg(&self.cgroup).arg(self.ns("node")).arg(&self.peer);
+        let mut c = if role == "host" {
+            crate::in_cgroup_and_netns(&self.cgroup, &self.ns("node"))
         } else {
-            c = Command::new("ip");
-            c.args(["netns", "exec", &self.ns(role)]).arg(&self.peer);
-        }
-        c.args(args);
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", &self.ns(role)]);
+            c
+        };
+        c.arg(&self.peer).args(args);
         c
     }
 
@@ -676,18 +667,8 @@ impl Drop for Lab {
             }
         }
         // Processes still in the lab cgroups, then the cgroups themselves.
-        for cg in self.nodes.iter().map(|n| n.cgroup.clone()) {
-            if let Ok(pids) = std::fs::read_to_string(cg.join("cgroup.procs")) {
-                for pid in pids.lines() {
-                    let _ = sh(&format!("kill -9 {pid}"));
-                }
-            }
-            for _ in 0..50 {
-                if std::fs::remove_dir(&cg).is_ok() || !cg.exists() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
+        for n in &self.nodes {
+            crate::remove_cgroup(&n.cgroup);
         }
         // PinDirs' drops detach the links and unpin the maps; Netns's drop removes the rest.
     }

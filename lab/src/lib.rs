@@ -71,6 +71,30 @@ pub fn must(cmd: &str) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
+/// A command that runs in network namespace `ns` as a process of `cgroup` (a node's process,
+/// where the connect-time programs are attached): the program and its arguments follow. It
+/// joins the cgroup before `ip netns exec`, which remounts /sys and hides it.
+pub fn in_cgroup_and_netns(cgroup: &Path, ns: &str) -> Command {
+    let mut c = Command::new("sh");
+    c.args(["-c", "echo $$ > \"$0/cgroup.procs\" && exec ip netns exec \"$@\""]).arg(cgroup).arg(ns);
+    c
+}
+
+/// Ends the processes left in a lab's cgroup, then removes it.
+pub fn remove_cgroup(cg: &Path) {
+    if let Ok(pids) = std::fs::read_to_string(cg.join("cgroup.procs")) {
+        for pid in pids.lines() {
+            let _ = sh(&format!("kill -9 {pid}"));
+        }
+    }
+    for _ in 0..50 {
+        if std::fs::remove_dir(cg).is_ok() || !cg.exists() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 /// Network namespaces deleted on drop.
 pub struct Netns(pub Vec<String>);
 

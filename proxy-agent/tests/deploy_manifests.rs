@@ -106,7 +106,7 @@ fn daemonset_privileges_ports_and_mounts() {
     let data = cm.data.clone().unwrap();
     let text = data["config.conf"].clone();
     let kp = proxy_agent::settings::kube_proxy::parse("configmap", &text).expect("kubeadm's KubeProxyConfiguration is valid");
-    let (resolved, notes) = proxy_agent::settings::resolve(&Default::default(), Some(("configmap", kp.clone()))).expect("it resolves");
+    let (resolved, notes) = proxy_agent::settings::resolve(&Default::default(), Some(("configmap", kp))).expect("it resolves");
     assert!(notes.iter().all(|n| !n.contains("error")), "{notes:?}");
     let volumes = spec.volumes.clone().unwrap();
     let ds: DaemonSet = one();

@@ -21,11 +21,7 @@ fn kube_proxy_packet_flow_tables_in_ebpf_mode() {
     if let Some(out) = std::env::var_os("KPR_CONFORMANCE_OUT") {
         std::fs::write(out, format!("{MATRIX_HEAD}{matrix}")).unwrap();
     }
-    let mut failures: Vec<String> = outcomes
-        .iter()
-        .filter_map(|o| o.failure().map(|why| format!("{} [{}] {:?}: {why}", o.row.table, o.row.case, o.row.flow.name)))
-        .collect();
-    failures.extend(conformance::stale(&known, "ebpf", &outcomes));
+    let mut failures = conformance::failures(&known, "ebpf", &outcomes);
     // The docs show the last full run's matrix: it must be this one.
     let doc = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/conformance-matrix.md");
     let committed = std::fs::read_to_string(&doc).unwrap_or_default();

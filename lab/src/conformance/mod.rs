@@ -269,8 +269,12 @@ fn with_defaults(mut s: Settings, node_ports: &[&str]) -> Settings {
 }
 
 fn same_objects(a: &str, b: &str) -> bool {
-    let parse = |s: &str| -> Vec<serde_yaml::Value> { serde_yaml::Deserializer::from_str(s).filter_map(|d| serde_yaml::Value::deserialize(d).ok()).collect() };
-    parse(a) == parse(b)
+    documents(a) == documents(b)
+}
+
+/// A table's objects, a YAML value each.
+pub(crate) fn documents(objects: &str) -> Vec<serde_yaml::Value> {
+    serde_yaml::Deserializer::from_str(objects).filter_map(|d| serde_yaml::Value::deserialize(d).ok()).collect()
 }
 
 /// A known difference: a row whose answer in `modes` is `observed`, not kube-proxy's, and why.
@@ -311,7 +315,7 @@ impl Outcome {
 
 /// Entries of the list for `mode` that no disagreeing row of the tables run used: the row agrees
 /// now, or answers otherwise than the entry says.
-pub fn stale(list: &[Difference], mode: &str, outcomes: &[Outcome]) -> Vec<String> {
+fn stale(list: &[Difference], mode: &str, outcomes: &[Outcome]) -> Vec<String> {
     list.iter()
         .filter(|d| d.modes.iter().any(|m| m == mode) && outcomes.iter().any(|o| o.row.table == d.table))
         .filter(|d| !outcomes.iter().any(|o| !o.agrees && matches(d, &o.row, mode, &o.got)))
@@ -327,8 +331,23 @@ fn expected_text(f: &Flow) -> String {
     }
 }
 
+/// Whether the entry is about this row in `mode`, whatever it observed.
+fn stands_for(d: &Difference, row: &Row, mode: &str) -> bool {
+    d.modes.iter().any(|m| m == mode) && d.table == row.table && d.case.as_ref().is_none_or(|c| *c == row.case) && d.row == row.flow.name
+}
+
 fn matches(d: &Difference, row: &Row, mode: &str, got: &Answer) -> bool {
-    d.modes.iter().any(|m| m == mode) && d.table == row.table && d.case.as_ref().is_none_or(|c| *c == row.case) && d.row == row.flow.name && d.observed == got.to_string()
+    stands_for(d, row, mode) && d.observed == got.to_string()
+}
+
+/// What fails the suite in `mode`: each row that disagrees undocumented, and each stale entry.
+pub fn failures(known: &[Difference], mode: &str, outcomes: &[Outcome]) -> Vec<String> {
+    let mut out: Vec<String> = outcomes
+        .iter()
+        .filter_map(|o| o.failure().map(|why| format!("{} [{}] {:?}: {why}", o.row.table, o.row.case, o.row.flow.name)))
+        .collect();
+    out.extend(stale(known, mode, outcomes));
+    out
 }
 
 /// Looks up the reason for a row that disagrees in `mode`; the entry must also name what was
@@ -365,28 +384,27 @@ pub fn matrix(measured: &str, outcomes: &[Outcome], known: &[Difference]) -> Str
         }
         let mut cells = Vec::new();
         for (mode, _) in MODES {
-            let t = tally.entry(mode).or_default();
-            let cell = if mode == measured {
-                match (&o.documented, o.agrees) {
-                    (_, true) => "agrees".to_string(),
-                    (Some(r), false) => format!("{} [{}]", o.got, note(r)),
-                    (None, false) => format!("**{}: FAILS**", o.got),
-                }
+            // (the answer where it is not kube-proxy's, and the reason where one is listed)
+            let cell: Option<(String, Option<&str>)> = if mode == measured {
+                (!o.agrees).then(|| (o.got.to_string(), o.documented.as_deref()))
             } else {
-                let listed = known.iter().find(|d| d.modes.iter().any(|m| m == mode) && d.table == o.row.table && d.case.as_ref().is_none_or(|c| *c == o.row.case) && d.row == f.name);
                 // A listed answer that is kube-proxy's is this row's other copy agreeing.
-                match listed.filter(|d| Output::parse(&f.output).to_string() != d.observed) {
-                    Some(d) => format!("{} [{}]", d.observed, note(&d.reason)),
-                    None => "agrees".to_string(),
-                }
+                let expected = Output::parse(&f.output).to_string();
+                known.iter().find(|d| stands_for(d, &o.row, mode)).filter(|d| d.observed != expected).map(|d| (d.observed.clone(), Some(d.reason.as_str())))
             };
+            let t = tally.entry(mode).or_default();
             t.0 += 1;
-            if cell == "agrees" {
-                t.1 += 1;
-            } else if !cell.contains("FAILS") {
-                t.2 += 1;
-            }
-            cells.push(cell);
+            cells.push(match cell {
+                None => {
+                    t.1 += 1;
+                    "agrees".to_string()
+                }
+                Some((got, Some(reason))) => {
+                    t.2 += 1;
+                    format!("{got} [{}]", note(reason))
+                }
+                Some((got, None)) => format!("**{got}: FAILS**"),
+            });
         }
         s += &format!("| {} | {} | {} | {} {} → {}:{} | {} | {} | {} |\n", o.row.table, o.row.case, f.name, f.protocol, f.source, f.destination, f.port, want, cells[0], cells[1]);
     }

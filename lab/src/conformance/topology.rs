@@ -21,7 +21,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::{agrees, answer_of, documented, Difference, Outcome, Row, Run, Settings};
+use super::{agrees, answer_of, documented, documents, Difference, Outcome, Row, Run, Settings};
 use crate::{must, sh, sibling_bin, Netns, PinDir};
 
 /// The fake proxier's node name, IPs and pod CIDR.
@@ -268,16 +268,14 @@ impl ConformanceLab {
         let first = self.next_port;
         self.next_port = if first > 60_000 { FIRST_PORT } else { first + count };
         let args = ["probe", &f.source.to_string(), &first.to_string(), &format!("{}:{}", f.destination, f.port), &f.protocol, &count.to_string(), &want.to_string()];
-        let mut c;
-        if on_node(f.source) {
-            // Join the cgroup before `ip netns exec`, which remounts /sys and hides it.
-            c = Command::new("sh");
-            c.args(["-c", "echo $$ > \"$0/cgroup.procs\" && exec ip netns exec \"$@\""]).arg(&self.cgroup).arg(self.ns("node"));
+        let mut c = if on_node(f.source) {
+            crate::in_cgroup_and_netns(&self.cgroup, &self.ns("node"))
         } else {
-            c = Command::new("ip");
+            let mut c = Command::new("ip");
             let ns = self.pods.get(&f.source).cloned().unwrap_or_else(|| self.ns("world"));
             c.args(["netns", "exec", &ns]);
-        }
+            c
+        };
         let o = c.arg(&self.peer).args(args).output().unwrap();
         let out = String::from_utf8_lossy(&o.stdout);
         let report: serde_json::Value = serde_json::from_str(out.lines().last().unwrap_or(""))
@@ -320,19 +318,9 @@ impl ConformanceLab {
 impl Drop for ConformanceLab {
     fn drop(&mut self) {
         self.stop_agent();
-        if let Ok(pids) = std::fs::read_to_string(self.cgroup.join("cgroup.procs")) {
-            for pid in pids.lines() {
-                let _ = sh(&format!("kill -9 {pid}"));
-            }
-        }
-        let _ = std::fs::remove_dir(&self.cgroup);
+        crate::remove_cgroup(&self.cgroup);
         let _ = sh(&format!("{} --netns {} --pin-dir {} cleanup", self.kpr.display(), self.ns("node"), self.pins.path().display()));
     }
-}
-
-fn documents(objects: &str) -> Vec<serde_yaml::Value> {
-    use serde::Deserialize;
-    serde_yaml::Deserializer::from_str(objects).filter_map(|d| serde_yaml::Value::deserialize(d).ok()).collect()
 }
 
 /// The Services' health-check node ports.

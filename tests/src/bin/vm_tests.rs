@@ -968,11 +968,7 @@ fn conformance_ipvs() -> Result<()> {
     if let Some(out) = std::env::var_os("KPR_VM_OUT") {
         std::fs::write(Path::new(&out).join("conformance-ipvs.md"), &matrix)?;
     }
-    let mut failures: Vec<String> = outcomes
-        .iter()
-        .filter_map(|o| o.failure().map(|why| format!("{} [{}] {:?}: {why}", o.row.table, o.row.case, o.row.flow.name)))
-        .collect();
-    failures.extend(conformance::stale(&known, "ipvs", &outcomes));
+    let failures = conformance::failures(&known, "ipvs", &outcomes);
     println!("{}", matrix.lines().filter(|l| l.starts_with("- IPVS")).collect::<String>());
     ensure!(failures.is_empty(), "{} rows fail:\n{}", failures.len(), failures.join("\n"));
     Ok(())
